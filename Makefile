@@ -1,0 +1,38 @@
+# Two commands a newcomer needs: `make demo` and `make test`. Both create .venv on first use.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+
+.PHONY: install ops demo test test-fast configs lint clean
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Compile DeepSpeed's JIT ops once (shm comm, cpu_adam, async_io); later runs reuse the cache.
+ops: install
+	$(PY) -m harness.ops
+
+demo: ops
+	$(VENV)/bin/deepspeed --num_gpus 2 harness/run.py --recipe zero2_offload --set train.steps=60 --set train.eval_every=30
+
+test: ops
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not multirank"
+
+configs: install
+	$(VENV)/bin/harness build
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

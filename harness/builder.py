@@ -1,0 +1,124 @@
+"""Recipe -> DeepSpeed config dict. Pure: no torch, no process group, no I/O.
+
+The output is world-size independent: values that depend on the world size or the model are left
+as "auto" and filled by harness.resolve at launch (with the source of each value recorded).
+Nothing in the recipe is dropped here, even when DeepSpeed would ignore it, so the rules layer can
+report it.
+"""
+
+from __future__ import annotations
+
+from harness.recipes import deep_merge
+
+SCHEMA_REF = "../harness/schemas/ds_config.schema.json"
+STEPS_PER_PRINT = 100_000  # the harness logs progress itself; keep DeepSpeed's own step lines quiet
+
+OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam", "lamb": "Lamb", "lion": "Lion", "adagrad": "Adagrad"}
+FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                 "min_loss_scale": 1}
+AIO_DEFAULTS = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True,
+                "intra_op_parallelism": 1}
+
+# Where each DeepSpeed key comes from in a recipe, so problems found on the DeepSpeed dict can name
+# the recipe key the user actually wrote.
+RECIPE_SOURCE = {
+    "train_batch_size": "batch.train_batch_size",
+    "train_micro_batch_size_per_gpu": "batch.micro_batch_per_gpu",
+    "gradient_accumulation_steps": "batch.grad_accum_steps",
+    "gradient_clipping": "gradient_clipping",
+    "fp16.enabled": "precision",
+    "bf16.enabled": "precision",
+    "zero_optimization.stage": "zero.stage",
+    "zero_optimization.offload_optimizer": "zero.offload_optimizer",
+    "zero_optimization.offload_optimizer.device": "zero.offload_optimizer",
+    "zero_optimization.offload_optimizer.nvme_path": "zero.nvme_path",
+    "zero_optimization.offload_param": "zero.offload_param",
+    "zero_optimization.offload_param.device": "zero.offload_param",
+    "zero_optimization.offload_param.nvme_path": "zero.nvme_path",
+    "pipeline.stages": "parallel.pipeline",
+    "tensor_parallel.autotp_size": "parallel.tensor",
+}
+
+
+def _optimizer(recipe: dict) -> dict:
+    opt = recipe["optimizer"]
+    return {"type": OPTIMIZER_NAMES[opt["type"]],
+            "params": {"lr": opt["lr"], "betas": list(opt["betas"]), "eps": opt["eps"],
+                       "weight_decay": opt["weight_decay"]}}
+
+
+def _scheduler(recipe: dict) -> dict | None:
+    sched, lr, steps = recipe["scheduler"], recipe["optimizer"]["lr"], recipe["train"]["steps"]
+    warmup = min(sched["warmup_steps"], steps)  # a short run (--set train.steps=5) warms up for all of it
+    if sched["type"] == "none":
+        return None
+    if sched["type"] == "WarmupCosineLR":
+        return {"type": "WarmupCosineLR",
+                "params": {"total_num_steps": steps, "warmup_num_steps": warmup, "warmup_min_ratio": 0.0,
+                           "cos_min_ratio": 0.1}}
+    params = {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup, "warmup_type": "linear"}
+    if sched["type"] == "WarmupDecayLR":
+        params["total_num_steps"] = steps
+    return {"type": sched["type"], "params": params}
+
+
+def _offload(device: str, nvme_path: str | None) -> dict:
+    block: dict = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        block["nvme_path"] = nvme_path
+    return block
+
+
+def _zero(recipe: dict) -> dict:
+    z = recipe["zero"]
+    out: dict = {"stage": z["stage"]}
+    if z["stage"] >= 1:
+        out.update(overlap_comm=z["overlap_comm"], contiguous_gradients=z["contiguous_gradients"],
+                   reduce_bucket_size=z["reduce_bucket_size"])
+    if z["stage"] in (1, 2):
+        out["allgather_bucket_size"] = z["allgather_bucket_size"]
+    if z["stage"] == 3:
+        out.update(stage3_prefetch_bucket_size=z["stage3_prefetch_bucket_size"],
+                   stage3_param_persistence_threshold=z["stage3_param_persistence_threshold"],
+                   stage3_max_live_parameters=z["stage3_max_live_parameters"],
+                   stage3_gather_16bit_weights_on_model_save=z["stage3_gather_16bit_weights_on_model_save"])
+    # Emitted even where DeepSpeed would ignore them (stage < 3, stage 0), so validation reports it.
+    if z["offload_optimizer"] != "none":
+        out["offload_optimizer"] = _offload(z["offload_optimizer"], z["nvme_path"])
+    if z["offload_param"] != "none":
+        out["offload_param"] = _offload(z["offload_param"], z["nvme_path"])
+    return out
+
+
+def build(recipe: dict) -> dict:
+    """A complete recipe (defaults filled) -> DeepSpeed config dict."""
+    batch = recipe["batch"]
+    ds: dict = {
+        "$schema": SCHEMA_REF,
+        "train_batch_size": batch["train_batch_size"],
+        "train_micro_batch_size_per_gpu": batch["micro_batch_per_gpu"],
+        "gradient_accumulation_steps": batch["grad_accum_steps"],
+        "steps_per_print": STEPS_PER_PRINT,
+        "gradient_clipping": recipe["gradient_clipping"],
+        "optimizer": _optimizer(recipe),
+    }
+    scheduler = _scheduler(recipe)
+    if scheduler:
+        ds["scheduler"] = scheduler
+    if recipe["precision"] == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif recipe["precision"] == "fp16":
+        ds["fp16"] = {"enabled": True, **FP16_DEFAULTS}
+    ds["zero_optimization"] = _zero(recipe)
+    if "nvme" in (recipe["zero"]["offload_optimizer"], recipe["zero"]["offload_param"]):
+        ds["aio"] = dict(AIO_DEFAULTS)
+    parallel = recipe["parallel"]
+    if parallel["pipeline"] > 1:
+        ds["pipeline"] = {"stages": parallel["pipeline"], "partition": parallel["partition_method"],
+                          "activation_checkpoint_interval": 1 if recipe["activation_checkpointing"] else 0}
+    # AutoTP cannot wrap a PipelineModule (DeepSpeed 0.19): in 3D the runner builds tensor-parallel
+    # layers itself from recipe parallel.tensor, so the key is only emitted for pure TP.
+    if parallel["tensor"] > 1 and parallel["pipeline"] == 1:
+        ds["tensor_parallel"] = {"autotp_size": parallel["tensor"]}
+    ds["wall_clock_breakdown"] = False
+    return deep_merge(ds, recipe["deepspeed"])

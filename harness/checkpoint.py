@@ -1,0 +1,98 @@
+"""Checkpoints: DeepSpeed's own layout plus what the harness needs to resume and export.
+
+checkpoints/
+  latest, zero_to_fp32.py, global_stepN/...   DeepSpeed (save/load are collective: every rank calls)
+  global_stepN/manifest.json                  world size, stage, tp, pp, precision, versions, recipe
+  global_stepN/rng_rank{R}.pt                 per-rank RNG states (client_state is rank 0's only)
+  hf/                                         model config + tokenizer, for `harness export`
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from harness.dist import DistInfo, barrier
+
+MANIFEST = "manifest.json"
+
+
+def tag_for(step: int) -> str:
+    return f"global_step{step}"
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def manifest(spec, step: int) -> dict:
+    import deepspeed
+    import transformers
+
+    return {"step": step, "world_size": spec.world_size, "zero_stage": spec.zero_stage, "tp": spec.tp,
+            "pp": spec.pp, "dp": spec.dp, "precision": spec.recipe["precision"], "recipe": spec.recipe_name,
+            "model": spec.recipe["train"]["model"], "deepspeed": deepspeed.__version__,
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def save_hf_files(ckpt_dir: Path, model, tokenizer) -> None:
+    """Model config + tokenizer once per run (rank 0), so export needs nothing but the checkpoint folder."""
+    hf = ckpt_dir / "hf"
+    if not (hf / "config.json").exists():
+        hf.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(hf)
+        tokenizer.save_pretrained(hf)
+
+
+def save(engine, spec, dist: DistInfo, ckpt_dir: Path, step: int, client_state: dict) -> Path:
+    tag = tag_for(step)
+    if (ckpt_dir / tag / MANIFEST).exists():
+        raise RuntimeError(f"refusing to overwrite checkpoint {ckpt_dir / tag}")  # guarded earlier; invariant
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
+    torch.save(_rng_state(), ckpt_dir / tag / f"rng_rank{dist.rank}.pt")
+    barrier()
+    if dist.is_main:  # the manifest marks the checkpoint complete: written last
+        (ckpt_dir / tag / MANIFEST).write_text(json.dumps(manifest(spec, step), indent=2) + "\n")
+    barrier()
+    return ckpt_dir / tag
+
+
+def resolve_resume(resume: str, run_dir: Path) -> tuple[Path, str]:
+    """(checkpoint folder, tag) for --resume latest|PATH."""
+    path = run_dir / "checkpoints" if resume == "latest" else Path(resume)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if (path / "latest").is_file():
+        return path, (path / "latest").read_text().strip()
+    return path.parent, path.name  # a global_stepN folder
+
+
+def later_tags(ckpt_dir: Path, step: int) -> list[str]:
+    tags = [p.name for p in ckpt_dir.glob("global_step*") if p.name[len("global_step"):].isdigit()]
+    return sorted(t for t in tags if int(t[len("global_step"):]) > step)
+
+
+def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str) -> dict:
+    """Load a checkpoint into the engine; returns the client state (step, ...)."""
+    path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed found no checkpoint {ckpt_dir / tag}")
+    rng = ckpt_dir / tag / f"rng_rank{dist.rank}.pt"
+    if rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return client or {}

@@ -1,0 +1,51 @@
+"""`harness`: one small CLI, one module per subcommand (harness/commands/NAME.py)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from harness.errors import ConfigError, UsageError
+
+COMMANDS = {
+    "recipes": "list the shipped recipes",
+    "build": "generate ds_configs/ from recipes/ (--check: verify they are in sync)",
+    "validate": "check recipes or DeepSpeed JSON files; exit 2 listing every problem",
+    "show": "print the resolved DeepSpeed JSON for a recipe and world size",
+    "plan": "memory and communication math; recommend a strategy",
+    "export": "write a Hugging Face model folder from a DeepSpeed checkpoint",
+    "report": "predicted vs measured tables and plots for a run folder",
+}
+
+
+def _module(name: str):
+    return importlib.import_module(f"harness.commands.{name}")
+
+
+def parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="harness", description="DeepSpeed training harness")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, text in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text)
+        if name == chosen:  # import only the command in use: plan/export pull in heavy libraries
+            _module(name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parser_for(argv).parse_args(argv)
+        return _module(args.command).run(args)
+    except (ConfigError, UsageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

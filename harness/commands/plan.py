@@ -1,0 +1,111 @@
+"""`harness plan --model M --gpus N --gpu-mem 80GB`: which strategy fits, what each GPU holds, what
+crosses the wire, and the launch command. Pure math: no process group, no weights; answers in well under
+a second for known model families.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from harness.errors import UsageError
+
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+DEFAULT_SEQ_LEN = 2048
+HUB_SUFFIXES = ("-hf", "-instruct", "-chat", "-v0.1")  # same shapes as the base model's config
+
+
+def parse_size(text: str, flag: str) -> int:
+    """'80GB' -> 80e9, '80GiB' -> 80 * 2^30; a bare number or 'G' is ambiguous and refused."""
+    match = SIZE_RE.match(text or "")
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in UNITS:
+        raise UsageError(f"{flag} {text!r}: give a size with a unit, e.g. 80GB (10^9 bytes) or 80GiB "
+                         f"(2^30 bytes); units: {', '.join(u.upper().replace('I', 'i') for u in UNITS)}")
+    nbytes = int(float(match.group(1)) * UNITS[unit])
+    if nbytes <= 0:
+        raise UsageError(f"{flag} {text!r}: must be more than 0 bytes")
+    return nbytes
+
+
+def hub_alias(spec: str) -> str | None:
+    """A hub id whose shape is built in ('meta-llama/Llama-2-7b-hf' -> 'llama-2-7b'), offline."""
+    from harness.model_shapes import KNOWN
+
+    name = spec.rsplit("/", 1)[-1].lower().removeprefix("meta-")
+    for _ in HUB_SUFFIXES:
+        for suffix in HUB_SUFFIXES:
+            name = name.removesuffix(suffix)
+    return name if name in KNOWN else None
+
+
+def resolve_model(spec: str) -> dict:
+    """Config dict for a preset, known name, local dir / config.json, or hub id (online)."""
+    from harness.model_shapes import KNOWN, load_model_config
+
+    try:
+        return load_model_config(spec)
+    except UsageError:
+        if Path(spec).exists() or "/" not in spec:
+            raise
+    alias = hub_alias(spec)
+    if alias:
+        return dict(KNOWN[alias])
+    try:
+        import transformers
+
+        return transformers.AutoConfig.from_pretrained(spec).to_dict()
+    except Exception as e:  # offline, gated, or no such repo: one line, not a traceback
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--model {spec!r}: not built in and its config could not be fetched from the hub "
+                         f"({reason}); pass a local config.json or a known name") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="preset, known model (llama-2-7b, ...), local dir or config.json, or hub id")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--gpu-mem", required=True, help="memory per GPU with a unit: 80GB, 80GiB, 24000MB")
+    parser.add_argument("--cpu-mem", help="CPU RAM per node (default: not checked)")
+    parser.add_argument("--nvme", help="NVMe space per node for ZeRO-Infinity (default: none)")
+    parser.add_argument("--seq-len", type=int,
+                        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's maximum if shorter)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per forward (default 1)")
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro-batches per step (default 1; pipelines use 4 x stages)")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block in backward (keeps only block inputs)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan; exit 0 with a recommendation, 1 when nothing fits (the output says what is missing)."""
+    from harness.planner import plan
+    from harness.planner.render import to_json, to_text
+
+    gpu_mem = parse_size(args.gpu_mem, "--gpu-mem")
+    cpu_mem = parse_size(args.cpu_mem, "--cpu-mem") if args.cpu_mem is not None else None
+    nvme = parse_size(args.nvme, "--nvme") if args.nvme is not None else None
+    for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--seq-len", args.seq_len),
+                        ("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value}: must be at least 1")
+    cfg = resolve_model(args.model)
+    seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, cfg.get("max_position_embeddings", cfg.get("n_positions"))
+                                  or DEFAULT_SEQ_LEN)
+    try:
+        result = plan(cfg, gpus_per_node=args.gpus, nodes=args.nodes, gpu_mem_bytes=gpu_mem,
+                      cpu_mem_bytes=cpu_mem, nvme_bytes=nvme, seq_len=seq_len,
+                      micro_batch=args.micro_batch, precision=args.precision,
+                      activation_checkpointing=args.activation_checkpointing, grad_accum=args.grad_accum,
+                      model_name=args.model)
+    except ValueError as e:
+        raise UsageError(f"plan: {e}") from None
+    sys.stdout.write(to_json(result) + "\n" if args.json else to_text(result))
+    return 0 if result.recommended else 1

@@ -1,0 +1,86 @@
+"""Process group set-up and teardown. nccl on CUDA (one device per local rank), gloo/shm on CPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str  # "cuda:3", "cpu"
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process_env() -> None:
+    """`python harness/run.py` (no launcher): a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+
+
+def init() -> DistInfo:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    _single_process_env()
+    accel = get_accelerator()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if accel.device_name() != "cpu":
+        accel.set_device(local_rank)  # before the process group, so nccl binds the right GPU
+    deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+    device = accel.device_name(local_rank) if accel.device_name() != "cpu" else "cpu"
+    import torch.distributed as dist
+
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                    device=device, backend=dist.get_backend())
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def mean_across_ranks(values: list[float]) -> list[float]:
+    """Average scalars over all ranks (tensor-parallel duplicates average to the same value)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t.cpu().tolist()
+
+
+def teardown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,50 @@
+"""Errors that teach: every user-facing problem names where, what, and how to fix it.
+
+`Problem` is one finding (a JSON path, what is wrong with which values, the fix). `ConfigError`
+carries every problem found in one pass, so a user fixes them all at once. The CLI maps
+`ConfigError` and `UsageError` to exit code 2 with no traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str  # dotted JSON path, "zero_optimization.offload_param.device"; "" for the whole file
+    message: str  # what is wrong, with the values involved
+    fix: str = ""  # what to change
+    severity: str = "error"  # "error" or "warning"
+
+    def render(self, source: str = "") -> str:
+        where = ":".join(p for p in (source, self.path or "<root>") if p)
+        text = f"{where}: {self.message}"
+        if self.fix:
+            text += f"\n    fix: {self.fix}"
+        return text
+
+
+class UsageError(Exception):
+    """Bad command-line input (unknown recipe, malformed --set, missing file). Exit code 2."""
+
+
+class ConfigError(Exception):
+    """One or more configuration problems. Exit code 2."""
+
+    def __init__(self, problems: list[Problem], source: str = ""):
+        self.problems = [p for p in problems if p.severity == "error"]
+        self.source = source
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        n = len(self.problems)
+        head = f"{self.source or 'config'}: {n} problem{'s' if n != 1 else ''}"
+        return "\n".join([head] + ["  " + p.render() for p in self.problems])
+
+
+def raise_if_errors(problems: list[Problem], source: str = "") -> list[Problem]:
+    """Raise ConfigError when any problem is an error; return the warnings otherwise."""
+    if any(p.severity == "error" for p in problems):
+        raise ConfigError(problems, source)
+    return [p for p in problems if p.severity == "warning"]

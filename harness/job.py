@@ -1,0 +1,136 @@
+"""One training job on one rank: run folder, data, model, engine, trainer. Called by harness/run.py."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+from pathlib import Path
+
+from harness import checkpoint, dist as distmod
+from harness.commands.show import render_provenance
+from harness.errors import UsageError
+from harness.jsonio import dump_json
+from harness.metrics import MetricsLog, say
+from harness.trainer import Data, Trainer
+
+
+def choose_run_dir(spec, dist) -> Path:
+    """Explicit --output-dir, else <output_dir>/<date>_<recipe>[-N] picked by rank 0 and broadcast."""
+    if spec.output_dir is not None:
+        return spec.output_dir
+    name = None
+    if dist.is_main:
+        base = Path(spec.recipe["train"]["output_dir"]) / f"{datetime.date.today():%Y-%m-%d}_{spec.recipe_name}"
+        name, n = base, 1
+        while name.exists():
+            n += 1
+            name = base.with_name(f"{base.name}-{n}")
+    return Path(distmod.broadcast_object(str(name)))
+
+
+def write_run_files(spec, run_dir: Path) -> None:
+    if spec.overwrite and spec.resume is None:
+        for old in ("checkpoints", "metrics.jsonl", "summary.json"):
+            target = run_dir / old
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    suffix = "" if spec.resume is None else f".resume{len(list(run_dir.glob('ds_config*.json')))}"
+    (run_dir / f"recipe{suffix}.json").write_text(dump_json(spec.recipe))
+    (run_dir / f"ds_config{suffix}.json").write_text(dump_json(spec.ds_config))
+    (run_dir / f"provenance{suffix}.json").write_text(dump_json(spec.provenance))
+
+
+def load_data(spec, dist, tokenizer) -> Data:
+    from harness.data import load_text_dataset, split_blocks, tokenize_and_pack
+
+    train = spec.recipe["train"]
+    # Rank 0 tokenizes and fills the cache first; the others then read it instead of racing.
+    blocks = None
+    for turn in ("main", "others"):
+        if (turn == "main") == dist.is_main:
+            ds = load_text_dataset(train["dataset"], train["text_field"])
+            blocks = tokenize_and_pack(ds, tokenizer, train["seq_len"], cache_dir=None)
+        distmod.barrier()
+    train_blocks, eval_blocks = split_blocks(blocks, train["eval_fraction"], train["seed"])
+    return Data(train=train_blocks, eval=eval_blocks)
+
+
+def build_engine(spec):
+    import deepspeed
+
+    from harness.models import build_model
+
+    train = spec.recipe["train"]
+    zero3 = spec.zero_stage == 3
+    model = build_model(train["model"], seed=train["seed"], zero3_init_config=spec.ds_config if zero3 else None,
+                        gradient_checkpointing=spec.recipe["activation_checkpointing"])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
+                                      config=spec.ds_config)
+    return engine, model
+
+
+def start_step(engine, spec, dist, run_dir: Path) -> int:
+    if spec.resume is None:
+        return 0
+    ckpt_dir, tag = checkpoint.resolve_resume(spec.resume, run_dir)
+    client = checkpoint.load(engine, dist, ckpt_dir, tag)
+    step = int(client.get("step", 0))
+    later = checkpoint.later_tags(run_dir / "checkpoints", step)
+    if later and not spec.overwrite:
+        raise UsageError(f"resuming at step {step} would overwrite later checkpoints ({', '.join(later)})\n"
+                         "    fix: --resume the latest one, pass --overwrite, or use another --output-dir")
+    if dist.is_main:
+        say("ckpt", f"resumed {ckpt_dir / tag} at step {step}")
+    return step
+
+
+def announce(spec, dist, run_dir: Path, model, data: Data) -> None:
+    if not dist.is_main:
+        return
+    ds = spec.ds_config
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    say("config", f"recipe {spec.recipe_name} | world {spec.world_size} ({dist.backend}) | zero {spec.zero_stage}"
+                  f" | tp {spec.tp} pp {spec.pp} dp {spec.dp} | {spec.recipe['precision']}")
+    say("batch", f"{ds['train_micro_batch_size_per_gpu']} micro x {ds['gradient_accumulation_steps']} accum x "
+                 f"{spec.dp} dp = {ds['train_micro_batch_size_per_gpu'] * ds['gradient_accumulation_steps'] * spec.dp}"
+                 f" sequences x {data.train.shape[1]} tokens per step")
+    say("model", f"{spec.recipe['train']['model']}: {n_params / 1e6:.2f}M params")
+    say("data", f"{spec.recipe['train']['dataset']}: {data.train.shape[0]} train / {data.eval.shape[0]} eval blocks")
+    if spec.provenance:
+        say("config", render_provenance(spec.provenance).replace("\n", "\n         "))
+    for w in spec.warnings:
+        say("warn", w.render())
+    say("config", f"run folder {run_dir}")
+
+
+def main(spec) -> int:
+    from harness.models import load_tokenizer
+
+    dist = distmod.init()
+    log = None
+    try:
+        run_dir = choose_run_dir(spec, dist)
+        if dist.is_main:
+            write_run_files(spec, run_dir)
+        distmod.barrier()
+        tokenizer = load_tokenizer(spec.recipe["train"]["model"])
+        data = load_data(spec, dist, tokenizer)
+        engine, model = build_engine(spec)
+        log = MetricsLog(run_dir, enabled=dist.is_main)
+        announce(spec, dist, run_dir, model, data)
+        step0 = start_step(engine, spec, dist, run_dir)
+        if dist.is_main:
+            checkpoint.save_hf_files(run_dir / "checkpoints", model, tokenizer)
+        result = Trainer(engine, spec, dist, data, run_dir, log).run(step0)
+        if dist.is_main:
+            summary = {"run_dir": str(run_dir), "recipe": spec.recipe_name, "world_size": spec.world_size,
+                       "steps": spec.recipe["train"]["steps"], "start_step": step0, **result}
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            say("done", f"{summary['steps']} steps, loss {result['first_loss']:.3f} -> {result['last_loss']:.3f}; "
+                        f"outputs in {run_dir}")
+        return 0
+    finally:
+        if log:
+            log.close()
+        distmod.teardown()

@@ -1,0 +1,72 @@
+"""Read JSON the strict way: duplicate keys are reported with their JSON path, syntax errors with line:col.
+
+Python's json keeps the last of two duplicate keys silently; DeepSpeed refuses them late. Here they
+are found up front so a user sees every problem before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.errors import ConfigError, Problem, UsageError
+
+_DUPES = "\x00duplicate_keys"
+
+
+def _pairs_hook(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    dupes: list[str] = []
+    for key, value in pairs:
+        if key in out:
+            dupes.append(key)
+        out[key] = value
+    if dupes:
+        out[_DUPES] = dupes
+    return out
+
+
+def join_path(parent: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else str(key)
+
+
+def _collect_dupes(node: object, path: str, found: list[Problem]) -> None:
+    if isinstance(node, dict):
+        for key in node.pop(_DUPES, []):
+            found.append(Problem(join_path(path, key), f"duplicate key {key!r} (JSON keeps only the last value)",
+                                 "keep one entry for this key"))
+        for key, value in node.items():
+            _collect_dupes(value, join_path(path, key), found)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _collect_dupes(value, join_path(path, i), found)
+
+
+def parse_json(text: str, source: str) -> dict:
+    """Parse a JSON object; raise ConfigError for syntax errors, duplicate keys, or a non-object root."""
+    try:
+        data = json.loads(text, object_pairs_hook=_pairs_hook)
+    except json.JSONDecodeError as e:
+        raise ConfigError([Problem("", f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}",
+                                   "fix the JSON syntax (trailing commas and comments are not allowed)")],
+                          source) from None
+    problems: list[Problem] = []
+    _collect_dupes(data, "", problems)
+    if problems:
+        raise ConfigError(problems, source)
+    if not isinstance(data, dict):
+        raise ConfigError([Problem("", f"top level must be a JSON object, got {type(data).__name__}")], source)
+    return data
+
+
+def load_json(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path}: no such file")
+    return parse_json(path.read_text(), str(path))
+
+
+def dump_json(data: dict) -> str:
+    return json.dumps(data, indent=2) + "\n"

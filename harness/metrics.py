@@ -1,0 +1,39 @@
+"""Run outputs written by rank 0: metrics.jsonl (one JSON object per event) and summary.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class MetricsLog:
+    """Append-only JSONL; every record carries its kind ("train", "eval", "profile", ...) and step."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a") if enabled else None
+
+    def write(self, kind: str, step: int, **fields) -> None:
+        if self._file:
+            self._file.write(json.dumps({"kind": kind, "step": step, "time": round(time.time(), 3), **fields}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def say(tag: str, text: str) -> None:
+    """A log line in the design's format: `[tag]   text` (rank 0 only; callers check)."""
+    from tqdm import tqdm
+
+    tqdm.write(f"[{tag}]{' ' * max(1, 8 - len(tag))}{text}", file=sys.stdout)

@@ -1,0 +1,133 @@
+"""Model shapes without weights: built-in presets and well-known models as HF config dicts.
+
+One source of truth for "what shape is model X": the runner builds tiny presets from these dicts
+(random weights), the planner counts parameters from them, the validator checks tp against heads.
+Pure: no torch import here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.errors import UsageError
+
+TINY_VOCAB_SIZE = 512  # the built-in tokenizer's vocabulary (harness/assets/tokenizer.json)
+
+# Tiny presets are trained for real by tests and the demo. tiny-llama has 4 heads and 2 kv heads
+# so AutoTP can split it 2 ways evenly.
+PRESETS: dict[str, dict] = {
+    "tiny-llama": {
+        "model_type": "llama",
+        "vocab_size": TINY_VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+    },
+    "tiny-gpt2": {
+        "model_type": "gpt2",
+        "vocab_size": TINY_VOCAB_SIZE,
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 512,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    },
+}
+
+# Well-known models, shapes only (for planning and validation, never downloaded). Values are those of
+# the models' published HF config.json files; keys are lower-case names.
+_GPT2 = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "layer_norm_epsilon": 1e-5}
+_LLAMA2 = {"model_type": "llama", "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "tie_word_embeddings": False}
+_LLAMA3 = {"model_type": "llama", "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+           "rope_theta": 500000.0, "tie_word_embeddings": False}
+_LLAMA31 = dict(_LLAMA3, max_position_embeddings=131072)
+KNOWN: dict[str, dict] = {
+    "gpt2": dict(_GPT2, n_embd=768, n_layer=12, n_head=12),
+    "gpt2-medium": dict(_GPT2, n_embd=1024, n_layer=24, n_head=16),
+    "gpt2-large": dict(_GPT2, n_embd=1280, n_layer=36, n_head=20),
+    "gpt2-xl": dict(_GPT2, n_embd=1600, n_layer=48, n_head=25),
+    "tinyllama-1.1b": dict(_LLAMA2, max_position_embeddings=2048, hidden_size=2048, intermediate_size=5632,
+                           num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4),
+    "llama-2-7b": dict(_LLAMA2, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32),
+    "llama-2-13b": dict(_LLAMA2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                        num_attention_heads=40, num_key_value_heads=40),
+    "llama-2-70b": dict(_LLAMA2, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8),
+    "llama-3-8b": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8),
+    "llama-3-70b": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8),
+    "llama-3.1-8b": dict(_LLAMA31, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8),
+    "llama-3.1-70b": dict(_LLAMA31, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8),
+    "llama-3.1-405b": dict(_LLAMA31, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                           num_attention_heads=128, num_key_value_heads=8),
+    "llama-3.2-1b": dict(_LLAMA31, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    "llama-3.2-3b": dict(_LLAMA31, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "mistral-7b": {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                   "sliding_window": 4096, "tie_word_embeddings": False},
+    "qwen2.5-7b": {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                   "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                   "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                   "tie_word_embeddings": False},
+}
+
+
+def is_preset(spec: str) -> bool:
+    return spec in PRESETS
+
+
+def load_model_config(spec: str) -> dict:
+    """Return an HF config dict for a preset name, a known model name, a local dir or config.json.
+
+    Hub ids are not resolved here (that needs network and transformers): callers that may go
+    online use transformers.AutoConfig themselves.
+    """
+    if spec in PRESETS:
+        return dict(PRESETS[spec])
+    if spec.lower() in KNOWN:
+        return dict(KNOWN[spec.lower()])
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path}: not valid JSON ({e})") from None
+    choices = ", ".join(sorted(PRESETS) + sorted(KNOWN))
+    raise UsageError(
+        f"unknown model {spec!r}: not a built-in preset or known shape, and no config.json at {spec}\n"
+        f"    choose one of: {choices}, or pass a local model directory"
+    )
+
+
+def shape_summary(cfg: dict) -> dict:
+    """Normalised shape fields across model families (llama-style and gpt2-style names)."""
+    hidden = cfg.get("hidden_size", cfg.get("n_embd"))
+    heads = cfg.get("num_attention_heads", cfg.get("n_head"))
+    return {
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": cfg.get("num_key_value_heads", heads),
+        "num_hidden_layers": cfg.get("num_hidden_layers", cfg.get("n_layer")),
+        "intermediate_size": cfg.get("intermediate_size", cfg.get("n_inner") or (4 * hidden if hidden else None)),
+        "vocab_size": cfg.get("vocab_size"),
+        "model_type": cfg.get("model_type"),
+    }

@@ -1,0 +1,108 @@
+"""Communication per optimizer step, per rank, per collective.
+
+Two numbers per collective:
+- logged bytes: the message sizes DeepSpeed's comms logger records (deepspeed-facts.md,
+  "Communication"): all_reduce = the full tensor, all_gather_into_tensor = this rank's input shard,
+  reduce_scatter_tensor = the full input, send/recv = the tensor. A run's metrics can be compared
+  with these directly.
+- wire bytes: what leaves this rank with ring algorithms: all_reduce 2(N-1)/N x M, all_gather
+  (N-1) x shard, reduce_scatter (N-1)/N x M. This is the seeds' "DP all-reduce 2 Psi, ZeRO-3 1.5x".
+
+DeepSpeed 0.19.8 as measured: ZeRO-0 all-reduces the 16-bit grads once per step; ZeRO-1/2 all-reduce
+them (ZeRO-1 once per step, ZeRO-2 every micro-step) and all-gather the updated partitions; ZeRO-3
+reduce-scatters every micro-step and all-gathers parameters in forward and again in backward. Tiny
+scalar all-reduces (overflow check, grad norm) are left out.
+"""
+
+from __future__ import annotations
+
+from harness.planner.memory import PRECISION_BYTES
+
+
+def comm_bytes_per_step(num_params: int, *, stage: int, dp: int, precision: str, grad_accum: int = 1,
+                        persistent_params: int = 0, gathers_per_micro_step: int = 2) -> dict[str, int]:
+    """Logged bytes per rank per optimizer step of the data-parallel (ZeRO) group.
+
+    num_params: parameters this rank's ZeRO group shards. persistent_params: ZeRO-3 tensors kept whole
+    (never gathered). gathers_per_micro_step: ZeRO-3 parameter all-gathers per micro-step (forward and
+    backward: 2; a model small enough to stay live: 1). A group of one rank sends nothing.
+    """
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISION_BYTES)}")
+    if dp <= 1:
+        return {}
+    lp = PRECISION_BYTES[precision]
+    grads = lp * num_params
+    shard = lp * -(-num_params // dp)
+    if stage == 0:
+        return {"all_reduce": grads}
+    if stage in (1, 2):
+        reduces = 1 if stage == 1 else grad_accum  # ZeRO-1 reduces at the accumulation boundary only
+        return {"all_reduce": grads * reduces, "all_gather_into_tensor": shard}
+    if stage == 3:
+        gathered = lp * -(-(num_params - persistent_params) // dp)
+        return {"reduce_scatter_tensor": grads * grad_accum,
+                "all_gather_into_tensor": gathered * gathers_per_micro_step * grad_accum}
+    raise ValueError(f"zero stage {stage}: expected 0, 1, 2 or 3")
+
+
+def wire_bytes(collective: str, logged_bytes: int, group_size: int) -> int:
+    """Bytes this rank sends for a logged message under ring algorithms."""
+    n = group_size
+    if n <= 1:
+        return 0
+    if collective == "all_reduce":
+        return logged_bytes * 2 * (n - 1) // n
+    if collective == "all_gather_into_tensor":
+        return logged_bytes * (n - 1)
+    if collective == "reduce_scatter_tensor":
+        return logged_bytes * (n - 1) // n
+    return logged_bytes  # send / recv: point to point
+
+
+def tp_comm_bytes_per_step(shape: dict, *, tp: int, num_layers: int, seq_len: int, micro_batch: int,
+                           precision: str, grad_accum: int = 1, activation_checkpointing: bool = False) -> dict:
+    """Tensor parallel: per block, an all-reduce of the (tokens x hidden) output after attention and after
+    the MLP in forward, and of the input gradients before them in backward (recomputed forwards add two)."""
+    if tp <= 1:
+        return {}
+    per_call = PRECISION_BYTES[precision] * seq_len * micro_batch * shape["hidden_size"]
+    calls = (6 if activation_checkpointing else 4) * num_layers * grad_accum
+    return {"all_reduce": per_call * calls}
+
+
+def pp_comm_bytes_per_step(shape: dict, *, pp: int, seq_len: int, micro_batch: int, precision: str,
+                           micro_batches: int) -> dict:
+    """Pipeline, a middle stage: each micro-batch's activation arrives and leaves in forward, and its
+    gradient comes back and goes on in backward. Tied embeddings are all-reduced between the first and
+    last stage once per step."""
+    if pp <= 1:
+        return {}
+    lp = PRECISION_BYTES[precision]
+    boundary = lp * seq_len * micro_batch * shape["hidden_size"]
+    out = {"send": 2 * boundary * micro_batches, "recv": 2 * boundary * micro_batches}
+    if shape.get("tie_word_embeddings"):
+        out["all_reduce"] = lp * shape["vocab_size"] * shape["hidden_size"]
+    return out
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """Idle share of a pipeline step: (p - 1) / (m + p - 1)."""
+    if pp <= 1:
+        return 0.0
+    return (pp - 1) / (micro_batches + pp - 1)
+
+
+def seed_volume_elems(num_params: int, stage: int) -> int:
+    """The seeds' per-rank volume in elements: all-reduce 2 Psi (DP, ZeRO-1/2), ZeRO-3 3 Psi (1.5x)."""
+    return 3 * num_params if stage == 3 else 2 * num_params
+
+
+def comm_rows(groups: dict[str, tuple[dict, int]]) -> list[dict]:
+    """Flatten {group: (logged {collective: bytes}, group size)} into rows with wire bytes."""
+    rows = []
+    for group, (logged, size) in groups.items():
+        for collective, nbytes in logged.items():
+            rows.append({"group": group, "collective": collective, "group_size": size,
+                         "logged_bytes": int(nbytes), "wire_bytes": int(wire_bytes(collective, nbytes, size))})
+    return rows

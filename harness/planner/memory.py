@@ -1,0 +1,213 @@
+"""Per-rank memory: model states term by term, activations, and where each lives (gpu / cpu / nvme).
+
+Two conventions for model states:
+- "seed": the seeds' rule, mixed-precision Adam = 16 bytes/param (2 weights + 2 grads + 4 fp32 master
+  + 8 Adam moments; fp32 training: 4 + 4 + 8), sharded by ZeRO stage: 7B -> 112 GB; ZeRO-3 on 8 -> 14 GB.
+- "deepspeed": what DeepSpeed 0.19.8 allocates, read from its source and checked against live engines
+  (docs/deepspeed-facts.md): the fp32 master copy exists in every ZeRO stage even for fp32 training,
+  gradients are freed after the step in stages 0-2 but ZeRO-3 keeps a flat 16-bit gradient partition and
+  a reduce bucket of `reduce_bucket_size` elements for the whole run, ZeRO-3 keeps tensors under
+  `param_persistence_threshold` whole on every rank, offload keeps pinned fp32 gradient buffers on the CPU.
+
+phase="after_step" keeps what is alive between optimizer steps (what a live tensor count after a step
+sees); phase="peak" adds what exists only during backward/step (gradients, fp32 gradient partitions,
+buckets, gathered ZeRO-3 parameters). Planning uses the peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FP32_BYTES = 4
+ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32 each
+DEVICES = ("gpu", "cpu", "nvme")
+TERMS = ("params", "grads", "fp32_master", "optimizer_moments", "fp32_grads", "reduce_buckets",
+         "gathered_params", "offload_buffers")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+ZERO0_ALLREDUCE_BUCKET_ELEMS = 500_000_000  # deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE
+
+
+@dataclass(frozen=True)
+class ZeroBuckets:
+    """ZeRO buffer sizes in elements. Defaults are DeepSpeed 0.19.8's; see `harness_buckets`."""
+
+    reduce_bucket_elems: int = 500_000_000
+    prefetch_bucket_elems: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    sub_group_elems: int = 1_000_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default (on for stage 3 only)
+    optimizer_swap_buffer_count: int = 4  # offload_optimizer.buffer_count
+    param_swap_buffer_count: int = 5  # offload_param.buffer_count
+    param_swap_buffer_elems: int = 100_000_000  # offload_param.buffer_size
+
+
+def harness_buckets(hidden_size: int) -> ZeroBuckets:
+    """What the harness's recipes resolve to (harness/resolve.py, like the HF integration's "auto"): buckets
+    sized from the model, so a small model does not carry a 1 GB ZeRO-3 bucket (DeepSpeed issues #3734,
+    #6936); overlap_comm on for every stage (two reduce buffers in stages 1-2)."""
+    return ZeroBuckets(reduce_bucket_elems=hidden_size * hidden_size,
+                       prefetch_bucket_elems=int(0.9 * hidden_size * hidden_size),
+                       param_persistence_threshold=10 * hidden_size, overlap_comm=True)
+
+
+def _check(precision: str, stage: int, dp: int, offload_optimizer: str, offload_param: str) -> None:
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISION_BYTES)}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero stage {stage}: expected 0, 1, 2 or 3")
+    if dp < 1:
+        raise ValueError(f"dp {dp}: expected >= 1")
+    for name, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if value not in OFFLOAD_DEVICES:
+            raise ValueError(f"{name} {value!r}: expected one of {', '.join(OFFLOAD_DEVICES)}")
+    if offload_param != "none" and stage != 3:
+        raise ValueError(f"offload_param={offload_param} needs ZeRO stage 3 (got stage {stage})")
+
+
+def _seed_entries(p: int, stage: int, dp: int, lp: int, opt_dev: str, param_dev: str) -> list:
+    def shard(nbytes: int, from_stage: int) -> int:
+        return -(-nbytes // dp) if stage >= from_stage else nbytes
+
+    master = 0 if lp == FP32_BYTES else FP32_BYTES * p
+    return [("params", param_dev, shard(lp * p, 3), True), ("grads", "gpu", shard(lp * p, 2), True),
+            ("fp32_master", opt_dev, shard(master, 1), True),
+            ("optimizer_moments", opt_dev, shard(ADAM_MOMENTS * FP32_BYTES * p, 1), True)]
+
+
+def _stage0_entries(p: int, lp: int) -> list:
+    master = 0 if lp == FP32_BYTES else FP32_BYTES * p
+    return [("params", "gpu", lp * p, True), ("grads", "gpu", lp * p, False),
+            ("fp32_master", "gpu", master, True),
+            ("optimizer_moments", "gpu", ADAM_MOMENTS * FP32_BYTES * p, True),
+            ("fp32_grads", "gpu", master, False),  # the 16-bit optimizer wrapper steps on fp32 grads
+            ("reduce_buckets", "gpu", lp * min(p, ZERO0_ALLREDUCE_BUCKET_ELEMS), False)]
+
+
+def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, largest_tensor: int,
+                     b: ZeroBuckets) -> list:
+    shard = -(-p // dp)
+    opt_dev = "cpu" if offload else "gpu"  # stage 1/2 treat nvme as cpu (deepspeed-facts.md)
+    buckets = 2 if b.overlap_comm else 1
+    if stage == 1:
+        grads = lp * p
+    else:
+        grads = (0 if offload else lp * shard) + lp * largest_tensor
+    out = [("params", "gpu", lp * p, True), ("grads", "gpu", grads, False),
+           ("fp32_master", opt_dev, FP32_BYTES * shard, True),
+           ("optimizer_moments", opt_dev, ADAM_MOMENTS * FP32_BYTES * shard, True),
+           ("fp32_grads", opt_dev, FP32_BYTES * shard, offload),  # pinned and kept when offloaded
+           ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems * buckets, False)]
+    if offload:  # temp_grad_buffer_for_{gpu,cpu}_offload, sized by the largest parameter
+        out += [("offload_buffers", "gpu", lp * largest_tensor, True),
+                ("offload_buffers", "cpu", lp * largest_tensor, True)]
+    return out
+
+
+def _stage3_entries(p: int, dp: int, lp: int, opt_dev: str, param_dev: str, largest_layer: int,
+                    largest_tensor: int, persistent: int, b: ZeroBuckets) -> list:
+    shard = -(-p // dp)
+    grad_dev = "gpu" if opt_dev == "none" else "cpu"  # the flat grad partition follows the optimizer
+    opt_dev = "gpu" if opt_dev == "none" else opt_dev
+    sub_group = min(shard, b.sub_group_elems)
+    out = [("params", "gpu" if param_dev == "none" else param_dev, lp * shard, True),
+           ("params", "gpu", lp * persistent, True),  # whole copies of small tensors on every rank
+           ("grads", grad_dev, lp * shard, True),  # grad_partitions_flat_buffer
+           ("grads", "gpu", lp * largest_layer, False),  # one module's full grads before reduce-scatter
+           ("fp32_master", opt_dev, FP32_BYTES * shard, True),
+           ("optimizer_moments", opt_dev, ADAM_MOMENTS * FP32_BYTES * shard, True),
+           ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems, True),
+           ("gathered_params", "gpu", lp * (largest_layer + b.prefetch_bucket_elems), False)]
+    if opt_dev == "gpu":
+        out.append(("fp32_grads", "gpu", FP32_BYTES * sub_group, False))
+    else:  # subgroup_gradient_buffer, pinned; swapped with the optimizer states on nvme
+        out.append(("fp32_grads", opt_dev, FP32_BYTES * shard, True))
+    if opt_dev == "nvme":
+        out.append(("offload_buffers", "cpu", b.optimizer_swap_buffer_count * FP32_BYTES * sub_group, True))
+    if param_dev == "nvme":
+        elems = max(b.param_swap_buffer_elems, largest_tensor)
+        out.append(("offload_buffers", "cpu", b.param_swap_buffer_count * lp * elems, True))
+    return out
+
+
+def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
+                      offload_optimizer: str = "none", offload_param: str = "none",
+                      convention: str = "deepspeed", phase: str = "peak", largest_layer_params: int = 0,
+                      largest_tensor_params: int | None = None, persistent_params: int = 0,
+                      buckets: ZeroBuckets | None = None) -> dict[str, dict[str, int]]:
+    """Bytes per rank: {term: {"gpu": n, "cpu": n, "nvme": n}} for every term in TERMS.
+
+    num_params: parameters this rank's ZeRO group shards (after tensor/pipeline splits).
+    largest_layer_params: the largest module's own parameters (ZeRO-3 gathers one at a time).
+    largest_tensor_params: the largest single tensor (offload staging buffers); default largest_layer.
+    persistent_params: elements in tensors at or under ZeRO-3's param_persistence_threshold.
+    """
+    _check(precision, stage, dp, offload_optimizer, offload_param)
+    if convention not in ("seed", "deepspeed") or phase not in ("peak", "after_step"):
+        raise ValueError(f"convention {convention!r} / phase {phase!r}: expected seed|deepspeed, peak|after_step")
+    lp = PRECISION_BYTES[precision]
+    b = buckets or ZeroBuckets()
+    if b.overlap_comm is None:
+        b = ZeroBuckets(**{**b.__dict__, "overlap_comm": stage == 3})
+    largest_tensor = largest_layer_params if largest_tensor_params is None else largest_tensor_params
+    if convention == "seed":
+        opt = "gpu" if offload_optimizer == "none" else offload_optimizer
+        par = "gpu" if offload_param == "none" else offload_param
+        entries = _seed_entries(num_params, stage, dp, lp, opt, par)
+    elif stage == 0:
+        entries = _stage0_entries(num_params, lp)
+    elif stage in (1, 2):
+        entries = _stage12_entries(num_params, stage, dp, lp, offload_optimizer != "none", largest_tensor, b)
+    else:
+        entries = _stage3_entries(num_params, dp, lp, offload_optimizer, offload_param,
+                                  largest_layer_params, largest_tensor, persistent_params, b)
+    out = {term: dict.fromkeys(DEVICES, 0) for term in TERMS}
+    for term, device, nbytes, persistent in entries:
+        if persistent or phase == "peak":
+            out[term][device] += int(nbytes)
+    return out
+
+
+def by_device(terms: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Sum a {term: {device: bytes}} table per device."""
+    return {d: sum(t[d] for t in terms.values()) for d in DEVICES}
+
+
+def _layer_token_elems(shape: dict, tp: int) -> float:
+    """Elements saved for backward per token in one block (sdpa/flash attention: no seq x seq scores).
+
+    Replicated across tensor-parallel ranks: the norm inputs and outputs that feed the projections.
+    Split by tp: q, k, v, attention output and the MLP's intermediate tensors.
+    """
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    kv_dim = shape["num_key_value_heads"] * shape["head_dim"]
+    if shape["model_type"] == "gpt2":  # ln_1/c_attn in, ln_2/c_fc in | qkv, attn out, fc out, gelu out
+        return 4 * h + (4 * h + 2 * inter) / tp
+    # input/post-attention norm in+out | q, k, v, attention out | gate, up, act(gate), act*up
+    return 4 * h + (2 * h + 2 * kv_dim + 4 * inter) / tp
+
+
+def activation_bytes(shape: dict, *, seq_len: int, micro_batch: int, precision: str,
+                     activation_checkpointing: bool, tp: int = 1, num_layers: int | None = None,
+                     micro_batches_in_flight: int = 1, with_logits: bool = True) -> dict[str, int]:
+    """Activation bytes per rank for `num_layers` blocks (default all) and the loss.
+
+    With checkpointing each block keeps only its input and one block is recomputed at a time.
+    `micro_batches_in_flight` is what a pipeline stage holds (1F1B: min(stages - stage_id, m)).
+    Logits: 16-bit output plus the fp32 upcast and log-softmax that HF's loss keeps.
+    """
+    lp = PRECISION_BYTES[precision]
+    tokens = seq_len * micro_batch
+    layers = shape["num_hidden_layers"] if num_layers is None else num_layers
+    per_layer = int(tokens * lp * _layer_token_elems(shape, tp))
+    if shape.get("dropout_masks"):  # bool masks after attention and MLP (GPT-2's resid_pdrop)
+        per_layer += 2 * tokens * shape["hidden_size"]
+    block_input = tokens * lp * shape["hidden_size"]
+    if activation_checkpointing:
+        stored, recompute = layers * block_input * micro_batches_in_flight, per_layer
+    else:
+        stored, recompute = layers * per_layer * micro_batches_in_flight, 0
+    logits = tokens * shape["vocab_size"] * (lp + 2 * FP32_BYTES) if with_logits else 0
+    total = stored + recompute + logits + 2 * block_input  # + embedding output, final norm input
+    return {"per_layer": per_layer, "layers": stored, "recompute": recompute, "logits": logits,
+            "total": total}

@@ -1,0 +1,195 @@
+"""Parameter counts from a model's shape, without weights.
+
+Two ways, one answer: a closed form for the families the harness knows (llama, mistral, qwen2, gpt2),
+fast enough for `harness plan` to answer in well under a second, and the exact count of what
+transformers builds from the same config on the meta device (any architecture; imports torch and
+transformers, ~2 s for a 70B). Tests hold the two equal on every built-in shape.
+
+Besides the total, the planner needs: per-block and embedding sizes (tensor and pipeline splits), the
+largest module (ZeRO-3 gathers one module's parameters at a time: DeepSpeed's `4 * largest_layer`
+term), and a histogram of tensor sizes (ZeRO-3 keeps tensors below `param_persistence_threshold`
+whole on every rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+CLOSED_FORM_FAMILIES = LLAMA_LIKE + ("gpt2",)
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int  # unique parameters (tied weights once)
+    num_layers: int
+    per_layer: int  # one transformer block
+    embedding: int  # token (+ learned position) embeddings
+    lm_head: int  # output projection; 0 when tied to the token embedding
+    other: int  # final norm and anything else outside the blocks
+    largest_layer: int  # largest module's own parameters (DeepSpeed's largest_layer_params)
+    largest_tensor: int  # largest single parameter tensor
+    tensor_sizes: dict[int, int] = field(default_factory=dict)  # numel -> number of tensors
+    method: str = "closed-form"  # or "meta-device"
+
+    def persistent_numel(self, threshold: int) -> int:
+        """Elements in tensors ZeRO-3 keeps whole on every rank (numel <= threshold)."""
+        return sum(n * c for n, c in self.tensor_sizes.items() if n <= threshold)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in (
+            "total", "num_layers", "per_layer", "embedding", "lm_head", "other",
+            "largest_layer", "largest_tensor", "method")}
+
+
+def _sizes(*groups: tuple[int, int]) -> dict[int, int]:
+    hist: dict[int, int] = {}
+    for numel, count in groups:
+        if numel and count:
+            hist[numel] = hist.get(numel, 0) + count
+    return hist
+
+
+def _llama_block(cfg: dict) -> tuple[list[tuple[int, int]], list[int]]:
+    """(tensor sizes of one block, own-parameter totals of its modules)."""
+    h = cfg["hidden_size"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    inter = cfg["intermediate_size"]
+    qkv_bias = cfg.get("attention_bias", False) or cfg["model_type"] == "qwen2"
+    o_bias = cfg.get("attention_bias", False) and cfg["model_type"] != "qwen2"
+    mlp_bias = cfg.get("mlp_bias", False)
+    q, k = h * heads * hd, h * kv * hd
+    modules = [
+        q + (heads * hd if qkv_bias else 0),  # q_proj
+        k + (kv * hd if qkv_bias else 0),  # k_proj
+        k + (kv * hd if qkv_bias else 0),  # v_proj
+        heads * hd * h + (h if o_bias else 0),  # o_proj
+        h * inter + (inter if mlp_bias else 0),  # gate_proj
+        h * inter + (inter if mlp_bias else 0),  # up_proj
+        inter * h + (h if mlp_bias else 0),  # down_proj
+        h, h,  # input_layernorm, post_attention_layernorm
+    ]
+    tensors = [(q, 1), (k, 2), (heads * hd * h, 1), (h * inter, 3), (h, 2)]
+    if qkv_bias:
+        tensors += [(heads * hd, 1), (kv * hd, 2)]
+    if o_bias:
+        tensors += [(h, 1)]
+    if mlp_bias:
+        tensors += [(inter, 2), (h, 1)]
+    return tensors, modules
+
+
+def _llama_count(cfg: dict) -> ParamCount:
+    h, vocab, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    tied = cfg.get("tie_word_embeddings", False)
+    tensors, modules = _llama_block(cfg)
+    per_layer = sum(modules)
+    embedding = vocab * h
+    lm_head = 0 if tied else vocab * h
+    hist = _sizes(*[(n, c * layers) for n, c in tensors], (embedding, 1 if tied else 2), (h, 1))
+    return ParamCount(
+        total=embedding + lm_head + h + layers * per_layer, num_layers=layers, per_layer=per_layer,
+        embedding=embedding, lm_head=lm_head, other=h, largest_layer=max(modules + [embedding]),
+        largest_tensor=max(hist), tensor_sizes=hist)
+
+
+def _gpt2_count(cfg: dict) -> ParamCount:
+    h = cfg.get("n_embd", 768)
+    vocab, layers = cfg.get("vocab_size", 50257), cfg.get("n_layer", 12)
+    positions = cfg.get("n_positions", 1024)
+    inter = cfg.get("n_inner") or 4 * h
+    tied = cfg.get("tie_word_embeddings", True)
+    modules = [2 * h, 3 * h * h + 3 * h, h * h + h, 2 * h, h * inter + inter, inter * h + h]
+    per_layer = sum(modules)
+    wte, wpe = vocab * h, positions * h
+    lm_head = 0 if tied else vocab * h
+    hist = _sizes((h, 6 * layers + 2), (3 * h * h, layers), (3 * h, layers), (h * h, layers),
+                  (h * inter, 2 * layers), (inter, layers), (wte, 1 if tied else 2), (wpe, 1))
+    return ParamCount(
+        total=wte + wpe + lm_head + 2 * h + layers * per_layer, num_layers=layers, per_layer=per_layer,
+        embedding=wte + wpe, lm_head=lm_head, other=2 * h, largest_layer=max(modules + [wte, wpe]),
+        largest_tensor=max(hist), tensor_sizes=hist)
+
+
+def closed_form_count(cfg: dict) -> ParamCount | None:
+    """Exact count for known families from the config alone; None for other architectures."""
+    family = cfg.get("model_type")
+    if family in LLAMA_LIKE:
+        return _llama_count(cfg)
+    if family == "gpt2":
+        return _gpt2_count(cfg)
+    return None
+
+
+def meta_count(cfg: dict) -> ParamCount:
+    """What transformers builds from this config, counted on the meta device (no memory, no weights)."""
+    import torch
+    import transformers
+
+    fields = dict(cfg)
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        from harness.errors import UsageError
+
+        raise UsageError("model config has no 'model_type': cannot tell which architecture to build")
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return count_module(model)
+
+
+def count_module(model) -> ParamCount:
+    """Count an nn.Module (meta or real) the way DeepSpeed sees it: tied parameters once."""
+    from torch import nn
+
+    unique = {id(p): p for p in model.parameters()}
+    hist = _sizes(*[(p.numel(), 1) for p in unique.values()])
+    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    blocks = max((m for m in model.modules() if isinstance(m, nn.ModuleList)),
+                 key=lambda m: sum(p.numel() for p in m.parameters()), default=[])
+    num_layers = len(blocks)
+    per_layer = sum(p.numel() for p in blocks[0].parameters()) if num_layers else 0
+    emb = model.get_input_embeddings()
+    out = model.get_output_embeddings()
+    embedding = emb.weight.numel() if emb is not None else 0
+    position = getattr(getattr(model, "transformer", None), "wpe", None)
+    embedding += position.weight.numel() if position is not None else 0
+    tied = out is None or emb is None or out.weight is emb.weight
+    lm_head = 0 if tied else out.weight.numel()
+    total = sum(p.numel() for p in unique.values())
+    return ParamCount(
+        total=total, num_layers=num_layers, per_layer=per_layer, embedding=embedding, lm_head=lm_head,
+        other=total - embedding - lm_head - num_layers * per_layer, largest_layer=largest_layer,
+        largest_tensor=max(hist), tensor_sizes=hist, method="meta-device")
+
+
+def count_params(cfg: dict, *, exact: bool = False) -> ParamCount:
+    """Closed form when the family is known (fast), else (or with exact=True) the meta-device count."""
+    if not exact:
+        fast = closed_form_count(cfg)
+        if fast is not None:
+            return fast
+    return meta_count(cfg)
+
+
+def model_shape(cfg: dict) -> dict:
+    """The shape fields the planner's activation and tensor-parallel math needs, any family."""
+    from harness.model_shapes import shape_summary
+
+    shape = shape_summary(cfg)
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+               if not shape.get(k)]
+    if missing:
+        from harness.errors import UsageError
+
+        raise UsageError(f"model config lacks {', '.join(missing)}: cannot size activations")
+    shape["head_dim"] = cfg.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    shape["num_key_value_heads"] = shape["num_key_value_heads"] or shape["num_attention_heads"]
+    default_tied = shape["model_type"] == "gpt2"
+    shape["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", default_tied))
+    shape["dropout_masks"] = shape["model_type"] == "gpt2" and cfg.get("resid_pdrop", 0.1) > 0
+    shape["max_positions"] = cfg.get("max_position_embeddings", cfg.get("n_positions"))
+    shape["learned_positions"] = shape["model_type"] == "gpt2"  # a longer sequence has no position vector
+    return shape

@@ -1,0 +1,114 @@
+"""A plan as text (what a person reads before renting hardware) and as JSON (the same, as data).
+
+Units are explicit: GB = 10^9 bytes (how GPUs and RAM are sold), GiB = 2^30 bytes (what nvidia-smi and
+DeepSpeed's "GB" print); the breakdown shows both.
+"""
+
+from __future__ import annotations
+
+import json
+
+from harness.planner.decide import Plan, gb
+from harness.planner.memory import TERMS
+
+GIB = 2**30
+TERM_NOTES = {
+    "params": "weights in training precision", "grads": "gradients", "fp32_master": "fp32 master weights",
+    "optimizer_moments": "Adam exp_avg + exp_avg_sq", "fp32_grads": "fp32 gradient partition",
+    "reduce_buckets": "gradient reduce buckets", "gathered_params": "ZeRO-3 gathered layer + prefetch",
+    "offload_buffers": "pinned staging / swap buffers",
+}
+
+
+def gb_gib(nbytes: float) -> str:
+    return f"{nbytes / 1e9:9.2f} GB {nbytes / GIB:9.2f} GiB"
+
+
+def to_json(plan: Plan) -> str:
+    return json.dumps(plan.to_dict(), indent=2, sort_keys=False)
+
+
+def _header(plan: Plan) -> list[str]:
+    m, hw, w, seed = plan.model, plan.hardware, plan.workload, plan.seed
+    p, s = m["params"], m["shape"]
+    cpu = f"{gb(hw['cpu_mem_bytes'])} per node" if hw["cpu_mem_bytes"] else "not given (offload not checked)"
+    nvme = f"{gb(hw['nvme_bytes'])} per node" if hw["nvme_bytes"] else "none"
+    nodes = f"{hw['nodes']} node{'s' if hw['nodes'] > 1 else ''} x {hw['gpus_per_node']} GPU = {hw['world']}"
+    return [
+        f"model     {m['name']}: {p['total'] / 1e9:.2f} B params ({p['total']:,}; {p['method']}), "
+        f"{s['num_hidden_layers']} layers, hidden {s['hidden_size']}, heads {s['num_attention_heads']}"
+        f"/{s['num_key_value_heads']} kv, vocab {s['vocab_size']}",
+        f"hardware  {nodes}, {gb(hw['gpu_mem_bytes'])} ({hw['gpu_mem_bytes'] / GIB:.1f} GiB) per GPU, "
+        f"{gb(hw['usable_gpu_bytes'])} usable ({hw['reserve_fraction']:.0%} reserve); CPU RAM {cpu}; NVMe {nvme}",
+        f"workload  micro batch {w['micro_batch']} x {w['seq_len']} tokens, {w['precision']}, activation "
+        f"checkpointing {'on' if w['activation_checkpointing'] else 'off'}, grad accum {w['grad_accum']}",
+        f"seed rule 16 B/param (model states only): DP {gb(seed['dp_bytes_per_gpu'])} per GPU; "
+        f"ZeRO-3 over {seed['world']} GPUs {gb(seed['zero3_bytes_per_gpu'])} per GPU",
+    ]
+
+
+def _breakdown(r: dict, hw: dict) -> list[str]:
+    mem = r["memory"]
+    lines = ["  per GPU, peak (what DeepSpeed 0.19.8 allocates)"]
+    for term in TERMS:
+        nbytes = mem["model_states"][term]["gpu"]
+        if nbytes:
+            lines.append(f"    {term:<18} {TERM_NOTES[term]:<34}{gb_gib(nbytes)}")
+    acts = mem["activations"]
+    lines.append(f"    {'activations':<18} {'blocks + recompute + logits':<34}{gb_gib(acts['total'])}")
+    lines.append(f"    {'total':<18} {'of ' + gb(hw['usable_gpu_bytes']) + ' usable':<34}{gb_gib(mem['gpu_bytes'])}")
+    seed = mem["seed_model_states"]
+    lines.append(f"    {'(seed rule)':<18} {'16 B/param model states':<34}{gb_gib(seed['gpu'])}")
+    for device, key in (("cpu", "cpu_bytes_per_node"), ("nvme", "nvme_bytes_per_node")):
+        if mem[key]:
+            terms = ", ".join(f"{t} {gb(mem['model_states'][t][device])}" for t in TERMS
+                              if mem["model_states"][t][device])
+            lines.append(f"  {device.upper()} per node: {gb(mem[key])} ({gb(mem[key] / hw['gpus_per_node'])}"
+                         f" per rank: {terms})")
+    return lines
+
+
+def _comm(r: dict) -> list[str]:
+    lines = ["  traffic per optimizer step, per rank      logged (comms logger)      on the wire (ring)"]
+    for row in r["comm"]["rows"]:
+        name = f"{row['group']}({row['group_size']}) {row['collective']}"
+        lines.append(f"    {name:<36}{gb(row['logged_bytes']):>14}{gb(row['wire_bytes']):>24}")
+    if not r["comm"]["rows"]:
+        lines.append("    none (one rank)")
+    if r["pp"] > 1:
+        lines.append(f"  pipeline bubble (p-1)/(m+p-1) = ({r['pp']}-1)/({r['micro_batches']}+{r['pp']}-1) "
+                     f"= {r['bubble_fraction']:.1%}")
+    return lines
+
+
+def _table(plan: Plan) -> list[str]:
+    head = f"  {'#':>2}  {'strategy':<30}{'fits':<5}{'GPU/rank':>10}{'CPU/node':>10}{'NVMe/node':>10}" \
+           f"{'wire/step':>11}  why not"
+    lines = ["decision order (GB = 10^9 bytes, GiB = 2^30 bytes):", head]
+    last = plan.candidates.index(plan.recommended) if plan.recommended else len(plan.candidates) - 1
+    for i, r in enumerate(plan.candidates[:last + 1], 1):
+        mem = r["memory"]
+        cells = [gb(mem["gpu_bytes"]), gb(mem["cpu_bytes_per_node"]) if mem["cpu_bytes_per_node"] else "-",
+                 gb(mem["nvme_bytes_per_node"]) if mem["nvme_bytes_per_node"] else "-"]
+        verdict = "yes" if r["fits"] else ("n/a" if not r["applicable"] else "no")
+        why = r["why_not"] or ("<- recommended" if r is plan.recommended else "")
+        lines.append(f"  {i:>2}  {r['label']:<30}{verdict:<5}{cells[0]:>10}{cells[1]:>10}{cells[2]:>10}"
+                     f"{gb(r['comm']['wire_bytes']) if r['comm']['wire_bytes'] else '-':>11}  {why}")
+    if last + 1 < len(plan.candidates):
+        lines.append(f"  ({len(plan.candidates) - last - 1} costlier options also evaluated: --json lists them)")
+    return lines
+
+
+def to_text(plan: Plan) -> str:
+    lines = _header(plan) + [f"note      {n}" for n in plan.notes] + [""]
+    r = plan.recommended
+    if r:
+        lines.append(f"recommended: {r['recipe']} ({r['label']}): the first option in the decision order that fits")
+        lines.append(f"  launch: {r['launch']}")
+        lines.append("  overrides: " + ", ".join(f"{k}={v}" for k, v in r["overrides"].items()))
+        lines += _breakdown(r, plan.hardware) + _comm(r)
+    else:
+        lines.append("no strategy fits:")
+        lines += [f"  {line}" for line in plan.missing]
+    return "\n".join(lines + [""] + _table(plan)) + "\n"
+

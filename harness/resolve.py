@@ -1,0 +1,161 @@
+"""Fill "auto" values for a concrete launch, recording where each value came from.
+
+HF-style configs (Axolotl, LLaMA-Factory presets) write "auto" for values only the HF Trainer
+resolves; DeepSpeed itself drops "auto" inside its pydantic blocks and crashes on it at top level.
+Here every "auto" is filled from the run settings (the recipe), the world size, or the model shape,
+and an "auto" that cannot be filled is an error naming it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from harness.errors import Problem
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+RECIPE_BATCH = {"train_batch_size": "batch.train_batch_size",
+                "train_micro_batch_size_per_gpu": "batch.micro_batch_per_gpu",
+                "gradient_accumulation_steps": "batch.grad_accum_steps"}
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a config is checked against: the run settings, and (when known) world and model."""
+    recipe: dict
+    world_size: int | None = None
+    model: dict | None = None  # model_shapes.shape_summary()
+    model_name: str = ""
+    fp16_supported: bool | None = None  # None: not checked (no device at hand)
+
+
+def degrees(ds: dict, recipe: dict) -> tuple[int, int]:
+    """(pipeline, tensor) degrees: the recipe's when set, else what the DeepSpeed dict says."""
+    pp = recipe["parallel"]["pipeline"]
+    tp = recipe["parallel"]["tensor"]
+    if pp == 1 and isinstance(ds.get("pipeline"), dict) and isinstance(ds["pipeline"].get("stages"), int):
+        pp = ds["pipeline"]["stages"]
+    tp_block = ds.get("tensor_parallel")
+    if tp == 1 and isinstance(tp_block, dict) and isinstance(tp_block.get("autotp_size"), int):
+        tp = tp_block["autotp_size"]
+    return pp, tp
+
+
+def batch_world(world: int, pp: int, tp: int) -> tuple[int, str]:
+    """The world size DeepSpeed's batch assertion uses, and why.
+
+    PipelineModule: world / (pp * tp). AutoTP without a pipeline: the FULL world (DeepSpeed counts
+    tensor-parallel ranks as data-parallel ranks in its batch check).
+    """
+    if pp > 1:
+        return world // (pp * tp), f"world {world} / (pipeline {pp} x tensor {tp})"
+    if tp > 1:
+        return world, f"world {world} (AutoTP: DeepSpeed counts the {tp} tensor ranks in its batch check)"
+    return world, f"world {world}"
+
+
+class _Filler:
+    def __init__(self, ds: dict):
+        self.ds = ds
+        self.provenance: dict[str, dict] = {}
+        self.problems: list[Problem] = []
+
+    def fill(self, path: str, value, source: str) -> None:
+        node = self.ds
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+        self.provenance[path] = {"value": value, "source": source}
+
+
+def _get(ds: dict, path: str):
+    node = ds
+    for key in path.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def _resolve_batch(f: _Filler, ctx: Context, pp: int, tp: int) -> None:
+    if ctx.world_size is None:
+        return
+    world, why = batch_world(ctx.world_size, pp, tp)
+    if world < 1:
+        return  # degree problems are reported by the rules
+    vals = {k: f.ds.get(k) for k in BATCH_KEYS}
+    batch = ctx.recipe["batch"]
+    # Fewer than two fixed values: take run settings (micro batch first, then accumulation).
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        fixed = [k for k in BATCH_KEYS if isinstance(vals[k], int)]
+        if len(fixed) >= 2:
+            break
+        if vals[key] in (None, "auto") and isinstance(batch[RECIPE_BATCH[key].split(".")[1]], int):
+            vals[key] = batch[RECIPE_BATCH[key].split(".")[1]]
+            f.fill(key, vals[key], f"recipe {RECIPE_BATCH[key]}")
+    tbs, micro, gas = (vals[k] for k in BATCH_KEYS)
+    if sum(isinstance(v, int) for v in (tbs, micro, gas)) < 2:
+        f.problems.append(Problem("train_batch_size", "cannot resolve the batch: at most one of train_batch_size, "
+                                  "train_micro_batch_size_per_gpu, gradient_accumulation_steps is a number",
+                                  "give two of the three as numbers"))
+        return
+    if not isinstance(tbs, int):
+        f.fill("train_batch_size", micro * gas * world, f"micro {micro} x accum {gas} x {why}")
+    elif not isinstance(micro, int):
+        if tbs % (gas * world):
+            f.problems.append(Problem("train_batch_size", f"train_batch_size {tbs} is not divisible by accum {gas} x "
+                                      f"{why} = {gas * world}", f"use a multiple of {gas * world}"))
+        else:
+            f.fill("train_micro_batch_size_per_gpu", tbs // (gas * world), f"batch {tbs} / (accum {gas} x {why})")
+    elif not isinstance(gas, int):
+        if tbs % (micro * world):
+            f.problems.append(Problem("train_batch_size", f"train_batch_size {tbs} is not divisible by micro {micro} x "
+                                      f"{why} = {micro * world}", f"use a multiple of {micro * world}"))
+        else:
+            f.fill("gradient_accumulation_steps", tbs // (micro * world), f"batch {tbs} / (micro {micro} x {why})")
+
+
+def _resolve_settings(f: _Filler, ctx: Context) -> None:
+    r = ctx.recipe
+    settings = {
+        "gradient_clipping": (r["gradient_clipping"], "recipe gradient_clipping"),
+        "optimizer.params.lr": (r["optimizer"]["lr"], "recipe optimizer.lr"),
+        "optimizer.params.betas": (list(r["optimizer"]["betas"]), "recipe optimizer.betas"),
+        "optimizer.params.eps": (r["optimizer"]["eps"], "recipe optimizer.eps"),
+        "optimizer.params.weight_decay": (r["optimizer"]["weight_decay"], "recipe optimizer.weight_decay"),
+        "scheduler.params.warmup_min_lr": (0.0, "default 0"),
+        "scheduler.params.warmup_max_lr": (r["optimizer"]["lr"], "recipe optimizer.lr"),
+        "scheduler.params.warmup_num_steps": (r["scheduler"]["warmup_steps"], "recipe scheduler.warmup_steps"),
+        "scheduler.params.total_num_steps": (r["train"]["steps"], "recipe train.steps"),
+        "fp16.enabled": (r["precision"] == "fp16", f"recipe precision {r['precision']!r}"),
+        "bf16.enabled": (r["precision"] == "bf16", f"recipe precision {r['precision']!r}"),
+    }
+    for path, (value, source) in settings.items():
+        if _get(f.ds, path) == "auto":
+            f.fill(path, value, source)
+
+
+def _resolve_buckets(f: _Filler, ctx: Context) -> None:
+    hidden = (ctx.model or {}).get("hidden_size")
+    rules = {"zero_optimization.reduce_bucket_size": (lambda h: h * h, "hidden_size^2"),
+             "zero_optimization.stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), "0.9 x hidden_size^2"),
+             "zero_optimization.stage3_param_persistence_threshold": (lambda h: 10 * h, "10 x hidden_size")}
+    for path, (formula, text) in rules.items():
+        if _get(f.ds, path) != "auto":
+            continue
+        if hidden:
+            f.fill(path, formula(hidden), f"model {ctx.model_name} hidden_size={hidden}: {text}")
+        else:
+            f.problems.append(Problem(path, f'"auto" needs the model\'s hidden_size ({text}), and no model is known',
+                                      "pass --model, or write a number"))
+
+
+def resolve(ds: dict, ctx: Context) -> tuple[dict, dict[str, dict], list[Problem]]:
+    """Return (resolved copy, provenance {path: {value, source}}, problems)."""
+    f = _Filler(copy.deepcopy(ds))
+    pp, tp = degrees(ds, ctx.recipe)
+    _resolve_batch(f, ctx, pp, tp)
+    _resolve_settings(f, ctx)
+    _resolve_buckets(f, ctx)
+    return f.ds, f.provenance, f.problems

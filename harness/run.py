@@ -1,0 +1,45 @@
+"""Train a Hugging Face causal LM with DeepSpeed from a recipe.
+
+    deepspeed --num_gpus 2 harness/run.py --recipe zero2_offload
+    python harness/run.py --recipe ddp --set train.steps=20      (one process)
+
+parse -> load recipe -> resolve + validate for this world size -> train -> teardown.
+Bad input exits 2 with one clear message on rank 0, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __package__ in (None, ""):  # launched by path (deepspeed harness/run.py): make `harness` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness.errors import ConfigError, UsageError  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    from harness import run_args, session
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        spec = session.prepare(run_args.parse(argv))
+        if spec.pp > 1:
+            raise UsageError(f"recipe {spec.recipe_name}: pipeline parallelism (pp={spec.pp}) is not run by "
+                             "harness/run.py yet; its DeepSpeed config validates (harness show), training comes "
+                             "with the pipeline engine support")
+        from harness import job
+
+        return job.main(spec)
+    except (ConfigError, UsageError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if rank == 0:
+            print("interrupted: stopped cleanly (checkpoints written so far are intact)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

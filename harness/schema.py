@@ -1,0 +1,121 @@
+"""JSON Schema validation that reports like a person would: JSON path, the value, and the fix.
+
+Schemas are data shipped in harness/schemas/. Unknown keys get a "did you mean" from the keys the
+schema allows at that level.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from functools import cache
+from pathlib import Path
+
+import jsonschema
+
+from harness.errors import Problem
+from harness.jsonio import join_path
+
+SCHEMA_DIR = Path(__file__).parent / "schemas"
+RECIPE_SCHEMA = "recipe.schema.json"
+DS_SCHEMA = "ds_config.schema.json"
+
+
+@cache
+def load_schema(name: str) -> dict:
+    return json.loads((SCHEMA_DIR / name).read_text())
+
+
+@cache
+def _validator(name: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(load_schema(name))
+
+
+def suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else ""
+
+
+def _path(error: jsonschema.ValidationError, prefix: str) -> str:
+    path = prefix
+    for key in error.absolute_path:
+        path = join_path(path, key)
+    return path
+
+
+def _expected(schema: dict) -> str:
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    if "enum" in schema:
+        return "one of " + ", ".join(json.dumps(v) for v in schema["enum"])
+    kind = schema.get("type", "value")
+    text = " or ".join(kind) if isinstance(kind, list) else kind
+    if "minimum" in schema:
+        text += f" >= {schema['minimum']}"
+    if "exclusiveMinimum" in schema:
+        text += f" > {schema['exclusiveMinimum']}"
+    if "maximum" in schema:
+        text += f" <= {schema['maximum']}"
+    return text
+
+
+def _fix_hint(schema: dict) -> str:
+    return schema.get("description", "")
+
+
+def _problems_for(error: jsonschema.ValidationError, prefix: str) -> list[Problem]:
+    path = _path(error, prefix)
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    if error.validator == "additionalProperties":
+        allowed = set(schema.get("properties", {}))
+        extras = [k for k in error.instance if k not in allowed]
+        return [Problem(join_path(path, k), f"unknown key {k!r}",
+                        suggest(k, allowed) or f"allowed keys here: {', '.join(sorted(allowed))}")
+                for k in extras]
+    value = json.dumps(error.instance)
+    if error.validator in ("anyOf", "oneOf"):
+        options = " or ".join(_expected(s) for s in error.validator_value)
+        msg = f"got {value}, expected {options}"
+        if error.instance == "auto":
+            msg = f'"auto" is not accepted here (got {value}, expected {options})'
+        return [Problem(path, msg, _fix_hint(schema))]
+    if error.validator == "enum":
+        word = error.instance if isinstance(error.instance, str) else ""
+        hint = suggest(word, [v for v in error.validator_value if isinstance(v, str)])
+        return [Problem(path, f"got {value}, expected {_expected(schema)}", hint or _fix_hint(schema))]
+    if error.validator == "required":
+        return [Problem(path, error.message, "add the missing key")]
+    if error.validator in ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "const"):
+        return [Problem(path, f"got {value}, expected {_expected(schema)}", _fix_hint(schema))]
+    return [Problem(path, error.message, _fix_hint(schema))]
+
+
+def validate(instance: dict, schema_name: str, prefix: str = "") -> list[Problem]:
+    """Every schema violation as a Problem (empty list when valid)."""
+    problems: list[Problem] = []
+    errors = sorted(_validator(schema_name).iter_errors(instance), key=lambda e: list(map(str, e.absolute_path)))
+    for error in errors:
+        problems.extend(_problems_for(error, prefix))
+    return problems
+
+
+def subschema(schema_name: str, dotted: str) -> dict | None:
+    """The schema of the property at a dotted path (objects only), or None if the path is unknown."""
+    node = load_schema(schema_name)
+    for key in dotted.split("."):
+        props = node.get("properties", {})
+        if key not in props:
+            return None
+        node = props[key]
+    return node
+
+
+def defaults(schema: dict) -> dict:
+    """The default value of an object schema: each property's default, filled recursively."""
+    out = {}
+    for key, prop in schema.get("properties", {}).items():
+        if prop.get("type") == "object" and "properties" in prop:
+            out[key] = defaults(prop)
+        elif "default" in prop:
+            out[key] = json.loads(json.dumps(prop["default"]))
+    return out

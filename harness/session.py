@@ -1,0 +1,126 @@
+"""Everything decided before ranks talk: the recipe, the resolved DeepSpeed config, the run folder.
+
+Pure except for reading files and environment variables, so bad input fails identically on every
+rank with exit code 2, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.commands.common import context
+from harness.errors import UsageError
+from harness.jsonio import load_json
+from harness.recipes import load_recipe
+from harness.resolve import degrees
+from harness.validate import check_ds_config, check_recipe, strip_annotations
+
+DEFAULT_RECIPE = "zero2_offload"
+
+
+@dataclass
+class RunSpec:
+    recipe: dict
+    recipe_name: str
+    ds_config: dict  # resolved, what deepspeed.initialize gets
+    provenance: dict
+    warnings: list
+    world_size: int
+    pp: int
+    tp: int
+    output_dir: Path | None  # explicit --output-dir, else chosen by rank 0 after init
+    resume: str | None
+    overwrite: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.pp * self.tp)
+
+    @property
+    def zero_stage(self) -> int:
+        return self.ds_config.get("zero_optimization", {}).get("stage", 0)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def fp16_supported() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
+def existing_checkpoints(run_dir: Path) -> list[str]:
+    ckpt = run_dir / "checkpoints"
+    return sorted(p.name for p in ckpt.glob("global_step*") if p.is_dir()) if ckpt.is_dir() else []
+
+
+def _guard_output_dir(run_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """Never overwrite an earlier run's checkpoints or metrics by accident."""
+    tags = existing_checkpoints(run_dir)
+    has_outputs = tags or (run_dir / "metrics.jsonl").exists()
+    if has_outputs and resume is None and not overwrite:
+        held = ", ".join(tags[-3:]) or "metrics.jsonl"
+        raise UsageError(f"{run_dir} already holds an earlier run ({held})\n"
+                         "    fix: --resume latest to continue it, --overwrite to replace it, "
+                         "or another --output-dir")
+    if resume == "latest" and not tags:
+        raise UsageError(f"--resume latest: no checkpoint in {run_dir / 'checkpoints'}\n"
+                         "    fix: point --output-dir at the run to continue, or --resume PATH")
+
+
+def _check_resume_world(run_dir: Path, resume: str | None, world_size: int) -> None:
+    if resume is None:
+        return
+    ckpt = Path(resume) if resume != "latest" else run_dir / "checkpoints"
+    manifests = sorted(ckpt.glob("**/manifest.json")) if ckpt.is_dir() else []
+    if not manifests:
+        return
+    saved = json.loads(manifests[-1].read_text()).get("world_size")
+    if saved is not None and saved != world_size:
+        raise UsageError(f"checkpoint {manifests[-1].parent} was saved with world size {saved}, this launch has "
+                         f"{world_size}: DeepSpeed cannot load its optimizer state on another world size\n"
+                         f"    fix: launch {saved} ranks, or convert it first: python -m deepspeed.checkpoint."
+                         f"ds_to_universal --input_folder {manifests[-1].parent} --output_folder "
+                         f"{manifests[-1].parent}_universal, then --set deepspeed.checkpoint.load_universal=true")
+
+
+def prepare(args) -> RunSpec:
+    name = args.recipe or DEFAULT_RECIPE
+    recipe, source = load_recipe(name, args.overrides)
+    world = world_size_from_env()
+    ctx = context(recipe, world, fp16_supported=fp16_supported())
+    if args.ds_config:
+        checked = check_ds_config(load_json(args.ds_config), ctx, args.ds_config)
+    else:
+        checked = check_recipe(recipe, ctx, source)
+    ds = strip_annotations(checked.ds_config)
+    pp, tp = degrees(ds, recipe)
+    output_dir = Path(args.output_dir) if args.output_dir else None
+    if args.resume and args.resume != "latest" and output_dir is None:
+        output_dir = _run_dir_of(Path(args.resume))
+    if output_dir is not None:
+        _guard_output_dir(output_dir, args.resume, args.overwrite)
+        _check_resume_world(output_dir, args.resume, world)
+    elif args.resume == "latest":
+        raise UsageError("--resume latest needs --output-dir (the run folder to continue)")
+    return RunSpec(recipe=recipe, recipe_name=Path(name).stem, ds_config=ds, provenance=checked.provenance,
+                   warnings=checked.warnings, world_size=world, pp=pp, tp=tp, output_dir=output_dir,
+                   resume=args.resume, overwrite=args.overwrite)
+
+
+def _run_dir_of(ckpt: Path) -> Path:
+    """The run folder holding a checkpoint path (run/, run/checkpoints or run/checkpoints/global_stepN)."""
+    if not ckpt.exists():
+        raise UsageError(f"--resume {ckpt}: no such checkpoint")
+    for candidate in (ckpt, *ckpt.parents):
+        if candidate.name == "checkpoints":
+            return candidate.parent
+        if (candidate / "checkpoints").is_dir():
+            return candidate
+    raise UsageError(f"--resume {ckpt}: not inside a run folder (expected .../checkpoints/global_stepN)")

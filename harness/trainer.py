@@ -1,0 +1,124 @@
+"""The training loop: micro-steps with gradient accumulation, eval, logging, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from harness import checkpoint
+from harness.batches import BatchPlan
+from harness.dist import DistInfo, mean_across_ranks
+from harness.metrics import MetricsLog, say
+
+
+@dataclass
+class Data:
+    train: torch.Tensor  # [rows, seq_len] token ids
+    eval: torch.Tensor
+
+
+def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
+    """(dp_rank, dp_size). AutoTP groups consecutive ranks, which must read the same rows."""
+    return dist.rank // spec.tp, spec.world_size // spec.tp
+
+
+def batch_plan(spec, dist: DistInfo, num_rows: int) -> BatchPlan:
+    ds = spec.ds_config
+    micro, gas = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    dp_rank, dp_size = dp_coords(spec, dist)
+    return BatchPlan(num_rows=num_rows, global_batch=micro * gas * dp_size, micro_batch=micro, grad_accum=gas,
+                     dp_rank=dp_rank, dp_size=dp_size, seed=spec.recipe["train"]["seed"])
+
+
+def _loss(engine, rows: torch.Tensor) -> torch.Tensor:
+    ids = rows.to(engine.device)
+    return engine(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+@torch.no_grad()
+def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
+    """Mean loss over the same eval rows every time: rank r takes rows r, r + dp, ... (equal count per rank)."""
+    if data.eval.shape[0] == 0:
+        return float("nan")
+    micro = spec.ds_config["train_micro_batch_size_per_gpu"]
+    dp_rank, dp_size = dp_coords(spec, dist)
+    per_rank = max(1, min(spec.recipe["train"]["eval_batches"] * micro, data.eval.shape[0] // dp_size))
+    rows = data.eval[dp_rank::dp_size][:per_rank]
+    engine.eval()
+    losses = [_loss(engine, rows[i:i + micro]).float().item() for i in range(0, rows.shape[0], micro)]
+    engine.train()
+    return mean_across_ranks([sum(losses) / len(losses)])[0]
+
+
+class Trainer:
+    def __init__(self, engine, spec, dist: DistInfo, data: Data, run_dir, log: MetricsLog, hooks=()):
+        self.engine, self.spec, self.dist, self.data = engine, spec, dist, data
+        self.run_dir, self.log, self.hooks = run_dir, log, list(hooks)
+        self.plan = batch_plan(spec, dist, data.train.shape[0])
+        self.train_cfg = spec.recipe["train"]
+        self.tokens_per_step = self.plan.global_batch * data.train.shape[1]
+
+    def train_step(self, step: int) -> dict:
+        start = time.perf_counter()
+        lr = self.engine.get_lr()[0] if self.engine.lr_scheduler is not None else self.engine.optimizer.param_groups[0]["lr"]
+        losses = []
+        for rows in self.plan.micro_batches(step):
+            loss = _loss(self.engine, self.data.train[rows])
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.detach().float().item())
+        step_time = time.perf_counter() - start
+        loss = mean_across_ranks([sum(losses) / len(losses)])[0]
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else None
+        return {"loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": step_time,
+                "tokens_per_s": self.tokens_per_step / step_time, "samples_per_s": self.plan.global_batch / step_time}
+
+    def should(self, every: int, step: int, last: int) -> bool:
+        return (every > 0 and step % every == 0) or step == last
+
+    def save(self, step: int) -> None:
+        path = checkpoint.save(self.engine, self.spec, self.dist, self.run_dir / "checkpoints", step,
+                               {"step": step, "epoch": self.plan.epoch_of(max(step - 1, 0))})
+        if self.dist.is_main:
+            say("ckpt", f"step {step} -> {path}")
+            self.log.write("checkpoint", step, path=str(path))
+
+    def run(self, start_step: int) -> dict:
+        from tqdm import tqdm
+
+        total = self.train_cfg["steps"]
+        bar = tqdm(total=total, initial=start_step, desc="train", disable=not (self.dist.is_main and sys.stderr.isatty()), dynamic_ncols=True)
+        first = last = None
+        eval_loss = None
+        for step in range(start_step, total):
+            for hook in self.hooks:
+                hook.before_step(step)
+            record = self.train_step(step)
+            for hook in self.hooks:
+                record.update(hook.after_step(step) or {})
+            done = step + 1
+            first = record["loss"] if first is None else first
+            last = record["loss"]
+            if not math.isfinite(last):
+                raise FloatingPointError(f"loss is {last} at step {done}; lower optimizer.lr or check the data")
+            self.log.write("train", done, **record)
+            bar.update(1)
+            bar.set_postfix_str(f"loss {last:.3f}, {record['tokens_per_s']:.0f} tok/s, lr {record['lr']:.1e}")
+            if self.dist.is_main and done % self.train_cfg["log_every"] == 0:
+                norm = f"{record['grad_norm']:.3f}" if record["grad_norm"] is not None else "n/a"
+                say("step", f"{done}/{total} loss {last:.4f} lr {record['lr']:.2e} grad_norm {norm} "
+                            f"{record['tokens_per_s']:.0f} tok/s")
+            if self.should(self.train_cfg["eval_every"], done, total):
+                eval_loss = evaluate(self.engine, self.spec, self.dist, self.data)
+                self.log.write("eval", done, eval_loss=eval_loss)
+                if self.dist.is_main:
+                    say("eval", f"step {done}: eval loss {eval_loss:.4f}")
+            if self.should(self.train_cfg["save_every"], done, total):
+                self.save(done)
+        bar.close()
+        return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss}

@@ -1,0 +1,101 @@
+"""One validation layer: removed/deprecated keys, schema, "auto" resolution, cross-field rules.
+
+Everything is collected and reported at once. `check_recipe` and `check_ds_config` are what the
+CLI and the runner call; both are pure (no process group).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from harness import builder
+from harness.errors import ConfigError, Problem
+from harness.jsonio import join_path
+from harness.resolve import Context, resolve
+from harness.rules import check
+from harness.schema import DS_SCHEMA, load_schema, validate
+
+
+@dataclass
+class Checked:
+    ds_config: dict  # resolved as far as the context allows
+    provenance: dict[str, dict] = field(default_factory=dict)
+    warnings: list[Problem] = field(default_factory=list)
+
+
+def _pop_path(ds: dict, dotted: str):
+    node = ds
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.get(key) if isinstance(node, dict) else None
+    if isinstance(node, dict) and leaf in node:
+        return True, node.pop(leaf)
+    return False, None
+
+
+def _set_path(ds: dict, dotted: str, value) -> None:
+    node = ds
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node.setdefault(leaf, value)
+
+
+def normalize(ds: dict) -> tuple[dict, list[Problem]]:
+    """Report removed keys (errors) and remap deprecated ones (warnings), as DeepSpeed 0.19.8 would."""
+    schema = load_schema(DS_SCHEMA)
+    ds = copy.deepcopy(ds)
+    problems = []
+    for path, why in schema.get("x-removed-keys", {}).items():
+        found, _ = _pop_path(ds, path)
+        if found:
+            problems.append(Problem(path, f"{path.split('.')[-1]!r} was removed from DeepSpeed (0.19 raises "
+                                    "DeepSpeedConfigError)", why))
+    for old, new in schema.get("x-deprecated-keys", {}).items():
+        found, value = _pop_path(ds, old)
+        if found:
+            problems.append(Problem(old, f"deprecated key, remapped to {new}", f"write {new} instead",
+                                    severity="warning"))
+            if isinstance(value, bool) and new.endswith(("offload_optimizer", "offload_param")):
+                value = {"device": "cpu"} if value else None
+            if value is not None:
+                _set_path(ds, new, value)
+    return ds, problems
+
+
+def _with_recipe_paths(problems: list[Problem]) -> list[Problem]:
+    out = []
+    for p in problems:
+        source = builder.RECIPE_SOURCE.get(p.path)
+        out.append(Problem(f"{source} (-> {p.path})", p.message, p.fix, p.severity) if source else p)
+    return out
+
+
+def check_ds_config(ds: dict, ctx: Context, source: str = "") -> Checked:
+    """Validate (and resolve what ctx allows) a DeepSpeed dict. Raises ConfigError listing everything."""
+    ds, problems = normalize(ds)
+    resolved, provenance, unresolved = resolve(ds, ctx)
+    problems += unresolved
+    problems += validate(resolved, DS_SCHEMA)
+    problems += check(resolved, ctx)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        raise ConfigError(problems, source)
+    return Checked(resolved, provenance, [p for p in problems if p.severity == "warning"])
+
+
+def check_recipe(recipe: dict, ctx: Context, source: str = "") -> Checked:
+    """A complete recipe -> its DeepSpeed dict, validated; problems name the recipe key where possible."""
+    try:
+        return check_ds_config(builder.build(recipe), ctx, source)
+    except ConfigError as e:
+        raise ConfigError(_with_recipe_paths(e.problems), source) from None
+
+
+def strip_annotations(ds: dict) -> dict:
+    """The dict DeepSpeed gets: without our "$schema" reference."""
+    return {k: v for k, v in ds.items() if k != "$schema"}
+
+
+__all__ = ["Checked", "Context", "check_ds_config", "check_recipe", "normalize", "strip_annotations", "join_path"]

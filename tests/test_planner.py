@@ -1,0 +1,313 @@
+"""The planner: parameter counts, per-rank memory, traffic per step, the CLI (pure: no process group)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness.commands import plan as plan_cmd
+from harness.errors import UsageError
+from harness.model_shapes import KNOWN, PRESETS
+from harness.planner import plan
+from harness.planner.comm import bubble_fraction, comm_bytes_per_step, wire_bytes
+from harness.planner.memory import (ZeroBuckets, activation_bytes, by_device, harness_buckets,
+                                    model_state_bytes)
+from harness.planner.params import closed_form_count, count_params, meta_count, model_shape
+from harness.planner.render import to_json, to_text
+
+GB, GIB = 10**9, 2**30
+
+
+def gpu_total(terms):
+    return by_device(terms)["gpu"]
+
+
+# --- the seeds' worked example ------------------------------------------------------------------
+
+def test_seed_example_7b_on_8_gpus():
+    """16 B/param: 7B -> 112 GB per GPU under data parallel, 14 GB per GPU under ZeRO-3 on 8."""
+    dp = model_state_bytes(7 * 10**9, stage=0, dp=8, precision="bf16", convention="seed")
+    z3 = model_state_bytes(7 * 10**9, stage=3, dp=8, precision="bf16", convention="seed")
+    assert gpu_total(dp) == 112 * GB
+    assert gpu_total(z3) == 14 * GB
+    assert {t: v["gpu"] for t, v in dp.items() if v["gpu"]} == {
+        "params": 14 * GB, "grads": 14 * GB, "fp32_master": 28 * GB, "optimizer_moments": 56 * GB}
+
+
+def test_seed_example_in_the_plan_of_a_7b_model():
+    cfg = dict(KNOWN["llama-2-7b"])
+    result = plan(cfg, gpus_per_node=8, gpu_mem_bytes=80 * GB, model_name="llama-2-7b")
+    p = result.model["params"]["total"]
+    assert result.seed["dp_bytes_per_gpu"] == 16 * p
+    assert result.seed["zero3_bytes_per_gpu"] == 2 * p
+    text = to_text(result)
+    assert "DP 107.8 GB per GPU; ZeRO-3 over 8 GPUs 13.5 GB per GPU" in text
+
+
+def test_seed_rule_is_16_bytes_per_param_in_fp32_too():
+    terms = model_state_bytes(1000, stage=0, dp=1, precision="fp32", convention="seed")
+    assert gpu_total(terms) == 16 * 1000 and terms["fp32_master"]["gpu"] == 0
+
+
+# --- parameter counts ---------------------------------------------------------------------------
+
+SHAPES = {**PRESETS, **KNOWN}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_closed_form_count_equals_what_transformers_builds_on_meta(name):
+    fast, exact = closed_form_count(SHAPES[name]), meta_count(SHAPES[name])
+    assert exact.method == "meta-device"
+    for field in ("total", "num_layers", "per_layer", "embedding", "lm_head", "other", "largest_layer",
+                  "largest_tensor", "tensor_sizes"):
+        assert getattr(fast, field) == getattr(exact, field), field
+
+
+@pytest.mark.parametrize("name, total", [
+    ("gpt2", 124_439_808), ("gpt2-xl", 1_557_611_200), ("llama-2-7b", 6_738_415_616),
+    ("llama-2-70b", 68_976_648_192), ("llama-3-8b", 8_030_261_248), ("mistral-7b", 7_241_732_096),
+    ("llama-3.2-1b", 1_235_814_400),
+])
+def test_known_models_have_their_published_parameter_counts(name, total):
+    assert count_params(KNOWN[name]).total == total
+
+
+def test_unknown_family_is_counted_on_the_meta_device():
+    cfg = {"model_type": "gpt_neox", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "intermediate_size": 128}
+    count = count_params(cfg)
+    assert count.method == "meta-device" and count.num_layers == 2 and count.total > 0
+    result = plan(cfg, gpus_per_node=1, gpu_mem_bytes=16 * GB, model_name="neox-tiny")
+    assert result.recommended["recipe"] == "ddp"
+
+
+def test_largest_layer_is_deepspeeds_largest_module():
+    count = count_params(KNOWN["llama-2-7b"])
+    assert count.largest_layer == 32000 * 4096  # embedding / lm_head
+    assert count.persistent_numel(10 * 4096) == (2 * 32 + 1) * 4096  # the RMSNorm weights
+
+
+def test_model_config_without_model_type_is_a_usage_error():
+    with pytest.raises(UsageError, match="model_type"):
+        meta_count({"hidden_size": 8})
+
+
+# --- model states: measured live-engine bytes (docs/deepspeed-facts.md) ---------------------------
+
+TINY_GPT2_087M = {"model_type": "gpt2", "vocab_size": 512, "n_embd": 128, "n_layer": 4, "n_head": 4,
+                  "n_positions": 128}
+
+
+@pytest.mark.parametrize("stage, dp, precision, per_param", [
+    (0, 2, "bf16", 14.0), (1, 2, "bf16", 8.0), (2, 2, "bf16", 8.0), (2, 2, "fp32", 10.0),
+])
+def test_after_step_bytes_match_the_live_engine_measurements(stage, dp, precision, per_param):
+    terms = model_state_bytes(1_000_000, stage=stage, dp=dp, precision=precision, phase="after_step")
+    assert gpu_total(terms) / 1_000_000 == pytest.approx(per_param, rel=1e-6)
+
+
+@pytest.mark.parametrize("reduce_bucket, per_param", [(500_000, 11.2), (500_000_000, 1163)])
+def test_zero3_after_step_includes_its_fixed_bucket(reduce_bucket, per_param):
+    count = count_params(TINY_GPT2_087M)
+    buckets = ZeroBuckets(reduce_bucket_elems=reduce_bucket)
+    terms = model_state_bytes(count.total, stage=3, dp=2, precision="bf16", phase="after_step",
+                              largest_layer_params=count.largest_layer,
+                              persistent_params=count.persistent_numel(buckets.param_persistence_threshold),
+                              buckets=buckets)
+    assert gpu_total(terms) / count.total == pytest.approx(per_param, rel=0.02)
+    assert terms["reduce_buckets"]["gpu"] == 2 * reduce_bucket
+
+
+def test_zero2_peak_matches_deepspeeds_estimator_for_llama2_7b_on_8():
+    """DeepSpeed: 2P + 18P/N = 26.67 GiB; ours adds one parameter's gradient and two small buckets."""
+    count = count_params(KNOWN["llama-2-7b"])
+    terms = model_state_bytes(count.total, stage=2, dp=8, precision="bf16",
+                              largest_tensor_params=count.largest_tensor, buckets=harness_buckets(4096))
+    assert gpu_total(terms) / GIB == pytest.approx(26.67, rel=0.02)
+
+
+def test_offload_moves_optimizer_terms_to_cpu_and_nvme():
+    z2 = model_state_bytes(8000, stage=2, dp=2, precision="bf16", offload_optimizer="cpu")
+    assert z2["fp32_master"] == {"gpu": 0, "cpu": 4 * 4000, "nvme": 0}
+    assert z2["optimizer_moments"]["cpu"] == 8 * 4000 and z2["fp32_grads"]["cpu"] == 4 * 4000
+    inf = model_state_bytes(8000, stage=3, dp=2, precision="bf16", offload_optimizer="nvme",
+                            offload_param="nvme")
+    assert inf["params"]["nvme"] == 2 * 4000 and inf["optimizer_moments"]["nvme"] == 8 * 4000
+    assert inf["offload_buffers"]["cpu"] > 0 and inf["fp32_master"]["gpu"] == 0
+
+
+def test_offload_param_needs_stage_3():
+    with pytest.raises(ValueError, match="needs ZeRO stage 3"):
+        model_state_bytes(10, stage=2, dp=2, precision="bf16", offload_optimizer="cpu", offload_param="cpu")
+
+
+def test_harness_buckets_follow_hidden_size():
+    b = harness_buckets(4096)
+    assert (b.reduce_bucket_elems, b.prefetch_bucket_elems, b.param_persistence_threshold) == (
+        4096**2, int(0.9 * 4096**2), 40960)
+
+
+# --- activations --------------------------------------------------------------------------------
+
+def test_activation_checkpointing_keeps_block_inputs_only():
+    shape = model_shape(KNOWN["llama-2-7b"])
+    full = activation_bytes(shape, seq_len=2048, micro_batch=1, precision="bf16", activation_checkpointing=False)
+    ckpt = activation_bytes(shape, seq_len=2048, micro_batch=1, precision="bf16", activation_checkpointing=True)
+    assert ckpt["layers"] == 32 * 2048 * 4096 * 2 and ckpt["recompute"] == full["per_layer"]
+    assert full["per_layer"] == 2048 * 2 * (6 * 4096 + 2 * 4096 + 4 * 11008)
+    assert ckpt["total"] < full["total"] / 5
+
+
+def test_tensor_parallel_splits_the_split_activations_only():
+    shape = model_shape(KNOWN["llama-2-7b"])
+    one = activation_bytes(shape, seq_len=1024, micro_batch=1, precision="bf16", activation_checkpointing=False)
+    two = activation_bytes(shape, seq_len=1024, micro_batch=1, precision="bf16", activation_checkpointing=False,
+                           tp=2)
+    replicated = 1024 * 2 * 4 * 4096
+    assert two["per_layer"] - replicated == (one["per_layer"] - replicated) // 2
+
+
+# --- communication ------------------------------------------------------------------------------
+
+P = 536_064  # the facts' tiny GPT-2
+
+
+def test_comm_bytes_as_the_comms_logger_records_them():
+    assert comm_bytes_per_step(P, stage=0, dp=2, precision="bf16") == {"all_reduce": 2 * P}
+    assert comm_bytes_per_step(P, stage=1, dp=2, precision="bf16", grad_accum=2) == {
+        "all_reduce": 2 * P, "all_gather_into_tensor": P}
+    assert comm_bytes_per_step(P, stage=2, dp=2, precision="bf16", grad_accum=2)["all_reduce"] == 4 * P
+    z3 = comm_bytes_per_step(P, stage=3, dp=2, precision="bf16", grad_accum=2)
+    assert z3 == {"reduce_scatter_tensor": 4 * P, "all_gather_into_tensor": 2 * 2 * P}
+    assert comm_bytes_per_step(P, stage=3, dp=4, precision="fp32") == {
+        "reduce_scatter_tensor": 4 * P, "all_gather_into_tensor": 2 * P}
+    assert comm_bytes_per_step(P, stage=3, dp=1, precision="bf16") == {}
+
+
+def test_zero3_moves_one_and_a_half_times_data_parallel_traffic():
+    n = 8
+    dp = comm_bytes_per_step(8 * P, stage=0, dp=n, precision="bf16")
+    z3 = comm_bytes_per_step(8 * P, stage=3, dp=n, precision="bf16")
+    dp_wire = sum(wire_bytes(k, v, n) for k, v in dp.items())
+    z3_wire = sum(wire_bytes(k, v, n) for k, v in z3.items())
+    assert z3_wire == pytest.approx(1.5 * dp_wire, rel=1e-6)
+
+
+@pytest.mark.parametrize("p, m, expected", [(1, 8, 0.0), (2, 4, 1 / 5), (4, 16, 3 / 19), (8, 8, 7 / 15)])
+def test_pipeline_bubble_fraction(p, m, expected):
+    assert bubble_fraction(p, m) == pytest.approx(expected)
+
+
+# --- plan, text and JSON --------------------------------------------------------------------------
+
+def test_plan_json_has_the_recommendation_and_every_candidate():
+    result = plan(KNOWN["llama-2-7b"], gpus_per_node=8, gpu_mem_bytes=80 * GB, model_name="llama-2-7b")
+    data = json.loads(to_json(result))
+    rec = data["recommended"]
+    assert rec["recipe"] == "zero1" and rec["fits"]
+    assert rec["launch"].startswith("deepspeed --num_gpus 8 harness/run.py --recipe zero1 --model llama-2-7b")
+    assert "--set batch.micro_batch_per_gpu=1" in rec["launch"]
+    assert [c["recipe"] for c in data["candidates"][:4]] == ["ddp", "zero1", "zero2", "zero3"]
+    assert data["candidates"][0]["why_not"].startswith("GPU: needs 146.5 GB > 72.0 GB usable")
+    assert set(rec["memory"]["model_states"]["fp32_grads"]) == {"gpu", "cpu", "nvme"}
+    assert {r["collective"] for r in rec["comm"]["rows"]} == {"all_reduce", "all_gather_into_tensor"}
+
+
+def test_text_states_units_and_why_cheaper_options_fail():
+    result = plan(KNOWN["llama-2-13b"], gpus_per_node=8, gpu_mem_bytes=40 * GB, cpu_mem_bytes=512 * GB,
+                  model_name="llama-2-13b", activation_checkpointing=True)
+    text = to_text(result)
+    assert "GB = 10^9 bytes, GiB = 2^30 bytes" in text and " GiB" in text
+    assert "recommended: zero3 " in text
+    for line in [l for l in text.splitlines() if l.lstrip().startswith(("1  ddp", "2  zero1", "3  zero2"))]:
+        assert " no " in line and "GPU: needs" in line
+
+
+def test_multi_node_launch_uses_a_hostfile():
+    result = plan(KNOWN["llama-2-70b"], gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * GB, model_name="llama-2-70b")
+    assert result.recommended["launch"].startswith(
+        "deepspeed --hostfile hostfile --num_nodes 2 --num_gpus 8 harness/run.py --recipe ")
+    assert all(c["tp"] <= 8 for c in result.candidates)  # tensor parallel never crosses a node
+
+
+def test_impossible_request_says_what_is_missing():
+    result = plan(KNOWN["llama-2-70b"], gpus_per_node=8, gpu_mem_bytes=24 * GB, cpu_mem_bytes=256 * GB,
+                  activation_checkpointing=True, model_name="llama-2-70b")
+    assert result.recommended is None
+    assert any(line.startswith("needs >= ") and "CPU RAM per node for optimizer" in line for line in result.missing)
+    assert any("NVMe per node" in line and "none given" in line for line in result.missing)
+
+
+def test_plan_rejects_bad_numbers_with_the_values():
+    with pytest.raises(ValueError, match="gpus_per_node 0"):
+        plan(KNOWN["gpt2"], gpus_per_node=0, gpu_mem_bytes=GB)
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        plan(KNOWN["gpt2"], gpus_per_node=1, gpu_mem_bytes=GB, precision="fp8")
+
+
+def test_planner_does_not_import_torch_or_deepspeed():
+    code = ("import sys; from harness.planner import plan; from harness.model_shapes import KNOWN; "
+            "plan(KNOWN['llama-2-70b'], gpus_per_node=8, gpu_mem_bytes=80 * 10**9); "
+            "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("80GB", 80 * GB), ("80 GB", 80 * GB), ("80GiB", 80 * GIB), ("24000MB", 24 * GB), ("1.5TB", 1_500 * GB),
+    ("512gib", 512 * GIB),
+])
+def test_sizes_with_units(text, nbytes):
+    assert plan_cmd.parse_size(text, "--gpu-mem") == nbytes
+
+
+@pytest.mark.parametrize("text", ["80", "80G", "eighty GB", "0GB", "80 GBs"])
+def test_ambiguous_or_bad_sizes_are_refused(text):
+    with pytest.raises(UsageError, match="--gpu-mem"):
+        plan_cmd.parse_size(text, "--gpu-mem")
+
+
+def run_plan(argv, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    plan_cmd.add_arguments(parser)
+    code = plan_cmd.run(parser.parse_args(argv))
+    return code, capsys.readouterr().out
+
+
+def test_command_prints_the_plan_and_json(capsys):
+    code, out = run_plan(["--model", "llama-2-7b", "--gpus", "8", "--gpu-mem", "80GB"], capsys)
+    assert code == 0 and "recommended: zero1" in out and "launch: deepspeed --num_gpus 8" in out
+    code, out = run_plan(["--model", "llama-2-7b", "--gpus", "8", "--gpu-mem", "80GB", "--json"], capsys)
+    assert code == 0 and json.loads(out)["recommended"]["recipe"] == "zero1"
+
+
+def test_command_exits_1_when_nothing_fits(capsys):
+    code, out = run_plan(["--model", "llama-3.1-405b", "--gpus", "8", "--gpu-mem", "80GB", "--cpu-mem", "1TB",
+                          "--activation-checkpointing"], capsys)
+    assert code == 1 and "no strategy fits:" in out and "needs >= " in out
+
+
+def test_command_resolves_hub_ids_of_known_shapes_offline(capsys):
+    code, out = run_plan(["--model", "meta-llama/Llama-2-7b-hf", "--gpus", "8", "--gpu-mem", "80GB", "--json"],
+                         capsys)
+    assert json.loads(out)["model"]["params"]["total"] == 6_738_415_616
+
+
+def test_command_reads_a_local_config_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(KNOWN["gpt2"]))
+    code, out = run_plan(["--model", str(tmp_path), "--gpus", "1", "--gpu-mem", "16GB", "--json"], capsys)
+    assert json.loads(out)["model"]["params"]["total"] == 124_439_808
+
+
+def test_cli_maps_bad_input_to_exit_2_with_one_line(capsys):
+    from harness.cli import main
+
+    assert main(["plan", "--model", "llama-2-7b", "--gpus", "8", "--gpu-mem", "80"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give a size with a unit" in err[0]
+    assert main(["plan", "--model", "no-such-model", "--gpus", "8", "--gpu-mem", "80GB"]) == 2
