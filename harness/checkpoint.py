@@ -59,12 +59,27 @@ def save_hf_files(ckpt_dir: Path, model, tokenizer) -> None:
         tokenizer.save_pretrained(hf)
 
 
-def save(engine, spec, dist: DistInfo, ckpt_dir: Path, step: int, client_state: dict) -> Path:
+@torch.no_grad()
+def probe_logits(engine, probe_ids: torch.Tensor) -> torch.Tensor:
+    """The engine's logits on a fixed batch (collective under ZeRO-3: every rank calls)."""
+    was_training = engine.training
+    engine.eval()
+    logits = engine(input_ids=probe_ids.to(engine.device), use_cache=False).logits.float().cpu()
+    engine.train(was_training)
+    return logits
+
+
+def save(engine, spec, dist: DistInfo, ckpt_dir: Path, step: int, client_state: dict,
+         probe_ids: torch.Tensor | None = None) -> Path:
     tag = tag_for(step)
     if (ckpt_dir / tag / MANIFEST).exists():
         raise RuntimeError(f"refusing to overwrite checkpoint {ckpt_dir / tag}")  # guarded earlier; invariant
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
     torch.save(_rng_state(), ckpt_dir / tag / f"rng_rank{dist.rank}.pt")
+    if probe_ids is not None:  # lets `harness export` verify the exported weights against this engine
+        logits = probe_logits(engine, probe_ids)
+        if dist.is_main:
+            torch.save({"input_ids": probe_ids, "logits": logits}, ckpt_dir / tag / "probe.pt")
     barrier()
     if dist.is_main:  # the manifest marks the checkpoint complete: written last
         (ckpt_dir / tag / MANIFEST).write_text(json.dumps(manifest(spec, step), indent=2) + "\n")

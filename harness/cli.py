@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2; it printed the message)
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

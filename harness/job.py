@@ -7,11 +7,12 @@ import json
 import shutil
 from pathlib import Path
 
-from harness import checkpoint, dist as distmod
+from harness import checkpoint, dist as distmod, profiling
 from harness.commands.show import render_provenance
 from harness.errors import UsageError
 from harness.jsonio import dump_json
 from harness.metrics import MetricsLog, say
+from harness.recipes import deep_merge
 from harness.trainer import Data, Trainer
 
 
@@ -111,6 +112,7 @@ def main(spec) -> int:
     log = None
     try:
         run_dir = choose_run_dir(spec, dist)
+        spec.ds_config = deep_merge(spec.ds_config, profiling.ds_overrides(spec, run_dir))
         if dist.is_main:
             write_run_files(spec, run_dir)
         distmod.barrier()
@@ -122,7 +124,10 @@ def main(spec) -> int:
         step0 = start_step(engine, spec, dist, run_dir)
         if dist.is_main:
             checkpoint.save_hf_files(run_dir / "checkpoints", model, tokenizer)
-        result = Trainer(engine, spec, dist, data, run_dir, log).run(step0)
+        hooks = profiling.make_hooks(spec, engine, dist, run_dir, log)
+        result = Trainer(engine, spec, dist, data, run_dir, log, hooks).run(step0)
+        for hook in hooks:
+            result.update(hook.close() or {})
         if dist.is_main:
             summary = {"run_dir": str(run_dir), "recipe": spec.recipe_name, "world_size": spec.world_size,
                        "steps": spec.recipe["train"]["steps"], "start_step": step0, **result}

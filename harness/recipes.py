@@ -8,24 +8,34 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 from harness.errors import ConfigError, Problem, UsageError
 from harness.jsonio import load_json
 from harness.schema import RECIPE_SCHEMA, defaults, load_schema, subschema, suggest, validate
 
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+ROOT_ENV = "DSHARNESS_ROOT"  # a folder holding recipes/ and ds_configs/ (a copy of the repo, in tests)
+
+
+def project_root() -> Path:
+    """Where recipes/ and ds_configs/ live: $DSHARNESS_ROOT if set, else this checkout (read at each call)."""
+    return Path(os.environ.get(ROOT_ENV) or Path(__file__).resolve().parent.parent)
+
+
+def recipe_dir() -> Path:
+    return project_root() / "recipes"
 
 
 def recipe_names() -> list[str]:
-    return sorted(p.stem for p in RECIPE_DIR.glob("*.json"))
+    return sorted(p.stem for p in recipe_dir().glob("*.json"))
 
 
 def recipe_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix == ".json" and path.is_file():
         return path
-    candidate = RECIPE_DIR / f"{name_or_path}.json"
+    candidate = recipe_dir() / f"{name_or_path}.json"
     if candidate.is_file():
         return candidate
     names = recipe_names()

@@ -29,15 +29,23 @@ class Context:
     fp16_supported: bool | None = None  # None: not checked (no device at hand)
 
 
+def is_count(value) -> bool:
+    """A batch number as the schema accepts it: an int or an integral float (5e8 style), not a bool."""
+    if isinstance(value, float):
+        return value.is_integer()  # inf and nan are not
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def degrees(ds: dict, recipe: dict) -> tuple[int, int]:
     """(pipeline, tensor) degrees: the recipe's when set, else what the DeepSpeed dict says."""
     pp = recipe["parallel"]["pipeline"]
     tp = recipe["parallel"]["tensor"]
-    if pp == 1 and isinstance(ds.get("pipeline"), dict) and isinstance(ds["pipeline"].get("stages"), int):
-        pp = ds["pipeline"]["stages"]
-    tp_block = ds.get("tensor_parallel")
-    if tp == 1 and isinstance(tp_block, dict) and isinstance(tp_block.get("autotp_size"), int):
-        tp = tp_block["autotp_size"]
+    stages = ds["pipeline"].get("stages") if isinstance(ds.get("pipeline"), dict) else None
+    if pp == 1 and is_count(stages) and stages >= 1:  # 0 or -1 is the schema's to report, not a degree
+        pp = int(stages)
+    autotp = ds["tensor_parallel"].get("autotp_size") if isinstance(ds.get("tensor_parallel"), dict) else None
+    if tp == 1 and is_count(autotp) and autotp >= 1:
+        tp = int(autotp)
     return pp, tp
 
 
@@ -85,11 +93,13 @@ def _resolve_batch(f: _Filler, ctx: Context, pp: int, tp: int) -> None:
     if world < 1:
         return  # degree problems are reported by the rules
     vals = {k: f.ds.get(k) for k in BATCH_KEYS}
+    if any(v not in (None, "auto") and not (is_count(v) and v >= 1) for v in vals.values()):
+        return  # a malformed value is the schema's to report; filling around it would hide it
+    vals = {k: int(v) if is_count(v) else v for k, v in vals.items()}
     batch = ctx.recipe["batch"]
     # Fewer than two fixed values: take run settings (micro batch first, then accumulation).
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-        fixed = [k for k in BATCH_KEYS if isinstance(vals[k], int)]
-        if len(fixed) >= 2:
+        if sum(isinstance(v, int) for v in vals.values()) >= 2:
             break
         if vals[key] in (None, "auto") and isinstance(batch[RECIPE_BATCH[key].split(".")[1]], int):
             vals[key] = batch[RECIPE_BATCH[key].split(".")[1]]

@@ -8,7 +8,7 @@ value elsewhere must not hide this rule's finding.
 from __future__ import annotations
 
 from harness.errors import Problem
-from harness.resolve import Context, batch_world, degrees
+from harness.resolve import Context, batch_world, degrees, is_count
 from harness.schema import suggest
 
 # DeepSpeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS (matched lower-cased) ...
@@ -113,7 +113,7 @@ def check_parallel(ds: dict, ctx: Context) -> list[Problem]:
 
 def check_batch(ds: dict, ctx: Context) -> list[Problem]:
     vals = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
-    if ctx.world_size is None or not all(isinstance(v, int) for v in vals):
+    if ctx.world_size is None or not all(is_count(v) for v in vals):  # 64.0 is a batch size too
         return []
     pp, tp = degrees(ds, ctx.recipe)
     if ctx.world_size % (pp * tp):
@@ -157,10 +157,7 @@ def check_scheduler(ds: dict, ctx: Context) -> list[Problem]:
                    or f"{name} takes {', '.join(sorted(accepted))}") for k in params if k not in accepted]
     out += [Problem(f"scheduler.params.{k}", f"{name} requires {k!r}", f"add scheduler.params.{k}")
             for k in sorted(required - set(params))]
-    warm = params.get("warmup_num_steps")
-    if "warmup_num_steps" in accepted and warm is not None and warm != "auto" and (not isinstance(warm, int) or warm < 1):
-        out.append(Problem("scheduler.params.warmup_num_steps", f"got {warm!r}; DeepSpeed requires a positive integer",
-                           "use 1 or more"))
+    warm = params.get("warmup_num_steps")  # >= 1 is checked by the schema
     lo, hi = params.get("warmup_min_lr"), params.get("warmup_max_lr")
     if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo > hi:
         out.append(Problem("scheduler.params.warmup_min_lr", f"warmup_min_lr {lo} > warmup_max_lr {hi}",

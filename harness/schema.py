@@ -74,20 +74,21 @@ def _problems_for(error: jsonschema.ValidationError, prefix: str) -> list[Proble
                 for k in extras]
     value = json.dumps(error.instance)
     if error.validator in ("anyOf", "oneOf"):
-        options = " or ".join(_expected(s) for s in error.validator_value)
-        msg = f"got {value}, expected {options}"
-        if error.instance == "auto":
-            msg = f'"auto" is not accepted here (got {value}, expected {options})'
-        return [Problem(path, msg, _fix_hint(schema))]
-    if error.validator == "enum":
+        problem = Problem(path, f"got {value}, expected {' or '.join(_expected(s) for s in error.validator_value)}",
+                          _fix_hint(schema))
+    elif error.validator == "enum":
         word = error.instance if isinstance(error.instance, str) else ""
         hint = suggest(word, [v for v in error.validator_value if isinstance(v, str)])
-        return [Problem(path, f"got {value}, expected {_expected(schema)}", hint or _fix_hint(schema))]
-    if error.validator == "required":
+        problem = Problem(path, f"got {value}, expected {_expected(schema)}", hint or _fix_hint(schema))
+    elif error.validator == "required":
         return [Problem(path, error.message, "add the missing key")]
-    if error.validator in ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "const"):
-        return [Problem(path, f"got {value}, expected {_expected(schema)}", _fix_hint(schema))]
-    return [Problem(path, error.message, _fix_hint(schema))]
+    elif error.validator in ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "const"):
+        problem = Problem(path, f"got {value}, expected {_expected(schema)}", _fix_hint(schema))
+    else:
+        return [Problem(path, error.message, _fix_hint(schema))]
+    if error.instance == "auto":  # DeepSpeed drops it to the default ("stage": "auto" is stage 0) or crashes late
+        problem = Problem(path, f'"auto" is not accepted here ({problem.message})', problem.fix)
+    return [problem]
 
 
 def validate(instance: dict, schema_name: str, prefix: str = "") -> list[Problem]:

@@ -83,7 +83,8 @@ class Trainer:
 
     def save(self, step: int) -> None:
         path = checkpoint.save(self.engine, self.spec, self.dist, self.run_dir / "checkpoints", step,
-                               {"step": step, "epoch": self.plan.epoch_of(max(step - 1, 0))})
+                               {"step": step, "epoch": self.plan.epoch_of(max(step - 1, 0))},
+                               probe_ids=(self.data.eval if self.data.eval.shape[0] else self.data.train)[:1, :16])
         if self.dist.is_main:
             say("ckpt", f"step {step} -> {path}")
             self.log.write("checkpoint", step, path=str(path))

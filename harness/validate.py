@@ -64,9 +64,22 @@ def normalize(ds: dict) -> tuple[dict, list[Problem]]:
     return ds, problems
 
 
-def _with_recipe_paths(problems: list[Problem]) -> list[Problem]:
+def _written_in(raw: dict, dotted: str) -> bool:
+    node = raw
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def _with_recipe_paths(problems: list[Problem], raw_deepspeed: dict) -> list[Problem]:
+    """Name the recipe key the user wrote: deepspeed.<path> for raw keys, else the builder's source key."""
     out = []
     for p in problems:
+        if p.path and _written_in(raw_deepspeed, p.path):
+            out.append(Problem(f"deepspeed.{p.path}", p.message, p.fix, p.severity))
+            continue
         source = builder.RECIPE_SOURCE.get(p.path)
         out.append(Problem(f"{source} (-> {p.path})", p.message, p.fix, p.severity) if source else p)
     return out
@@ -87,10 +100,13 @@ def check_ds_config(ds: dict, ctx: Context, source: str = "") -> Checked:
 
 def check_recipe(recipe: dict, ctx: Context, source: str = "") -> Checked:
     """A complete recipe -> its DeepSpeed dict, validated; problems name the recipe key where possible."""
+    raw = recipe.get("deepspeed", {})
     try:
-        return check_ds_config(builder.build(recipe), ctx, source)
+        checked = check_ds_config(builder.build(recipe), ctx, source)
     except ConfigError as e:
-        raise ConfigError(_with_recipe_paths(e.problems), source) from None
+        raise ConfigError(_with_recipe_paths(e.problems, raw), source) from None
+    checked.warnings = _with_recipe_paths(checked.warnings, raw)
+    return checked
 
 
 def strip_annotations(ds: dict) -> dict:

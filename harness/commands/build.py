@@ -8,11 +8,14 @@ from pathlib import Path
 
 from harness import builder
 from harness.commands.common import context
+from harness.errors import UsageError
 from harness.jsonio import dump_json
-from harness.recipes import RECIPE_DIR, load_recipe, recipe_names
+from harness.recipes import ROOT_ENV, load_recipe, project_root, recipe_dir, recipe_names
 from harness.validate import check_recipe
 
-DS_CONFIG_DIR = RECIPE_DIR.parent / "ds_configs"
+
+def ds_config_dir() -> Path:
+    return project_root() / "ds_configs"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,35 +24,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def expected_files() -> dict[Path, str]:
     """ds_configs/NAME.json -> the text the builder produces for recipes/NAME.json (validated)."""
-    out = {}
-    for name in recipe_names():
+    out, ds_dir, names = {}, ds_config_dir(), recipe_names()
+    if not names:  # a wrong $DSHARNESS_ROOT must not pass --check with "0 files in sync"
+        raise UsageError(f"no recipes in {recipe_dir()} (check ${ROOT_ENV})")
+    for name in names:
         recipe, source = load_recipe(name)
         check_recipe(recipe, context(recipe, None), source)  # world-independent checks; raises on errors
-        out[DS_CONFIG_DIR / f"{name}.json"] = dump_json(builder.build(recipe))
+        out[ds_dir / f"{name}.json"] = dump_json(builder.build(recipe))
     return out
 
 
 def run(args: argparse.Namespace) -> int:
-    expected = expected_files()
-    existing = set(DS_CONFIG_DIR.glob("*.json"))
+    expected, ds_dir = expected_files(), ds_config_dir()
+    existing = set(ds_dir.glob("*.json"))
     stale = sorted(existing - set(expected))
     changed = sorted(p for p, text in expected.items() if not p.is_file() or p.read_text() != text)
     if args.check:
         for path in changed:
-            print(f"out of date: {path.relative_to(DS_CONFIG_DIR.parent)}", file=sys.stderr)
+            print(f"out of date: {path.relative_to(ds_dir.parent)}", file=sys.stderr)
         for path in stale:
-            print(f"no recipe for: {path.relative_to(DS_CONFIG_DIR.parent)}", file=sys.stderr)
+            print(f"no recipe for: {path.relative_to(ds_dir.parent)}", file=sys.stderr)
         if changed or stale:
             print("run `harness build` to regenerate ds_configs/ from recipes/", file=sys.stderr)
             return 1
         print(f"ds_configs/ in sync with recipes/ ({len(expected)} files)")
         return 0
-    DS_CONFIG_DIR.mkdir(exist_ok=True)
+    ds_dir.mkdir(exist_ok=True)
     for path in changed:
         path.write_text(expected[path])
-        print(f"wrote {path.relative_to(DS_CONFIG_DIR.parent)}")
+        print(f"wrote {path.relative_to(ds_dir.parent)}")
     for path in stale:
         path.unlink()
-        print(f"removed {path.relative_to(DS_CONFIG_DIR.parent)} (no recipe)")
+        print(f"removed {path.relative_to(ds_dir.parent)} (no recipe)")
     print(f"{len(expected)} configs, {len(changed)} written")
     return 0

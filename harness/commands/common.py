@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from harness.errors import UsageError
@@ -12,6 +13,13 @@ from harness.resolve import Context
 from harness.validate import Checked, check_ds_config, check_recipe
 
 DEFAULTS_SOURCE = "<recipe defaults>"
+
+
+def world_size_arg(text: str) -> int:
+    """argparse type of --world-size: a whole number of ranks, at least 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of ranks >= 1")
+    return int(text)
 
 
 def model_shape(spec: str) -> dict | None:

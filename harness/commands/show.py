@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
-from harness.commands.common import check_file, check_named
+from harness.commands.common import check_file, check_named, world_size_arg
 from harness.jsonio import dump_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="recipe name, recipe file, or DeepSpeed config file")
-    parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    parser.add_argument("--world-size", type=world_size_arg, required=True, help="number of ranks")
     parser.add_argument("--model", help="model (default: the recipe's train.model)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override, e.g. --set batch.micro_batch_per_gpu=2")
@@ -23,7 +24,7 @@ def render_provenance(provenance: dict[str, dict]) -> str:
     width = max(len(p) for p in provenance)
     lines = ["filled values:"]
     for path, item in provenance.items():
-        lines.append(f"  {path:<{width}} = {item['value']!r:<12} <- {item['source']}")
+        lines.append(f"  {path:<{width}} = {json.dumps(item['value']):<12} <- {item['source']}")
     return "\n".join(lines)
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness.commands.common import check_file
+from harness.commands.common import check_file, world_size_arg
 from harness.errors import ConfigError, UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="recipe or DeepSpeed config JSON")
-    parser.add_argument("--world-size", type=int, help="check batch arithmetic and degrees for this many ranks")
+    parser.add_argument("--world-size", type=world_size_arg,
+                        help="check batch arithmetic and degrees for this many ranks")
     parser.add_argument("--model", help="model preset, known name or local dir (for tp/heads and bucket autos)")
 
 

@@ -4,6 +4,11 @@ DDP -> ZeRO-1 -> ZeRO-2 -> ZeRO-3 -> offload the optimizer (ZeRO-2, then ZeRO-3)
 (CPU, then NVMe) -> tensor parallel inside a node -> pipeline (across nodes) with tensor parallel inside
 and data parallel across replicas (3D). Every candidate is evaluated so the output can say why each
 cheaper one fails.
+
+Fit is judged on memory alone, as the seeds order it. By that measure a pipeline rarely wins: its first
+stage keeps min(p, m) micro-batches of L/p blocks in flight under 1F1B (as many activations as no
+pipeline when m >= p), and ZeRO-3 already spreads model states over every GPU. Pipelines pay off in
+traffic across slow inter-node links, which the wire column shows but the decision does not weigh.
 """
 
 from __future__ import annotations

@@ -98,9 +98,10 @@ def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, larges
            ("optimizer_moments", opt_dev, ADAM_MOMENTS * FP32_BYTES * shard, True),
            ("fp32_grads", opt_dev, FP32_BYTES * shard, offload),  # pinned and kept when offloaded
            ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems * buckets, False)]
-    if offload:  # temp_grad_buffer_for_{gpu,cpu}_offload, sized by the largest parameter
+    if offload:  # temp_grad_buffer_for_{gpu,cpu}_offload (largest parameter) and the pinned 16-bit copy of
+        # the partition that CPU Adam writes before it is copied back (param_buffer_of_bit16_for_cpu_offload)
         out += [("offload_buffers", "gpu", lp * largest_tensor, True),
-                ("offload_buffers", "cpu", lp * largest_tensor, True)]
+                ("offload_buffers", "cpu", lp * largest_tensor + lp * shard, True)]
     return out
 
 

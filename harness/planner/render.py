@@ -103,7 +103,8 @@ def to_text(plan: Plan) -> str:
     lines = _header(plan) + [f"note      {n}" for n in plan.notes] + [""]
     r = plan.recommended
     if r:
-        lines.append(f"recommended: {r['recipe']} ({r['label']}): the first option in the decision order that fits")
+        label = f" ({r['label']})" if r["label"] != r["recipe"] else ""
+        lines.append(f"recommended: {r['recipe']}{label}: the first option in the decision order that fits")
         lines.append(f"  launch: {r['launch']}")
         lines.append("  overrides: " + ", ".join(f"{k}={v}" for k, v in r["overrides"].items()))
         lines += _breakdown(r, plan.hardware) + _comm(r)

@@ -1,0 +1,23 @@
+"""`harness export CKPT --out DIR`: a Hugging Face model folder from a DeepSpeed checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CKPT", help="run folder, its checkpoints/ folder, or global_stepN")
+    parser.add_argument("--out", required=True, help="output folder (must be new or empty)")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+
+
+def run(args: argparse.Namespace) -> int:
+    from harness.export import export
+
+    info = export(args.checkpoint, args.out, args.overwrite)
+    check = ("not verified (no probe.pt in the checkpoint)" if info["max_logit_diff"] is None else
+             f"verified against the engine: max |logit diff| {info['max_logit_diff']:.2e} (limit {info['tolerance']})")
+    print(f"[export] {info['checkpoint']} (ZeRO-{info['zero_stage']}, step {info['step']}) -> {info['out']}")
+    print(f"[export] {check}")
+    print(f"[export] load with AutoModelForCausalLM.from_pretrained({info['out']!r})")
+    return 0

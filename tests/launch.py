@@ -1,0 +1,44 @@
+"""Start real DeepSpeed ranks for tests: `deepspeed --num_gpus N harness/run.py ...` on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEEPSPEED = Path(sys.executable).parent / "deepspeed"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    out = dict(os.environ)
+    out.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONUNBUFFERED="1")
+    return out
+
+
+def launch(*args: str, ranks: int = 2, timeout_s: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run harness/run.py on `ranks` CPU ranks through DeepSpeed's launcher; returns the finished process."""
+    cmd = [str(DEEPSPEED), "--master_port", str(free_port()), "--num_gpus", str(ranks), "harness/run.py", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout_s)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(run_dir, "train")}
