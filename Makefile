@@ -23,7 +23,8 @@ ops: install
 	$(PY) -m harness.ops
 
 demo: ops
-	$(VENV)/bin/deepspeed --num_gpus 2 harness/run.py --recipe zero2_offload --set train.steps=60 --set train.eval_every=30
+	$(VENV)/bin/deepspeed --num_gpus 2 harness/run.py --recipe zero2_offload \
+		--set train.steps=40 --set train.eval_every=20 --set optimizer.lr=0.003
 
 test: ops
 	$(PY) -m pytest -q

@@ -100,6 +100,8 @@ def announce(spec, dist, run_dir: Path, model, data: Data) -> None:
     say("data", f"{spec.recipe['train']['dataset']}: {data.train.shape[0]} train / {data.eval.shape[0]} eval blocks")
     if spec.provenance:
         say("config", render_provenance(spec.provenance).replace("\n", "\n         "))
+    for note in spec.notes:
+        say("plan", note)
     for w in spec.warnings:
         say("warn", w.render())
     say("config", f"run folder {run_dir}")

@@ -88,8 +88,10 @@ def apply_overrides(recipe: dict, overrides: list[str]) -> dict:
         key, value = parse_override(item)
         node = out
         parts = key.split(".")
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):  # an earlier --set (or the recipe) made it a value
+                raise UsageError(f"--set {key}: {'.'.join(parts[:i + 1])} is {json.dumps(node)}, not a block of keys")
         node[parts[-1]] = value
     return out
 

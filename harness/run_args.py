@@ -11,7 +11,8 @@ def parser() -> argparse.ArgumentParser:
         description="Train a Hugging Face causal LM with DeepSpeed from a recipe. "
                     "Launch: deepspeed --num_gpus N harness/run.py --recipe NAME")
     p.add_argument("--recipe", default=None,
-                   help="recipe name from recipes/ or a recipe .json path (default: zero2_offload)")
+                   help="recipe name from recipes/, a recipe .json path, or auto (the planner picks for this hardware); "
+                        "default: zero2_offload")
     p.add_argument("--ds-config", default=None, metavar="FILE",
                    help="a DeepSpeed JSON to use instead of the recipe's (the recipe still gives run settings)")
     p.add_argument("--model", default=None, help="preset, local HF model dir, or hub id (= --set train.model=...)")

@@ -90,17 +90,7 @@ def _check_resume_world(run_dir: Path, resume: str | None, world_size: int) -> N
                          f"{manifests[-1].parent}_universal, then --set deepspeed.checkpoint.load_universal=true")
 
 
-def prepare(args) -> RunSpec:
-    name = args.recipe or DEFAULT_RECIPE
-    recipe, source = load_recipe(name, args.overrides)
-    world = world_size_from_env()
-    ctx = context(recipe, world, fp16_supported=fp16_supported())
-    if args.ds_config:
-        checked = check_ds_config(load_json(args.ds_config), ctx, args.ds_config)
-    else:
-        checked = check_recipe(recipe, ctx, source)
-    ds = strip_annotations(checked.ds_config)
-    pp, tp = degrees(ds, recipe)
+def _output_dir(args, world: int) -> Path | None:
     output_dir = Path(args.output_dir) if args.output_dir else None
     if args.resume and args.resume != "latest" and output_dir is None:
         output_dir = _run_dir_of(Path(args.resume))
@@ -109,9 +99,29 @@ def prepare(args) -> RunSpec:
         _check_resume_world(output_dir, args.resume, world)
     elif args.resume == "latest":
         raise UsageError("--resume latest needs --output-dir (the run folder to continue)")
+    return output_dir
+
+
+def prepare(args) -> RunSpec:
+    world = world_size_from_env()
+    output_dir = _output_dir(args, world)  # cheapest check first: never touch an earlier run
+    name, overrides, notes = args.recipe or DEFAULT_RECIPE, list(args.overrides), []
+    if name == "auto":
+        from harness.auto_recipe import choose
+
+        name, planned, reason = choose(overrides, world)
+        overrides, notes = planned + overrides, [reason]
+    recipe, source = load_recipe(name, overrides)
+    ctx = context(recipe, world, fp16_supported=fp16_supported())
+    if args.ds_config:
+        checked = check_ds_config(load_json(args.ds_config), ctx, args.ds_config)
+    else:
+        checked = check_recipe(recipe, ctx, source)
+    ds = strip_annotations(checked.ds_config)
+    pp, tp = degrees(ds, recipe)
     return RunSpec(recipe=recipe, recipe_name=Path(name).stem, ds_config=ds, provenance=checked.provenance,
                    warnings=checked.warnings, world_size=world, pp=pp, tp=tp, output_dir=output_dir,
-                   resume=args.resume, overwrite=args.overwrite)
+                   resume=args.resume, overwrite=args.overwrite, notes=notes)
 
 
 def _run_dir_of(ckpt: Path) -> Path:

@@ -78,6 +78,12 @@ class Trainer:
         return {"loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": step_time,
                 "tokens_per_s": self.tokens_per_step / step_time, "samples_per_s": self.plan.global_batch / step_time}
 
+    def notify(self, kind: str, step: int, record: dict) -> None:
+        """Hooks that want the logged values (e.g. the loss for DeepSpeed's monitors) define on_record."""
+        for hook in self.hooks:
+            if hasattr(hook, "on_record"):
+                hook.on_record(kind, step, record)
+
     def should(self, every: int, step: int, last: int) -> bool:
         return (every > 0 and step % every == 0) or step == last
 
@@ -108,6 +114,7 @@ class Trainer:
             if not math.isfinite(last):
                 raise FloatingPointError(f"loss is {last} at step {done}; lower optimizer.lr or check the data")
             self.log.write("train", done, **record)
+            self.notify("train", done, record)
             bar.update(1)
             bar.set_postfix_str(f"loss {last:.3f}, {record['tokens_per_s']:.0f} tok/s, lr {record['lr']:.1e}")
             if self.dist.is_main and done % self.train_cfg["log_every"] == 0:
@@ -117,6 +124,7 @@ class Trainer:
             if self.should(self.train_cfg["eval_every"], done, total):
                 eval_loss = evaluate(self.engine, self.spec, self.dist, self.data)
                 self.log.write("eval", done, eval_loss=eval_loss)
+                self.notify("eval", done, {"eval_loss": eval_loss})
                 if self.dist.is_main:
                     say("eval", f"step {done}: eval loss {eval_loss:.4f}")
             if self.should(self.train_cfg["save_every"], done, total):

@@ -6,6 +6,8 @@ message (or fix); optional world_size / model are passed as --world-size / --mod
 in-process, and none of them may create a torch.distributed process group.
 """
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,8 +65,17 @@ def test_several_files_in_one_call_report_every_file(capsys):
     assert all(f"{CATALOGUE / n}: " in err for n in names)
 
 
+def test_validation_does_not_even_import_torch_or_deepspeed():
+    """Checked in a fresh interpreter: this test process may have imported torch for other tests."""
+    code = ("import sys; from harness.cli import main; "
+            f"main(['validate', *{[str(CATALOGUE / n) for n in sorted(EXPECTED)]!r}, '--world-size', '8']); "
+            "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr
+
+
 def test_no_process_group_was_created():
-    """Runs after the cases above (file order): validation never touches torch.distributed."""
+    """Runs after the cases above (file order): validation never creates a torch.distributed process group."""
     import torch.distributed as dist
 
     assert not dist.is_available() or not dist.is_initialized()

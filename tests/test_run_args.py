@@ -55,6 +55,13 @@ def test_set_with_an_unknown_key_is_a_usage_error_with_a_suggestion():
         load_recipe("zero1", args.overrides)
 
 
+def test_set_into_something_that_is_not_a_block_is_a_usage_error():
+    with pytest.raises(UsageError, match=r"--set zero\.stage: zero is 1, not a block of keys"):
+        load_recipe("zero1", ["zero=1", "zero.stage=2"])
+    with pytest.raises(UsageError, match=r"deepspeed\.steps_per_print is 1, not a block of keys"):
+        load_recipe("zero1", ["deepspeed.steps_per_print=1", "deepspeed.steps_per_print.x=2"])
+
+
 def test_set_values_are_typed_and_checked():
     recipe, _ = load_recipe("zero1", ["train.steps=20", "zero.overlap_comm=false", "precision=fp32"])
     assert (recipe["train"]["steps"], recipe["zero"]["overlap_comm"], recipe["precision"]) == (20, False, "fp32")

@@ -1,20 +1,112 @@
-"""Profiling hooks (communication per collective, memory per rank, throughput).
+"""Profiling hooks: communication per collective, memory per rank, throughput and MFU, DeepSpeed monitors.
 
 Contract with harness/job.py:
   ds_overrides(spec, run_dir) -> dict   DeepSpeed keys merged into the config before initialize
-                                        (comms_logger only when a profile window is set; monitors)
   make_hooks(spec, engine, dist, run_dir, log) -> list of objects with
-      before_step(step: int) -> None
-      after_step(step: int) -> dict | None   fields merged into that step's metrics record
-      close() -> dict | None                  fields merged into summary.json
+      before_step(step: int) -> None          step is 0-based (the trainer's loop index)
+      after_step(step: int) -> dict | None    fields merged into that step's "train" record
+      close() -> dict | None                  fields merged into summary.json (called on every rank)
+  and optionally on_record(kind, step, record) -> None, called by the trainer after it logs a record.
+
+The profile window (recipe `profile.steps`, `--profile-steps A-B`) counts in LOGGED step numbers: the
+"step" field of metrics.jsonl, 1-based, so `5-8` profiles the records with step 5, 6, 7 and 8 (loop
+indices 4..7). An empty string turns the window off. Steps of the window beyond the run are skipped.
+
+What a run records (rank 0 writes; per-rank values are gathered to rank 0 with all_gather_object on the
+profiled steps and once at close, so there are no per-rank files and no gathers on unmeasured steps):
+
+  every "train" record, when profiling is on:
+    fwd_ms, bwd_ms, bwd_inner_ms, bwd_allreduce_ms, step_ms   DeepSpeed's wall-clock timers, rank 0
+    tflops_per_gpu, mfu                       model FLOP/s (6N + attention) per device; mfu is null on CPU
+    memory                                    rank 0: cuda peak_allocated/peak_reserved/allocated bytes
+                                              (peaks reset every step) or cpu rss/peak_rss bytes
+  profiled "train" records add, indexed by rank:
+    profiled: true
+    comm_per_rank      [{collective: {"bytes", "count", "latency_ms"}}]  DeepSpeed's comms logger, this step
+    memory_per_rank    [{... as memory ...}]
+    model_states_per_rank [{term: {device: bytes}}]  terms: params, grads, fp32_grads, fp32_master,
+                       optimizer_moments, reduce_buckets, offload_buffers, other; devices: cuda, cpu, nvme
+
+  summary.json:
+    profile      {"window": [A, B], "profiled_steps": [...], "step_numbering": "..."}
+    comm         {"measured_per_rank": [{collective: bytes per step}], "latency_ms_per_rank": [...],
+                  "predicted": {collective: bytes per step}, "prediction_notes": [...]}
+    memory       {"peak_per_rank": [...], "model_states_per_rank": [...], "nvme_swap_bytes_per_rank": [...],
+                  "predicted": {"after_step": {...}, "peak": {...}, "activations": {...},
+                  "peak_total_bytes": n, "after_step_by_stage": {...}}}
+    throughput   {"flops_per_token", "tokens_per_s_median", "tflops_per_gpu", "mfu", "peak_tflops",
+                  "device_name", "mfu_note", "timers_ms_median": {...}}
+
+Optional DeepSpeed monitors (recipe `monitor.tensorboard` / `monitor.csv`) write into RUN/monitor/; the
+harness adds the train loss, eval loss and tokens/s, which the plain engine does not log.
+`harness report RUN` turns all of this into report.md with plots.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from harness.errors import UsageError
+
+MONITOR_DIR = "monitor"
+
+
+def parse_window(text: str | None) -> tuple[int, int] | None:
+    """'5-8' -> (5, 8) in logged (1-based) step numbers; '' or None -> None (profiling off)."""
+    if not text:
+        return None
+    try:
+        first, last = (int(part) for part in str(text).split("-"))
+    except ValueError:
+        raise UsageError(f"profile.steps {text!r}: expected A-B, e.g. 5-8 (logged step numbers), "
+                         "or '' to turn profiling off") from None
+    if first < 1 or last < first:
+        raise UsageError(f"profile.steps {text!r}: need 1 <= A <= B (steps are numbered from 1 as logged)\n"
+                         "    fix: --profile-steps 5-8")
+    return first, last
+
+
+def window_of(spec) -> tuple[int, int] | None:
+    return parse_window(spec.recipe.get("profile", {}).get("steps"))
+
+
+def _monitor_overrides(spec, run_dir) -> dict:
+    monitor = spec.recipe.get("monitor", {})
+    out = {}
+    path = str(Path(run_dir) / MONITOR_DIR)
+    if monitor.get("tensorboard"):
+        try:
+            import tensorboard  # noqa: F401  (DeepSpeed's monitor imports torch.utils.tensorboard)
+        except ImportError:
+            raise UsageError("monitor.tensorboard is on but the tensorboard package is not installed\n"
+                             "    fix: pip install tensorboard, or --set monitor.tensorboard=false "
+                             "(monitor.csv needs nothing extra)") from None
+        out["tensorboard"] = {"enabled": True, "output_path": path, "job_name": "tensorboard"}
+    if monitor.get("csv"):
+        out["csv_monitor"] = {"enabled": True, "output_path": path, "job_name": "csv"}
+    return out
+
 
 def ds_overrides(spec, run_dir) -> dict:
-    return {}
+    """comms_logger and wall_clock_breakdown only when a window is set (DeepSpeed turns the comms logger on
+    whenever its key is present, even with enabled=false); monitors when the recipe asks for them."""
+    out = _monitor_overrides(spec, run_dir)
+    if window_of(spec) is not None:
+        out["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
+        out["wall_clock_breakdown"] = True
+    return out
 
 
 def make_hooks(spec, engine, dist, run_dir, log) -> list:
-    return []
+    from harness.profiling import comm, memory, monitor, predict, throughput
+
+    window = window_of(spec)
+    prediction = predict.for_run(spec, engine)
+    hooks: list = [throughput.ThroughputHook(spec, engine, dist, window)]  # cheap: no sync, no gather
+    if window is not None:
+        hooks.append(comm.CommHook(dist, window, prediction))
+    if spec.recipe.get("profile", {}).get("memory", True):
+        hooks.append(memory.MemoryHook(spec, engine, dist, window, prediction))
+    if getattr(engine, "monitor", None) is not None and engine.monitor.enabled:
+        hooks.append(monitor.MonitorHook(engine, dist))
+    return hooks

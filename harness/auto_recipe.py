@@ -1,0 +1,60 @@
+"""`--recipe auto`: ask the planner which recipe fits the hardware this launch found.
+
+Hardware is read before any process group exists: ranks per node from the launcher's environment,
+accelerator memory from the accelerator (on CPU: RAM shared by the local ranks), CPU RAM from psutil,
+NVMe space from zero.nvme_path when one is set.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from harness.errors import UsageError
+from harness.model_shapes import load_model_config
+from harness.recipes import complete
+
+
+def detect_hardware(world_size: int, nvme_path: str | None) -> dict:
+    import psutil
+    from deepspeed.accelerator import get_accelerator
+
+    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    accel = get_accelerator()
+    cpu_mem = psutil.virtual_memory().total
+    if accel.device_name() == "cpu":
+        gpu_mem = cpu_mem // max(local, 1)  # ranks on one host share its RAM
+    else:
+        gpu_mem = accel.total_memory(int(os.environ.get("LOCAL_RANK", "0")))
+    nvme = shutil.disk_usage(nvme_path).free if nvme_path and os.path.isdir(nvme_path) else None
+    return {"gpus_per_node": local, "nodes": max(1, world_size // max(local, 1)), "gpu_mem_bytes": gpu_mem,
+            "cpu_mem_bytes": cpu_mem, "nvme_bytes": nvme, "device": accel.device_name()}
+
+
+def choose(overrides: list[str], world_size: int) -> tuple[str, list[str], str]:
+    """(recipe name, planner overrides, one-line reason). User overrides are applied after these."""
+    from harness.planner import plan
+
+    settings = complete({"description": "auto"}, "--recipe auto", overrides)
+    train = settings["train"]
+    hw = detect_hardware(world_size, settings["zero"]["nvme_path"])
+    micro = settings["batch"]["micro_batch_per_gpu"]
+    result = plan(load_model_config(train["model"]), gpus_per_node=hw["gpus_per_node"], nodes=hw["nodes"],
+                  gpu_mem_bytes=hw["gpu_mem_bytes"], cpu_mem_bytes=hw["cpu_mem_bytes"], nvme_bytes=hw["nvme_bytes"],
+                  seq_len=train["seq_len"], micro_batch=micro if isinstance(micro, int) else 1,
+                  precision=settings["precision"], activation_checkpointing=settings["activation_checkpointing"],
+                  model_name=train["model"])
+    best = result.recommended
+    if best is None:
+        raise UsageError(f"--recipe auto: no strategy fits {train['model']} on {hw['nodes']} x {hw['gpus_per_node']} "
+                         f"{hw['device']} ranks: " + "; ".join(result.missing))
+    planned = [f"{k}={_literal(v)}" for k, v in best["overrides"].items()]
+    reason = (f"planner chose {best['recipe']} for {train['model']} on {hw['nodes']} x {hw['gpus_per_node']} "
+              f"{hw['device']} ranks ({hw['gpu_mem_bytes'] / 1e9:.1f} GB each): first fit in the decision order")
+    return best["recipe"], planned, reason
+
+
+def _literal(value) -> str:
+    import json
+
+    return value if isinstance(value, str) and value != "auto" else json.dumps(value)

@@ -1,0 +1,111 @@
+"""What the planner predicts for this very run: model-state bytes per rank, activations, comm bytes per step.
+
+Inputs are read off the live engine and the resolved DeepSpeed config, not re-derived from the recipe:
+the parameters this rank's ZeRO group holds (ds_numel, after any tensor-parallel split), which ZeRO-3
+parameters DeepSpeed marked persistent (ds_persist), the bucket sizes actually configured. So a gap
+between predicted and measured is a gap in the planner's model, not in its inputs.
+"""
+
+from __future__ import annotations
+
+from harness.planner import comm, memory
+
+STAGE3_DEFAULT_MAX_LIVE = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default
+
+
+def live_count(module) -> dict:
+    """Per-rank parameter facts from the live module (ZeRO-3 partitioned parameters report ds_numel)."""
+    params = list(module.parameters())
+    numel = [getattr(p, "ds_numel", p.numel()) for p in params]
+    own = [sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False)) for m in module.modules()]
+    return {"total": sum(numel), "largest_layer": max(own, default=0), "largest_tensor": max(numel, default=0),
+            "persistent": sum(n for p, n in zip(params, numel) if getattr(p, "ds_persist", False))}
+
+
+def _zero_settings(ds: dict) -> dict:
+    zo = ds.get("zero_optimization", {})
+    stage = zo.get("stage", 0)
+    opt_dev = (zo.get("offload_optimizer") or {}).get("device", "none") if stage >= 1 else "none"
+    param_dev = (zo.get("offload_param") or {}).get("device", "none") if stage == 3 else "none"
+    defaults = memory.ZeroBuckets()
+    buckets = memory.ZeroBuckets(
+        reduce_bucket_elems=int(zo.get("reduce_bucket_size", defaults.reduce_bucket_elems)),
+        prefetch_bucket_elems=int(zo.get("stage3_prefetch_bucket_size", defaults.prefetch_bucket_elems)),
+        param_persistence_threshold=int(zo.get("stage3_param_persistence_threshold",
+                                               defaults.param_persistence_threshold)),
+        sub_group_elems=int(zo.get("sub_group_size", defaults.sub_group_elems)),
+        overlap_comm=zo.get("overlap_comm"))
+    return {"stage": stage, "offload_optimizer": opt_dev, "offload_param": param_dev, "buckets": buckets,
+            "max_live": int(zo.get("stage3_max_live_parameters", STAGE3_DEFAULT_MAX_LIVE))}
+
+
+def _model_shape(module) -> dict | None:
+    from harness.planner.params import model_shape
+
+    config = getattr(module, "config", None)
+    try:
+        return model_shape(config.to_dict()) if config is not None else None
+    except Exception:  # an architecture the planner cannot size: predictions without activations
+        return None
+
+
+def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> int:
+    """ZeRO-3 re-gathers parameters in backward only when it had to release them after forward: when the
+    gathered parameters exceed stage3_max_live_parameters (measured: a small model gathers once)."""
+    return 1 if stage == 3 and gathered_params <= max_live else 2
+
+
+def predict(count: dict, ds: dict, *, dp: int, precision: str, shape: dict | None, seq_len: int,
+            tp: int = 1, activation_checkpointing: bool = False) -> dict:
+    """Predicted model states (after a step and at peak), activations and logged comm bytes per step."""
+    z = _zero_settings(ds)
+    grad_accum = int(ds.get("gradient_accumulation_steps", 1))
+    micro = int(ds.get("train_micro_batch_size_per_gpu", 1))
+    notes = []
+    common = dict(dp=dp, precision=precision, offload_optimizer=z["offload_optimizer"],
+                  largest_layer_params=count["largest_layer"], largest_tensor_params=count["largest_tensor"],
+                  buckets=z["buckets"])
+
+    def states(stage: int, phase: str) -> dict:
+        return memory.model_state_bytes(
+            count["total"], stage=stage, phase=phase, offload_param=z["offload_param"] if stage == 3 else "none",
+            persistent_params=count["persistent"] if stage == 3 else 0, **common)
+
+    out: dict = {"params_per_rank": count["total"], "dp": dp, "stage": z["stage"],
+                 "after_step": states(z["stage"], "after_step"), "peak": states(z["stage"], "peak")}
+    out["after_step_by_stage"] = {str(s): sum(memory.by_device(states(s, "after_step")).values()) for s in range(4)}
+    gathers = gathers_per_micro_step(z["stage"], count["total"] - count["persistent"], z["max_live"])
+    out["comm"] = comm.comm_bytes_per_step(count["total"], stage=z["stage"], dp=dp, precision=precision,
+                                           grad_accum=grad_accum, persistent_params=count["persistent"],
+                                           gathers_per_micro_step=gathers)
+    if z["stage"] == 3:
+        notes.append(f"ZeRO-3 all-gathers parameters {gathers}x per micro-step "
+                     f"({count['total'] - count['persistent']:,} gathered params vs "
+                     f"stage3_max_live_parameters {z['max_live']:,})")
+    if shape is not None:
+        acts = memory.activation_bytes(shape, seq_len=seq_len, micro_batch=micro, precision=precision,
+                                       activation_checkpointing=activation_checkpointing, tp=tp)
+        out["activations"] = acts
+        out["peak_total_bytes"] = memory.by_device(out["peak"])["gpu"] + acts["total"]
+        if tp > 1:
+            tp_comm = comm.tp_comm_bytes_per_step(shape, tp=tp, num_layers=shape["num_hidden_layers"],
+                                                  seq_len=seq_len, micro_batch=micro, precision=precision,
+                                                  grad_accum=grad_accum,
+                                                  activation_checkpointing=activation_checkpointing)
+            for op, nbytes in tp_comm.items():
+                out["comm"][op] = out["comm"].get(op, 0) + nbytes
+    else:
+        notes.append("activations not predicted: the planner cannot size this architecture")
+    out["notes"] = notes
+    return out
+
+
+def for_run(spec, engine) -> dict:
+    """Predictions for this launch; {"error": ...} rather than a crash when the planner cannot answer."""
+    train = spec.recipe["train"]
+    try:
+        return predict(live_count(engine.module), spec.ds_config, dp=spec.dp, precision=spec.recipe["precision"],
+                       shape=_model_shape(engine.module), seq_len=train["seq_len"], tp=spec.tp,
+                       activation_checkpointing=bool(spec.recipe.get("activation_checkpointing")))
+    except (ValueError, KeyError, TypeError) as e:
+        return {"error": f"planner could not predict this run: {e}"}
