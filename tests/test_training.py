@@ -7,6 +7,8 @@ steps 4-6 exactly.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -26,7 +28,8 @@ COMMON = ["--set", f"train.steps={STEPS}", "--set", f"train.seq_len={SEQ_LEN}", 
           "--set", f"optimizer.weight_decay={WD}", "--set", f"gradient_clipping={CLIP}",
           "--set", f"batch.micro_batch_per_gpu={MICRO}", "--set", "batch.grad_accum_steps=1",
           "--set", "batch.train_batch_size=\"auto\"", "--set", f"train.eval_fraction={EVAL_FRACTION}",
-          "--profile-steps", ""]
+          "--profile-steps", "2-3"]
+STATE_RTOL, COMM_RTOL = 0.02, 0.05  # planner vs live engine (issue: model states within 2 %, comm within 5 %)
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +37,42 @@ def reference() -> list[float]:
     return plain_pytorch_losses(model="tiny-llama", steps=STEPS, seq_len=SEQ_LEN, global_batch=MICRO * 2, lr=LR,
                                 betas=BETAS, eps=EPS, weight_decay=WD, clip=CLIP, seed=SEED,
                                 eval_fraction=EVAL_FRACTION)
+
+
+# Working buffers whose split between terms depends on where DeepSpeed parks them (an offloaded fp32
+# gradient partition lives inside the pinned CPU buffer, for one): compared as one group.
+BUFFER_TERMS = {"fp32_grads", "offload_buffers", "reduce_buckets", "gathered_params", "other"}
+
+
+def _grouped(states: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for term, devices in states.items():
+        key = "buffers" if term in BUFFER_TERMS else term
+        out[key] = out.get(key, 0) + sum(devices.values())
+    out["total"] = sum(v for k, v in out.items())
+    return out
+
+
+def assert_planner_matches_engine(run_dir) -> dict:
+    """The planner's per-rank model-state bytes (params, grads, fp32 master, optimizer state, buffers, total)
+    and comm bytes per collective vs what the profiling hooks counted on the live engine."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    predicted = _grouped(summary["memory"]["predicted"]["after_step"])
+    ratios = {}
+    for rank, states in enumerate(summary["memory"]["model_states_per_rank"]):
+        measured = _grouped(states)
+        for term, want in predicted.items():
+            got = measured.get(term, 0)
+            if want:
+                ratios[f"rank{rank}.{term}"] = got / want
+                assert abs(got - want) <= STATE_RTOL * want, f"rank {rank} {term}: measured {got} vs planner {want}"
+    for rank, measured in enumerate(summary["comm"]["measured_per_rank"]):
+        for op, want in summary["comm"]["predicted"].items():
+            got = measured.get(op, 0)
+            if want > 1024:  # scalar all-reduces (overflow, grad norm) are not modelled
+                ratios[f"rank{rank}.{op}"] = got / want
+                assert abs(got - want) <= COMM_RTOL * want, f"rank {rank} {op}: measured {got} vs planner {want}"
+    return ratios
 
 
 def assert_close(got: dict[int, float], want: list[float], rtol: float) -> float:
@@ -49,6 +88,7 @@ def test_fp32_parity_and_exact_resume(recipe, reference, tmp_path):
     launch("--recipe", recipe, "--set", "precision=fp32", "--output-dir", str(straight), *COMMON)
     worst = assert_close(losses(straight), reference, FP32_RTOL)
     print(f"{recipe}: max relative loss difference vs plain PyTorch {worst:.2e}")
+    print(f"{recipe}: measured / planner", assert_planner_matches_engine(straight))
     assert (straight / "checkpoints" / "global_step3" / "manifest.json").is_file()
     if recipe in ("zero2_offload", "zero3_offload"):
         return  # resume is covered per ZeRO stage; offload adds no resume state of its own
@@ -67,7 +107,8 @@ def test_zero3_nvme_matches_offload_and_reference(reference, tmp_path):
     launch("--recipe", "zero3_nvme", "--set", "precision=fp32", "--set", f"zero.nvme_path={nvme}",
            "--output-dir", str(run), *COMMON)
     assert_close(losses(run), reference, FP32_RTOL)
-    assert any(nvme.rglob("*.swp")) or any(nvme.rglob("*")), "no swap files under nvme_path"
+    assert any(nvme.rglob("*")), "no swap files under nvme_path"
+    print("zero3_nvme: measured / planner", assert_planner_matches_engine(run))
 
 
 def test_bf16_within_documented_tolerance_and_eval(reference, tmp_path):

@@ -15,27 +15,33 @@ indices 4..7). An empty string turns the window off. Steps of the window beyond 
 What a run records (rank 0 writes; per-rank values are gathered to rank 0 with all_gather_object on the
 profiled steps and once at close, so there are no per-rank files and no gathers on unmeasured steps):
 
-  every "train" record, when profiling is on:
-    fwd_ms, bwd_ms, bwd_inner_ms, bwd_allreduce_ms, step_ms   DeepSpeed's wall-clock timers, rank 0
-    tflops_per_gpu, mfu                       model FLOP/s (6N + attention) per device; mfu is null on CPU
-    memory                                    rank 0: cuda peak_allocated/peak_reserved/allocated bytes
-                                              (peaks reset every step) or cpu rss/peak_rss bytes
-  profiled "train" records add, indexed by rank:
+  every "train" record:
+    tflops_per_gpu, mfu        model FLOP/s (6N + attention, flops.py) per device; mfu is null on CPU
+    memory                     rank 0, when profile.memory: cuda peak_allocated/peak_reserved/allocated bytes
+                               (peaks reset every step) or cpu rss/peak_rss bytes
+    fwd_ms, bwd_ms, bwd_inner_ms, bwd_allreduce_ms, step_ms
+                               rank 0, when a window is set: DeepSpeed's wall-clock timers for the step
+  profiled "train" records add, as lists indexed by rank:
     profiled: true
-    comm_per_rank      [{collective: {"bytes", "count", "latency_ms"}}]  DeepSpeed's comms logger, this step
-    memory_per_rank    [{... as memory ...}]
-    model_states_per_rank [{term: {device: bytes}}]  terms: params, grads, fp32_grads, fp32_master,
-                       optimizer_moments, reduce_buckets, offload_buffers, other; devices: cuda, cpu, nvme
+    comm_per_rank              [{collective: {"bytes", "count", "latency_ms"}}]  this step, comms logger
+    memory_per_rank            [{... as memory ...}]
+    model_states_per_rank      [{term: {device: bytes}}]  terms: params, grads, fp32_grads, fp32_master,
+                               optimizer_moments, reduce_buckets, offload_buffers, other (memory.py);
+                               devices: cuda, cpu, nvme (swap files)
 
   summary.json:
-    profile      {"window": [A, B], "profiled_steps": [...], "step_numbering": "..."}
-    comm         {"measured_per_rank": [{collective: bytes per step}], "latency_ms_per_rank": [...],
-                  "predicted": {collective: bytes per step}, "prediction_notes": [...]}
-    memory       {"peak_per_rank": [...], "model_states_per_rank": [...], "nvme_swap_bytes_per_rank": [...],
-                  "predicted": {"after_step": {...}, "peak": {...}, "activations": {...},
-                  "peak_total_bytes": n, "after_step_by_stage": {...}}}
-    throughput   {"flops_per_token", "tokens_per_s_median", "tflops_per_gpu", "mfu", "peak_tflops",
-                  "device_name", "mfu_note", "timers_ms_median": {...}}
+    profile      {"window": [A, B] or null, "step_numbering": "..."}
+    comm         {"profiled_steps": [...], "measured_per_rank": [{collective: bytes per step}],
+                  "count_per_rank": [...], "latency_ms_per_rank": [...],
+                  "predicted": {collective: bytes per step}, "prediction_notes": [...]}     (window only)
+    memory       {"device": "cuda"|"cpu", "peak_per_rank": [{peak_...: bytes}], "model_states_per_rank":
+                  [...], "model_states_step": the step they were counted after (the last profiled step,
+                  else the last step), "nvme_swap_bytes_per_rank": [...], "predicted": {"after_step",
+                  "peak" ({term: {gpu, cpu, nvme}}), "activations", "peak_total_bytes",
+                  "after_step_by_stage", "params_per_rank", "notes"}}                       (profile.memory)
+    throughput   {"flops_per_token", "tokens_per_step", "tokens_per_s_median", "tflops_per_gpu", "mfu",
+                  "peak_tflops", "device_name", "precision", "mfu_note", "timers_ms_median": {...}}
+  Predictions come from the planner (predict.py) with inputs read off the live engine.
 
 Optional DeepSpeed monitors (recipe `monitor.tensorboard` / `monitor.csv`) write into RUN/monitor/; the
 harness adds the train loss, eval loss and tokens/s, which the plain engine does not log.

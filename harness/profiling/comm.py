@@ -22,13 +22,24 @@ def _logger():
     return comms_logger
 
 
-def summarize(raw: dict) -> dict:
-    """Comms-logger raw data -> {op: {"bytes", "count", "latency_ms"}}."""
+def _op_timers():
+    """The timer group DeepSpeed's timed_op uses, one timer per logged op name."""
+    from deepspeed.comm import comm
+
+    return comm.timers
+
+
+def summarize(raw: dict, latency_ms: dict[str, float] | None = None) -> dict:
+    """Comms-logger raw data -> {op: {"bytes", "count", "latency_ms"}}.
+
+    Latency comes from the op timers themselves (`latency_ms`, elapsed since the step began): the
+    latencies in the raw data are each timer's running total (timed_op reads elapsed(reset=False)), so
+    summing them would count early calls many times over."""
     out = {}
     for op, sizes in raw.items():
         count = sum(v[0] for v in sizes.values())
         nbytes = sum(int(size) * v[0] for size, v in sizes.items())
-        latency = sum(sum(v[1]) for v in sizes.values())
+        latency = (latency_ms or {}).get(op, max((max(v[1], default=0.0) for v in sizes.values()), default=0.0))
         out[op] = {"bytes": nbytes, "count": count, "latency_ms": round(latency, 4)}
     return dict(sorted(out.items()))
 
@@ -42,7 +53,7 @@ def per_step_mean(steps: list[dict], key: str) -> dict:
 class CommHook:
     def __init__(self, dist, window: tuple[int, int], prediction: dict):
         self.dist, self.window, self.prediction = dist, window, prediction
-        self.logger = _logger()
+        self.logger, self.timers = _logger(), _op_timers()
         self.logger.enabled = False  # on only inside the window: logged ops are blocking
         self.steps: list[dict] = []  # this rank's profiled steps
         self.profiled: list[int] = []
@@ -50,13 +61,17 @@ class CommHook:
     def before_step(self, step: int) -> None:
         if in_window(step, self.window):
             self.logger.reset_data()
+            for timer in self.timers.timers.values():
+                timer.reset()
             self.logger.enabled = True
 
     def after_step(self, step: int) -> dict | None:
         if not in_window(step, self.window):
             return None
         self.logger.enabled = False
-        mine = summarize(self.logger.get_raw_data())
+        raw = self.logger.get_raw_data()
+        latency = {op: self.timers.timers[op].elapsed(reset=True) for op in raw if op in self.timers.timers}
+        mine = summarize(raw, latency)
         self.logger.reset_data()
         self.steps.append(mine)
         self.profiled.append(step + 1)

@@ -5,16 +5,18 @@ Process memory, every step, this rank:
         allocated_bytes at the end of the step.
   CPU:  rss_bytes at the end of the step and peak_rss_bytes during it (Linux VmHWM, reset each step by
         writing 5 to /proc/self/clear_refs; where that is refused, the process's lifetime peak).
-Model states, on profiled steps and at close, counted from the tensors the engine holds, each storage
-once (by untyped_storage data_ptr; a view into a flat buffer counts the whole buffer once), classified by
-where it was first found:
+Model states, on profiled steps and the run's last step (right after the optimizer step), counted from the
+tensors the engine holds, each storage once (by untyped_storage data_ptr; a view into a flat buffer counts
+the whole buffer once), classified by where it was first found:
   params             module parameters, ZeRO-3 partitions (ds_tensor) and ZeRO's flat 16-bit groups
   grads / fp32_grads .grad and ZeRO gradient buffers (fp32_grads: fp32 ones when training in 16 bits)
   fp32_master        the tensors the inner optimizer updates, when they are not the module's parameters
   optimizer_moments  the inner optimizer's state (exp_avg, exp_avg_sq, step)
   reduce_buckets     ZeRO's ipg (reduce) buckets
-  offload_buffers    staging buffers for CPU/NVMe offload
-  other              any other tensor attribute of the ZeRO optimizer
+  offload_buffers    staging buffers for CPU/NVMe offload, and the pinned swap buffers of ZeRO-Infinity's
+                     parameter swapper (reached through param.nvme_swapper) and optimizer swapper
+  other              any other tensor attribute of the ZeRO optimizer, and scalars of <= 16 bytes anywhere
+                     (grad norm, overflow flags, Adam's step count)
 Device: the tensor's device type ("cuda", "cpu"), plus "nvme": bytes of this rank's ZeRO-Infinity swap
 files under nvme_path (parameter swap files under params, optimizer swap files under optimizer_moments).
 """
@@ -31,6 +33,7 @@ TERMS = ("params", "grads", "fp32_grads", "fp32_master", "optimizer_moments", "r
          "offload_buffers", "other")
 _HWM_RE = re.compile(r"VmHWM:\s+(\d+) kB")
 _MAX_DEPTH = 4
+BOOKKEEPING_BYTES = 16
 
 
 class _Counter:
@@ -50,6 +53,8 @@ class _Counter:
         if key == 0 or key in self.seen or storage.nbytes() == 0:
             return
         self.seen.add(key)
+        if storage.nbytes() <= BOOKKEEPING_BYTES:  # scalars: grad norm, overflow flag, Adam's step
+            term = "other"
         device = self.bytes.setdefault(term, {})
         device[tensor.device.type] = device.get(tensor.device.type, 0) + storage.nbytes()
 
@@ -70,25 +75,26 @@ class _Counter:
             return "params"
         return "other"
 
-    def walk(self, obj, name: str, depth: int = 0) -> None:
-        """Tensors held by obj's attributes, lists, dicts and plain objects (never modules)."""
+    def walk(self, obj, name: str, depth: int = 0, term: str | None = None) -> None:
+        """Tensors held by obj's attributes, lists, dicts and plain objects (never modules); `term` forces
+        the class of everything found below (else it follows the attribute names)."""
         import torch
 
         if isinstance(obj, torch.Tensor):
-            self.add(self.term_for(name, obj), obj)
+            self.add(term or self.term_for(name, obj), obj)
             return
         if depth > _MAX_DEPTH or id(obj) in self.visited or isinstance(obj, (torch.nn.Module, str, bytes)):
             return
         self.visited.add(id(obj))
         if isinstance(obj, dict):
             for value in list(obj.values()):
-                self.walk(value, name, depth + 1)
+                self.walk(value, name, depth + 1, term)
         elif isinstance(obj, (list, tuple, set)):
             for value in list(obj):
-                self.walk(value, name, depth + 1)
+                self.walk(value, name, depth + 1, term)
         elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("deepspeed", "torch.optim")):
             for attr, value in list(vars(obj).items()):
-                self.walk(value, attr if depth == 0 else f"{name}.{attr}", depth + 1)
+                self.walk(value, attr if depth == 0 else f"{name}.{attr}", depth + 1, term)
 
 
 def model_state_bytes(engine) -> dict[str, dict[str, int]]:
@@ -102,6 +108,10 @@ def model_state_bytes(engine) -> dict[str, dict[str, int]]:
     for p in params:
         if p.grad is not None:
             c.add(c.term_for("grad", p.grad), p.grad)
+    # ZeRO-Infinity: the parameter swapper (pinned swap buffers) hangs off each parameter, not the optimizer
+    swappers = {id(s): s for s in (getattr(p, "nvme_swapper", None) for p in params) if s is not None}
+    for swapper in swappers.values():
+        c.walk(swapper, "nvme_swapper", term="offload_buffers")
     wrapper = engine.optimizer
     inner = getattr(wrapper, "optimizer", wrapper)
     for group in getattr(inner, "param_groups", []):
@@ -193,6 +203,9 @@ class MemoryHook:
         self.prediction = prediction
         self.process = ProcessMemory(dist.device)
         self.peak: dict[str, int] = {}
+        self.last_step = spec.recipe["train"]["steps"]
+        self.states: dict | None = None  # from the last profiled step, or the run's last step
+        self.states_step: int | None = None
 
     def before_step(self, step: int) -> None:
         self.process.reset()
@@ -206,17 +219,24 @@ class MemoryHook:
             if key.startswith("peak"):
                 self.peak[key] = max(self.peak.get(key, 0), value)
         record = {"memory": mem}
-        if in_window(step, self.window):
-            per_rank = gather({"memory": mem, "model_states": self._states()})
+        profiled = in_window(step, self.window)
+        # Counted right after a step: eval and checkpointing can leave ZeRO-3 parameters gathered.
+        if profiled or step + 1 == self.last_step:
+            self.states, self.states_step = self._states(), step + 1
+        if profiled:
+            per_rank = gather({"memory": mem, "model_states": self.states})
             record.update(profiled=True, memory_per_rank=[r["memory"] for r in per_rank],
                           model_states_per_rank=[r["model_states"] for r in per_rank])
         return record
 
     def close(self) -> dict:
-        per_rank = gather({"peak": self.peak, "model_states": self._states(),
+        if self.states is None:  # resumed past the last step: count now
+            self.states, self.states_step = self._states(), None
+        per_rank = gather({"peak": self.peak, "model_states": self.states,
                            "nvme": nvme_swap_bytes(self.ds_config, self.dist.rank)})
         out = {"peak_per_rank": [r["peak"] for r in per_rank],
                "model_states_per_rank": [r["model_states"] for r in per_rank],
+               "model_states_step": self.states_step,
                "nvme_swap_bytes_per_rank": [r["nvme"] for r in per_rank],
                "device": "cuda" if self.process.cuda else "cpu",
                "predicted": {k: v for k, v in self.prediction.items() if k != "comm"}}

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# GPU check: a ~1B Llama-shaped model (TinyLlama-1.1B shape, random weights), bf16, ZeRO-2, seq 2048 on one
+# GPU, measured through the harness's profiling hooks. Prints tokens/s, TFLOP/s, MFU and the planner's
+# predicted peak memory next to the measured one; leaves metrics.jsonl, summary.json and report.md in OUT_DIR.
+# Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
+#
+# The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
+# prepared beforehand on a machine that can reach one (pure-Python deepspeed wheel: its ops are compiled on
+# first use, and this check uses none of them; binary deps for the GPU machine's Python version):
+#
+#   bench/gpu_check.sh --prepare [PYTHON_VERSION]      e.g. --prepare 3.10   -> bench/wheels/
+#   bench/gpu_check.sh [OUT_DIR] [gpu_check.py options]  on the GPU machine    (default OUT_DIR /tmp/gpu_check)
+#
+# With the device tool of this project: run(command="bash bench/gpu_check.sh $OUT/gpu_check",
+# carry=["bench/wheels"], timeout_s=480); the report comes back under $OUT.
+# Environment: PYTHON (default python3), GPU_CHECK_WHEELS (default bench/wheels).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+WHEELS=${GPU_CHECK_WHEELS:-$ROOT/bench/wheels}
+DEEPSPEED_VERSION=0.19.8
+# deepspeed's own requirements that a torch + transformers image may lack (numpy, packaging, tqdm come with those)
+DEPS=(hjson py-cpuinfo msgpack einops ninja psutil pydantic)
+
+if [[ "${1:-}" == "--prepare" ]]; then
+    target=${2:-$($PY -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}
+    mkdir -p "$WHEELS"
+    $PY -m pip wheel --no-deps --wheel-dir "$WHEELS" "deepspeed==$DEEPSPEED_VERSION"
+    $PY -m pip download --only-binary=:all: --python-version "$target" --implementation cp \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+        --dest "$WHEELS" "${DEPS[@]}"
+    echo "[prepare] wheels for Python $target in $WHEELS; copy them to the GPU machine (or carry bench/wheels)"
+    exit 0
+fi
+
+OUT=${1:-/tmp/gpu_check}
+shift || true
+mkdir -p "$OUT"
+
+if ! $PY -c "import deepspeed" 2>/dev/null; then
+    if ! ls "$WHEELS"/deepspeed-*.whl >/dev/null 2>&1; then
+        echo "error: deepspeed is not installed and $WHEELS holds no deepspeed wheel" >&2
+        echo "    fix: run 'bench/gpu_check.sh --prepare PYTHON_VERSION' where pip reaches a registry," \
+             "then bring bench/wheels along" >&2
+        exit 2
+    fi
+    if $PY -m pip --version >/dev/null 2>&1; then
+        $PY -m pip install --quiet --no-index --find-links "$WHEELS" "deepspeed==$DEEPSPEED_VERSION"
+    else  # no pip in the image: wheels are zip files, unpack them onto the path
+        $PY - "$WHEELS" "$OUT/site" <<'EOF'
+import sys, zipfile, pathlib
+wheels, site = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+for wheel in sorted(wheels.glob("*.whl")):
+    zipfile.ZipFile(wheel).extractall(site)
+EOF
+        export PYTHONPATH="$OUT/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+fi
+
+$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'error: torch sees no CUDA device')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+start=$(date +%s)
+timeout 450 $PY "$ROOT/bench/gpu_check.py" --out "$OUT" "$@"
+echo "[gpu]     check took $(( $(date +%s) - start )) s; report: $OUT/report.md"

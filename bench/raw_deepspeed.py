@@ -1,0 +1,108 @@
+"""The baseline of bench/overhead.py: a plain DeepSpeed loop training exactly what a harness run trained.
+
+    deepspeed --num_gpus 2 bench/raw_deepspeed.py --run-dir RUN [--steps 30] [--warmup-steps 2]
+
+Reads RUN/recipe.json and RUN/ds_config.json (what a harness run wrote), builds the same model and packed
+rows with harness.models / harness.data / harness.batches, calls deepspeed.initialize with that config
+and runs forward / backward / step. No loss reduction, grad-norm read, logging or hooks per step: the
+losses are averaged over ranks once, after timing, so they can be checked against the harness's.
+--harness-sync adds the harness's own per-step reads (loss all-reduce, grad norm, lr) to isolate their cost.
+Prints one JSON line on rank 0: tokens/s over the steps after the warm-up steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PROFILING_KEYS = ("comms_logger", "wall_clock_breakdown")  # what the harness adds when profiling is on
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--keep-profiling", action="store_true", help="keep comms_logger / wall_clock_breakdown")
+    p.add_argument("--harness-sync", choices=("off", "on", "interleave"), default="off",
+                   help="add the harness's per-step reads (loss .item(), loss all-reduce, grad norm, lr) to every "
+                        "step, or to alternate blocks of --block timed steps (an A/B inside one run)")
+    p.add_argument("--block", type=int, default=5)
+    p.add_argument("--local_rank", type=int, default=0)
+    args = p.parse_args()
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from harness.batches import BatchPlan
+    from harness.data import load_text_dataset, split_blocks, tokenize_and_pack
+    from harness.dist import mean_across_ranks
+    from harness.models import build_model, load_tokenizer
+
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    recipe = json.loads((args.run_dir / "recipe.json").read_text())
+    ds_config = json.loads((args.run_dir / "ds_config.json").read_text())
+    if not args.keep_profiling:
+        ds_config.pop("comms_logger", None)
+        ds_config["wall_clock_breakdown"] = False
+    train = recipe["train"]
+    blocks = tokenize_and_pack(load_text_dataset(train["dataset"], train["text_field"]),
+                               load_tokenizer(train["model"]), train["seq_len"])
+    rows = split_blocks(blocks, train["eval_fraction"], train["seed"])[0]
+    zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+    model = build_model(train["model"], seed=train["seed"], zero3_init_config=ds_config if zero3 else None,
+                        gradient_checkpointing=recipe["activation_checkpointing"])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_config)
+    micro, gas = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
+    plan = BatchPlan(num_rows=rows.shape[0], global_batch=micro * gas * world, micro_batch=micro, grad_accum=gas,
+                     dp_rank=rank, dp_size=world, seed=train["seed"])
+
+    def synced(step: int) -> bool:
+        if args.harness_sync == "interleave":
+            return step >= args.warmup_steps and (step - args.warmup_steps) // args.block % 2 == 1
+        return args.harness_sync == "on"
+
+    losses, ends = [], []
+    start = time.perf_counter()
+    for step in range(args.steps):
+        step_losses = []
+        for idx in plan.micro_batches(step):
+            ids = rows[idx].to(engine.device)
+            loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+            engine.backward(loss)
+            engine.step()
+            step_losses.append(loss.detach())
+        losses.append(torch.stack(step_losses).float().mean())
+        if synced(step):  # what harness/trainer.py train_step does per step besides the loop
+            mean_across_ranks([losses[-1].item()])
+            engine.get_global_grad_norm()
+            engine.get_lr()
+        ends.append(time.perf_counter())
+
+    mean_losses = torch.stack(losses).double()
+    dist.all_reduce(mean_losses)
+    timed = ends[-1] - ends[args.warmup_steps - 1] if args.warmup_steps else ends[-1] - start
+    num_timed = args.steps - args.warmup_steps
+    tokens_per_step = plan.global_batch * rows.shape[1]
+    step_s = [b - a for a, b in zip([start, *ends], ends)]
+    by_mode = {mode: [t for i, t in enumerate(step_s) if i >= args.warmup_steps and synced(i) == on]
+               for mode, on in (("plain", False), ("sync", True))}
+    if rank == 0:
+        print(json.dumps({"raw": True, "steps_timed": num_timed, "timed_s": timed,
+                          "tokens_per_s": tokens_per_step * num_timed / timed, "step_time_s": step_s,
+                          **{f"tokens_per_s_{mode}": tokens_per_step * len(ts) / sum(ts) for mode, ts in by_mode.items()
+                             if ts},
+                          "loss": (mean_losses / world).tolist(), "ds_config": ds_config}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

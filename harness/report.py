@@ -1,0 +1,322 @@
+"""A run folder -> report.md + PNG plots + report.json: measured beside what the planner predicted.
+
+Reads runs/ID/metrics.jsonl, summary.json, recipe.json and ds_config.json (the outputs described in
+harness/profiling/__init__.py); writes, into the run folder, report.md (tables, flags, plots), report.json
+(the same tables as data) and the PNGs from report_plots.py. Pure except for file I/O and matplotlib.
+
+Tolerances behind the flags: model states 2 %, logged comm bytes 5 % (what the planner claims), peak
+memory 25 % (activations and allocator behaviour are rougher). Flags also name results that contradict the
+strategy ordering: a higher ZeRO stage holding more per rank than the planner says a lower one would, and,
+across several runs of one model and world size, a higher stage peaking above a lower one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.errors import UsageError
+from harness.metrics import read_metrics
+
+STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.25
+STATE_TERMS = ("params", "grads", "fp32_grads", "fp32_master", "optimizer_moments", "reduce_buckets",
+               "gathered_params", "offload_buffers", "other")
+SMALL_BYTES = 1024  # measured-only bytes below this (bookkeeping scalars) are not flagged
+ORDER_MARGIN = 0.10  # a higher stage must exceed a lower one by this much to be flagged (not noise)
+
+
+@dataclass
+class Run:
+    path: Path
+    records: list[dict]
+    summary: dict
+    recipe: dict
+    ds_config: dict
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def train(self) -> list[dict]:
+        return [r for r in self.records if r.get("kind") == "train"]
+
+    @property
+    def eval(self) -> list[dict]:
+        return [r for r in self.records if r.get("kind") == "eval"]
+
+    @property
+    def stage(self) -> int:
+        return self.ds_config.get("zero_optimization", {}).get("stage", 0)
+
+    @property
+    def label(self) -> str:
+        return f"{self.summary.get('recipe', self.path.name)} ({self.path.name})"
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def load_run(run_dir) -> Run:
+    path = Path(run_dir)
+    if not (path / "metrics.jsonl").exists():
+        raise UsageError(f"{path}: no metrics.jsonl here, so it is not a run folder (or the run never "
+                         "logged a step)\n    fix: pass the folder a run wrote, e.g. runs/2026-11-30_zero2")
+    run = Run(path, read_metrics(path), _json(path / "summary.json"), _json(path / "recipe.json"),
+              _json(path / "ds_config.json"))
+    if not run.summary:
+        run.notes.append("no summary.json: the run did not finish; tables use metrics.jsonl only")
+    return run
+
+
+def ratio(measured: float | None, predicted: float | None) -> float | None:
+    if measured is None or not predicted:
+        return None
+    return measured / predicted
+
+
+def _flag(r: float | None, tol: float) -> str:
+    if r is None:
+        return ""
+    return "" if abs(r - 1) <= tol else f"off by {100 * (r - 1):+.1f}%"
+
+
+def _total(devices: dict | None) -> int:
+    return sum((devices or {}).values())
+
+
+def _devices(devices: dict | None, accelerator: str | None = None) -> set[str]:
+    """Device names holding bytes; with `accelerator`, planner names (gpu/cpu/nvme) become measured ones
+    (on a CPU-only run the planner's "gpu" is the CPU)."""
+    names = {"gpu": "cuda" if accelerator == "cuda" else "cpu", "cpu": "cpu", "nvme": "nvme"}
+    return {names.get(d, d) if accelerator else d for d, b in (devices or {}).items() if b}
+
+
+def state_rows(run: Run) -> list[dict]:
+    """Model-state bytes per term: predicted (after a step) vs each rank's count, and where each lives."""
+    memory = run.summary.get("memory", {})
+    accelerator = memory.get("device", "cpu")
+    predicted = memory.get("predicted", {}).get("after_step", {})
+    ranks = memory.get("model_states_per_rank", [])
+    if not ranks:
+        last = next((r for r in reversed(run.train) if r.get("model_states_per_rank")), None)
+        ranks = last["model_states_per_rank"] if last else []
+    rows = []
+    for term in STATE_TERMS:
+        pred = _total(predicted.get(term)) if predicted else None
+        measured = [_total(rank.get(term)) for rank in ranks]
+        if not pred and not any(measured):
+            continue
+        ratios = [ratio(m, pred) for m in measured]
+        flags = [_flag(r, STATE_TOL) for r in ratios]
+        if not pred and predicted and max(measured, default=0) >= SMALL_BYTES:
+            flags = ["not in the planner's model"]
+        where = set().union(*(_devices(rank.get(term)) for rank in ranks)) if ranks else set()
+        want = _devices(predicted.get(term), accelerator)
+        if pred and any(measured) and want != where:
+            flags.append(f"predicted on {'+'.join(sorted(want))}, measured on {'+'.join(sorted(where))}")
+        rows.append({"term": term, "predicted": pred, "measured": measured, "ratio": ratios,
+                     "devices": sorted(where), "predicted_devices": sorted(want),
+                     "flag": "; ".join(sorted({f for f in flags if f}))})
+    if rows:
+        pred_total = _total({t: _total(v) for t, v in predicted.items()}) if predicted else None
+        measured = [sum(_total(v) for v in rank.values()) for rank in ranks]
+        ratios = [ratio(m, pred_total) for m in measured]
+        rows.append({"term": "total", "predicted": pred_total, "measured": measured, "ratio": ratios,
+                     "devices": [], "flag": "; ".join(sorted({f for f in (_flag(r, STATE_TOL) for r in ratios) if f}))})
+    return rows
+
+
+def comm_rows(run: Run) -> list[dict]:
+    comm = run.summary.get("comm", {})
+    predicted = comm.get("predicted", {})
+    ranks = comm.get("measured_per_rank", [])
+    rows = []
+    for op in sorted(set(predicted) | {op for rank in ranks for op in rank}):
+        pred = predicted.get(op)
+        measured = [rank.get(op, 0) for rank in ranks]
+        ratios = [ratio(m, pred) for m in measured]
+        flags = {_flag(r, COMM_TOL) for r in ratios} - {""}
+        if pred is None and max(measured, default=0) >= SMALL_BYTES:
+            flags = {"not in the planner's model"}
+        rows.append({"collective": op, "predicted": pred, "measured": measured, "ratio": ratios,
+                     "count": [c.get(op, 0) for c in comm.get("count_per_rank", [])],
+                     "latency_ms": [c.get(op, 0) for c in comm.get("latency_ms_per_rank", [])],
+                     "flag": "; ".join(sorted(flags))})
+    return rows
+
+
+def peak_rows(run: Run) -> list[dict]:
+    memory = run.summary.get("memory", {})
+    cuda = memory.get("device") == "cuda"
+    key = "peak_allocated_bytes" if cuda else "peak_rss_bytes"
+    predicted = memory.get("predicted", {}).get("peak_total_bytes")
+    rows = []
+    for rank, peaks in enumerate(memory.get("peak_per_rank", [])):
+        measured = peaks.get(key)
+        r = ratio(measured, predicted) if cuda else None
+        rows.append({"rank": rank, "measured_key": key, "measured": measured, "predicted": predicted, "ratio": r,
+                     "flag": _flag(r, PEAK_TOL) if cuda else
+                     "CPU run: RSS includes the interpreter and libraries, compare model states instead"})
+    return rows
+
+
+def stage_flags(run: Run) -> list[str]:
+    """A run whose measured model states exceed what the planner predicts for a lower ZeRO stage."""
+    memory = run.summary.get("memory", {})
+    by_stage = memory.get("predicted", {}).get("after_step_by_stage", {})
+    ranks = memory.get("model_states_per_rank", [])
+    if not by_stage or not ranks or run.stage == 0:
+        return []
+    fullest = max(ranks, key=lambda rank: sum(_total(v) for v in rank.values()))
+    measured = sum(_total(v) for v in fullest.values())
+    largest = max(fullest, key=lambda term: _total(fullest[term]))
+    out = []
+    for lower in reversed(range(run.stage)):  # name the nearest lower stage it exceeds
+        pred = by_stage.get(str(lower))
+        if pred and measured > pred * (1 + ORDER_MARGIN):
+            out.append(f"ZeRO-{run.stage} holds {fmt_bytes(measured)} of model states per rank, more than "
+                       f"ZeRO-{lower} would ({fmt_bytes(pred)} predicted); largest term {largest} "
+                       f"({fmt_bytes(_total(fullest[largest]))}): fixed-size buffers outweigh the sharding at "
+                       "this model size (size buckets and swap buffers from the model)")
+            break
+    return out
+
+
+def compare_flags(runs: list[Run]) -> list[str]:
+    """Across runs of one model and world size: a higher ZeRO stage peaking above a lower one."""
+    def peak(run: Run) -> int | None:
+        key = "peak_allocated_bytes" if run.summary.get("memory", {}).get("device") == "cuda" else None
+        peaks = run.summary.get("memory", {}).get("peak_per_rank", [])
+        if key and peaks:
+            return max(p.get(key, 0) for p in peaks)
+        states = run.summary.get("memory", {}).get("model_states_per_rank", [])
+        return max((sum(_total(v) for v in s.values()) for s in states), default=None)
+
+    out = []
+    groups: dict[tuple, list[Run]] = {}
+    for run in runs:
+        key = (run.recipe.get("train", {}).get("model"), run.summary.get("world_size"))
+        groups.setdefault(key, []).append(run)
+    for group in groups.values():
+        for hi in group:
+            for lo in group:
+                p_hi, p_lo = peak(hi), peak(lo)
+                if hi.stage > lo.stage and p_hi and p_lo and p_hi > p_lo * (1 + ORDER_MARGIN):
+                    out.append(f"ZeRO-{hi.stage} ({hi.label}) peaks at {fmt_bytes(p_hi)}, above ZeRO-{lo.stage} "
+                               f"({lo.label}) at {fmt_bytes(p_lo)}")
+    return out
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.3f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _per_rank(values: list, fmt) -> list[str]:
+    return [fmt(v) for v in values]
+
+
+def headline(run: Run) -> list[str]:
+    s, t = run.summary, run.summary.get("throughput", {})
+    zero = run.ds_config.get("zero_optimization", {})
+    train = run.recipe.get("train", {})
+    lines = [f"- recipe **{s.get('recipe', '?')}**, world size {s.get('world_size', '?')}, ZeRO stage "
+             f"{zero.get('stage', 0)}, {run.recipe.get('precision', '?')}, model {train.get('model', '?')}, "
+             f"seq_len {train.get('seq_len', '?')}"]
+    if run.train:
+        first, last = run.train[0], run.train[-1]
+        lines.append(f"- {len(run.train)} steps logged: loss {first['loss']:.4f} -> {last['loss']:.4f}"
+                     + (f", eval loss {run.eval[-1]['eval_loss']:.4f}" if run.eval else ""))
+    if t:
+        mfu = f"{100 * t['mfu']:.1f}%" if t.get("mfu") is not None else f"n/a ({t.get('mfu_note', 'no peak')})"
+        tflops = f"{t['tflops_per_gpu']:.4g}" if t.get("tflops_per_gpu") is not None else "n/a"
+        tok = f"{t['tokens_per_s_median']:.0f}" if t.get("tokens_per_s_median") else "n/a"
+        fpt = f"; {t['flops_per_token']:.3g} model FLOPs/token" if t.get("flops_per_token") else ""
+        lines.append(f"- throughput (median after step 1): {tok} tokens/s, {tflops} TFLOP/s per device, "
+                     f"MFU {mfu}{fpt}")
+        lines.append(f"- device: {t.get('device_name', '?')}, {t.get('precision', '?')}, dense peak "
+                     f"{t.get('peak_tflops') or 'n/a'} TFLOP/s")
+    window = s.get("profile", {}).get("window")
+    lines.append(f"- profiled steps: {window[0]}-{window[1]} (logged step numbers)" if window
+                 else "- profiling window: off (no comm measurement)")
+    return lines + [f"- note: {n}" for n in run.notes]
+
+
+def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]) -> str:
+    n_ranks = max([len(r["measured"]) for r in tables["states"] + tables["comm"]] or [0])
+    ranks = [f"rank {i}" for i in range(n_ranks)]
+    out = [f"# Run report: {run.label}", "", *headline(run), "", "## Flags", ""]
+    out += [f"- {f}" for f in flags] or ["- none: every measured value is within tolerance of its prediction"]
+    out += ["", "## Model states per rank after a step (predicted vs measured)", ""]
+    if tables["states"]:
+        out.append(_table(["term", "predicted", *ranks, "ratio (per rank)", "where (measured)", "flag"], [
+            [r["term"], fmt_bytes(r["predicted"]), *_per_rank(r["measured"], fmt_bytes),
+             " / ".join(_per_rank(r["ratio"], fmt_ratio)), "+".join(r["devices"]), r["flag"]]
+            for r in tables["states"]]))
+    else:
+        out.append("not recorded (profile.memory was off)")
+    out += ["", "## Communication per step, logged bytes (predicted vs measured)", ""]
+    if tables["comm"]:
+        out.append(_table(["collective", "predicted", *ranks, "ratio (per rank)", "calls/step",
+                           "latency ms/step", "flag"], [
+            [r["collective"], fmt_bytes(r["predicted"]), *_per_rank(r["measured"], fmt_bytes),
+             " / ".join(_per_rank(r["ratio"], fmt_ratio)), " / ".join(f"{c:g}" for c in r["count"]),
+             " / ".join(f"{v:.1f}" for v in r["latency_ms"]), r["flag"]] for r in tables["comm"]]))
+        notes = run.summary.get("comm", {}).get("prediction_notes", [])
+        out += [""] + [f"- {n}" for n in notes]
+    else:
+        out.append("not measured (no profile window)")
+    out += ["", "## Peak memory per rank", ""]
+    if tables["peak"]:
+        out.append(_table(["rank", "measured", "predicted (model states + activations)", "ratio", "flag"], [
+            [str(r["rank"]), f"{fmt_bytes(r['measured'])} ({r['measured_key']})", fmt_bytes(r["predicted"]),
+             fmt_ratio(r["ratio"]), r["flag"]] for r in tables["peak"]]))
+    else:
+        out.append("not recorded")
+    timers = run.summary.get("throughput", {}).get("timers_ms_median", {})
+    if timers:
+        out += ["", "## Step time breakdown (DeepSpeed timers, median ms, rank 0)", "",
+                _table(list(timers), [[f"{v:.2f}" for v in timers.values()]])]
+    out += ["", "## Plots", ""]
+    for name, series in plots.items():
+        out += [f"![{name}]({name})", f"series: {', '.join(series) or 'none (not recorded)'}", ""]
+    return "\n".join(out) + "\n"
+
+
+def write_report(run_dir, others: list | None = None) -> Path:
+    """Write report.md, report.json and the plots into run_dir; return the report path."""
+    from harness import report_plots
+
+    run = load_run(run_dir)
+    tables = {"states": state_rows(run), "comm": comm_rows(run), "peak": peak_rows(run)}
+    flags = [f"model states, {r['term']}: {r['flag']}" for r in tables["states"] if r["flag"]]
+    flags += [f"comm, {r['collective']}: {r['flag']}" for r in tables["comm"] if r["flag"]]
+    flags += [f"peak memory, rank {r['rank']}: {r['flag']}" for r in tables["peak"]
+              if r["flag"] and r["ratio"] is not None]
+    flags += stage_flags(run)
+    if others:
+        flags += [f for f in compare_flags([run, *(load_run(o) for o in others)]) if run.label in f]
+    try:
+        plots = report_plots.write_all(run, tables, run.path)
+    except ImportError:  # a bare GPU image without matplotlib still gets the tables
+        plots = {}
+        run.notes.append("matplotlib is not installed: no plots (pip install matplotlib)")
+    path = run.path / "report.md"
+    path.write_text(render(run, tables, flags, plots))
+    (run.path / "report.json").write_text(json.dumps({"tables": tables, "flags": flags, "plots": plots},
+                                                     indent=2) + "\n")
+    return path
