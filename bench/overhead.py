@@ -19,6 +19,8 @@ Counted for both: the steps after the first --warmup-steps, end to end on rank 0
                  (loss all-reduce, grad-norm read, hooks, metrics.jsonl, log lines). This is the headline.
   harness (own)  the records' step_time_s: the micro-batch loop only, as the harness reports itself.
   raw            perf_counter at step ends around forward / backward / step.
+ratio is tokens/s over the timed steps (harness / raw); "median step" and "p20 step" compare the median and
+20th-percentile step times instead, which a busy shared machine disturbs much less than the mean.
 The losses of the two runs must agree step for step, which shows they did the same work.
 Goal: harness wall / raw >= 0.98.
 """
@@ -85,7 +87,8 @@ def run_harness(args, run_dir: Path, profiling: bool) -> dict:
     note = f"harness exited {proc.returncode} after writing summary.json" if proc.returncode else ""
     if note:
         print(f"  WARNING: {note}; last lines:\n{proc.stderr[-800:]}", flush=True)
-    return {"tokens_per_s": tokens_per_step * len(timed) / wall_s,
+    return {"tokens_per_s": tokens_per_step * len(timed) / wall_s, "tokens_per_step": tokens_per_step,
+            "step_s": [deltas[r["step"]] for r in timed],
             "self": tokens_per_step * len(timed) / self_s,
             "overhead_ms": 1000 * (wall_s - self_s) / len(timed), "loss": [r["loss"] for r in train],
             "profiled_steps": profiled, "window_extra_ms": window_ms, "note": note}
@@ -98,6 +101,11 @@ def run_raw(args, run_dir: Path, sync: str = "off") -> dict:
     if proc.returncode != 0 or not lines:
         raise fail(proc)
     return json.loads(lines[0])
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Low quantiles of step time are what a step costs when the shared machine leaves it alone."""
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 def check_same_work(harness: dict, raw: dict) -> float:
@@ -122,18 +130,23 @@ def run_variant(args, name: str, profiling: bool, workdir: Path) -> list[dict]:
             else:
                 got[arm] = run_raw(args, config_dir, sync="interleave" if arm == "raw+sync" else "off")
         h, r = got["harness"], got["raw"]
+        raw_steps = r["step_time_s"][args.warmup_steps:]
         row = {"variant": name, "pair": pair + 1, "order": "-".join(order),
                "harness": h["tokens_per_s"], "harness_self": h["self"], "raw": r["tokens_per_s"],
                "ratio": h["tokens_per_s"] / r["tokens_per_s"], "ratio_self": h["self"] / r["tokens_per_s"],
+               "ratio_median": statistics.median(raw_steps) / statistics.median(h["step_s"]),
+               "ratio_p20": quantile(raw_steps, 0.2) / quantile(h["step_s"], 0.2),
+               "harness_step_s": h["step_s"], "raw_step_s": raw_steps,
                "overhead_ms": h["overhead_ms"], "loss_rel_diff": check_same_work(h, r),
                "profiled": h["profiled_steps"], "window_extra_ms": h["window_extra_ms"], "note": h["note"]}
         if "raw+sync" in got:
             check_same_work(h, got["raw+sync"])
             inter = got["raw+sync"]  # one run, blocks with and without the harness's per-step reads
-            row["ratio_sync"] = inter["tokens_per_s_sync"] / inter["tokens_per_s_plain"]
+            row["ratio_sync"] = inter["median_step_s_plain"] / inter["median_step_s_sync"]  # as a throughput ratio
         rows.append(row)
         print(f"  {name} pair {row['pair']} ({row['order']}): harness {row['harness']:.0f} tok/s (self "
-              f"{row['harness_self']:.0f}), raw {row['raw']:.0f} tok/s, ratio {row['ratio']:.3f}"
+              f"{row['harness_self']:.0f}), raw {row['raw']:.0f} tok/s, ratio {row['ratio']:.3f} (median step "
+              f"{row['ratio_median']:.3f}, p20 step {row['ratio_p20']:.3f})"
               + (f", raw with/without harness sync {row['ratio_sync']:.3f}" if "ratio_sync" in row else ""), flush=True)
     return rows
 
@@ -141,11 +154,13 @@ def run_variant(args, name: str, profiling: bool, workdir: Path) -> list[dict]:
 def table(rows: list[dict], args) -> str:
     sync = any("ratio_sync" in r for r in rows)
     head = ("| variant | pair | order | harness tok/s | harness tok/s (own step_time_s) | raw tok/s | ratio | "
-            "ratio (own) | ms/step outside the loop |" + (" raw sync / plain |" if sync else ""))
+            "ratio median step | ratio p20 step | ratio (own) | ms/step outside the loop |"
+            + (" raw sync / plain |" if sync else ""))
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['pair']} | {r['order']} | {r['harness']:.0f} | {r['harness_self']:.0f} | "
-                     f"{r['raw']:.0f} | {r['ratio']:.3f} | {r['ratio_self']:.3f} | {r['overhead_ms']:.1f} |"
+                     f"{r['raw']:.0f} | {r['ratio']:.3f} | {r['ratio_median']:.3f} | {r['ratio_p20']:.3f} | "
+                     f"{r['ratio_self']:.3f} | {r['overhead_ms']:.1f} |"
                      + (f" {r.get('ratio_sync', float('nan')):.3f} |" if sync else ""))
     lines.append(f"\nrecipe {args.recipe}, {args.ranks} ranks, {args.steps} steps; timed: steps "
                  f"{args.warmup_steps + 1}-{args.steps} on both sides; ratio = harness / raw, goal >= {GOAL}")
@@ -153,10 +168,12 @@ def table(rows: list[dict], args) -> str:
         mine = [r for r in rows if r["variant"] == variant]
         ratio = statistics.median(r["ratio"] for r in mine)
         line = (f"profiling {variant}: median ratio {ratio:.3f} ({'meets' if ratio >= GOAL else 'misses'} the goal); "
+                f"per-step median / p20 ratios {statistics.median(r['ratio_median'] for r in mine):.3f} / "
+                f"{statistics.median(r['ratio_p20'] for r in mine):.3f}; "
                 f"by the harness's own step_time_s {statistics.median(r['ratio_self'] for r in mine):.3f}; "
                 f"outside the micro-batch loop {statistics.median(r['overhead_ms'] for r in mine):.1f} ms/step")
         if sync:
-            line += (f"; raw with / without the harness's per-step sync (interleaved in one run) "
+            line += (f"; raw with / without the harness's per-step sync (interleaved in one run, median steps) "
                      f"{statistics.median(r['ratio_sync'] for r in mine):.3f}")
         window = [ms for r in mine for ms in r["window_extra_ms"]]
         if window:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -100,6 +100,7 @@ def main() -> None:
                           "tokens_per_s": tokens_per_step * num_timed / timed, "step_time_s": step_s,
                           **{f"tokens_per_s_{mode}": tokens_per_step * len(ts) / sum(ts) for mode, ts in by_mode.items()
                              if ts},
+                          **{f"median_step_s_{mode}": statistics.median(ts) for mode, ts in by_mode.items() if ts},
                           "loss": (mean_losses / world).tolist(), "ds_config": ds_config}), flush=True)
     dist.destroy_process_group()
 
