@@ -57,9 +57,20 @@ def env() -> dict:
     return out
 
 
+def drop_shm_segments(port: int) -> None:
+    """DeepSpeed's CPU shm all-reduce leaves /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
+    (~66 MB of RAM each) behind after every run; this launch's port names them."""
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
+        path.unlink(missing_ok=True)
+
+
 def deepspeed(ranks: int, script: str, *args: str) -> subprocess.CompletedProcess:
-    cmd = [str(BIN / "deepspeed"), "--master_port", str(free_port()), "--num_gpus", str(ranks), script, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1800)
+    port = free_port()
+    cmd = [str(BIN / "deepspeed"), "--master_port", str(port), "--num_gpus", str(ranks), script, *args]
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1800)
+    finally:
+        drop_shm_segments(port)
 
 
 def fail(proc: subprocess.CompletedProcess) -> SystemExit:

@@ -269,15 +269,20 @@ def test_zero_infinity_swap_buffers_and_files_are_counted(tmp_path):
     from launch import launch
 
     run_dir, nvme = tmp_path / "run", tmp_path / "nvme"
+    swap_elems, swap_count = 1_000_000, 3  # not DeepSpeed's 5 x 1e8 (1 GB pinned per rank)
     launch("--recipe", "zero3_nvme", "--set", f"zero.nvme_path={nvme}", "--set", "train.steps=4",
            "--set", "train.seq_len=64", "--profile-steps", "2-3", "--set", "train.eval_every=0",
+           "--set", f"deepspeed.zero_optimization.offload_param.buffer_size={swap_elems}",
+           "--set", f"deepspeed.zero_optimization.offload_param.buffer_count={swap_count}",
            "--output-dir", str(run_dir))
     buckets = planner_memory.harness_buckets(HIDDEN)
+    buckets = planner_memory.ZeroBuckets(**{**buckets.__dict__, "param_swap_buffer_elems": swap_elems,
+                                            "param_swap_buffer_count": swap_count})
     predicted = planner_memory.model_state_bytes(
         TINY.total, stage=3, dp=2, precision="bf16", offload_optimizer="nvme", offload_param="nvme",
         phase="after_step", largest_layer_params=TINY.largest_layer, largest_tensor_params=TINY.largest_tensor,
         persistent_params=TINY.persistent_numel(buckets.param_persistence_threshold), buckets=buckets)
-    want = sum(predicted["offload_buffers"].values())  # pinned swap buffers, sized by DeepSpeed's defaults
+    want = sum(predicted["offload_buffers"].values())  # pinned swap buffers of both swappers
     memory = json.loads((run_dir / "summary.json").read_text())["memory"]
     assert len(memory["nvme_swap_bytes_per_rank"]) == 2
     for states in memory["model_states_per_rank"]:

@@ -28,13 +28,17 @@ def _zero_settings(ds: dict) -> dict:
     opt_dev = (zo.get("offload_optimizer") or {}).get("device", "none") if stage >= 1 else "none"
     param_dev = (zo.get("offload_param") or {}).get("device", "none") if stage == 3 else "none"
     defaults = memory.ZeroBuckets()
+    opt_block, param_block = zo.get("offload_optimizer") or {}, zo.get("offload_param") or {}
     buckets = memory.ZeroBuckets(
         reduce_bucket_elems=int(zo.get("reduce_bucket_size", defaults.reduce_bucket_elems)),
         prefetch_bucket_elems=int(zo.get("stage3_prefetch_bucket_size", defaults.prefetch_bucket_elems)),
         param_persistence_threshold=int(zo.get("stage3_param_persistence_threshold",
                                                defaults.param_persistence_threshold)),
         sub_group_elems=int(zo.get("sub_group_size", defaults.sub_group_elems)),
-        overlap_comm=zo.get("overlap_comm"))
+        overlap_comm=zo.get("overlap_comm"),
+        optimizer_swap_buffer_count=int(opt_block.get("buffer_count", defaults.optimizer_swap_buffer_count)),
+        param_swap_buffer_count=int(param_block.get("buffer_count", defaults.param_swap_buffer_count)),
+        param_swap_buffer_elems=int(param_block.get("buffer_size", defaults.param_swap_buffer_elems)))
     return {"stage": stage, "offload_optimizer": opt_dev, "offload_param": param_dev, "buckets": buckets,
             "max_live": int(zo.get("stage3_max_live_parameters", STAGE3_DEFAULT_MAX_LIVE))}
 
