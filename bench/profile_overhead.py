@@ -38,7 +38,9 @@ def _port() -> int:
 
 
 def launch(recipe: str, steps: int, seq_len: int, ranks: int, extra: list[str], out: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    bin_dir = str(Path(sys.executable).parent)  # this venv's ninja first (see Makefile: JIT ops stay valid)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]))
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--master_port", str(_port()), "--num_gpus", str(ranks),
            "harness/run.py", "--recipe", recipe, "--set", f"train.steps={steps}", "--set", f"train.seq_len={seq_len}",
            "--set", "train.eval_every=0", "--output-dir", str(out), "--overwrite", *extra]
