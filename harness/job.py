@@ -8,11 +8,11 @@ import shutil
 from pathlib import Path
 
 from harness import checkpoint, dist as distmod, profiling
-from harness.commands.show import render_provenance
 from harness.errors import UsageError
 from harness.jsonio import dump_json
 from harness.metrics import MetricsLog, say
 from harness.recipes import deep_merge
+from harness.resolve import render_provenance
 from harness.trainer import Data, Trainer
 
 

@@ -44,6 +44,25 @@ def join_path(parent: str, key: str | int) -> str:
     return f"{parent}.{key}" if parent else str(key)
 
 
+def get_path(data: dict, dotted: str):
+    """The value at a dotted path, or None when any part is missing."""
+    node = data
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def pop_path(data: dict, dotted: str) -> tuple[bool, object]:
+    """Remove the value at a dotted path: (found, value)."""
+    *parents, leaf = dotted.split(".")
+    parent = get_path(data, ".".join(parents)) if parents else data
+    if isinstance(parent, dict) and leaf in parent:
+        return True, parent.pop(leaf)
+    return False, None
+
+
 def _collect_problems(node: object, path: str, found: list[Problem]) -> None:
     if isinstance(node, _NonFinite):
         found.append(Problem(path, f"{node} is not a finite number (Python's json reads it, DeepSpeed would train with it)",

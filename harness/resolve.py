@@ -9,9 +9,11 @@ and an "auto" that cannot be filled is an error naming it.
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 
 from harness.errors import Problem
+from harness.jsonio import get_path
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 RECIPE_BATCH = {"train_batch_size": "batch.train_batch_size",
@@ -77,15 +79,6 @@ class _Filler:
         self.provenance[path] = {"value": value, "source": source}
 
 
-def _get(ds: dict, path: str):
-    node = ds
-    for key in path.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return node
-
-
 def _resolve_batch(f: _Filler, ctx: Context, pp: int, tp: int) -> None:
     if ctx.world_size is None:
         return
@@ -142,7 +135,7 @@ def _resolve_settings(f: _Filler, ctx: Context) -> None:
         "bf16.enabled": (r["precision"] == "bf16", f"recipe precision {r['precision']!r}"),
     }
     for path, (value, source) in settings.items():
-        if _get(f.ds, path) == "auto":
+        if get_path(f.ds, path) == "auto":
             f.fill(path, value, source)
 
 
@@ -152,7 +145,7 @@ def _resolve_buckets(f: _Filler, ctx: Context) -> None:
              "zero_optimization.stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), "0.9 x hidden_size^2"),
              "zero_optimization.stage3_param_persistence_threshold": (lambda h: 10 * h, "10 x hidden_size")}
     for path, (formula, text) in rules.items():
-        if _get(f.ds, path) != "auto":
+        if get_path(f.ds, path) != "auto":
             continue
         if hidden:
             f.fill(path, formula(hidden), f"model {ctx.model_name} hidden_size={hidden}: {text}")
@@ -169,3 +162,13 @@ def resolve(ds: dict, ctx: Context) -> tuple[dict, dict[str, dict], list[Problem
     _resolve_settings(f, ctx)
     _resolve_buckets(f, ctx)
     return f.ds, f.provenance, f.problems
+
+
+def render_provenance(provenance: dict[str, dict]) -> str:
+    if not provenance:
+        return "filled values: none (no \"auto\" in this config)"
+    width = max(len(p) for p in provenance)
+    lines = ["filled values:"]
+    for path, item in provenance.items():
+        lines.append(f"  {path:<{width}} = {json.dumps(item['value']):<12} <- {item['source']}")
+    return "\n".join(lines)

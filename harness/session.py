@@ -11,12 +11,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.commands.common import context
 from harness.errors import UsageError
 from harness.jsonio import load_json
 from harness.recipes import load_recipe
 from harness.resolve import degrees
-from harness.validate import check_ds_config, check_recipe, strip_annotations
+from harness.validate import check_ds_config, check_recipe, context, strip_annotations
 
 DEFAULT_RECIPE = "zero2_offload"
 

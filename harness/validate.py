@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from harness import builder
-from harness.errors import ConfigError, Problem
-from harness.jsonio import join_path
+from harness.errors import ConfigError, Problem, UsageError
+from harness.jsonio import join_path, pop_path
+from harness.model_shapes import load_model_config, shape_summary
 from harness.resolve import Context, resolve
 from harness.rules import check
 from harness.schema import DS_SCHEMA, load_schema, validate
@@ -24,16 +26,6 @@ class Checked:
     warnings: list[Problem] = field(default_factory=list)
 
 
-def _pop_path(ds: dict, dotted: str):
-    node = ds
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        node = node.get(key) if isinstance(node, dict) else None
-    if isinstance(node, dict) and leaf in node:
-        return True, node.pop(leaf)
-    return False, None
-
-
 def _set_path(ds: dict, dotted: str, value) -> None:
     node = ds
     *parents, leaf = dotted.split(".")
@@ -42,18 +34,36 @@ def _set_path(ds: dict, dotted: str, value) -> None:
     node.setdefault(leaf, value)
 
 
+def model_shape(spec: str) -> dict | None:
+    """Shape of a preset, known model or local dir; None for a hub id (not looked up offline)."""
+    try:
+        return shape_summary(load_model_config(spec))
+    except UsageError:
+        if Path(spec).exists():
+            raise
+        return None
+
+
+def context(recipe: dict, world_size: int | None, model: str | None = None,
+            fp16_supported: bool | None = None) -> Context:
+    """What a config is checked against: run settings, world size, and the model's shape when known."""
+    name = model or recipe["train"]["model"]
+    return Context(recipe=recipe, world_size=world_size, model=model_shape(name), model_name=name,
+                   fp16_supported=fp16_supported)
+
+
 def normalize(ds: dict) -> tuple[dict, list[Problem]]:
     """Report removed keys (errors) and remap deprecated ones (warnings), as DeepSpeed 0.19.8 would."""
     schema = load_schema(DS_SCHEMA)
     ds = copy.deepcopy(ds)
     problems = []
     for path, why in schema.get("x-removed-keys", {}).items():
-        found, _ = _pop_path(ds, path)
+        found, _ = pop_path(ds, path)
         if found:
             problems.append(Problem(path, f"{path.split('.')[-1]!r} was removed from DeepSpeed (0.19 raises "
                                     "DeepSpeedConfigError)", why))
     for old, new in schema.get("x-deprecated-keys", {}).items():
-        found, value = _pop_path(ds, old)
+        found, value = pop_path(ds, old)
         if found:
             problems.append(Problem(old, f"deprecated key, remapped to {new}", f"write {new} instead",
                                     severity="warning"))

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from harness.errors import UsageError
 from harness.jsonio import load_json
-from harness.model_shapes import load_model_config, shape_summary
 from harness.recipes import complete, load_recipe
-from harness.resolve import Context
-from harness.validate import Checked, check_ds_config, check_recipe
+from harness.validate import Checked, check_ds_config, check_recipe, context, model_shape  # noqa: F401
 
 DEFAULTS_SOURCE = "<recipe defaults>"
 
@@ -22,25 +18,8 @@ def world_size_arg(text: str) -> int:
     return int(text)
 
 
-def model_shape(spec: str) -> dict | None:
-    """Shape of a preset, known model or local dir; None for a hub id (not looked up offline)."""
-    try:
-        return shape_summary(load_model_config(spec))
-    except UsageError:
-        if Path(spec).exists():
-            raise
-        return None
-
-
 def is_recipe(data: dict) -> bool:
     return "description" in data or str(data.get("$schema", "")).endswith("recipe.schema.json")
-
-
-def context(recipe: dict, world_size: int | None, model: str | None = None,
-            fp16_supported: bool | None = None) -> Context:
-    name = model or recipe["train"]["model"]
-    return Context(recipe=recipe, world_size=world_size, model=model_shape(name), model_name=name,
-                   fp16_supported=fp16_supported)
 
 
 def check_file(path: str, world_size: int | None, model: str | None = None, overrides=()) -> tuple[Checked, dict]:

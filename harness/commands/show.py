@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from harness.commands.common import check_file, check_named, world_size_arg
 from harness.jsonio import dump_json
+from harness.resolve import render_provenance
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,16 +16,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model (default: the recipe's train.model)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override, e.g. --set batch.micro_batch_per_gpu=2")
-
-
-def render_provenance(provenance: dict[str, dict]) -> str:
-    if not provenance:
-        return "filled values: none (no \"auto\" in this config)"
-    width = max(len(p) for p in provenance)
-    lines = ["filled values:"]
-    for path, item in provenance.items():
-        lines.append(f"  {path:<{width}} = {json.dumps(item['value']):<12} <- {item['source']}")
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
