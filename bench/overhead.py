@@ -1,6 +1,6 @@
 """What the harness costs over a plain DeepSpeed loop: tokens/s of harness/run.py vs bench/raw_deepspeed.py.
 
-    python bench/overhead.py [--pairs 3] [--steps 100] [--warmup-steps 5] [--recipe zero2] [--ranks 2] [--sync-arm]
+    python bench/overhead.py [--pairs 3] [--steps 100] [--warmup-steps 5] [--recipe zero2] [--ranks 2]
 
 Both train the same model on the same rows with the same resolved DeepSpeed config (raw_deepspeed.py reads
 the ds_config.json and recipe.json the harness run wrote; with profiling on it drops the harness's
@@ -8,15 +8,12 @@ profiling keys, so the baseline is always DeepSpeed without profiling). Runs alt
 so drift on a shared machine hits both sides; the verdict is the median of the per-pair ratios.
 Variants: "off" (--profile-steps '') and "on" (the recipe's defaults: profile window 3-4, memory hook,
 DeepSpeed's wall-clock timers on every step); the window's steps fall in the warm-up and are reported apart.
---sync-arm adds a third run per pair: raw_deepspeed.py --harness-sync interleave, which alternates blocks of
-steps with and without the harness's per-step loss all-reduce and grad-norm read inside ONE run, so the
-cost of that synchronisation is measured without the run-to-run noise of separate launches.
 Steps of the tiny default model take ~60-100 ms on 2 CPU cores, so a few ms per step is a few per cent,
 and 30 steps time only ~2 s: too short to see 2% through the noise of a shared machine (hence 100).
 
 Counted for both: the steps after the first --warmup-steps, end to end on rank 0.
-  harness        train records' "time" stamps: every step with everything the harness does around it
-                 (loss all-reduce, grad-norm read, hooks, metrics.jsonl, log lines). This is the headline.
+  harness        train records' "time" stamps (each step's end): every step with everything the harness does
+                 around it (hooks, the loss all-reduce and records written at each flush, log lines). The headline.
   harness (own)  the records' step_time_s: the micro-batch loop only, as the harness reports itself.
   raw            perf_counter at step ends around forward / backward / step.
 ratio is tokens/s over the timed steps (harness / raw); "median step" and "p20 step" compare the median and
@@ -105,9 +102,9 @@ def run_harness(args, run_dir: Path, profiling: bool) -> dict:
             "profiled_steps": profiled, "window_extra_ms": window_ms, "note": note}
 
 
-def run_raw(args, run_dir: Path, sync: str = "off") -> dict:
+def run_raw(args, run_dir: Path) -> dict:
     proc = deepspeed(args.ranks, "bench/raw_deepspeed.py", "--run-dir", str(run_dir), "--steps", str(args.steps),
-                     "--warmup-steps", str(args.warmup_steps), "--harness-sync", sync)
+                     "--warmup-steps", str(args.warmup_steps))
     lines = [line for line in proc.stdout.splitlines() if line.startswith('{"raw"')]
     if proc.returncode != 0 or not lines:
         raise fail(proc)
@@ -128,7 +125,7 @@ def check_same_work(harness: dict, raw: dict) -> float:
 
 
 def run_variant(args, name: str, profiling: bool, workdir: Path) -> list[dict]:
-    arms = ["harness", "raw"] + (["raw+sync"] if args.sync_arm else [])
+    arms = ["harness", "raw"]
     rows, config_dir = [], None
     for pair in range(args.pairs):
         order = arms[pair % len(arms):] + arms[:pair % len(arms)]  # rotate; pair 1 starts with the harness
@@ -139,7 +136,7 @@ def run_variant(args, name: str, profiling: bool, workdir: Path) -> list[dict]:
                 got[arm] = run_harness(args, run_dir, profiling)
                 config_dir = config_dir or run_dir
             else:
-                got[arm] = run_raw(args, config_dir, sync="interleave" if arm == "raw+sync" else "off")
+                got[arm] = run_raw(args, config_dir)
         h, r = got["harness"], got["raw"]
         raw_steps = r["step_time_s"][args.warmup_steps:]
         row = {"variant": name, "pair": pair + 1, "order": "-".join(order),
@@ -150,29 +147,21 @@ def run_variant(args, name: str, profiling: bool, workdir: Path) -> list[dict]:
                "harness_step_s": h["step_s"], "raw_step_s": raw_steps,
                "overhead_ms": h["overhead_ms"], "loss_rel_diff": check_same_work(h, r),
                "profiled": h["profiled_steps"], "window_extra_ms": h["window_extra_ms"], "note": h["note"]}
-        if "raw+sync" in got:
-            check_same_work(h, got["raw+sync"])
-            inter = got["raw+sync"]  # one run, blocks with and without the harness's per-step reads
-            row["ratio_sync"] = inter["median_step_s_plain"] / inter["median_step_s_sync"]  # as a throughput ratio
         rows.append(row)
         print(f"  {name} pair {row['pair']} ({row['order']}): harness {row['harness']:.0f} tok/s (self "
               f"{row['harness_self']:.0f}), raw {row['raw']:.0f} tok/s, ratio {row['ratio']:.3f} (median step "
-              f"{row['ratio_median']:.3f}, p20 step {row['ratio_p20']:.3f})"
-              + (f", raw with/without harness sync {row['ratio_sync']:.3f}" if "ratio_sync" in row else ""), flush=True)
+              f"{row['ratio_median']:.3f}, p20 step {row['ratio_p20']:.3f})", flush=True)
     return rows
 
 
 def table(rows: list[dict], args) -> str:
-    sync = any("ratio_sync" in r for r in rows)
     head = ("| variant | pair | order | harness tok/s | harness tok/s (own step_time_s) | raw tok/s | ratio | "
-            "ratio median step | ratio p20 step | ratio (own) | ms/step outside the loop |"
-            + (" raw sync / plain |" if sync else ""))
+            "ratio median step | ratio p20 step | ratio (own) | ms/step outside the loop |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['pair']} | {r['order']} | {r['harness']:.0f} | {r['harness_self']:.0f} | "
                      f"{r['raw']:.0f} | {r['ratio']:.3f} | {r['ratio_median']:.3f} | {r['ratio_p20']:.3f} | "
-                     f"{r['ratio_self']:.3f} | {r['overhead_ms']:.1f} |"
-                     + (f" {r.get('ratio_sync', float('nan')):.3f} |" if sync else ""))
+                     f"{r['ratio_self']:.3f} | {r['overhead_ms']:.1f} |")
     lines.append(f"\nrecipe {args.recipe}, {args.ranks} ranks, {args.steps} steps; timed: steps "
                  f"{args.warmup_steps + 1}-{args.steps} on both sides; ratio = harness / raw, goal >= {GOAL}")
     for variant in dict.fromkeys(r["variant"] for r in rows):
@@ -183,9 +172,6 @@ def table(rows: list[dict], args) -> str:
                 f"{statistics.median(r['ratio_p20'] for r in mine):.3f}; "
                 f"by the harness's own step_time_s {statistics.median(r['ratio_self'] for r in mine):.3f}; "
                 f"outside the micro-batch loop {statistics.median(r['overhead_ms'] for r in mine):.1f} ms/step")
-        if sync:
-            line += (f"; raw with / without the harness's per-step sync (interleaved in one run, median steps) "
-                     f"{statistics.median(r['ratio_sync'] for r in mine):.3f}")
         window = [ms for r in mine for ms in r["window_extra_ms"]]
         if window:
             line += (f"; profiled steps {mine[0]['profiled']} (not timed) took {statistics.median(window):.0f} ms "
@@ -203,9 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default="zero2")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--variants", default="off,on", help="off: --profile-steps ''; on: the recipe's window")
-    p.add_argument("--sync-arm", action="store_true",
-                   help="a third run per pair: raw with the harness's per-step loss all-reduce and grad-norm read "
-                        "on alternate blocks of steps (A/B inside one run)")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args(argv)
     if not 1 <= args.warmup_steps < args.steps:

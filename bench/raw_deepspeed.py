@@ -6,7 +6,6 @@ Reads RUN/recipe.json and RUN/ds_config.json (what a harness run wrote), builds 
 rows with harness.models / harness.data / harness.batches, calls deepspeed.initialize with that config
 and runs forward / backward / step. No loss reduction, grad-norm read, logging or hooks per step: the
 losses are averaged over ranks once, after timing, so they can be checked against the harness's.
---harness-sync adds the harness's own per-step reads (loss all-reduce, grad norm, lr) to isolate their cost.
 Prints one JSON line on rank 0: tokens/s over the steps after the warm-up steps.
 """
 
@@ -14,20 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-def unlink_shm_segment(rank: int) -> None:
-    """DeepSpeed's CPU shm all-reduce never unlinks its /dev/shm segment (~66 MB of RAM per rank and run).
-    Once every rank is past init_distributed (a barrier), each has mapped every peer's segment: drop the name."""
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-            f"{os.environ.get('MASTER_PORT')}_{rank}")
-    Path("/dev/shm", name).unlink(missing_ok=True)
 
 
 def main() -> None:
@@ -36,10 +26,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--keep-profiling", action="store_true", help="keep comms_logger / wall_clock_breakdown")
-    p.add_argument("--harness-sync", choices=("off", "on", "interleave"), default="off",
-                   help="add the harness's per-step reads (loss .item(), loss all-reduce, grad norm, lr) to every "
-                        "step, or to alternate blocks of --block timed steps (an A/B inside one run)")
-    p.add_argument("--block", type=int, default=5)
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args()
 
@@ -49,13 +35,12 @@ def main() -> None:
 
     from harness.batches import BatchPlan
     from harness.data import load_text_dataset, split_blocks, tokenize_and_pack
-    from harness.dist import mean_across_ranks
+    from harness.dist import unlink_shm_buffer
     from harness.models import build_model, load_tokenizer
 
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    dist.barrier()
-    unlink_shm_segment(rank)
+    unlink_shm_buffer(dist)  # as harness/dist.py does: DeepSpeed leaks it otherwise
     recipe = json.loads((args.run_dir / "recipe.json").read_text())
     ds_config = json.loads((args.run_dir / "ds_config.json").read_text())
     if not args.keep_profiling:  # the keys the harness adds when profiling is on
@@ -73,11 +58,6 @@ def main() -> None:
     plan = BatchPlan(num_rows=rows.shape[0], global_batch=micro * gas * world, micro_batch=micro, grad_accum=gas,
                      dp_rank=rank, dp_size=world, seed=train["seed"])
 
-    def synced(step: int) -> bool:
-        if args.harness_sync == "interleave":
-            return step >= args.warmup_steps and (step - args.warmup_steps) // args.block % 2 == 1
-        return args.harness_sync == "on"
-
     losses, ends = [], []
     start = time.perf_counter()
     for step in range(args.steps):
@@ -89,10 +69,6 @@ def main() -> None:
             engine.step()
             step_losses.append(loss.detach())
         losses.append(torch.stack(step_losses).float().mean())
-        if synced(step):  # what harness/trainer.py train_step does per step besides the loop
-            mean_across_ranks([losses[-1].item()])
-            engine.get_global_grad_norm()
-            engine.get_lr()
         ends.append(time.perf_counter())
 
     mean_losses = torch.stack(losses).double()
@@ -101,14 +77,9 @@ def main() -> None:
     num_timed = args.steps - args.warmup_steps
     tokens_per_step = plan.global_batch * rows.shape[1]
     step_s = [b - a for a, b in zip([start, *ends], ends)]
-    by_mode = {mode: [t for i, t in enumerate(step_s) if i >= args.warmup_steps and synced(i) == on]
-               for mode, on in (("plain", False), ("sync", True))}
     if rank == 0:
         print(json.dumps({"raw": True, "steps_timed": num_timed, "timed_s": timed,
                           "tokens_per_s": tokens_per_step * num_timed / timed, "step_time_s": step_s,
-                          **{f"tokens_per_s_{mode}": tokens_per_step * len(ts) / sum(ts) for mode, ts in by_mode.items()
-                             if ts},
-                          **{f"median_step_s_{mode}": statistics.median(ts) for mode, ts in by_mode.items() if ts},
                           "loss": (mean_losses / world).tolist(), "ds_config": ds_config}), flush=True)
     dist.destroy_process_group()
 

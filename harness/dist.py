@@ -47,13 +47,13 @@ def init() -> DistInfo:
     import torch.distributed as dist
 
     if accel.device_name() == "cpu" and dist.get_world_size() > 1:
-        _unlink_shm_buffer(dist)
+        unlink_shm_buffer(dist)
 
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                     device=device, backend=dist.get_backend())
 
 
-def _unlink_shm_buffer(dist) -> None:
+def unlink_shm_buffer(dist) -> None:
     """DeepSpeed's CPU shm all-reduce never unlinks its /dev/shm buffer (~66 MB per rank per run, leaked for
     good). Once every rank has mapped its peers' buffers (after a barrier) the name can go; the memory is
     then freed when the processes exit, even after a crash."""
@@ -80,15 +80,16 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def mean_across_ranks(values: list[float]) -> list[float]:
-    """Average scalars over all ranks (tensor-parallel duplicates average to the same value)."""
+def mean_across_ranks(values) -> list[float]:
+    """Average scalars (floats, or 0-d tensors on any device) over all ranks in one all-reduce; tensor-parallel
+    duplicates average to the same value."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64)
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64).detach().to(device) for v in values])
     if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            t = t.cuda()
         dist.all_reduce(t)
         t /= dist.get_world_size()
     return t.cpu().tolist()

@@ -107,6 +107,15 @@ def announce(spec, dist, run_dir: Path, model, data: Data) -> None:
     say("config", f"run folder {run_dir}")
 
 
+def quiesce(engine) -> None:
+    """Leave no collective in flight before the process exits. ZeRO-3 prefetches parameters with async
+    all-gathers that nothing waits for after the last forward (the checkpoint's probe); wait for them and
+    release what they gathered, then meet the other ranks. Success path only: after an error a peer may never
+    reach the barrier."""
+    engine.empty_partition_cache()
+    distmod.barrier()
+
+
 def main(spec) -> int:
     from harness.models import load_tokenizer
 
@@ -136,6 +145,7 @@ def main(spec) -> int:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             say("done", f"{summary['steps']} steps, loss {result['first_loss']:.3f} -> {result['last_loss']:.3f}; "
                         f"outputs in {run_dir}")
+        quiesce(engine)
         return 0
     finally:
         if log:

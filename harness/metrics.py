@@ -16,9 +16,12 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a") if enabled else None
 
-    def write(self, kind: str, step: int, **fields) -> None:
+    def write(self, kind: str, step: int, at: float | None = None, **fields) -> None:
+        """`at`: when the event happened (time.time()), if earlier than now (train records are written in
+        batches at each flush)."""
         if self._file:
-            self._file.write(json.dumps({"kind": kind, "step": step, "time": round(time.time(), 3), **fields}) + "\n")
+            stamp = round(time.time() if at is None else at, 3)
+            self._file.write(json.dumps({"kind": kind, "step": step, "time": stamp, **fields}) + "\n")
             self._file.flush()
 
     def close(self) -> None:

@@ -1,4 +1,10 @@
-"""The training loop: micro-steps with gradient accumulation, eval, logging, checkpoints."""
+"""The training loop: micro-steps with gradient accumulation, eval, logging, checkpoints.
+
+Per step the loop only queues work: the loss stays a tensor on the device and nothing is all-reduced. The
+losses of the steps since the last flush are averaged over ranks in ONE all-reduce at every log line, eval,
+checkpoint and the last step, and their records are written then (each with its own step-end time). So a
+non-finite loss is caught at the next flush, at most train.log_every steps late.
+"""
 
 from __future__ import annotations
 
@@ -65,18 +71,32 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         start = time.perf_counter()
         lr = self.engine.get_lr()[0] if self.engine.lr_scheduler is not None else self.engine.optimizer.param_groups[0]["lr"]
-        losses = []
+        total, count = None, 0
         for rows in self.plan.micro_batches(step):
             loss = _loss(self.engine, self.data.train[rows])
             self.engine.backward(loss)
             self.engine.step()
-            losses.append(loss.detach().float().item())
+            total = loss.detach().float() if total is None else total + loss.detach().float()
+            count += 1
         step_time = time.perf_counter() - start
-        loss = mean_across_ranks([sum(losses) / len(losses)])[0]
         norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else None
-        return {"loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": step_time,
-                "tokens_per_s": self.tokens_per_step / step_time, "samples_per_s": self.plan.global_batch / step_time}
+        norm = norm.detach().clone() if torch.is_tensor(norm) else norm  # read (synchronised) at the flush
+        return {"loss": total / count, "lr": lr, "grad_norm": norm,
+                "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time,
+                "samples_per_s": self.plan.global_batch / step_time}
+
+    def flush(self, pending: list[tuple[int, float, dict]]) -> float:
+        """Average the pending steps' losses over ranks (one all-reduce), check them, write their records.
+        Returns the last step's loss."""
+        losses = mean_across_ranks([record["loss"] for _, _, record in pending])
+        for (done, at, record), loss in zip(pending, losses):
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {done}; lower optimizer.lr or check the data")
+            norm = record["grad_norm"]
+            record.update(loss=loss, grad_norm=float(norm) if norm is not None else None)
+            self.log.write("train", done, at=at, **record)
+            self.notify("train", done, record)
+        return losses[-1]
 
     def notify(self, kind: str, step: int, record: dict) -> None:
         """Hooks that want the logged values (e.g. the loss for DeepSpeed's monitors) define on_record."""
@@ -102,6 +122,8 @@ class Trainer:
         bar = tqdm(total=total, initial=start_step, desc="train", disable=not (self.dist.is_main and sys.stderr.isatty()), dynamic_ncols=True)
         first = last = None
         eval_loss = None
+        pending: list[tuple[int, float, dict]] = []  # (step, step-end time, record) not yet flushed
+        mark, mark_step = time.perf_counter(), start_step
         for step in range(start_step, total):
             for hook in self.hooks:
                 hook.before_step(step)
@@ -109,25 +131,32 @@ class Trainer:
             for hook in self.hooks:
                 record.update(hook.after_step(step) or {})
             done = step + 1
-            first = record["loss"] if first is None else first
-            last = record["loss"]
-            if not math.isfinite(last):
-                raise FloatingPointError(f"loss is {last} at step {done}; lower optimizer.lr or check the data")
-            self.log.write("train", done, **record)
-            self.notify("train", done, record)
+            pending.append((done, time.time(), record))
             bar.update(1)
-            bar.set_postfix_str(f"loss {last:.3f}, {record['tokens_per_s']:.0f} tok/s, lr {record['lr']:.1e}")
-            if self.dist.is_main and done % self.train_cfg["log_every"] == 0:
-                norm = f"{record['grad_norm']:.3f}" if record["grad_norm"] is not None else "n/a"
-                say("step", f"{done}/{total} loss {last:.4f} lr {record['lr']:.2e} grad_norm {norm} "
-                            f"{record['tokens_per_s']:.0f} tok/s")
-            if self.should(self.train_cfg["eval_every"], done, total):
+            eval_now = self.should(self.train_cfg["eval_every"], done, total)
+            save_now = self.should(self.train_cfg["save_every"], done, total)
+            log_now = done % self.train_cfg["log_every"] == 0
+            flush_now = log_now or eval_now or save_now or done == total
+            if flush_now:
+                last = self.flush(pending)
+                first = pending[0][2]["loss"] if first is None else first
+                pending = []
+                now = time.perf_counter()  # after the all-reduce: on CUDA the queued steps have finished
+                tokens_per_s = self.tokens_per_step * (done - mark_step) / (now - mark)
+                bar.set_postfix_str(f"loss {last:.3f}, {tokens_per_s:.0f} tok/s, lr {record['lr']:.1e}")
+                if self.dist.is_main and log_now:
+                    norm = f"{record['grad_norm']:.3f}" if record["grad_norm"] is not None else "n/a"
+                    say("step", f"{done}/{total} loss {last:.4f} lr {record['lr']:.2e} grad_norm {norm} "
+                                f"{tokens_per_s:.0f} tok/s")
+            if eval_now:
                 eval_loss = evaluate(self.engine, self.spec, self.dist, self.data)
                 self.log.write("eval", done, eval_loss=eval_loss)
                 self.notify("eval", done, {"eval_loss": eval_loss})
                 if self.dist.is_main:
                     say("eval", f"step {done}: eval loss {eval_loss:.4f}")
-            if self.should(self.train_cfg["save_every"], done, total):
+            if save_now:
                 self.save(done)
+            if flush_now:
+                mark, mark_step = time.perf_counter(), done  # throughput over training steps only
         bar.close()
         return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss}
