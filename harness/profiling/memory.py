@@ -48,6 +48,11 @@ class _Counter:
 
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
+        if term == "fp32_master" and tensor.is_leaf and tensor.grad is not None:
+            # with offload_optimizer the fp32 gradient partition the CPU optimizer reads stays on the master
+            # flat as .grad (ZeRO-3's pinned subgroup_gradient_buffer): a flat the optimizer's param_groups
+            # alias, so it is reached here even when its storage was already counted
+            self.add("fp32_grads", tensor.grad)
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key == 0 or key in self.seen or storage.nbytes() == 0:
