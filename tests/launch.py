@@ -23,6 +23,8 @@ def env() -> dict:
     out = dict(os.environ)
     out.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONUNBUFFERED="1")
+    # the venv's ninja first: the system's (another version) would invalidate DeepSpeed's cached JIT op builds
+    out["PATH"] = f"{DEEPSPEED.parent}{os.pathsep}{out.get('PATH', '')}"
     return out
 
 
