@@ -9,7 +9,9 @@ DeepSpeed's timers need `wall_clock_breakdown`, which ds_overrides sets whenever
 the engine (and the ZeRO optimizer) print their timers on every step; this hook replaces the timer group's
 `log` with one that only resets the timers, and reads the values from `engine.get_wall_clock_timers()`
 (the engine snapshots them just before it logs). On CPU the timers are host clocks; on CUDA they are
-events, whose readout synchronizes once per step (the trainer's loss.item() already does).
+events, whose readout synchronizes once per step: with profiling on, this hook's step times are device
+times; with it off (no timers) they are host times, and the trainer's tokens/s over each log interval,
+taken after its loss all-reduce, is the number to trust.
 """
 
 from __future__ import annotations
