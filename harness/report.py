@@ -100,13 +100,15 @@ def state_rows(run: Run) -> list[dict]:
     if not ranks:
         last = next((r for r in reversed(run.train) if r.get("model_states_per_rank")), None)
         ranks = last["model_states_per_rank"] if last else []
+    # each rank against its own prediction where the run recorded them (ZeRO-1/2 partition edges differ)
+    own = memory.get("predicted_after_step_per_rank") or [predicted] * len(ranks)
     rows = []
     for term in STATE_TERMS:
         pred = _total(predicted.get(term)) if predicted else None
         measured = [_total(rank.get(term)) for rank in ranks]
         if not pred and not any(measured):
             continue
-        ratios = [ratio(m, pred) for m in measured]
+        ratios = [ratio(m, _total((p or {}).get(term))) for m, p in zip(measured, own)]
         flags = [_flag(r, STATE_TOL) for r in ratios]
         if not pred and predicted and max(measured, default=0) >= SMALL_BYTES:
             flags = ["not in the planner's model"]
@@ -120,7 +122,7 @@ def state_rows(run: Run) -> list[dict]:
     if rows:
         pred_total = _total({t: _total(v) for t, v in predicted.items()}) if predicted else None
         measured = [sum(_total(v) for v in rank.values()) for rank in ranks]
-        ratios = [ratio(m, pred_total) for m in measured]
+        ratios = [ratio(m, _total({t: _total(v) for t, v in (p or {}).items()})) for m, p in zip(measured, own)]
         rows.append({"term": "total", "predicted": pred_total, "measured": measured, "ratio": ratios,
                      "devices": [], "flag": "; ".join(sorted({f for f in (_flag(r, STATE_TOL) for r in ratios) if f}))})
     return rows

@@ -107,7 +107,7 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
                   offload_param=c.offload_param)
     states = memory.model_state_bytes(params, **common, largest_layer_params=largest_layer,
                                       largest_tensor_params=count.largest_tensor,
-                                      persistent_params=persistent, buckets=buckets)
+                                      persistent_params=persistent, buckets=buckets, grad_accum=m)
     seed = memory.model_state_bytes(params, **common, convention="seed")
     acts = memory.activation_bytes(
         shape, seq_len=work["seq_len"], micro_batch=work["micro_batch"], precision=work["precision"],

@@ -85,7 +85,7 @@ def _stage0_entries(p: int, lp: int) -> list:
 
 
 def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, largest_tensor: int,
-                     b: ZeroBuckets) -> list:
+                     b: ZeroBuckets, grad_accum: int = 1, accum_elems: int | None = None) -> list:
     shard = -(-p // dp)
     opt_dev = "cpu" if offload else "gpu"  # stage 1/2 treat nvme as cpu (deepspeed-facts.md)
     buckets = 2 if b.overlap_comm else 1
@@ -102,6 +102,12 @@ def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, larges
         # the partition that CPU Adam writes before it is copied back (param_buffer_of_bit16_for_cpu_offload)
         out += [("offload_buffers", "gpu", lp * largest_tensor, True),
                 ("offload_buffers", "cpu", lp * largest_tensor + lp * shard, True)]
+    if offload and grad_accum > 1:
+        # accumulated_grads_in_cpu: a pinned 16-bit buffer of the WHOLE tensor for every parameter that overlaps
+        # this rank's partition, kept between steps. A tensor straddling a partition boundary is held whole by
+        # both neighbours, so without the layout: at most one largest tensor over the shard.
+        elems = accum_elems if accum_elems is not None else shard + (largest_tensor if dp > 1 else 0)
+        out.append(("grads", "cpu", lp * elems, True))
     return out
 
 
@@ -135,13 +141,17 @@ def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
                       offload_optimizer: str = "none", offload_param: str = "none",
                       convention: str = "deepspeed", phase: str = "peak", largest_layer_params: int = 0,
                       largest_tensor_params: int | None = None, persistent_params: int = 0,
-                      buckets: ZeroBuckets | None = None) -> dict[str, dict[str, int]]:
+                      buckets: ZeroBuckets | None = None, grad_accum: int = 1,
+                      accum_elems: int | None = None) -> dict[str, dict[str, int]]:
     """Bytes per rank: {term: {"gpu": n, "cpu": n, "nvme": n}} for every term in TERMS.
 
     num_params: parameters this rank's ZeRO group shards (after tensor/pipeline splits).
     largest_layer_params: the largest module's own parameters (ZeRO-3 gathers one at a time).
     largest_tensor_params: the largest single tensor (offload staging buffers); default largest_layer.
     persistent_params: elements in tensors at or under ZeRO-3's param_persistence_threshold.
+    grad_accum: gradient accumulation steps (ZeRO-1/2 with offload keep CPU accumulation buffers when > 1).
+    accum_elems: elements of the tensors overlapping this rank's ZeRO-1/2 partition, when the layout is known
+    (a live engine); else bounded by the shard plus one largest tensor.
     """
     _check(precision, stage, dp, offload_optimizer, offload_param)
     if convention not in ("seed", "deepspeed") or phase not in ("peak", "after_step"):
@@ -158,7 +168,8 @@ def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
     elif stage == 0:
         entries = _stage0_entries(num_params, lp)
     elif stage in (1, 2):
-        entries = _stage12_entries(num_params, stage, dp, lp, offload_optimizer != "none", largest_tensor, b)
+        entries = _stage12_entries(num_params, stage, dp, lp, offload_optimizer != "none", largest_tensor, b,
+                                   grad_accum, accum_elems)
     else:
         entries = _stage3_entries(num_params, dp, lp, offload_optimizer, offload_param,
                                   largest_layer_params, largest_tensor, persistent_params, b)

@@ -238,13 +238,16 @@ class MemoryHook:
         if self.states is None:  # resumed past the last step: count now
             self.states, self.states_step = self._states(), None
         per_rank = gather({"peak": self.peak, "model_states": self.states,
-                           "nvme": nvme_swap_bytes(self.ds_config, self.dist.rank)})
+                           "nvme": nvme_swap_bytes(self.ds_config, self.dist.rank),
+                           "predicted": self.prediction.get("after_step")})
         out = {"peak_per_rank": [r["peak"] for r in per_rank],
                "model_states_per_rank": [r["model_states"] for r in per_rank],
                "model_states_step": self.states_step,
                "nvme_swap_bytes_per_rank": [r["nvme"] for r in per_rank],
                "device": "cuda" if self.process.cuda else "cpu",
-               "predicted": {k: v for k, v in self.prediction.items() if k != "comm"}}
+               "predicted": {k: v for k, v in self.prediction.items() if k != "comm"},
+               # each rank's own prediction: they differ where the layout does (ZeRO-1/2 partition edges)
+               "predicted_after_step_per_rank": [r["predicted"] for r in per_rank]}
         if not self.process.cuda and not self.process.per_step_peak:
             out["note"] = "peak_rss_bytes is the process's lifetime peak (/proc/self/clear_refs was refused)"
         return {"memory": out}

@@ -13,13 +13,16 @@ from harness.planner import comm, memory
 STAGE3_DEFAULT_MAX_LIVE = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default
 
 
-def live_count(module) -> dict:
-    """Per-rank parameter facts from the live module (ZeRO-3 partitioned parameters report ds_numel)."""
+def live_count(module, optimizer=None) -> dict:
+    """Per-rank parameter facts from the live module (ZeRO-3 partitioned parameters report ds_numel) and, for
+    ZeRO-1/2, the parameters overlapping this rank's partition (whole tensors: params_in_partition)."""
     params = list(module.parameters())
     numel = [getattr(p, "ds_numel", p.numel()) for p in params]
     own = [sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False)) for m in module.modules()]
+    in_partition = getattr(optimizer, "params_in_partition", None)
     return {"total": sum(numel), "largest_layer": max(own, default=0), "largest_tensor": max(numel, default=0),
-            "persistent": sum(n for p, n in zip(params, numel) if getattr(p, "ds_persist", False))}
+            "persistent": sum(n for p, n in zip(params, numel) if getattr(p, "ds_persist", False)),
+            "partition_whole": sum(p.numel() for group in in_partition for p in group) if in_partition else None}
 
 
 def _zero_settings(ds: dict) -> dict:
@@ -68,7 +71,7 @@ def predict(count: dict, ds: dict, *, dp: int, precision: str, shape: dict | Non
     notes = []
     common = dict(dp=dp, precision=precision, offload_optimizer=z["offload_optimizer"],
                   largest_layer_params=count["largest_layer"], largest_tensor_params=count["largest_tensor"],
-                  buckets=z["buckets"])
+                  buckets=z["buckets"], grad_accum=grad_accum, accum_elems=count.get("partition_whole"))
 
     def states(stage: int, phase: str) -> dict:
         return memory.model_state_bytes(
@@ -108,7 +111,7 @@ def for_run(spec, engine) -> dict:
     """Predictions for this launch; {"error": ...} rather than a crash when the planner cannot answer."""
     train = spec.recipe["train"]
     try:
-        return predict(live_count(engine.module), spec.ds_config, dp=spec.dp, precision=spec.recipe["precision"],
+        return predict(live_count(engine.module, engine.optimizer), spec.ds_config, dp=spec.dp, precision=spec.recipe["precision"],
                        shape=_model_shape(engine.module), seq_len=train["seq_len"], tp=spec.tp,
                        activation_checkpointing=bool(spec.recipe.get("activation_checkpointing")))
     except (ValueError, KeyError, TypeError) as e:
