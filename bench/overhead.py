@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,14 +34,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from harness.dist import free_port  # noqa: E402
+
 BIN = Path(sys.executable).parent
 GOAL = 0.98
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict:
@@ -54,20 +50,10 @@ def env() -> dict:
     return out
 
 
-def drop_shm_segments(port: int) -> None:
-    """DeepSpeed's CPU shm all-reduce leaves /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>
-    (~66 MB of RAM each) behind after every run; this launch's port names them."""
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
-        path.unlink(missing_ok=True)
-
-
 def deepspeed(ranks: int, script: str, *args: str) -> subprocess.CompletedProcess:
-    port = free_port()
-    cmd = [str(BIN / "deepspeed"), "--master_port", str(port), "--num_gpus", str(ranks), script, *args]
-    try:
-        return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1800)
-    finally:
-        drop_shm_segments(port)
+    """Both scripts unlink DeepSpeed's /dev/shm all-reduce buffers themselves (harness.dist.unlink_shm_buffer)."""
+    cmd = [str(BIN / "deepspeed"), "--master_port", str(free_port()), "--num_gpus", str(ranks), script, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1800)
 
 
 def fail(proc: subprocess.CompletedProcess) -> SystemExit:

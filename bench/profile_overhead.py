@@ -17,36 +17,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from overhead import deepspeed, fail  # bench/overhead.py: one launch helper (env, port, venv PATH)
+
 GOAL = 0.95
 SKIP = 2  # warm-up steps left out
 MODES = {"on": [], "off": ["--profile-steps", "", "--set", "profile.memory=false"]}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(recipe: str, steps: int, seq_len: int, ranks: int, extra: list[str], out: Path) -> None:
-    bin_dir = str(Path(sys.executable).parent)  # this venv's ninja first (see Makefile: JIT ops stay valid)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]))
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--master_port", str(_port()), "--num_gpus", str(ranks),
-           "harness/run.py", "--recipe", recipe, "--set", f"train.steps={steps}", "--set", f"train.seq_len={seq_len}",
-           "--set", "train.eval_every=0", "--output-dir", str(out), "--overwrite", *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = deepspeed(ranks, "harness/run.py", "--recipe", recipe, "--set", f"train.steps={steps}",
+                     "--set", f"train.seq_len={seq_len}", "--set", "train.eval_every=0", "--output-dir", str(out),
+                     "--overwrite", *extra)
     if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
+        raise fail(proc)
 
 
 def measure(run_dir: Path) -> dict:

@@ -20,7 +20,8 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -30,7 +31,7 @@ def _single_process_env() -> None:
     """`python harness/run.py` (no launcher): a world of one."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
 
 
 def init() -> DistInfo:

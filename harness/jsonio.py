@@ -44,14 +44,36 @@ def join_path(parent: str, key: str | int) -> str:
     return f"{parent}.{key}" if parent else str(key)
 
 
-def get_path(data: dict, dotted: str):
-    """The value at a dotted path, or None when any part is missing."""
+_MISSING = object()
+
+
+def _lookup(data: dict, dotted: str):
     node = data
     for key in dotted.split("."):
         if not isinstance(node, dict) or key not in node:
-            return None
+            return _MISSING
         node = node[key]
     return node
+
+
+def get_path(data: dict, dotted: str):
+    """The value at a dotted path, or None when any part is missing."""
+    value = _lookup(data, dotted)
+    return None if value is _MISSING else value
+
+
+def has_path(data: dict, dotted: str) -> bool:
+    """Whether the dotted path is written (even as null)."""
+    return _lookup(data, dotted) is not _MISSING
+
+
+def setdefault_path(data: dict, dotted: str, value) -> None:
+    """Set the value at a dotted path unless one is there, creating the parents."""
+    node = data
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node.setdefault(leaf, value)
 
 
 def pop_path(data: dict, dotted: str) -> tuple[bool, object]:

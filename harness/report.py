@@ -84,6 +84,11 @@ def _total(devices: dict | None) -> int:
     return sum((devices or {}).values())
 
 
+def _grand_total(states: dict | None) -> int:
+    """Bytes over every term and device of {term: {device: bytes}}."""
+    return sum(_total(v) for v in (states or {}).values())
+
+
 def _devices(devices: dict | None, accelerator: str | None = None) -> set[str]:
     """Device names holding bytes; with `accelerator`, planner names (gpu/cpu/nvme) become measured ones
     (on a CPU-only run the planner's "gpu" is the CPU)."""
@@ -120,9 +125,9 @@ def state_rows(run: Run) -> list[dict]:
                      "devices": sorted(where), "predicted_devices": sorted(want),
                      "flag": "; ".join(sorted({f for f in flags if f}))})
     if rows:
-        pred_total = _total({t: _total(v) for t, v in predicted.items()}) if predicted else None
-        measured = [sum(_total(v) for v in rank.values()) for rank in ranks]
-        ratios = [ratio(m, _total({t: _total(v) for t, v in (p or {}).items()})) for m, p in zip(measured, own)]
+        pred_total = _grand_total(predicted) if predicted else None
+        measured = [_grand_total(rank) for rank in ranks]
+        ratios = [ratio(m, _grand_total(p)) for m, p in zip(measured, own)]
         rows.append({"term": "total", "predicted": pred_total, "measured": measured, "ratio": ratios,
                      "devices": [], "flag": "; ".join(sorted({f for f in (_flag(r, STATE_TOL) for r in ratios) if f}))})
     return rows

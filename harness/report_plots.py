@@ -147,7 +147,7 @@ def plot_step_time(run, path: Path) -> list[str]:
             ax.bar(steps, values, bottom=bottoms, label=label)
             bottoms = [b + v for b, v in zip(bottoms, values)]
         rest = [max(0.0, 1000 * r["step_time_s"] - b) for r, b in zip(rows, bottoms)]
-        ax.bar(steps, rest, bottom=bottoms, color="lightgrey", label="other (data, loss sync)")
+        ax.bar(steps, rest, bottom=bottoms, color="lightgrey", label="other (data to device, engine bookkeeping)")
     ax.plot(steps, [1000 * r["step_time_s"] for r in rows], "k.-", label="step time")
     ax.set(xlabel="step", ylabel="ms", title="Step time breakdown (rank 0)")
     return _save(fig, path, [ax])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from harness import builder
 from harness.errors import ConfigError, Problem, UsageError
-from harness.jsonio import join_path, pop_path
+from harness.jsonio import has_path, join_path, pop_path, setdefault_path
 from harness.model_shapes import load_model_config, shape_summary
 from harness.resolve import Context, resolve
 from harness.rules import check
@@ -24,14 +24,6 @@ class Checked:
     ds_config: dict  # resolved as far as the context allows
     provenance: dict[str, dict] = field(default_factory=dict)
     warnings: list[Problem] = field(default_factory=list)
-
-
-def _set_path(ds: dict, dotted: str, value) -> None:
-    node = ds
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    node.setdefault(leaf, value)
 
 
 def model_shape(spec: str) -> dict | None:
@@ -70,24 +62,15 @@ def normalize(ds: dict) -> tuple[dict, list[Problem]]:
             if isinstance(value, bool) and new.endswith(("offload_optimizer", "offload_param")):
                 value = {"device": "cpu"} if value else None
             if value is not None:
-                _set_path(ds, new, value)
+                setdefault_path(ds, new, value)
     return ds, problems
-
-
-def _written_in(raw: dict, dotted: str) -> bool:
-    node = raw
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return False
-        node = node[key]
-    return True
 
 
 def _with_recipe_paths(problems: list[Problem], raw_deepspeed: dict) -> list[Problem]:
     """Name the recipe key the user wrote: deepspeed.<path> for raw keys, else the builder's source key."""
     out = []
     for p in problems:
-        if p.path and _written_in(raw_deepspeed, p.path):
+        if p.path and has_path(raw_deepspeed, p.path):
             out.append(Problem(f"deepspeed.{p.path}", p.message, p.fix, p.severity))
             continue
         source = builder.RECIPE_SOURCE.get(p.path)

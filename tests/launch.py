@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from harness.dist import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict:

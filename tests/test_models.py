@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from harness import models  # noqa: E402
+from harness.dist import free_port  # noqa: E402
 from harness.errors import UsageError  # noqa: E402
 from harness.model_shapes import PRESETS, TINY_VOCAB_SIZE  # noqa: E402
 
@@ -149,16 +149,10 @@ ZERO3_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multirank
 def test_zero3_init_partitions_and_matches_the_plain_build(tmp_path):
     """One real DeepSpeed rank (own process: zero.Init starts a process group): ZeRO-3 weights == plain."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     proc = subprocess.run([sys.executable, "-c", ZERO3_SCRIPT, str(tmp_path)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)

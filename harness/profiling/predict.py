@@ -111,8 +111,9 @@ def for_run(spec, engine) -> dict:
     """Predictions for this launch; {"error": ...} rather than a crash when the planner cannot answer."""
     train = spec.recipe["train"]
     try:
-        return predict(live_count(engine.module, engine.optimizer), spec.ds_config, dp=spec.dp, precision=spec.recipe["precision"],
-                       shape=_model_shape(engine.module), seq_len=train["seq_len"], tp=spec.tp,
+        return predict(live_count(engine.module, engine.optimizer), spec.ds_config, dp=spec.dp,
+                       precision=spec.recipe["precision"], shape=_model_shape(engine.module),
+                       seq_len=train["seq_len"], tp=spec.tp,
                        activation_checkpointing=bool(spec.recipe.get("activation_checkpointing")))
     except (ValueError, KeyError, TypeError) as e:
         return {"error": f"planner could not predict this run: {e}"}
