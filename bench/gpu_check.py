@@ -6,7 +6,7 @@ Started by bench/gpu_check.sh, which installs DeepSpeed from prepared wheels fir
 
 Needs only torch (CUDA), transformers and deepspeed: no datasets, tokenizer, jsonschema or network. So
 the DeepSpeed config is the committed ds_configs/zero2.json with its "auto" values filled the way
-harness/resolve.py fills them (train_batch_size = micro x accum x world, reduce_bucket_size = hidden^2),
+harness/config/resolve.py fills them (train_batch_size = micro x accum x world, reduce_bucket_size = hidden^2),
 torch's AdamW instead of DeepSpeed's fused one (that one is compiled on first use and needs nvcc), and
 the batches are random token ids (throughput and memory do not depend on the text).
 
@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
     import torch
 
-    from harness import dist as distmod, profiling
-    from harness.metrics import MetricsLog
+    from harness.train import dist as distmod
+    from harness import profiling
+    from harness.train.metrics import MetricsLog
 
     if not torch.cuda.is_available() and not args.allow_cpu:
         sys.exit("error: no CUDA device visible (torch.cuda.is_available() is False); --allow-cpu to smoke-test")

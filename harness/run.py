@@ -19,7 +19,7 @@ from harness.errors import ConfigError, UsageError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness import run_args, session
+    from harness.train import run_args, session
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"recipe {spec.recipe_name}: pipeline parallelism (pp={spec.pp}) is not run by "
                              "harness/run.py yet; its DeepSpeed config validates (harness show), training comes "
                              "with the pipeline engine support")
-        from harness import job
+        from harness.train import job
 
         return job.main(spec)
     except (ConfigError, UsageError) as e:

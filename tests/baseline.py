@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from harness.batches import BatchPlan
-from harness.data import load_text_dataset, split_blocks, tokenize_and_pack
-from harness.models import build_model, load_tokenizer
+from harness.train.batches import BatchPlan
+from harness.train.data import load_text_dataset, split_blocks, tokenize_and_pack
+from harness.train.models import build_model, load_tokenizer
 
 
 def train_blocks(model: str, seq_len: int, eval_fraction: float, seed: int) -> torch.Tensor:

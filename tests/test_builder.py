@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import builder
+from harness.config import builder
 from harness.commands.common import context
-from harness.recipes import complete, load_recipe, recipe_names
-from harness.schema import DS_SCHEMA, validate
-from harness.validate import check_recipe, strip_annotations
+from harness.config.recipes import complete, load_recipe, recipe_names
+from harness.config.schema import DS_SCHEMA, validate
+from harness.config.validate import check_recipe, strip_annotations
 
 REPO = Path(__file__).resolve().parents[1]
 # World sizes each recipe is valid for (3d = pipeline 2 x tensor 2 needs a multiple of 4).

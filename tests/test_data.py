@@ -9,11 +9,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from harness import data  # noqa: E402
-from harness.batches import BatchPlan  # noqa: E402
+from harness.train import data  # noqa: E402
+from harness.train.batches import BatchPlan  # noqa: E402
 from harness.errors import UsageError  # noqa: E402
 from harness.model_shapes import TINY_VOCAB_SIZE  # noqa: E402
-from harness.models import load_tokenizer  # noqa: E402
+from harness.train.models import load_tokenizer  # noqa: E402
 
 DOCS = ["The cat eats fish.", "A dog barks at the gate.", "Monday, Tuesday, Wednesday."]
 

@@ -1,10 +1,10 @@
-"""harness.resolve: "auto" filled from the run settings, world size and model shape, with a source for each."""
+"""harness.config.resolve: "auto" filled from the run settings, world size and model shape, with a source for each."""
 import pytest
 
 from harness.model_shapes import KNOWN, PRESETS, shape_summary
-from harness.recipes import complete
-from harness.resolve import Context, batch_world, degrees, resolve
-from harness.rules import check
+from harness.config.recipes import complete
+from harness.config.resolve import Context, batch_world, degrees, resolve
+from harness.config.rules import check
 
 
 def recipe(**parts) -> dict:

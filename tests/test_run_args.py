@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import run_args
+from harness.train import run_args
 from harness.errors import UsageError
-from harness.recipes import load_recipe
+from harness.config.recipes import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_PY = REPO / "harness" / "run.py"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from harness.recipes import ROOT_ENV, recipe_names
+from harness.config.recipes import ROOT_ENV, recipe_names
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ["3d", "ddp", "pipeline", "tp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_nvme", "zero3_offload"]

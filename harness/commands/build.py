@@ -6,12 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from harness import builder
+from harness.config import builder
 from harness.commands.common import context
 from harness.errors import UsageError
-from harness.jsonio import dump_json
-from harness.recipes import ROOT_ENV, load_recipe, project_root, recipe_dir, recipe_names
-from harness.validate import check_recipe
+from harness.config.jsonio import dump_json
+from harness.config.recipes import ROOT_ENV, load_recipe, project_root, recipe_dir, recipe_names
+from harness.config.validate import check_recipe
 
 
 def ds_config_dir() -> Path:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from harness.jsonio import load_json
-from harness.recipes import complete, load_recipe
-from harness.validate import Checked, check_ds_config, check_recipe, context, model_shape  # noqa: F401
+from harness.config.jsonio import load_json
+from harness.config.recipes import complete, load_recipe
+from harness.config.validate import Checked, check_ds_config, check_recipe, context, model_shape  # noqa: F401
 
 DEFAULTS_SOURCE = "<recipe defaults>"
 

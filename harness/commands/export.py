@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.export import export
+    from harness.train.export import export
 
     info = export(args.checkpoint, args.out, args.overwrite)
     check = ("not verified (no probe.pt in the checkpoint)" if info["max_logit_diff"] is None else

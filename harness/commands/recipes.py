@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from harness.recipes import describe, recipe_names
-from harness.schema import RECIPE_SCHEMA, load_schema
+from harness.config.recipes import describe, recipe_names
+from harness.config.schema import RECIPE_SCHEMA, load_schema
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from harness.commands.common import check_file, check_named, world_size_arg
-from harness.jsonio import dump_json
-from harness.resolve import render_provenance
+from harness.config.jsonio import dump_json
+from harness.config.resolve import render_provenance
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

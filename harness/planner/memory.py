@@ -43,7 +43,7 @@ class ZeroBuckets:
 
 
 def harness_buckets(hidden_size: int) -> ZeroBuckets:
-    """What the harness's recipes resolve to (harness/resolve.py, like the HF integration's "auto"): buckets
+    """What the harness's recipes resolve to (harness/config/resolve.py, like the HF integration's "auto"): buckets
     sized from the model, so a small model does not carry a 1 GB ZeRO-3 bucket (DeepSpeed issues #3734,
     #6936); overlap_comm on for every stage (two reduce buffers in stages 1-2)."""
     return ZeroBuckets(reduce_bucket_elems=hidden_size * hidden_size,

@@ -1,6 +1,6 @@
 """Profiling hooks: communication per collective, memory per rank, throughput and MFU, DeepSpeed monitors.
 
-Contract with harness/job.py:
+Contract with harness/train/job.py:
   ds_overrides(spec, run_dir) -> dict   DeepSpeed keys merged into the config before initialize
   make_hooks(spec, engine, dist, run_dir, log) -> list of objects with
       before_step(step: int) -> None          step is 0-based (the trainer's loop index)

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from harness import checkpoint
-from harness.batches import BatchPlan
-from harness.dist import DistInfo, mean_across_ranks
-from harness.metrics import MetricsLog, say
+from harness.train import checkpoint
+from harness.train.batches import BatchPlan
+from harness.train.dist import DistInfo, mean_across_ranks
+from harness.train.metrics import MetricsLog, say
 
 
 @dataclass

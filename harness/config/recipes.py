@@ -12,15 +12,15 @@ import os
 from pathlib import Path
 
 from harness.errors import ConfigError, Problem, UsageError
-from harness.jsonio import load_json
-from harness.schema import RECIPE_SCHEMA, defaults, load_schema, subschema, suggest, validate
+from harness.config.jsonio import load_json
+from harness.config.schema import RECIPE_SCHEMA, defaults, load_schema, subschema, suggest, validate
 
 ROOT_ENV = "DSHARNESS_ROOT"  # a folder holding recipes/ and ds_configs/ (a copy of the repo, in tests)
 
 
 def project_root() -> Path:
     """Where recipes/ and ds_configs/ live: $DSHARNESS_ROOT if set, else this checkout (read at each call)."""
-    return Path(os.environ.get(ROOT_ENV) or Path(__file__).resolve().parent.parent)
+    return Path(os.environ.get(ROOT_ENV) or Path(__file__).resolve().parents[2])
 
 
 def recipe_dir() -> Path:

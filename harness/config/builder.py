@@ -1,14 +1,14 @@
 """Recipe -> DeepSpeed config dict. Pure: no torch, no process group, no I/O.
 
 The output is world-size independent: values that depend on the world size or the model are left
-as "auto" and filled by harness.resolve at launch (with the source of each value recorded).
+as "auto" and filled by harness.config.resolve at launch (with the source of each value recorded).
 Nothing in the recipe is dropped here, even when DeepSpeed would ignore it, so the rules layer can
 report it.
 """
 
 from __future__ import annotations
 
-from harness.recipes import deep_merge
+from harness.config.recipes import deep_merge
 
 SCHEMA_REF = "../harness/schemas/ds_config.schema.json"
 STEPS_PER_PRINT = 100_000  # the harness logs progress itself; keep DeepSpeed's own step lines quiet

@@ -8,8 +8,8 @@ value elsewhere must not hide this rule's finding.
 from __future__ import annotations
 
 from harness.errors import Problem
-from harness.resolve import Context, batch_world, degrees, is_count
-from harness.schema import suggest
+from harness.config.resolve import Context, batch_world, degrees, is_count
+from harness.config.schema import suggest
 
 # DeepSpeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS (matched lower-cased) ...
 DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")

@@ -14,9 +14,9 @@ from pathlib import Path
 import jsonschema
 
 from harness.errors import Problem
-from harness.jsonio import join_path
+from harness.config.jsonio import join_path
 
-SCHEMA_DIR = Path(__file__).parent / "schemas"
+SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
 RECIPE_SCHEMA = "recipe.schema.json"
 DS_SCHEMA = "ds_config.schema.json"
 

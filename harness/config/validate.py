@@ -10,13 +10,13 @@ import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import builder
+from harness.config import builder
 from harness.errors import ConfigError, Problem, UsageError
-from harness.jsonio import has_path, join_path, pop_path, setdefault_path
+from harness.config.jsonio import has_path, join_path, pop_path, setdefault_path
 from harness.model_shapes import load_model_config, shape_summary
-from harness.resolve import Context, resolve
-from harness.rules import check
-from harness.schema import DS_SCHEMA, load_schema, validate
+from harness.config.resolve import Context, resolve
+from harness.config.rules import check
+from harness.config.schema import DS_SCHEMA, load_schema, validate
 
 
 @dataclass

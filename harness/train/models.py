@@ -25,7 +25,7 @@ from pathlib import Path
 from harness import model_shapes
 from harness.errors import UsageError
 
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 EOS_TOKEN = "<|endoftext|>"
 ATTN_IMPLEMENTATION = "sdpa"  # one choice everywhere: parity tests compare runs built by this module
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.dist import DistInfo, barrier
+from harness.train.dist import DistInfo, barrier
 
 MANIFEST = "manifest.json"
 

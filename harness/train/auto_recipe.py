@@ -12,7 +12,7 @@ import shutil
 
 from harness.errors import UsageError
 from harness.model_shapes import load_model_config
-from harness.recipes import complete
+from harness.config.recipes import complete
 
 
 def detect_hardware(world_size: int, nvme_path: str | None) -> dict:

@@ -7,13 +7,14 @@ import json
 import shutil
 from pathlib import Path
 
-from harness import checkpoint, dist as distmod, profiling
+from harness.train import checkpoint, dist as distmod
+from harness import profiling
 from harness.errors import UsageError
-from harness.jsonio import dump_json
-from harness.metrics import MetricsLog, say
-from harness.recipes import deep_merge
-from harness.resolve import render_provenance
-from harness.trainer import Data, Trainer
+from harness.config.jsonio import dump_json
+from harness.train.metrics import MetricsLog, say
+from harness.config.recipes import deep_merge
+from harness.config.resolve import render_provenance
+from harness.train.trainer import Data, Trainer
 
 
 def choose_run_dir(spec, dist) -> Path:
@@ -43,7 +44,7 @@ def write_run_files(spec, run_dir: Path) -> None:
 
 
 def load_data(spec, dist, tokenizer) -> Data:
-    from harness.data import load_text_dataset, split_blocks, tokenize_and_pack
+    from harness.train.data import load_text_dataset, split_blocks, tokenize_and_pack
 
     train = spec.recipe["train"]
     # Rank 0 tokenizes and fills the cache first; the others then read it instead of racing.
@@ -60,7 +61,7 @@ def load_data(spec, dist, tokenizer) -> Data:
 def build_engine(spec):
     import deepspeed
 
-    from harness.models import build_model
+    from harness.train.models import build_model
 
     train = spec.recipe["train"]
     zero3 = spec.zero_stage == 3
@@ -117,7 +118,7 @@ def quiesce(engine) -> None:
 
 
 def main(spec) -> int:
-    from harness.models import load_tokenizer
+    from harness.train.models import load_tokenizer
 
     dist = distmod.init()
     log = None

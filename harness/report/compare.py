@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import UsageError
-from harness.metrics import read_metrics
+from harness.train.metrics import read_metrics
 
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.25
 STATE_TERMS = ("params", "grads", "fp32_grads", "fp32_master", "optimizer_moments", "reduce_buckets",
@@ -306,7 +306,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
 
 def write_report(run_dir, others: list | None = None) -> Path:
     """Write report.md, report.json and the plots into run_dir; return the report path."""
-    from harness import report_plots
+    from harness.report import plots as report_plots
 
     run = load_run(run_dir)
     tables = {"states": state_rows(run), "comm": comm_rows(run), "peak": peak_rows(run)}

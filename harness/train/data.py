@@ -1,7 +1,7 @@
 """Text data: load a corpus (built-in, local files, or a hub id), tokenise it, pack it into fixed blocks.
 
 Packing (documents joined with eos, cut into seq_len blocks, remainder dropped) gives every row the same
-length, so a row index is all a rank needs to know what it trains on (see harness.batches).
+length, so a row index is all a rank needs to know what it trains on (see harness.train.batches).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from harness.errors import UsageError
 
 BUILTIN = "builtin"
-BUILTIN_CORPUS = Path(__file__).resolve().parent / "assets" / "corpus.jsonl"
+BUILTIN_CORPUS = Path(__file__).resolve().parent.parent / "assets" / "corpus.jsonl"
 # datasets builder per file extension
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 DEFAULT_CACHE_DIR = "~/.cache/dsharness"

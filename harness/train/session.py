@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import UsageError
-from harness.jsonio import load_json
-from harness.recipes import load_recipe
-from harness.resolve import degrees
-from harness.validate import check_ds_config, check_recipe, context, strip_annotations
+from harness.config.jsonio import load_json
+from harness.config.recipes import load_recipe
+from harness.config.resolve import degrees
+from harness.config.validate import check_ds_config, check_recipe, context, strip_annotations
 
 DEFAULT_RECIPE = "zero2_offload"
 
@@ -106,7 +106,7 @@ def prepare(args) -> RunSpec:
     output_dir = _output_dir(args, world)  # cheapest check first: never touch an earlier run
     name, overrides, notes = args.recipe or DEFAULT_RECIPE, list(args.overrides), []
     if name == "auto":
-        from harness.auto_recipe import choose
+        from harness.train.auto_recipe import choose
 
         name, planned, reason = choose(overrides, world)
         overrides, notes = planned + overrides, [reason]

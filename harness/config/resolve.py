@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 
 from harness.errors import Problem
-from harness.jsonio import get_path
+from harness.config.jsonio import get_path
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 RECIPE_BATCH = {"train_batch_size": "batch.train_batch_size",

@@ -1,0 +1,2 @@
+"""Recipe -> schema -> rules -> resolved DeepSpeed dict. Pure: imports neither torch nor the DeepSpeed engine,
+so every check runs before any rank starts (and on a laptop)."""
