@@ -40,9 +40,15 @@ def batch_plan(spec, dist: DistInfo, num_rows: int) -> BatchPlan:
                      dp_rank=dp_rank, dp_size=dp_size, seed=spec.recipe["train"]["seed"])
 
 
-def _loss(engine, rows: torch.Tensor) -> torch.Tensor:
-    ids = rows.to(engine.device)
-    return engine(input_ids=ids, labels=ids, use_cache=False).loss
+def fetch(split, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) of the given rows of a split; labels are -100 where a token carries no loss."""
+    ids = split[rows]
+    return ids, ids
+
+
+def _loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    ids, labels = (t.to(engine.device) for t in batch)
+    return engine(input_ids=ids, labels=labels, use_cache=False).loss
 
 
 @torch.no_grad()
@@ -55,7 +61,8 @@ def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
     per_rank = max(1, min(spec.recipe["train"]["eval_batches"] * micro, data.eval.shape[0] // dp_size))
     rows = data.eval[dp_rank::dp_size][:per_rank]
     engine.eval()
-    losses = [_loss(engine, rows[i:i + micro]).float().item() for i in range(0, rows.shape[0], micro)]
+    losses = [_loss(engine, fetch(rows, slice(i, i + micro))).float().item()
+              for i in range(0, rows.shape[0], micro)]
     engine.train()
     return mean_across_ranks([sum(losses) / len(losses)])[0]
 
@@ -73,7 +80,7 @@ class Trainer:
         lr = self.engine.get_lr()[0] if self.engine.lr_scheduler is not None else self.engine.optimizer.param_groups[0]["lr"]
         total, count = None, 0
         for rows in self.plan.micro_batches(step):
-            loss = _loss(self.engine, self.data.train[rows])
+            loss = _loss(self.engine, fetch(self.data.train, rows))
             self.engine.backward(loss)
             self.engine.step()
             total = loss.detach().float() if total is None else total + loss.detach().float()
