@@ -1,7 +1,8 @@
 """DeepSpeed checkpoint -> Hugging Face model folder (safetensors + config + tokenizer).
 
 ZeRO-1/2/3 checkpoints are consolidated with DeepSpeed's zero_to_fp32 (fp32 master weights); a ZeRO-0
-checkpoint holds whole weights in its model-states file. Every checkpoint the harness writes carries
+checkpoint holds whole weights in its model-states file; a tensor-parallel checkpoint holds one model-states
+file per tensor rank, merged by parallel.tensor.merge_shards. Every checkpoint the harness writes carries
 probe.pt (the engine's logits on a fixed batch), so an export is verified against the trained engine.
 """
 
@@ -47,9 +48,29 @@ def find_checkpoint(path: str | Path) -> CheckpointRef:
                      "checkpoints/global_stepN)")
 
 
-def fp32_state_dict(ref: CheckpointRef, zero_stage: int) -> dict:
+def tensor_parallel_state_dict(ref: CheckpointRef, tp: int) -> dict:
+    """The tp ranks' module weights (mp_rank_XX_model_states.pt) merged into whole tensors. These are the
+    weights the engine ran with: exact in fp32; with bf16 training, the bf16 weights (not the fp32 master)."""
+    import torch
+    from transformers import AutoConfig
+
+    from harness.train.parallel.tensor import merge_shards
+
+    files = [ref.tag_dir / f"mp_rank_{r:02d}_model_states.pt" for r in range(tp)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise UsageError(f"{ref.tag_dir}: manifest says tp {tp} but {', '.join(missing)} is missing\n"
+                         "    fix: export a checkpoint whose save finished on every rank")
+    shards = [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
+    merged = merge_shards(shards, AutoConfig.from_pretrained(ref.ckpt_dir / "hf"))
+    return {k: v.float() for k, v in merged.items()}
+
+
+def fp32_state_dict(ref: CheckpointRef, zero_stage: int, tp: int = 1) -> dict:
     import torch
 
+    if tp > 1:
+        return tensor_parallel_state_dict(ref, tp)
     if zero_stage >= 1:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -95,7 +116,7 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False) -> dict:
         raise UsageError(f"{out} is not empty\n    fix: choose a new --out folder, or pass --overwrite")
     ref = find_checkpoint(ckpt)
     manifest = ref.manifest()
-    model = build_hf_model(ref, fp32_state_dict(ref, manifest["zero_stage"]))
+    model = build_hf_model(ref, fp32_state_dict(ref, manifest["zero_stage"], manifest.get("tp", 1)))
     diff = verify(ref, model)
     limit = TOLERANCE.get(manifest.get("precision", "fp32"), 1e-4)
     if diff is not None and diff > limit:
@@ -105,4 +126,5 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False) -> dict:
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(ref.ckpt_dir / "hf").save_pretrained(out)
     return {"checkpoint": str(ref.tag_dir), "out": str(out), "step": manifest.get("step"),
-            "zero_stage": manifest["zero_stage"], "max_logit_diff": diff, "tolerance": limit}
+            "zero_stage": manifest["zero_stage"], "tp": manifest.get("tp", 1), "max_logit_diff": diff,
+            "tolerance": limit}
