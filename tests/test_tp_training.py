@@ -1,8 +1,8 @@
 """The `tp` recipe on 2 real DeepSpeed ranks (tensor 2 x data 1, the harness's own tensor-parallel layers):
 fp32 loss parity with ONE plain PyTorch process on the same global batch, for tiny-llama and for a Qwen2-shaped
-local model folder (GQA 4 heads / 2 kv heads, q/k/v biases, tied embeddings) saved with save_pretrained;
-the start-up line shows the whole model's size; save -> resume continues exactly; `harness export` merges the
-tensor-parallel shards into one HF folder whose logits equal the engine's. Three launches in all.
+local model folder (GQA 4 heads / 2 kv heads, q/k/v biases, tied embeddings) saved with save_pretrained, on
+ZeRO-3; the start-up line shows the whole model's size; save -> resume continues exactly; `harness export`
+merges the tensor-parallel shards into one HF folder whose logits equal the engine's. Three launches in all.
 """
 
 from __future__ import annotations
@@ -68,9 +68,12 @@ def runs(tmp_path_factory) -> dict:
     """One 2-rank tp launch per model (6 steps, checkpoints at 3 and 6)."""
     base = tmp_path_factory.mktemp("tp")
     out = {}
-    for name, model in (("tiny-llama", "tiny-llama"), ("qwen2", _qwen2_folder(base / "qwen2-model"))):
+    # The Qwen2 run uses ZeRO-3 (the recipe's ZeRO-1 otherwise): shards partitioned over the data-parallel
+    # group, exported through zero_to_fp32 one tensor rank at a time.
+    for name, model, stage in (("tiny-llama", "tiny-llama", 1), ("qwen2", _qwen2_folder(base / "qwen2-model"), 3)):
         run = base / name
-        proc = launch(*COMMON, "--set", f"train.model={model}", "--output-dir", str(run))
+        proc = launch(*COMMON, "--set", f"train.model={model}", "--set", f"zero.stage={stage}",
+                      "--output-dir", str(run))
         out[name] = {"model": model, "run": run, "stdout": proc.stdout}
     return out
 

@@ -1,8 +1,8 @@
 """DeepSpeed checkpoint -> Hugging Face model folder (safetensors + config + tokenizer).
 
 ZeRO-1/2/3 checkpoints are consolidated with DeepSpeed's zero_to_fp32 (fp32 master weights); a ZeRO-0
-checkpoint holds whole weights in its model-states file; a tensor-parallel checkpoint holds one model-states
-file per tensor rank, merged by parallel.tensor.merge_shards. Every checkpoint the harness writes carries
+checkpoint holds whole weights in its model-states file. A tensor-parallel checkpoint is read one tensor rank
+at a time the same way, and the ranks' weights are merged by parallel.tensor.merge_shards. Every checkpoint the harness writes carries
 probe.pt (the engine's logits on a fixed batch), so an export is verified against the trained engine.
 """
 
@@ -48,35 +48,42 @@ def find_checkpoint(path: str | Path) -> CheckpointRef:
                      "checkpoints/global_stepN)")
 
 
-def tensor_parallel_state_dict(ref: CheckpointRef, tp: int) -> dict:
-    """The tp ranks' module weights (mp_rank_XX_model_states.pt) merged into whole tensors. These are the
-    weights the engine ran with: exact in fp32; with bf16 training, the bf16 weights (not the fp32 master)."""
+def _rank_state_dict(ref: CheckpointRef, zero_stage: int, mp_rank: int) -> dict:
+    """fp32 weights of one tensor-parallel rank: ZeRO-1/2/3 through zero_to_fp32 (the fp32 master) over a view
+    of the tag folder holding only that rank's files (zero_to_fp32 expects one model-parallel rank); ZeRO-0 from
+    its mp_rank_XX model-states file."""
+    import os
+    import tempfile
+
     import torch
+
+    if zero_stage == 0:
+        states = torch.load(ref.tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", map_location="cpu",
+                            weights_only=False)
+        return {k: v.float() for k, v in states["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with tempfile.TemporaryDirectory() as view:
+        (Path(view) / ref.tag).mkdir()
+        for f in ref.tag_dir.glob(f"*mp_rank_{mp_rank:02d}_*"):
+            os.symlink(f, Path(view) / ref.tag / f.name)
+        return get_fp32_state_dict_from_zero_checkpoint(view, tag=ref.tag)
+
+
+def fp32_state_dict(ref: CheckpointRef, zero_stage: int, tp: int = 1) -> dict:
+    """Whole fp32 weights; a tensor-parallel checkpoint's ranks are merged by parallel.tensor.merge_shards."""
+    if tp == 1 and zero_stage >= 1:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(ref.ckpt_dir), tag=ref.tag)
+    if tp == 1:
+        return _rank_state_dict(ref, zero_stage, 0)
     from transformers import AutoConfig
 
     from harness.train.parallel.tensor import merge_shards
 
-    files = [ref.tag_dir / f"mp_rank_{r:02d}_model_states.pt" for r in range(tp)]
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise UsageError(f"{ref.tag_dir}: manifest says tp {tp} but {', '.join(missing)} is missing\n"
-                         "    fix: export a checkpoint whose save finished on every rank")
-    shards = [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
-    merged = merge_shards(shards, AutoConfig.from_pretrained(ref.ckpt_dir / "hf"))
-    return {k: v.float() for k, v in merged.items()}
-
-
-def fp32_state_dict(ref: CheckpointRef, zero_stage: int, tp: int = 1) -> dict:
-    import torch
-
-    if tp > 1:
-        return tensor_parallel_state_dict(ref, tp)
-    if zero_stage >= 1:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(ref.ckpt_dir), tag=ref.tag)
-    states = torch.load(ref.tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    return {k: v.float() for k, v in states["module"].items()}
+    shards = [_rank_state_dict(ref, zero_stage, r) for r in range(tp)]
+    return merge_shards(shards, AutoConfig.from_pretrained(ref.ckpt_dir / "hf"))
 
 
 def build_hf_model(ref: CheckpointRef, state: dict):
