@@ -70,8 +70,9 @@ def _rank_state_dict(ref: CheckpointRef, zero_stage: int, mp_rank: int) -> dict:
         return get_fp32_state_dict_from_zero_checkpoint(view, tag=ref.tag)
 
 
-def fp32_state_dict(ref: CheckpointRef, zero_stage: int, tp: int = 1) -> dict:
+def fp32_state_dict(ref: CheckpointRef, manifest: dict) -> dict:
     """Whole fp32 weights; a tensor-parallel checkpoint's ranks are merged by parallel.tensor.merge_shards."""
+    zero_stage, tp = manifest["zero_stage"], manifest.get("tp", 1)
     if tp == 1 and zero_stage >= 1:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -123,7 +124,7 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False) -> dict:
         raise UsageError(f"{out} is not empty\n    fix: choose a new --out folder, or pass --overwrite")
     ref = find_checkpoint(ckpt)
     manifest = ref.manifest()
-    model = build_hf_model(ref, fp32_state_dict(ref, manifest["zero_stage"], manifest.get("tp", 1)))
+    model = build_hf_model(ref, fp32_state_dict(ref, manifest))
     diff = verify(ref, model)
     limit = TOLERANCE.get(manifest.get("precision", "fp32"), 1e-4)
     if diff is not None and diff > limit:
