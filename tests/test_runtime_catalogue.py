@@ -11,6 +11,7 @@ after init and before the engine is built.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ ASSETS = REPO / "harness" / "assets"
 INVALID = Path(__file__).parent / "invalid"
 EXPECTED = json.loads((INVALID / "expected.json").read_text())
 FIXTURE = "{fx}"  # replaced by the fixture folder in argv and env values
+SECRET = "hf_catalogueSecret0123456789"
 TINY = ["--set", "train.steps=1", "--set", "train.eval_every=0"]  # bounds a case that wrongly gets through
 
 
@@ -184,8 +186,9 @@ def results(tmp_path_factory) -> dict:
               "env": {k: fill(v, fx) for k, v in c["env"].items()}}
              for c in sorted(CASES, key=lambda c: c["post_init"])]  # post-init cases last (see the driver)
     (fx / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "HF_TOKEN": SECRET}  # no message may ever echo a token
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / "catalogue_driver.py"), str(fx / "cases.json"),
-                           str(fx / "results.json")], cwd=REPO, capture_output=True, text=True, timeout=600)
+                           str(fx / "results.json")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads((fx / "results.json").read_text())
     return {"fx": fx, **out}
@@ -206,6 +209,7 @@ def test_bad_input_exits_2_naming_the_field(c, results):
     err = got["stderr"]
     assert got["rc"] == 2, f"exit {got['rc']}\n{err[-3000:]}\n{got['stdout'][-2000:]}"
     assert "Traceback" not in err + got["stdout"], err
+    assert SECRET not in err + got["stdout"]
     assert err.count("error: ") == 1, err  # one report, listing every problem
     assert fill(c["where"], fx) in err, err
     assert fill(c["fragment"], fx) in err, err
@@ -216,7 +220,7 @@ def test_bad_input_exits_2_naming_the_field(c, results):
 def test_one_case_as_its_own_process_on_a_non_zero_rank_is_silent(tmp_path):
     """The real entry point by path, as the launcher starts it on rank 1 of 2: exit 2, no process group, and
     nothing printed (rank 0 prints the one report)."""
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2")
     proc = subprocess.run([sys.executable, "harness/run.py", "--output-dir", "/proc/nope", "--local_rank=1"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

@@ -9,6 +9,7 @@ each with what to install or change); 0 otherwise. Secrets are never printed: on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -155,18 +156,39 @@ def recipe_problems(name: str, output_dir: str | None) -> tuple[object, str | No
         return spec, str(e)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.recipe is not None and "WORLD_SIZE" not in os.environ:  # check the recipe for the GPUs seen here
-        import torch
+def world_size() -> int:
+    """A launch's WORLD_SIZE if set, else one rank per GPU seen here (at least 1)."""
+    import torch
 
-        os.environ["WORLD_SIZE"] = str(max(1, torch.cuda.device_count() if torch.cuda.is_available() else 1))
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return max(1, torch.cuda.device_count() if torch.cuda.is_available() else 1)
+
+
+@contextlib.contextmanager
+def launched_with(world: int):
+    """WORLD_SIZE as a launch of `world` ranks would set it (session reads it), restored afterwards."""
+    before = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("WORLD_SIZE")
+        else:
+            os.environ["WORLD_SIZE"] = before
+
+
+def run(args: argparse.Namespace) -> int:
+    world = world_size()
     versions()
     gpus()
     ops_table()
     shm()
     set_tokens = [v for v in TOKEN_VARS if os.environ.get(v)]
     line("tokens in environment", ", ".join(f"{v} set (value not shown)" for v in set_tokens) or "none")
-    spec, problems = recipe_problems(args.recipe, args.output_dir) if args.recipe else (None, None)
+    with launched_with(world):
+        spec, problems = recipe_problems(args.recipe, args.output_dir) if args.recipe else (None, None)
     folders = {"output dir": Path(args.output_dir or (spec.recipe["train"]["output_dir"] if spec else "runs"))}
     zo = spec.ds_config.get("zero_optimization", {}) if spec else {}
     nvme = {(zo.get(b) or {}).get("nvme_path") for b in ("offload_param", "offload_optimizer")} - {None}
@@ -174,11 +196,11 @@ def run(args: argparse.Namespace) -> int:
     paths(folders)
     host_problems = hostfile(args.hostfile)
     if problems:
-        print(f"\nrecipe {args.recipe} cannot run here (world size {os.environ['WORLD_SIZE']}):\n{problems}")
+        print(f"\nrecipe {args.recipe} cannot run here (world size {world}):\n{problems}")
         return 1
     if host_problems:
         print("\nthe hostfile would stop a multi-node launch:\n  " + "\n  ".join(host_problems))
         return 1
     if args.recipe:
-        print(f"\nrecipe {args.recipe}: can run here (world size {os.environ['WORLD_SIZE']})")
+        print(f"\nrecipe {args.recipe}: can run here (world size {world})")
     return 0
