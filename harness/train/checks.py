@@ -160,7 +160,7 @@ def _needs(spec, cfg: dict) -> dict[str, tuple[str, int]]:
     except Exception:  # an architecture the planner cannot count: no size to check against
         return {}
     precision = _precision(spec.ds_config)
-    per_param = memory.PRECISION_BYTES[precision] + memory.FP32_BYTES * (1 + memory.ADAM_MOMENTS)
+    per_param = memory.checkpoint_bytes(1, precision)
     out = {"output": (f"one checkpoint ({total:,} params x {per_param} B: {precision} weights + fp32 master + "
                       f"Adam moments)", memory.checkpoint_bytes(total, precision))}
     zo = spec.ds_config.get("zero_optimization", {})
