@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,7 +53,9 @@ def main_driver(cases_path: str, results_path: str) -> int:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        start = time.perf_counter()
         results[case["id"]] = run_case(case["argv"], case["env"])
+        results[case["id"]]["seconds"] = round(time.perf_counter() - start, 2)
     from harness.ops import op_problem
 
     results["async_io_loads"] = op_problem("async_io") is None  # some cases expect libaio to be missing
