@@ -18,7 +18,7 @@ from pathlib import Path
 from harness.errors import ConfigError
 
 DEFAULT_HOSTFILE = "/job/hostfile"  # where DeepSpeed's launcher looks when --hostfile is not given
-HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)$")  # deepspeed/launcher/runner.py _parse_hostfile's format
+HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # deepspeed/launcher/runner.py _parse_hostfile's pattern
 SHM_MIN_BYTES = 512 * 2**20  # ds_report warns below this (NCCL in containers needs --shm-size)
 TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
 WIDTH = 30
@@ -45,8 +45,8 @@ def versions() -> None:
 
     line("torch", torch.__version__)
     line("CUDA (torch built with)", torch.version.cuda or "none (CPU build)")
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "n/a (no CUDA device)"
-    line("NCCL", nccl)
+    nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else "n/a (no CUDA device)"
+    line("NCCL", ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
     line("deepspeed", deepspeed.__version__)
     line("transformers", transformers.__version__)
 
@@ -109,7 +109,7 @@ def parse_hostfile(text: str) -> tuple[dict[str, int], list[str]]:
         text_line = raw.split("#", 1)[0].strip()
         if not text_line:
             continue
-        match = HOST_LINE.match(text_line)
+        match = HOST_LINE.search(text_line)
         if not match:
             problems.append(f"line {num}: {text_line!r} is not 'HOST slots=N'")
         elif match.group(1) in hosts:

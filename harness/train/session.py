@@ -1,7 +1,8 @@
 """Everything decided before ranks talk: the recipe, the resolved DeepSpeed config, the run folder.
 
-Pure except for reading files and environment variables, so bad input fails identically on every
-rank with exit code 2, before any process group exists.
+Reads files and environment variables and probes this machine (harness.train.checks: DeepSpeed ops, paths,
+free space), but starts nothing, so bad input fails identically on every rank with exit code 2, before any
+process group exists.
 """
 
 from __future__ import annotations
