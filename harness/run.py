@@ -16,7 +16,7 @@ import sys
 if __package__ in (None, ""):  # launched by path (deepspeed harness/run.py): make `harness` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness.errors import ConfigError, UsageError  # noqa: E402
+from harness.errors import ConfigError, UsageError, without_secrets  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         return job.main(spec)
     except (ConfigError, UsageError) as e:
         if rank == 0 or node_first:
-            print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr)
+            text = without_secrets(str(e))
+            print(f"error: {text}" if rank == 0 else f"error (rank {rank}): {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if rank == 0:

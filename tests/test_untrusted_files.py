@@ -45,3 +45,15 @@ def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
     _set_rng_state(torch.load(tmp_path / "rng_rank0.pt", weights_only=True))
     assert (random.random(), np.random.randn(4).tolist(), torch.rand(3).tolist()) == expected
+
+
+def test_errors_never_print_a_secret_from_the_environment(monkeypatch, capsys):
+    """A quoted library error may carry a token (a URL, a header): what harness/run.py prints masks it."""
+    from harness.run import main
+
+    secret = "hf_quotedSecret0123456789"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--ds-config", f"/no/such/dir/{secret}.json"]) == 2
+    err = capsys.readouterr().err
+    assert secret not in err and "/no/such/dir/<$HF_TOKEN>.json: no such file" in err
