@@ -123,6 +123,9 @@ CASES = [
     case("rank:first_rank_of_another_node_reports", ["--output-dir", "/proc/nope", "--local_rank=0"],
          "error (rank 2): ", "--output-dir: cannot create anything in /proc",
          env={"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}),
+    case("path:no_room_for_nvme_swap", ["--recipe", "zero3_nvme", "--model", "llama-3.1-405b", "--set",
+                                        f"zero.nvme_path={FIXTURE}/nvme", "--output-dir", f"{FIXTURE}/big"],
+         "--output-dir", "+ NVMe swap files ("),
     # resume
     case("resume:earlier_run_without_resume", ["--output-dir", f"{FIXTURE}/run_done"], f"{FIXTURE}/run_done",
          "already holds an earlier run (global_step5)"),

@@ -171,7 +171,8 @@ def _needs(spec, cfg: dict) -> dict[str, tuple[str, int]]:
                                           offload_optimizer=devices["offload_optimizer"],
                                           offload_param=devices["offload_param"])
         per_rank = memory.by_device(states)["nvme"]
-        out["nvme"] = (f"NVMe swap files ({local_ranks} ranks here x {per_rank:,} B)", per_rank * local_ranks)
+        out["nvme"] = (f"NVMe swap files ({per_rank:,} B per rank x {local_ranks} on this node)",
+                       per_rank * local_ranks)
     return out
 
 
