@@ -40,6 +40,19 @@ def needed_ops(ds: dict) -> dict[str, str]:
     return out
 
 
+def init_ops() -> dict[str, str]:
+    """{op: who needs it} for ops DeepSpeed builds at process-group init whatever the config: on its CPU
+    accelerator the shared-memory all-reduce, when compatible (the test of deepspeed/comm/torch.py build_shm_op)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    builder = accel.create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return {}
+    return {builder.NAME: f"accelerator ({accel.device_name()})"}
+
+
 def _builders() -> dict:
     from deepspeed.ops.op_builder.all_ops import ALL_OPS  # this accelerator's builders, as ds_report lists them
 

@@ -58,7 +58,10 @@ def main_driver(cases_path: str, results_path: str) -> int:
         results[case["id"]]["seconds"] = round(time.perf_counter() - start, 2)
     from harness.ops import op_problem
 
+    from deepspeed.accelerator import get_accelerator
+
     results["async_io_loads"] = op_problem("async_io") is None  # some cases expect libaio to be missing
+    results["accelerator"] = get_accelerator().device_name()
     with open(results_path, "w") as f:
         json.dump(results, f, indent=1)
     return 0

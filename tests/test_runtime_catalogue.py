@@ -79,6 +79,8 @@ CASES = [
          "zero.offload_optimizer", "cpu_lion op is not built yet", env=NO_COMPILER),
     case("ops:ds_json_cpu_offload_without_compiler", ["--ds-config", f"{FIXTURE}/ds_offload.json"],
          "zero_optimization.offload_optimizer.device", "no C++ compiler", env=NO_COMPILER),
+    case("ops:shm_comm_without_compiler", ["--recipe", "ddp"], "accelerator (cpu)",
+         "builds its deepspeed_shm_comm op when the process group starts", env=NO_COMPILER, needs="cpu_accelerator"),
     case("ops:nvme_without_libaio", ["--recipe", "zero3_nvme", "--set", f"zero.nvme_path={FIXTURE}/nvme"],
          "zero.offload_optimizer (-> zero_optimization.offload_optimizer.device)",
          "apt-get install libaio-dev", needs="no_libaio"),
@@ -214,6 +216,8 @@ def test_catalogue_size_and_kinds():
 def test_bad_input_exits_2_naming_the_field(c, results):
     if c["needs"] == "no_libaio" and results["async_io_loads"]:
         pytest.skip("libaio is installed here: the async_io op loads")
+    if c["needs"] == "cpu_accelerator" and results["accelerator"] != "cpu":
+        pytest.skip(f"DeepSpeed runs on {results['accelerator']} here, not its CPU accelerator")
     fx = results["fx"]
     got = results[c["id"]]
     err = got["stderr"]

@@ -25,7 +25,8 @@ WIDTH = 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--recipe", help="check that this recipe can run here: exit 1 (with what to install) if not")
+    parser.add_argument("--recipe", help="check that this recipe can run here: exit 1 (with what to install) if not; "
+                                         "resolved for WORLD_SIZE if set, else one rank per visible GPU")
     parser.add_argument("--output-dir", help="run folder to check (default: the recipe's train.output_dir)")
     parser.add_argument("--hostfile", help=f"DeepSpeed hostfile to check (default: {DEFAULT_HOSTFILE} if present)")
 

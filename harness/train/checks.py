@@ -51,6 +51,11 @@ def op_problems(ds: dict) -> list[Problem]:
         if found is not None:
             device = path.rsplit(".", 1)[0].split(".")[-1]
             out.append(Problem(path, f"{device} needs DeepSpeed's {name} op: {found[0]}", found[1]))
+    for name, who in ops.init_ops().items():
+        found = ops.op_problem(name)
+        if found is not None:
+            out.append(Problem(who, f"DeepSpeed builds its {name} op when the process group starts: {found[0]}",
+                               found[1]))
     return out
 
 
