@@ -59,7 +59,7 @@ def _rank_state_dict(ref: CheckpointRef, zero_stage: int, mp_rank: int) -> dict:
 
     if zero_stage == 0:
         states = torch.load(ref.tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", map_location="cpu",
-                            weights_only=False)
+                            weights_only=True)
         return {k: v.float() for k, v in states["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
