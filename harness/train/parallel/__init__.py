@@ -1,0 +1,1 @@
+"""Model parallelism the engine does not do on an unmodified HF model: pipeline stages, tensor-parallel layers."""
