@@ -30,9 +30,22 @@ def qwen2_sliding():
     return AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "qwen2-sliding"])
+def mistral_sliding():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                           attn_implementation="sdpa")
+    torch.manual_seed(4)
+    return AutoModelForCausalLM.from_config(config)
+
+
+BUILDERS = {"qwen2-sliding": qwen2_sliding, "mistral-sliding": mistral_sliding}
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "qwen2-sliding", "mistral-sliding"])
 def test_layer_chain_equals_the_hf_model(name):
-    model = (qwen2_sliding() if name == "qwen2-sliding" else build_model(name, seed=5)).eval()
+    model = (BUILDERS[name]() if name in BUILDERS else build_model(name, seed=5)).eval()
     specs = pipeline.layer_specs(model)
     ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     labels = ids.clone()
@@ -89,3 +102,13 @@ def test_bad_layouts_exit_2_before_launch(world, argv, message, tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "Initializing TorchBackend" not in proc.stderr
+
+
+def test_resume_with_another_parallel_layout_is_refused(tmp_path):
+    from harness.train import checkpoint, run_args, session
+
+    (tmp_path / "global_step3").mkdir()
+    (tmp_path / "global_step3" / "manifest.json").write_text(json.dumps({"pp": 2, "tp": 2, "world_size": 1}))
+    spec = session.prepare(run_args.parse(["--recipe", "zero1"]))
+    with pytest.raises(UsageError, match=r"another parallel layout \(pp 2 there, 1 here; tp 2 there, 1 here\)"):
+        checkpoint.check_layout(spec, tmp_path, "global_step3")

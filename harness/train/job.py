@@ -80,6 +80,7 @@ def start_step(engine, spec, dist, run_dir: Path) -> int:
     if spec.resume is None:
         return 0
     ckpt_dir, tag = checkpoint.resolve_resume(spec.resume, run_dir)
+    checkpoint.check_layout(spec, ckpt_dir, tag)
     client = checkpoint.load(engine, dist, ckpt_dir, tag)
     step = int(client.get("step", 0))
     later = checkpoint.later_tags(run_dir / "checkpoints", step)
