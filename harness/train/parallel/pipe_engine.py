@@ -83,7 +83,8 @@ def build_engine(spec):
 
 def train_step(engine, batches: list) -> torch.Tensor:
     """One optimizer step over this replica's micro-batches; the loss averaged over micro-batches and
-    data-parallel replicas, the same value on every rank."""
+    data-parallel replicas, the same value on every rank (DeepSpeed all-reduces and broadcasts it inside
+    train_batch every step: the pipe schedule synchronises the ranks anyway)."""
     return engine.train_batch(iter(batches)).detach().float()
 
 
