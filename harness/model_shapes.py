@@ -15,7 +15,7 @@ from harness.errors import UsageError
 TINY_VOCAB_SIZE = 512  # the built-in tokenizer's vocabulary (harness/assets/tokenizer.json)
 
 # Tiny presets are trained for real by tests and the demo. tiny-llama has 4 heads and 2 kv heads
-# so AutoTP can split it 2 ways evenly.
+# so tensor parallel can split it 2 ways evenly.
 PRESETS: dict[str, dict] = {
     "tiny-llama": {
         "model_type": "llama",

@@ -217,7 +217,7 @@ def data_fits(spec, num_rows: int, seq_len: int) -> None:
     """The packed training rows must fill one global batch (the BatchPlan invariant), said as exit 2."""
     ds = spec.ds_config
     micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
-    dp = spec.world_size // spec.tp  # AutoTP ranks of one group read the same rows (trainer.dp_coords)
+    dp = spec.dp  # the tensor (and pipeline) ranks of one replica read the same rows (trainer.dp_coords)
     rows = micro * accum * dp
     if num_rows < rows:
         train = spec.recipe["train"]

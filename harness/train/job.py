@@ -68,11 +68,18 @@ def build_engine(spec):
 
         return pipe_engine.build_engine(spec)
     train = spec.recipe["train"]
-    zero3 = spec.zero_stage == 3
+    # Tensor parallel splits whole layers, so the model is built whole (ZeRO-3 then partitions the shards).
+    zero3 = spec.zero_stage == 3 and spec.tp == 1
     model = build_model(train["model"], seed=train["seed"], zero3_init_config=spec.ds_config if zero3 else None,
                         gradient_checkpointing=spec.recipe["activation_checkpointing"])
+    mpu = None
+    if spec.tp > 1:  # every rank built the same whole model (same seed or checkpoint); each keeps its shard
+        from harness.train.parallel.tensor import TensorDataMPU, shard_model
+
+        mpu = TensorDataMPU(spec.tp)
+        shard_model(model, mpu.tp_group, mpu.tp_rank, spec.tp)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
-                                      config=spec.ds_config)
+                                      config=spec.ds_config, mpu=mpu)
     return engine, model
 
 
@@ -96,7 +103,9 @@ def announce(spec, dist, run_dir: Path, model, data: Data) -> None:
     if not dist.is_main:
         return
     ds = spec.ds_config
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    # The whole model's size: a tensor-parallel shard counts once per tensor rank.
+    n_params = sum(getattr(p, "ds_numel", p.numel()) * (spec.tp if getattr(p, "tensor_model_parallel", False) else 1)
+                   for p in model.parameters())
     say("config", f"recipe {spec.recipe_name} | world {spec.world_size} ({dist.backend}) | zero {spec.zero_stage}"
                   f" | tp {spec.tp} pp {spec.pp} dp {spec.dp} | {spec.recipe['precision']}")
     say("batch", f"{ds['train_micro_batch_size_per_gpu']} micro x {ds['gradient_accumulation_steps']} accum x "

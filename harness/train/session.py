@@ -15,7 +15,7 @@ from pathlib import Path
 from harness.errors import UsageError
 from harness.config.jsonio import load_json
 from harness.config.recipes import load_recipe
-from harness.config.resolve import degrees
+from harness.config.resolve import autotp, degrees
 from harness.config.validate import check_ds_config, check_recipe, context, strip_annotations
 from harness.train import checks
 
@@ -129,6 +129,11 @@ def resolve_spec(args) -> RunSpec:
         checked = check_recipe(recipe, ctx, source)
     ds = strip_annotations(checked.ds_config)
     pp, tp = degrees(ds, recipe)
+    if autotp(ds, recipe):
+        raise UsageError(f"{args.ds_config}: tensor_parallel.autotp_size {tp} asks for DeepSpeed's AutoTP; "
+                         "harness/run.py splits the layers itself (one way for tp and 3D, with an mpu)\n"
+                         f"    fix: remove the tensor_parallel block and pass --set parallel.tensor={tp} (DeepSpeed "
+                         f"then counts world / {tp} data-parallel ranks in train_batch_size)")
     return RunSpec(recipe=recipe, recipe_name=Path(name).stem, ds_config=ds, provenance=checked.provenance,
                    warnings=checked.warnings, world_size=world, pp=pp, tp=tp, output_dir=output_dir,
                    resume=args.resume, overwrite=args.overwrite, notes=notes)

@@ -28,8 +28,9 @@ class Data:
 
 
 def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
-    """(dp_rank, dp_size). AutoTP groups consecutive ranks, which must read the same rows; a pipeline's
-    replicas are the topology's data coordinate."""
+    """(dp_rank, dp_size). Tensor-parallel groups are consecutive ranks (parallel.tensor.TensorDataMPU): the
+    ranks of one group hold shards of one replica, so they read the same rows; a pipeline's replicas are its
+    topology's data coordinate."""
     if spec.pp > 1:
         from harness.train.parallel import pipe_engine
 

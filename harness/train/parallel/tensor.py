@@ -89,8 +89,7 @@ def supported(config, tp: int = 1) -> None:
                          f"    fix: use a {', '.join(TP_FAMILIES)} model")
     problems = tp_problems(shape, tp, getattr(config, "name_or_path", "") or "")
     if problems:
-        what, fix = problems[0]
-        raise UsageError("tensor parallel: " + "; ".join(w for w, _ in problems) + f"\n    fix: {fix}")
+        raise UsageError("tensor parallel: " + "; ".join(w for w, _ in problems) + f"\n    fix: {problems[0][1]}")
 
 
 def _mark(param: nn.Parameter, dim: int) -> nn.Parameter:
