@@ -28,10 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     node_first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     try:
         spec = session.prepare(run_args.parse(argv))
-        if spec.pp > 1:
-            raise UsageError(f"recipe {spec.recipe_name}: pipeline parallelism (pp={spec.pp}) is not run by "
-                             "harness/run.py yet; its DeepSpeed config validates (harness show), training comes "
-                             "with the pipeline engine support")
         from harness.train import job
 
         return job.main(spec)

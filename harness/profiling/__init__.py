@@ -94,12 +94,14 @@ def _monitor_overrides(spec, run_dir) -> dict:
 
 
 def ds_overrides(spec, run_dir) -> dict:
-    """comms_logger and wall_clock_breakdown only when a window is set (DeepSpeed turns the comms logger on
+    """comms_logger and wall_clock_breakdown (not for pipelines) only when a window is set (DeepSpeed turns the comms logger on
     whenever its key is present, even with enabled=false); monitors when the recipe asks for them."""
     out = _monitor_overrides(spec, run_dir)
     if window_of(spec) is not None:
         out["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
-        out["wall_clock_breakdown"] = True
+        # DeepSpeed 0.19.8's PipelineEngine starts the backward timers itself and again in the backward
+        # hook ("bwd_microstep timer has already been started" on every stage but the last): no timers there.
+        out["wall_clock_breakdown"] = spec.pp == 1
     return out
 
 

@@ -2,7 +2,8 @@
 
 ZeRO-1/2/3 checkpoints are consolidated with DeepSpeed's zero_to_fp32 (fp32 master weights); a ZeRO-0
 checkpoint holds whole weights in its model-states file. A tensor-parallel checkpoint is read one tensor rank
-at a time the same way, and the ranks' weights are merged by parallel.tensor.merge_shards. Every checkpoint the harness writes carries
+at a time the same way, and the ranks' weights are merged by parallel.tensor.merge_shards; pipeline and 3D
+checkpoints hold per-layer files (parallel/pipe_export.py). Every checkpoint the harness writes carries
 probe.pt (the engine's logits on a fixed batch), so an export is verified against the trained engine.
 """
 
@@ -72,6 +73,10 @@ def _rank_state_dict(ref: CheckpointRef, zero_stage: int, mp_rank: int) -> dict:
 
 def fp32_state_dict(ref: CheckpointRef, manifest: dict) -> dict:
     """Whole fp32 weights; a tensor-parallel checkpoint's ranks are merged by parallel.tensor.merge_shards."""
+    if manifest.get("pp", 1) > 1:  # per-layer files (pipeline, 3D)
+        from harness.train.parallel import pipe_export
+
+        return pipe_export.state_dict(ref, manifest)
     zero_stage, tp = manifest["zero_stage"], manifest.get("tp", 1)
     if tp == 1 and zero_stage >= 1:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -63,6 +63,10 @@ def build_engine(spec):
 
     from harness.train.models import build_model
 
+    if spec.pp > 1:
+        from harness.train.parallel import pipe_engine
+
+        return pipe_engine.build_engine(spec)
     train = spec.recipe["train"]
     # Tensor parallel splits whole layers, so the model is built whole (ZeRO-3 then partitions the shards).
     zero3 = spec.zero_stage == 3 and spec.tp == 1
@@ -83,6 +87,7 @@ def start_step(engine, spec, dist, run_dir: Path) -> int:
     if spec.resume is None:
         return 0
     ckpt_dir, tag = checkpoint.resolve_resume(spec.resume, run_dir)
+    checkpoint.check_layout(spec, ckpt_dir, tag)
     client = checkpoint.load(engine, dist, ckpt_dir, tag)
     step = int(client.get("step", 0))
     later = checkpoint.later_tags(run_dir / "checkpoints", step)
