@@ -8,6 +8,7 @@ is a TiedLayerSpec sharing the embedding (held by the first and the last stage).
 
     deepspeed --num_gpus 2 bench/pipe_probe.py --out /tmp/pipe_probe            (CPU: 2 ranks, gloo)
     deepspeed --num_gpus 4 bench/pipe_probe.py --out /tmp/pipe_probe --pp 2     (pipeline 2 x data 2)
+    deepspeed --num_gpus 4 bench/pipe_probe.py --out /tmp/pipe_probe --tp 2     (3D: pipeline 2 x tensor 2)
 
 Leaves metrics.jsonl, summary.json, ds_config.json and report.md in --out, like a harness run.
 """
@@ -63,11 +64,19 @@ def pipeline_module(cfg: dict, pp: int, partition: str, topology=None):
     kwargs = {"topology": topology} if topology is not None else {"num_stages": pp}
     module = PipelineModule(layers=layers, loss_fn=loss_fn, partition_method=partition, **kwargs)
     module.config = config  # the planner's shape source (profiling/predict.py reads module.config)
+    tp = module._grid.get_slice_parallel_world_size()
+    if tp > 1:  # 3D: split this stage's blocks over the topology's model-parallel group, after the build
+        from harness.train.parallel.tensor import shard_decoder_layer
+
+        group, rank = module._grid.get_slice_parallel_group(), module._grid.get_slice_parallel_rank()
+        for layer in module.forward_funcs:
+            if isinstance(layer, Block):
+                shard_decoder_layer(layer.layer, config, group, rank, tp)
     return module
 
 
 def ds_config(args, world: int) -> dict:
-    dp = world // args.pp
+    dp = world // (args.pp * args.tp)
     return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.accum,
             "train_batch_size": args.micro_batch * args.accum * dp, "steps_per_print": 10**6,
             "gradient_clipping": 1.0, "zero_optimization": {"stage": 1, "reduce_bucket_size": 64 * 64},
@@ -81,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="/tmp/pipe_probe")
     p.add_argument("--shape", default="tiny-llama", help="a Llama-family shape from harness.model_shapes")
     p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel inside each stage (3D)")
     p.add_argument("--layers", type=int, help="override num_hidden_layers")
     p.add_argument("--tied", action="store_true", help="tie the LM head to the embedding")
     p.add_argument("--partition", default="parameters", choices=["parameters", "uniform"])
@@ -112,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
               "profile": {"steps": args.profile_steps, "memory": True},
               "train": {"model": args.shape, "seq_len": args.seq_len, "steps": args.steps}}
     spec = SimpleNamespace(recipe=recipe, recipe_name="pipe_probe", world_size=dist.world_size,
-                           dp=dist.world_size // args.pp, tp=1, pp=args.pp, ds_config=ds_config(args, dist.world_size))
+                           dp=dist.world_size // (args.pp * args.tp), tp=args.tp, pp=args.pp, ds_config=ds_config(args, dist.world_size))
     spec.ds_config = {**spec.ds_config, **profiling.ds_overrides(spec, run_dir)}
     if dist.is_main:
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -120,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / "ds_config.json").write_text(json.dumps(spec.ds_config, indent=2))
     log = MetricsLog(run_dir, enabled=dist.is_main)
     torch.manual_seed(1234)
-    module = pipeline_module(cfg, args.pp, args.partition)
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    topology = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.tp, num_dp=spec.dp)
+    module = pipeline_module(cfg, args.pp, args.partition, topology)
     if args.precision == "bf16":
         module = module.to(torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=[q for q in module.parameters()],

@@ -79,9 +79,14 @@ def layer_specs(count: ParamCount, tp: int = 1) -> list[tuple[str, int]]:
             ("final_norm", count.other), ("lm_head", count.embedding if tied else count.lm_head)]
 
 
-def partition(count: ParamCount, pp: int, method: str = "parameters", tp: int = 1) -> list[int]:
-    """Layer boundaries of the pp stages: stage s holds layers [parts[s], parts[s+1])."""
-    specs = layer_specs(count, tp)
+def partition(count: ParamCount, pp: int, method: str = "parameters", tp: int = 1,
+              counted_tp: int | None = None) -> list[int]:
+    """Layer boundaries of the pp stages: stage s holds layers [parts[s], parts[s+1]).
+
+    counted_tp: the split of the blocks that DeepSpeed's `_count_layer_params` sees when it builds each layer
+    to weigh it: tp when a layer is split as it is built, 1 when the stage splits its blocks after the
+    PipelineModule is built (the default: tp)."""
+    specs = layer_specs(count, tp if counted_tp is None else counted_tp)
     if method == "uniform":
         return partition_uniform(len(specs), pp)
     if method == "parameters":
@@ -89,11 +94,12 @@ def partition(count: ParamCount, pp: int, method: str = "parameters", tp: int = 
     raise ValueError(f"pipeline partition method {method!r}: the planner knows {', '.join(PARTITION_METHODS)}")
 
 
-def stages(count: ParamCount, pp: int, method: str = "parameters", tp: int = 1) -> list[dict]:
+def stages(count: ParamCount, pp: int, method: str = "parameters", tp: int = 1,
+           counted_tp: int | None = None) -> list[dict]:
     """Per stage: its layers, blocks, and the parameters one of its ranks holds (a tied embedding counted once
     per stage that holds either end)."""
     specs = layer_specs(count, tp)
-    parts = partition(count, pp, method, tp)
+    parts = partition(count, pp, method, tp, counted_tp)
     tied = count.lm_head == 0
     out = []
     for s in range(pp):

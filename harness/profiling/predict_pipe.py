@@ -40,14 +40,14 @@ def _add(total: dict, part: dict) -> None:
 
 def predict_rank(cfg: dict, ds: dict, *, stage: int, pp: int, tp: int, dp: int, precision: str, seq_len: int,
                  zero: dict, largest_tensor: int, activation_checkpointing: bool = False,
-                 bf16_optimizer: bool = False) -> dict:
-    """Model states, activations-free, and logged comm bytes per step for one rank of `stage`."""
+                 bf16_optimizer: bool = False, counted_tp: int | None = None) -> dict:
+    """Model states (no activations) and logged comm bytes per step for one rank of `stage`."""
     count = count_params(cfg)
     shape = model_shape(cfg)
     pipe = ds.get("pipeline") or {}
     method = pipe.get("partition", "parameters")
     micro, m = int(ds.get("train_micro_batch_size_per_gpu", 1)), int(ds.get("gradient_accumulation_steps", 1))
-    plan = pipeline.stages(count, pp, method, tp)
+    plan = pipeline.stages(count, pp, method, tp, counted_tp)
     mine = plan[stage]
     states = {phase: memory.model_state_bytes(
         mine["params"], stage=zero["stage"], dp=dp, precision=precision, offload_optimizer=zero["offload_optimizer"],
@@ -66,7 +66,8 @@ def predict_rank(cfg: dict, ds: dict, *, stage: int, pp: int, tp: int, dp: int, 
     for part in groups.values():
         _add(total, part)
     return {"params_per_rank": mine["params"], "dp": dp, "tp": tp, "pp": pp, "stage": zero["stage"],
-            "pipe_stage": stage, "partition_method": method, "parts_planned": pipeline.partition(count, pp, method, tp),
+            "pipe_stage": stage, "partition_method": method,
+            "parts_planned": pipeline.partition(count, pp, method, tp, counted_tp),
             "stage_layers": mine["names"], "micro_batches": m,
             "bubble_fraction": pipeline.bubble_fraction(pp, m),
             "after_step": states["after_step"], "peak": states["peak"], "comm": total,
@@ -75,14 +76,28 @@ def predict_rank(cfg: dict, ds: dict, *, stage: int, pp: int, tp: int, dp: int, 
                       f"({', '.join(mine['names'])}) by partition_method {method}"]}
 
 
+def _counted_tp(cfg: dict, ds: dict, pp: int, tp: int, parts: list[int]) -> int:
+    """Which block split DeepSpeed weighed when it partitioned (split as built: tp; split after: 1), told by the
+    engine's own partition; tp when both give the same split or neither matches (then the notes say so)."""
+    if tp <= 1 or not parts:
+        return tp
+    count = count_params(cfg)
+    method = (ds.get("pipeline") or {}).get("partition", "parameters")
+    if pipeline.partition(count, pp, method, tp, tp) != parts and pipeline.partition(count, pp, method, tp, 1) == parts:
+        return 1
+    return tp
+
+
 def for_pipeline(spec, engine, zero: dict, live: dict) -> dict:
     """predict_rank with this rank's facts read off the PipelineEngine; the engine's partition beside it."""
-    out = predict_rank(_hf_config(engine.module, spec), spec.ds_config, stage=engine.stage_id, pp=spec.pp,
-                       tp=spec.tp, dp=spec.dp, precision=spec.recipe["precision"],
-                       seq_len=spec.recipe["train"]["seq_len"], zero=zero, largest_tensor=live["largest_tensor"],
-                       activation_checkpointing=bool(spec.recipe.get("activation_checkpointing")),
-                       bf16_optimizer=type(engine.optimizer).__name__ == "BF16_Optimizer")
+    cfg = _hf_config(engine.module, spec)
     parts = [int(p) for p in getattr(engine.module, "parts", [])]
+    out = predict_rank(cfg, spec.ds_config, stage=engine.stage_id, pp=spec.pp, tp=spec.tp, dp=spec.dp,
+                       precision=spec.recipe["precision"], seq_len=spec.recipe["train"]["seq_len"], zero=zero,
+                       largest_tensor=live["largest_tensor"],
+                       activation_checkpointing=bool(spec.recipe.get("activation_checkpointing")),
+                       bf16_optimizer=type(engine.optimizer).__name__ == "BF16_Optimizer",
+                       counted_tp=_counted_tp(cfg, spec.ds_config, spec.pp, spec.tp, parts))
     out["parts_engine"] = parts
     if parts and parts != out["parts_planned"]:
         out["notes"].append(f"the engine split the layers {parts}, the planner {out['parts_planned']}: "
