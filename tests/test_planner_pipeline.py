@@ -68,6 +68,20 @@ def test_tied_embedding_is_held_by_both_end_stages_and_once_without_a_pipeline()
     assert pl.stages(count, 1)[0]["params"] == count.total  # one module when one stage holds both ends
 
 
+def test_gpt2_positions_are_a_layer_and_only_the_token_embedding_is_tied():
+    """tiny-gpt2, 2 blocks: [wte 32768, wpe 32768, block 12h^2 + 13h = 49984 x 2, ln_f 128, head = wte]."""
+    from deepspeed.runtime.utils import partition_balanced
+
+    count = count_params(tiny(layers=2, tied=True, model="tiny-gpt2"))
+    weights = [n for _, n in pl.layer_specs(count)]
+    assert weights == [32768, 32768, 49984, 49984, 128, 32768]
+    assert pl.partition(count, 2) == [int(x) for x in partition_balanced(weights, 2)]
+    stages = pl.stages(count, 2)
+    assert sum(s["params"] for s in stages) == count.total + 32768  # the last stage's copy of wte
+    assert pl.stages(count, 1)[0]["params"] == count.total
+    assert pl.tied_allreduce_bytes(count, stage=0, pp=2, precision="fp32") == 32768 * 4
+
+
 def test_tensor_parallel_splits_block_weights_only():
     """tp 2: column (q, k, v, gate, up) and row (o, down) weights halve, norms stay: 128 + 46080 / 2."""
     count = count_params(tiny())

@@ -34,6 +34,7 @@ class ParamCount:
     # of per_layer, what tensor parallelism splits (column-parallel weights and biases, row-parallel
     # weights); the rest (norms, row-parallel biases) stays whole on every tensor-parallel rank
     per_layer_split: int = 0
+    positions: int = 0  # learned position embeddings (GPT-2's wpe), part of `embedding`
 
     def block_params(self, tp: int = 1) -> int:
         """One block's parameters on one tensor-parallel rank."""
@@ -46,7 +47,7 @@ class ParamCount:
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in (
             "total", "num_layers", "per_layer", "embedding", "lm_head", "other",
-            "largest_layer", "largest_tensor", "method", "per_layer_split")}
+            "largest_layer", "largest_tensor", "method", "per_layer_split", "positions")}
 
 
 def _sizes(*groups: tuple[int, int]) -> dict[int, int]:
@@ -119,7 +120,7 @@ def _gpt2_count(cfg: dict) -> ParamCount:
     return ParamCount(
         total=wte + wpe + lm_head + 2 * h + layers * per_layer, num_layers=layers, per_layer=per_layer,
         embedding=wte + wpe, lm_head=lm_head, other=2 * h, largest_layer=max(modules + [wte, wpe]),
-        largest_tensor=max(hist), tensor_sizes=hist,
+        largest_tensor=max(hist), tensor_sizes=hist, positions=wpe,
         per_layer_split=per_layer - 4 * h - 2 * h)  # ln_1, ln_2 and the two c_proj biases stay whole
 
 
@@ -165,14 +166,15 @@ def count_module(model) -> ParamCount:
     out = model.get_output_embeddings()
     embedding = emb.weight.numel() if emb is not None else 0
     position = getattr(getattr(model, "transformer", None), "wpe", None)
-    embedding += position.weight.numel() if position is not None else 0
+    positions = position.weight.numel() if position is not None else 0
+    embedding += positions
     tied = out is None or emb is None or out.weight is emb.weight
     lm_head = 0 if tied else out.weight.numel()
     total = sum(p.numel() for p in unique.values())
     return ParamCount(
         total=total, num_layers=num_layers, per_layer=per_layer, embedding=embedding, lm_head=lm_head,
         other=total - embedding - lm_head - num_layers * per_layer, largest_layer=largest_layer,
-        largest_tensor=max(hist), tensor_sizes=hist, method="meta-device")
+        largest_tensor=max(hist), tensor_sizes=hist, method="meta-device", positions=positions)
 
 
 def count_params(cfg: dict, *, exact: bool = False) -> ParamCount:

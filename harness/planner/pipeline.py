@@ -7,7 +7,7 @@ over (max - min) part sums whose ties go to the LAST split point examined. Both 
 line (tests hold them equal to DeepSpeed's functions), so the split is exact, not estimated.
 
 The harness lays a model out as DeepSpeed sees it (harness/train/parallel/pipeline.py):
-    [embedding, block 0 .. block L-1, final norm, LM head]
+    [token embedding, (GPT-2: learned positions), block 0 .. block L-1, final norm, LM head]
 A tied head is a TiedLayerSpec of the embedding module: `_count_layer_params` builds it and counts the whole
 embedding again, and the last stage holds its own copy (its gradient is all-reduced with the first stage's
 once per step). Tensor parallelism splits each block's column/row-parallel weights over tp ranks; the
@@ -72,11 +72,14 @@ def partition_balanced(weights: list[int], num_parts: int) -> list[int]:
 
 
 def layer_specs(count: ParamCount, tp: int = 1) -> list[tuple[str, int]]:
-    """(name, trainable parameters as `_count_layer_params` counts them) for each PipelineModule layer."""
-    tied = count.lm_head == 0
+    """(name, trainable parameters as `_count_layer_params` counts them) for each PipelineModule layer.
+    GPT-2's learned positions are a layer of their own after the token embedding, which alone is tied."""
+    tokens = count.embedding - count.positions
     block = count.block_params(tp)
-    return [("embedding", count.embedding), *[(f"block{i}", block) for i in range(count.num_layers)],
-            ("final_norm", count.other), ("lm_head", count.embedding if tied else count.lm_head)]
+    head = tokens if count.lm_head == 0 else count.lm_head
+    positions = [("positions", count.positions)] if count.positions else []
+    return [("embedding", tokens), *positions, *[(f"block{i}", block) for i in range(count.num_layers)],
+            ("final_norm", count.other), ("lm_head", head)]
 
 
 def partition(count: ParamCount, pp: int, method: str = "parameters", tp: int = 1,
@@ -84,9 +87,9 @@ def partition(count: ParamCount, pp: int, method: str = "parameters", tp: int = 
     """Layer boundaries of the pp stages: stage s holds layers [parts[s], parts[s+1]).
 
     counted_tp: the split of the blocks that DeepSpeed's `_count_layer_params` sees when it builds each layer
-    to weigh it: tp when a layer is split as it is built, 1 when the stage splits its blocks after the
-    PipelineModule is built (the default: tp)."""
-    specs = layer_specs(count, tp if counted_tp is None else counted_tp)
+    to weigh it: 1 when the stage splits its blocks after the PipelineModule is built (the harness:
+    harness/train/parallel/pipe_engine.py, the default), tp when a layer is split as it is built."""
+    specs = layer_specs(count, 1 if counted_tp is None else counted_tp)
     if method == "uniform":
         return partition_uniform(len(specs), pp)
     if method == "parameters":
@@ -107,7 +110,7 @@ def stages(count: ParamCount, pp: int, method: str = "parameters", tp: int = 1,
         names = [name for name, _ in held]
         params = sum(n for name, n in held)
         if tied and "embedding" in names and "lm_head" in names:
-            params -= count.embedding  # one module, built once on a stage that holds both ends
+            params -= count.embedding - count.positions  # one module, built once on a stage holding both ends
         out.append({"stage": s, "layers": [parts[s], parts[s + 1]], "names": names, "params": params,
                     "blocks": sum(name.startswith("block") for name in names),
                     "tied_copy": tied and pp > 1 and ("embedding" in names or "lm_head" in names)})
@@ -157,7 +160,7 @@ def tied_allreduce_bytes(count: ParamCount, *, stage: int, pp: int, precision: s
     BF16 optimizer keeps fp32 gradients)."""
     if pp <= 1 or count.lm_head != 0 or stage not in (0, pp - 1):
         return 0
-    return count.embedding * (FP32_BYTES if bf16_optimizer else PRECISION_BYTES[precision])
+    return (count.embedding - count.positions) * (FP32_BYTES if bf16_optimizer else PRECISION_BYTES[precision])
 
 
 def bubble_fraction(pp: int, micro_batches: int) -> float:

@@ -77,15 +77,15 @@ def predict_rank(cfg: dict, ds: dict, *, stage: int, pp: int, tp: int, dp: int, 
 
 
 def _counted_tp(cfg: dict, ds: dict, pp: int, tp: int, parts: list[int]) -> int:
-    """Which block split DeepSpeed weighed when it partitioned (split as built: tp; split after: 1), told by the
-    engine's own partition; tp when both give the same split or neither matches (then the notes say so)."""
+    """Which block split DeepSpeed weighed when it partitioned (split after the build: 1, the harness; split
+    as built: tp), told by the engine's own partition; 1 when both agree or neither matches (notes say so)."""
     if tp <= 1 or not parts:
-        return tp
+        return 1
     count = count_params(cfg)
     method = (ds.get("pipeline") or {}).get("partition", "parameters")
-    if pipeline.partition(count, pp, method, tp, tp) != parts and pipeline.partition(count, pp, method, tp, 1) == parts:
-        return 1
-    return tp
+    if pipeline.partition(count, pp, method, tp, 1) != parts and pipeline.partition(count, pp, method, tp, tp) == parts:
+        return tp
+    return 1
 
 
 def for_pipeline(spec, engine, zero: dict, live: dict) -> dict:
