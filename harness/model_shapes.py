@@ -89,6 +89,11 @@ KNOWN: dict[str, dict] = {
 }
 
 
+# Model types the harness turns into pipeline stages (harness/train/parallel/pipeline.py), by layer family:
+# "llama" = RMSNorm decoder layers with rotary position embeddings (GQA), "gpt2" = learned positions.
+PIPELINE_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+
+
 def is_preset(spec: str) -> bool:
     return spec in PRESETS
 

@@ -24,10 +24,6 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         spec = session.prepare(run_args.parse(argv))
-        if spec.pp > 1:
-            raise UsageError(f"recipe {spec.recipe_name}: pipeline parallelism (pp={spec.pp}) is not run by "
-                             "harness/run.py yet; its DeepSpeed config validates (harness show), training comes "
-                             "with the pipeline engine support")
         from harness.train import job
 
         return job.main(spec)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from harness.errors import Problem
 from harness.config.resolve import Context, batch_world, degrees, is_count
 from harness.config.schema import suggest
+from harness.model_shapes import PIPELINE_FAMILIES
 
 # DeepSpeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS (matched lower-cased) ...
 DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
@@ -100,8 +101,11 @@ def check_parallel(ds: dict, ctx: Context) -> list[Problem]:
                                    f"use a world size that is a multiple of {degree}, or a degree dividing {world}"))
         if world % pp == 0 and world % tp == 0 and world % (pp * tp):
             out.append(Problem("pipeline.stages", f"pipeline {pp} x tensor {tp} = {pp * tp} does not divide the "
-                               f"world size {world}", f"make pipeline x tensor divide {world}"))
+                               f"world size {world} ({world} / {pp * tp} = {world / (pp * tp):.3g} data-parallel "
+                               "replicas)", f"launch a multiple of {pp * tp} ranks, or make pipeline x tensor "
+                               f"divide {world}"))
     model = ctx.model or {}
+    out += _pipeline_model(pp, model, ctx.model_name)
     for field in ("num_attention_heads", "num_key_value_heads"):
         n = model.get(field)
         if tp > 1 and isinstance(n, int) and n % tp:
@@ -109,6 +113,21 @@ def check_parallel(ds: dict, ctx: Context) -> list[Problem]:
                                f"divisible by the tensor degree ({tp}); DeepSpeed would split heads unevenly",
                                f"use a tensor degree that divides {n}"))
     return out
+
+
+def _pipeline_model(pp: int, model: dict, name: str) -> list[Problem]:
+    """A pipeline needs a model the harness can cut into stages, and at least one decoder layer per stage."""
+    if pp < 2:
+        return []
+    model_type, layers = model.get("model_type"), model.get("num_hidden_layers")
+    if model_type is not None and model_type not in PIPELINE_FAMILIES:
+        return [Problem("pipeline.stages", f"model {name} (model_type {model_type!r}) cannot be split into pipeline "
+                        f"stages; supported model types: {', '.join(sorted(PIPELINE_FAMILIES))}",
+                        "use one of those models, or a recipe without parallel.pipeline")]
+    if isinstance(layers, int) and pp > layers:
+        return [Problem("pipeline.stages", f"{pp} pipeline stages for the {layers} decoder layers of model {name}: "
+                        f"{pp} > {layers} leaves a stage without a decoder layer", f"use at most {layers} stages")]
+    return []
 
 
 def check_batch(ds: dict, ctx: Context) -> list[Problem]:

@@ -47,7 +47,8 @@ def manifest(spec, step: int) -> dict:
     return {"step": step, "world_size": spec.world_size, "zero_stage": spec.zero_stage, "tp": spec.tp,
             "pp": spec.pp, "dp": spec.dp, "precision": spec.recipe["precision"], "recipe": spec.recipe_name,
             "model": spec.recipe["train"]["model"], "deepspeed": deepspeed.__version__,
-            "torch": torch.__version__, "transformers": transformers.__version__}
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            **({"partition": spec.layout} if spec.layout else {})}
 
 
 def save_hf_files(ckpt_dir: Path, model, tokenizer) -> None:
@@ -60,8 +61,13 @@ def save_hf_files(ckpt_dir: Path, model, tokenizer) -> None:
 
 
 @torch.no_grad()
-def probe_logits(engine, probe_ids: torch.Tensor) -> torch.Tensor:
-    """The engine's logits on a fixed batch (collective under ZeRO-3: every rank calls)."""
+def probe_logits(engine, probe_ids: torch.Tensor) -> torch.Tensor | None:
+    """The engine's logits on a fixed batch (collective under ZeRO-3 and pipelines: every rank calls; a
+    pipeline returns them on rank 0 only)."""
+    from harness.train.parallel import pipe_engine
+
+    if pipe_engine.is_pipeline(engine):
+        return pipe_engine.probe_logits(engine, probe_ids)
     was_training = engine.training
     engine.eval()
     logits = engine(input_ids=probe_ids.to(engine.device), use_cache=False).logits.float().cpu()

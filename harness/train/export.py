@@ -1,7 +1,8 @@
 """DeepSpeed checkpoint -> Hugging Face model folder (safetensors + config + tokenizer).
 
 ZeRO-1/2/3 checkpoints are consolidated with DeepSpeed's zero_to_fp32 (fp32 master weights); a ZeRO-0
-checkpoint holds whole weights in its model-states file. Every checkpoint the harness writes carries
+checkpoint holds whole weights in its model-states file; pipeline and 3D checkpoints hold per-layer files
+(parallel/pipe_export.py). Every checkpoint the harness writes carries
 probe.pt (the engine's logits on a fixed batch), so an export is verified against the trained engine.
 """
 
@@ -47,10 +48,14 @@ def find_checkpoint(path: str | Path) -> CheckpointRef:
                      "checkpoints/global_stepN)")
 
 
-def fp32_state_dict(ref: CheckpointRef, zero_stage: int) -> dict:
+def fp32_state_dict(ref: CheckpointRef, manifest: dict) -> dict:
     import torch
 
-    if zero_stage >= 1:
+    if manifest.get("pp", 1) > 1:  # per-layer files (pipeline, 3D)
+        from harness.train.parallel import pipe_export
+
+        return pipe_export.state_dict(ref, manifest)
+    if manifest["zero_stage"] >= 1:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(ref.ckpt_dir), tag=ref.tag)
@@ -95,7 +100,7 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False) -> dict:
         raise UsageError(f"{out} is not empty\n    fix: choose a new --out folder, or pass --overwrite")
     ref = find_checkpoint(ckpt)
     manifest = ref.manifest()
-    model = build_hf_model(ref, fp32_state_dict(ref, manifest["zero_stage"]))
+    model = build_hf_model(ref, fp32_state_dict(ref, manifest))
     diff = verify(ref, model)
     limit = TOLERANCE.get(manifest.get("precision", "fp32"), 1e-4)
     if diff is not None and diff > limit:

@@ -63,6 +63,10 @@ def build_engine(spec):
 
     from harness.train.models import build_model
 
+    if spec.pp > 1:
+        from harness.train.parallel import pipe_engine
+
+        return pipe_engine.build_engine(spec)
     train = spec.recipe["train"]
     zero3 = spec.zero_stage == 3
     model = build_model(train["model"], seed=train["seed"], zero3_init_config=spec.ds_config if zero3 else None,

@@ -34,6 +34,7 @@ class RunSpec:
     resume: str | None
     overwrite: bool
     notes: list[str] = field(default_factory=list)
+    layout: dict = field(default_factory=dict)  # pipeline partition, filled at engine build; checkpoint manifests
 
     @property
     def dp(self) -> int:
