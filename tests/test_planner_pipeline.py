@@ -165,3 +165,23 @@ def test_pipeline_and_3d_launch_lines_run_as_printed(monkeypatch):
         c = next(c for c in result.candidates if c["launch"] == line)
         assert (spec.pp, spec.tp, spec.dp) == (c["pp"], c["tp"], c["dp"]), line
         assert spec.ds_config["pipeline"]["stages"] == c["pp"]
+
+
+def _qwen2_tied():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    return AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True))
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2", "qwen2-tied"])
+def test_layer_list_weighs_what_the_harness_pipeline_module_builds(model):
+    """The planner's layer list against harness/train/parallel/pipeline.py's LayerSpecs, weighed the way
+    DeepSpeed's _count_layer_params does (build each spec, count trainable parameters)."""
+    from harness.train.models import build_model
+    from harness.train.parallel.pipeline import layer_specs as pipe_specs
+
+    hf = _qwen2_tied() if model == "qwen2-tied" else build_model(model, seed=0)
+    built = [sum(p.numel() for p in spec.build().parameters() if p.requires_grad) for spec in pipe_specs(hf)]
+    assert [n for _, n in pl.layer_specs(count_params(hf.config.to_dict()))] == built

@@ -20,7 +20,6 @@ from harness.planner import comm, memory, pipeline
 from harness.planner.params import ParamCount
 
 RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS
-AUTOTP_FAMILIES = ("llama", "mistral", "qwen2")  # AutoTP refuses GPT-2 in DeepSpeed 0.19.8
 PP_MICRO_BATCHES_PER_STAGE = 4  # m = 4p keeps the bubble (p-1)/(m+p-1) under 20%
 
 
@@ -64,13 +63,16 @@ def candidates(world: int, gpus_per_node: int, num_layers: int) -> list[Candidat
 
 
 def not_applicable(c: Candidate, shape: dict) -> str | None:
-    """Why a split cannot be built for this model, or None."""
-    if c.tp > 1:
-        if shape["model_type"] not in AUTOTP_FAMILIES:
-            return f"tensor parallel (AutoTP) does not split {shape['model_type']} models in DeepSpeed 0.19.8"
-        heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-        if heads % c.tp or kv % c.tp:
-            return f"tp {c.tp} does not divide {heads} attention heads / {kv} key-value heads"
+    """Why a split cannot be built for this model, or None (tensor parallel: the harness's own TP layers,
+    model_shapes.tp_problems; a pipeline: the families harness/train/parallel/pipeline.py converts, and no
+    more stages than blocks)."""
+    from harness.model_shapes import PIPELINE_FAMILIES, tp_problems
+
+    problems = tp_problems(shape, c.tp)
+    if problems:
+        return "; ".join(what for what, _ in problems)
+    if c.pp > 1 and shape["model_type"] not in PIPELINE_FAMILIES:
+        return f"the harness cannot split {shape['model_type']} models into pipeline stages"
     return None
 
 
