@@ -128,3 +128,24 @@ def test_pipeline_gpt2_tied_head_with_activation_checkpointing(tmp_path):
     worst = check_run(run, reference("tiny-gpt2"), pp=2, tp=1, dp=1)
     print(f"pipeline tiny-gpt2: max relative loss difference vs one process {worst:.2e}")
     print(f"pipeline gpt2 export: max |logit diff| {check_export(run, tmp_path / 'hf'):.2e}")
+
+
+def test_3d_llama_parity_resume_export(tmp_path):
+    """pipeline 2 x tensor 2 x data 2 on 8 ranks: parity, eval, partition, export (TP shards merged), resume."""
+    straight = tmp_path / "straight"
+    launch("--recipe", "3d", "--output-dir", str(straight), *COMMON, *PIPE, *batch(2, 2), ranks=8)
+    worst = check_run(straight, reference("tiny-llama"), pp=2, tp=2, dp=2)
+    print(f"3d tiny-llama: max relative loss difference vs one process {worst:.2e}")
+    print(f"3d export: max |logit diff| {check_export(straight, tmp_path / 'hf'):.2e}")
+    check_resume("3d", straight, tmp_path / "resumed", *batch(2, 2), ranks=8)
+
+
+def test_3d_qwen2_folder_parity_export(tmp_path):
+    """A saved Qwen2-shaped folder (GQA: 1 kv head per TP rank, q/k/v biases, tied embeddings) trains from its
+    own weights on 8 ranks and exports."""
+    folder = qwen2_folder(tmp_path / "qwen2")
+    run = tmp_path / "run"
+    launch("--recipe", "3d", "--output-dir", str(run), "--model", folder, *COMMON, *PIPE, *batch(2, 2), ranks=8)
+    worst = check_run(run, reference(folder), pp=2, tp=2, dp=2)
+    print(f"3d qwen2 folder: max relative loss difference vs one process {worst:.2e}")
+    print(f"3d qwen2 export: max |logit diff| {check_export(run, tmp_path / 'hf'):.2e}")

@@ -50,10 +50,10 @@ def _shard_stage(module, config) -> None:
     """3D: split this stage's decoder layers over the topology's model-parallel group."""
     from harness.train.parallel import tensor
 
-    tensor.supported(config)
     grid = module.mpu()
     group, rank, size = (grid.get_slice_parallel_group(), grid.get_slice_parallel_rank(),
                          grid.get_slice_parallel_world_size())
+    tensor.supported(config, size)
     for layer in pipeline.local_decoder_layers(module):
         tensor.shard_decoder_layer(layer, config, group, rank, size)
 

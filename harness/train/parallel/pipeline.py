@@ -154,6 +154,24 @@ def hf_names(specs: list, model) -> list[dict[str, str]]:
     return [{key: owner[id(t)] for key, t in spec.build().state_dict(keep_vars=True).items()} for spec in specs]
 
 
+def check_partition_method(method: str, specs: list) -> None:
+    """DeepSpeed's methods: parameters, uniform, type:<regex> over layer class names (balances the matches)."""
+    import re
+
+    names = [s.typename.__name__ for s in specs]
+    if method.lower() in ("parameters", "uniform"):
+        return
+    if method.lower().startswith("type:"):
+        try:
+            if any(re.search(method[5:], n, re.IGNORECASE) for n in names):
+                return
+        except re.error:
+            pass
+    raise UsageError(f"parallel.partition_method {method!r}: expected parameters, uniform or type:<regex> matching "
+                     f"some of this model's pipe layers ({', '.join(dict.fromkeys(names))})\n"
+                     f"    fix: --set parallel.partition_method=type:{DECODER} (balance decoder layers) or parameters")
+
+
 def build_module(model, topology, partition_method: str, checkpoint_interval: int):
     """(PipelineModule over `topology` holding the HF model's weights, its layer specs); this rank builds its
     stage only."""
@@ -163,6 +181,7 @@ def build_module(model, topology, partition_method: str, checkpoint_interval: in
     # Non-reentrant recomputation of decoder layers only: reentrant checkpointing of the embedding would drop
     # its gradients (its input, token ids, needs no grad).
     specs = layer_specs(model)
+    check_partition_method(partition_method, specs)
     module = PipelineModule(layers=specs, topology=topology, loss_fn=causal_lm_loss,
                             partition_method=partition_method, activation_checkpoint_interval=checkpoint_interval,
                             activation_checkpoint_func=non_reentrant_checkpoint, checkpointable_layers=[DECODER])
