@@ -185,3 +185,14 @@ def test_layer_list_weighs_what_the_harness_pipeline_module_builds(model):
     hf = _qwen2_tied() if model == "qwen2-tied" else build_model(model, seed=0)
     built = [sum(p.numel() for p in spec.build().parameters() if p.requires_grad) for spec in pipe_specs(hf)]
     assert [n for _, n in pl.layer_specs(count_params(hf.config.to_dict()))] == built
+
+
+def test_plan_text_lists_the_stages():
+    from harness.planner.render import _comm
+
+    result = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9)
+    row = next(c for c in result.candidates if c["label"] == "pipeline zero1 pp2")
+    text = "\n".join(_comm(row))
+    assert "pipeline bubble (p-1)/(m+p-1) = (2-1)/(8+2-1) = 11.1%" in text
+    assert "stages (DeepSpeed's 'parameters' partition; memory above is the largest): 0: layers 0-" in text
+    assert row["params_per_rank"] == max(s["params"] for s in row["stages"])

@@ -127,6 +127,9 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
         },
         "comm": _comm(c, count, params, layers, dp, m, persistent, shape, work),
     }
+    if c.pp > 1:  # every stage, so the text can show which one is the largest
+        result["stages"] = [{k: s[k] for k in ("stage", "layers", "blocks", "params")}
+                            for s in pipeline.stages(count, c.pp, "parameters", c.tp)]
     result.update(_verdict(c, result["memory"], shape, hw))
     return result
 
