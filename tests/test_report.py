@@ -144,6 +144,10 @@ def test_pipeline_run_compares_each_rank_with_its_own_stage(tmp_path):
     reduce = next(r for r in report["tables"]["comm"] if r["collective"] == "all_reduce")
     assert reduce["ratio"] == [1.0, 1.0] and reduce["flag"] == ""
     assert "| all_reduce | 200.00 MB / 100.00 MB |" in text
+    summary["memory"]["predicted_after_step_per_rank"] = [PREDICTED_STATES, {**PREDICTED_STATES, "params": {"gpu": 100 * MB}}]
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    text = write_report(run_dir).read_text()
+    assert "| params | 200.00 MB / 100.00 MB | 200.00 MB | 200.00 MB | 1.000 / 2.000 |" in text  # each rank's own
     assert [r["bubble_measured"] for r in report["tables"]["pipeline"]] == [0.25, 0.31]
     assert "## Pipeline stages per rank" in text and "| 1 | 1 | 4.00 MB | 4.00 MB |" in text
     assert "31.0%" in text and "20.0% predicted" in text

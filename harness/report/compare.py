@@ -123,6 +123,7 @@ def state_rows(run: Run) -> list[dict]:
         if pred and any(measured) and want != where:
             flags.append(f"predicted on {'+'.join(sorted(want))}, measured on {'+'.join(sorted(where))}")
         rows.append({"term": term, "predicted": pred, "measured": measured, "ratio": ratios,
+                     "predicted_per_rank": [_total((p or {}).get(term)) for p in own],
                      "devices": sorted(where), "predicted_devices": sorted(want),
                      "flag": "; ".join(sorted({f for f in flags if f}))})
     if rows:
@@ -130,6 +131,7 @@ def state_rows(run: Run) -> list[dict]:
         measured = [_grand_total(rank) for rank in ranks]
         ratios = [ratio(m, _grand_total(p)) for m, p in zip(measured, own)]
         rows.append({"term": "total", "predicted": pred_total, "measured": measured, "ratio": ratios,
+                     "predicted_per_rank": [_grand_total(p) for p in own],
                      "devices": [], "flag": "; ".join(sorted({f for f in (_flag(r, STATE_TOL) for r in ratios) if f}))})
     return rows
 
@@ -247,7 +249,7 @@ def _per_rank(values: list, fmt) -> list[str]:
 def _predicted_cell(row: dict) -> str:
     """One value, or each rank's own when they differ (pipeline stages)."""
     preds = row.get("predicted_per_rank") or [row["predicted"]]
-    return fmt_bytes(preds[0]) if len(set(preds)) <= 1 else " / ".join(_per_rank(preds, fmt_bytes))
+    return fmt_bytes(row["predicted"]) if len(set(preds)) <= 1 else " / ".join(_per_rank(preds, fmt_bytes))
 
 
 def headline(run: Run) -> list[str]:
@@ -284,7 +286,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
     out += ["", "## Model states per rank after a step (predicted vs measured)", ""]
     if tables["states"]:
         out.append(_table(["term", "predicted", *ranks, "ratio (per rank)", "where (measured)", "flag"], [
-            [r["term"], fmt_bytes(r["predicted"]), *_per_rank(r["measured"], fmt_bytes),
+            [r["term"], _predicted_cell(r), *_per_rank(r["measured"], fmt_bytes),
              " / ".join(_per_rank(r["ratio"], fmt_ratio)), "+".join(r["devices"]), r["flag"]]
             for r in tables["states"]]))
     else:
