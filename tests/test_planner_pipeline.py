@@ -196,3 +196,11 @@ def test_plan_text_lists_the_stages():
     assert "pipeline bubble (p-1)/(m+p-1) = (2-1)/(8+2-1) = 11.1%" in text
     assert "stages (DeepSpeed's 'parameters' partition; memory above is the largest): 0: layers 0-" in text
     assert row["params_per_rank"] == max(s["params"] for s in row["stages"])
+
+
+def test_multi_node_plan_says_where_the_hostfile_comes_from():
+    result = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9)
+    assert any(n.startswith("the launch line reads ./hostfile: one line per node, '<host> slots=8'")
+               for n in result.notes)
+    single = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=1, gpu_mem_bytes=80 * 10**9)
+    assert not any("hostfile" in n for n in single.notes)

@@ -350,6 +350,9 @@ def notes(best: dict | None, hw: dict, shape: dict, seq_len: int) -> list[str]:
     if cpu and hw["cpu_mem_bytes"] is None:
         out.append(f"CPU RAM not given: {best['recipe']} needs >= {gb(cpu / (1 - RESERVE_FRACTION))} per node "
                    f"for the offloaded states (pass --cpu-mem to check)")
+    if hw["nodes"] > 1:
+        out.append(f"the launch line reads ./hostfile: one line per node, '<host> slots={hw['gpus_per_node']}' "
+                   "(docker/README.md; without ssh: --no_ssh --node_rank N on each node)")
     if best["offload_optimizer"] == "nvme" or best["offload_param"] == "nvme":
         out.append("set zero.nvme_path to a directory on a local NVMe drive (--set zero.nvme_path=/local_nvme)")
     return out
