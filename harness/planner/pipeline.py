@@ -16,7 +16,9 @@ embedding, final norm and head stay whole on every tensor-parallel rank.
 Traffic per step (logged bytes, comms-logger convention), A = micro x seq x hidden activation elements:
   p2p     per micro-batch a stage with a next stage sends A forward and receives A's gradient; one with a
           previous stage receives A and sends its gradient back (DeepSpeed's p2p.send/recv are deepspeed.comm
-          send/recv on torch >= 1.8, so the comms logger sees them). Shapes travel once, on the first step.
+          send/recv on torch >= 1.8, so the comms logger sees them). Shapes (256 int32 = 1 KiB) travel on the
+          first step, and again on the first step after an eval (the harness resets them for eval batches):
+          left out of the per-step prediction.
   3D      with tensor parallelism, DeepSpeed's pipe engine sends only this rank's 1/tp slice of A
           (pipeline.pipe_partitioned / grad_partitioned, both on by default) plus a small long tensor of
           partition meta, and rebuilds the whole tensor with an all_gather_into_tensor over the tp group:
