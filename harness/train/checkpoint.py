@@ -26,7 +26,11 @@ def tag_for(step: int) -> str:
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Tensors, ints, floats and strings only, so the file loads with torch.load(weights_only=True): a
+    checkpoint folder may come from elsewhere, and a pickled numpy array would need full unpickling."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -34,7 +38,8 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -115,5 +120,5 @@ def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str) -> dict:
         raise RuntimeError(f"DeepSpeed found no checkpoint {ckpt_dir / tag}")
     rng = ckpt_dir / tag / f"rng_rank{dist.rank}.pt"
     if rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(torch.load(rng, weights_only=True))
     return client or {}

@@ -59,7 +59,7 @@ def fp32_state_dict(ref: CheckpointRef, manifest: dict) -> dict:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(ref.ckpt_dir), tag=ref.tag)
-    states = torch.load(ref.tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    states = torch.load(ref.tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
     return {k: v.float() for k, v in states["module"].items()}
 
 

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from harness.train import checkpoint, dist as distmod
+from harness.train import checkpoint, checks, dist as distmod
 from harness import profiling
 from harness.errors import UsageError
 from harness.config.jsonio import dump_json
@@ -134,6 +134,7 @@ def main(spec) -> int:
         distmod.barrier()
         tokenizer = load_tokenizer(spec.recipe["train"]["model"])
         data = load_data(spec, dist, tokenizer)
+        checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
         engine, model = build_engine(spec)
         log = MetricsLog(run_dir, enabled=dist.is_main)
         announce(spec, dist, run_dir, model, data)

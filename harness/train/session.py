@@ -1,7 +1,8 @@
 """Everything decided before ranks talk: the recipe, the resolved DeepSpeed config, the run folder.
 
-Pure except for reading files and environment variables, so bad input fails identically on every
-rank with exit code 2, before any process group exists.
+Reads files and environment variables and probes this machine (harness.train.checks: DeepSpeed ops, paths,
+free space), but starts nothing, so bad input fails identically on every rank with exit code 2, before any
+process group exists.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from harness.config.jsonio import load_json
 from harness.config.recipes import load_recipe
 from harness.config.resolve import degrees
 from harness.config.validate import check_ds_config, check_recipe, context, strip_annotations
+from harness.train import checks
 
 DEFAULT_RECIPE = "zero2_offload"
 
@@ -103,6 +105,13 @@ def _output_dir(args, world: int) -> Path | None:
 
 
 def prepare(args) -> RunSpec:
+    """The run's spec, after every check that needs no process group (config, then this machine)."""
+    spec = resolve_spec(args)
+    checks.before_init(spec, args.ds_config)  # this machine: ops, model limits, paths and free space
+    return spec
+
+
+def resolve_spec(args) -> RunSpec:
     world = world_size_from_env()
     output_dir = _output_dir(args, world)  # cheapest check first: never touch an earlier run
     name, overrides, notes = args.recipe or DEFAULT_RECIPE, list(args.overrides), []
@@ -112,7 +121,8 @@ def prepare(args) -> RunSpec:
         name, planned, reason = choose(overrides, world)
         overrides, notes = planned + overrides, [reason]
     recipe, source = load_recipe(name, overrides)
-    ctx = context(recipe, world, fp16_supported=fp16_supported())
+    model_config = checks.inputs(recipe["train"], source)  # model and data exist; a hub model's shape, too
+    ctx = context(recipe, world, fp16_supported=fp16_supported(), model_config=model_config)
     if args.ds_config:
         checked = check_ds_config(load_json(args.ds_config), ctx, args.ds_config)
     else:
