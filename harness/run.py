@@ -4,7 +4,9 @@
     python harness/run.py --recipe ddp --set train.steps=20      (one process)
 
 parse -> load recipe -> resolve + validate for this world size -> train -> teardown.
-Bad input exits 2 with one clear message on rank 0, before any process group exists.
+Exit codes: 0 done; 2 bad input (one clear message on rank 0, before any process group exists); 75 preempted
+(SIGTERM/SIGUSR1: checkpoint saved at the step the ranks agreed on, `--resume latest` continues;
+harness/train/preempt.py); 1 anything else, e.g. a collective that outlived train.collective_timeout.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from harness.errors import ConfigError, UsageError  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     from harness.train import run_args, session
+    from harness.train.dist import CollectiveTimeout
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -35,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except CollectiveTimeout as e:  # every rank that timed out says so: the first line names the setting
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         if rank == 0:
             print("interrupted: stopped cleanly (checkpoints written so far are intact)", file=sys.stderr)
