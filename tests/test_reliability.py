@@ -174,3 +174,43 @@ def test_zero3_kill9_during_save_then_resumed_on_1_and_2_ranks(tmp_path):
     assert sorted(after) == list(range(k + 1, k + 5))
     worst = assert_continues(after, want, RTOL)
     print(f"zero3 2 -> 1 -> 2 ranks: max relative loss difference vs the reference {worst:.2e}")
+
+
+HANG = """
+import sys, time
+from harness.train import dist as distmod
+info = distmod.init(timeout_min=0.05)  # 3 s
+if info.rank == 1:
+    time.sleep(15)  # a hung peer
+    sys.exit(0)
+start = time.monotonic()
+try:
+    distmod.mean_across_ranks([1.0]); distmod.barrier()
+except Exception as e:
+    assert distmod.is_timeout(e), e
+    print(distmod.CollectiveTimeout(info.rank, 0.05, e))
+    print(f"waited {time.monotonic() - start:.1f} s")
+"""
+
+
+def test_collective_timeout_ends_a_hung_collective_naming_the_setting():
+    """Two real gloo ranks through harness.train.dist.init: rank 1 stops answering, rank 0's all-reduce fails
+    after train.collective_timeout (3 s here) instead of waiting, with a message naming the setting."""
+    import subprocess
+    import sys
+
+    from harness.train.dist import free_port
+    from launch import ROOT, env
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", HANG], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              env={**env(), "PYTHONPATH": str(ROOT), "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in (0, 1)]
+    out0 = procs[0].communicate(timeout=180)[0]
+    procs[1].communicate(timeout=180)
+    assert "rank 0: a collective did not complete within train.collective_timeout = 0.05 min" in out0, out0[-2000:]
+    waited = float(out0.split("waited ")[1].split(" s")[0])
+    assert procs[0].returncode == 0 and 2.5 <= waited <= 30, (procs[0].returncode, waited)
+    print(f"hung peer: rank 0's all-reduce failed after {waited:.1f} s (collective_timeout 3 s)")

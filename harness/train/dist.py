@@ -45,9 +45,10 @@ class CollectiveTimeout(RuntimeError):
 
 
 def is_timeout(e: BaseException) -> bool:
-    """gloo raises 'Timed out waiting Nms for recv/send'; torch's store and NCCL (when it raises) say 'timeout'."""
+    """gloo raises 'Timed out waiting Nms for recv operation'; NCCL's watchdog (when it raises rather than aborts)
+    and the store say 'Timeout(ms)=N' / 'wait timeout'."""
     text = str(e).lower()
-    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
+    return isinstance(e, RuntimeError) and any(s in text for s in ("timed out waiting", "timeout(ms)", "wait timeout"))
 
 
 def init(timeout_min: float = 30.0) -> DistInfo:
