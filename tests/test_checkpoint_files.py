@@ -10,7 +10,7 @@ import pytest
 
 from harness.config.recipes import load_recipe
 from harness.errors import UsageError
-from harness.train import checkpoint, resume
+from harness.train import ckpt_files, resume
 
 
 def make(ckpt: Path, step: int, complete: bool = True, world: int = 2, batch: int = 8, shards: bool = True) -> Path:
@@ -33,7 +33,7 @@ def test_resume_picks_the_newest_complete_checkpoint_and_reports_interrupted_one
     make(ckpt, 11, complete=False)
     point = resume.find("latest", tmp_path / "run")
     assert (point.tag, point.step, point.skipped) == ("global_step10", 10, ("global_step11",))  # 10 > 2 numerically
-    assert checkpoint.later_tags(ckpt, 2) == ["global_step10"]  # the incomplete one is nothing to overwrite
+    assert ckpt_files.later_tags(ckpt, 2) == ["global_step10"]  # the incomplete one is nothing to overwrite
     with pytest.raises(UsageError, match=r"incomplete checkpoint \(no manifest.json: its save was interrupted\)"):
         resume.find(str(ckpt / "global_step11"), tmp_path / "run")
 
@@ -50,10 +50,10 @@ def test_retention_keeps_the_newest_complete_and_deletes_only_older(tmp_path):
         make(ckpt, step)
     make(ckpt, 5, complete=False)  # a save in progress (or interrupted) is newer than every complete one
     (ckpt / "universal" / "global_step1").mkdir(parents=True)
-    assert checkpoint.prune(ckpt, 2) == ["global_step1", "global_step2"]
-    assert checkpoint.tags(ckpt) == ["global_step3", "global_step4", "global_step5"]
+    assert ckpt_files.prune(ckpt, 2) == ["global_step1", "global_step2"]
+    assert ckpt_files.tags(ckpt) == ["global_step3", "global_step4", "global_step5"]
     assert not (ckpt / "universal" / "global_step1").exists()
-    assert checkpoint.prune(ckpt, 0) == [] and checkpoint.prune(ckpt, 1) == ["global_step3"]
+    assert ckpt_files.prune(ckpt, 0) == [] and ckpt_files.prune(ckpt, 1) == ["global_step3"]
 
 
 def test_another_world_size_keeps_the_global_batch_and_needs_the_universal_form(tmp_path):

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from harness.train import checkpoint, dist as distmod, preempt, resume
+from harness.train import checkpoint, ckpt_files, dist as distmod, preempt, resume
 from harness import profiling
 from harness.errors import UsageError
 from harness.config.jsonio import dump_json
@@ -77,14 +77,14 @@ def start_step(engine, spec, dist, run_dir: Path) -> int:
     if point is None:
         return 0
     for tag in point.skipped if dist.is_main else ():
-        say("ckpt", f"skipped {point.ckpt_dir / tag}: incomplete (no {checkpoint.MANIFEST}, its save was interrupted)")
+        say("ckpt", f"skipped {point.ckpt_dir / tag}: incomplete (no {ckpt_files.MANIFEST}, its save was interrupted)")
     if spec.ds_config.get("checkpoint", {}).get("load_universal"):
         ckpt_dir, tag = resume.universal(point, dist)
         client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder)
     else:
         client = checkpoint.load(engine, dist, point.ckpt_dir, point.tag)
     step = int(client.get("step", point.step))
-    later = checkpoint.later_tags(run_dir / "checkpoints", step)
+    later = ckpt_files.later_tags(run_dir / "checkpoints", step)
     if later and not spec.overwrite:
         raise UsageError(f"resuming at step {step} would overwrite later checkpoints ({', '.join(later)})\n"
                          "    fix: --resume the latest one, pass --overwrite, or use another --output-dir")

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import UsageError
-from harness.train import checkpoint
-from harness.train.checkpoint import is_complete, read_manifest, step_of
+from harness.train import ckpt_files
+from harness.train.ckpt_files import UNIVERSAL, is_complete, read_manifest, step_of
 
-UNIVERSAL = "universal"
 CONVERTED = "converted.json"  # written last into the conversion: marks it complete
 
 
@@ -58,11 +57,11 @@ def find(resume: str, run_dir: Path) -> ResumePoint:
         path = path / "checkpoints"
     if step_of(path.name) is not None:
         if not is_complete(path):
-            raise UsageError(f"--resume {path}: incomplete checkpoint (no {checkpoint.MANIFEST}: its save was "
+            raise UsageError(f"--resume {path}: incomplete checkpoint (no {ckpt_files.MANIFEST}: its save was "
                              "interrupted)\n    fix: --resume latest (the newest complete one) or an older "
-                             f"{checkpoint.PREFIX}N")
+                             f"{ckpt_files.PREFIX}N")
         return ResumePoint(path.parent, path.name, read_manifest(path))
-    found = checkpoint.tags(path) if path.is_dir() else []
+    found = ckpt_files.tags(path) if path.is_dir() else []
     complete = [t for t in found if is_complete(path / t)]
     if not complete:
         held = f" (only incomplete ones: {', '.join(found)})" if found else ""
@@ -111,6 +110,15 @@ def batch_overrides(point: ResumePoint, recipe: dict, batch_world: int) -> tuple
                 f"{m.get('grad_accum_steps')} accum x {m['world_size'] // (m.get('pp', 1) * m.get('tp', 1))} dp); "
                 f"here {micro} micro x {accum} accum x {batch_world}")
     return [f"batch.train_batch_size={saved}", f"batch.grad_accum_steps={accum}"], note
+
+
+def check_batch(point: ResumePoint, ds: dict, source: str) -> None:
+    """The resolved config (a --ds-config included) must keep the checkpoint's global batch."""
+    saved, got = point.manifest.get("train_batch_size"), ds.get("train_batch_size")
+    if saved is not None and got is not None and saved != got:
+        raise UsageError(f"--resume {point.folder}: it trained with global batch {saved}, {source} gives "
+                         f"train_batch_size {got}: the data order would not continue where it stopped\n"
+                         f"    fix: train_batch_size {saved} (micro x accum x data-parallel ranks), or start a new run")
 
 
 def universal(point: ResumePoint, dist) -> tuple[Path, str]:

@@ -94,11 +94,14 @@ def _resume_recipe(name: str, overrides: list[str], point, world: int, notes: li
     return load_recipe(name, overrides + extra) if extra else (recipe, source)
 
 
-def _resume_layout(ds: dict, point, world: int, pp: int, tp: int, notes: list[str]) -> dict:
+def _resume_layout(ds: dict, source: str, point, world: int, pp: int, tp: int, notes: list[str]) -> dict:
     """A checkpoint from another layout is loaded through DeepSpeed's universal form (converted at start)."""
     from harness.train import resume as resumemod
 
-    if point is None or not resumemod.needs_universal(point, world, pp, tp):
+    if point is None:
+        return ds
+    resumemod.check_batch(point, ds, source)
+    if not resumemod.needs_universal(point, world, pp, tp):
         return ds
     saved = point.layout()
     notes.append(f"resume: {point.tag} was saved on world {saved[0]} (pp {saved[1]}, tp {saved[2]}), this launch "
@@ -135,7 +138,7 @@ def prepare(args) -> RunSpec:
         checked = check_recipe(recipe, ctx, source)
     ds = strip_annotations(checked.ds_config)
     pp, tp = degrees(ds, recipe)
-    ds = _resume_layout(ds, point, world, pp, tp, notes)
+    ds = _resume_layout(ds, args.ds_config or source, point, world, pp, tp, notes)
     return RunSpec(recipe=recipe, recipe_name=Path(name).stem, ds_config=ds, provenance=checked.provenance,
                    warnings=checked.warnings, world_size=world, pp=pp, tp=tp, output_dir=output_dir,
                    resume=args.resume, overwrite=args.overwrite, notes=notes, resume_point=point)
