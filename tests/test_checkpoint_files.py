@@ -73,3 +73,12 @@ def test_another_world_size_keeps_the_global_batch_and_needs_the_universal_form(
         resume.batch_overrides(point, pinned, batch_world=1)
     unsharded = resume.find(str(make(tmp_path / "z0", 2, shards=False)), tmp_path)
     assert not resume.needs_universal(unsharded, 1, 1, 1)  # ZeRO-0 fp32: the whole optimizer state, any world
+
+
+def test_a_recipe_pinning_the_same_global_batch_gets_its_accumulation_re_derived(tmp_path):
+    """zero2_offload pins batch 256 with accum 4 for 8 ranks: on 4 ranks the accumulation must become 8."""
+    point = resume.find(str(make(tmp_path, 5, world=8, batch=256)), tmp_path)
+    recipe, _ = load_recipe("zero2_offload", ["batch.train_batch_size=256", "batch.micro_batch_per_gpu=8",
+                                              "batch.grad_accum_steps=4"])
+    overrides, note = resume.batch_overrides(point, recipe, batch_world=4)
+    assert overrides == ["batch.train_batch_size=256", "batch.grad_accum_steps=8"] and "8 micro x 8 accum x 4" in note

@@ -8,8 +8,9 @@ the engine loads on any layout when its config says checkpoint.load_universal.
 The global batch is the checkpoint's: the data order (BatchPlan) is a pure function of the step and the
 global batch, so keeping it is what makes the data position continue exactly. When the recipe leaves
 batch.train_batch_size to "auto" (it would otherwise follow the world size), the checkpoint's value is pinned
-and gradient accumulation re-derived for this launch, keeping the recipe's micro batch. A recipe that pins a
-different train_batch_size is refused: it cannot continue the same data order.
+and gradient accumulation re-derived for this launch, keeping the recipe's micro batch (also when the recipe pins
+the same train_batch_size with an accumulation made for the old world size). A recipe that pins a different
+train_batch_size is refused: it cannot continue the same data order.
 """
 
 from __future__ import annotations
@@ -88,12 +89,10 @@ def batch_overrides(point: ResumePoint, recipe: dict, batch_world: int) -> tuple
     if saved is None:  # a checkpoint from before the manifest recorded its batch
         return [], None
     asked = batch["train_batch_size"]
-    if asked != "auto":
-        if asked != saved:
-            raise UsageError(f"--resume {point.folder}: it trained with global batch {saved}, batch.train_batch_size"
-                             f" asks {asked}: the data order would not continue where it stopped\n"
-                             f"    fix: --set batch.train_batch_size={saved}, or start a new run")
-        return [], None
+    if asked not in ("auto", saved):
+        raise UsageError(f"--resume {point.folder}: it trained with global batch {saved}, batch.train_batch_size"
+                         f" asks {asked}: the data order would not continue where it stopped\n"
+                         f"    fix: --set batch.train_batch_size={saved}, or start a new run")
     micro = batch["micro_batch_per_gpu"]
     if not isinstance(micro, int):
         return [f"batch.train_batch_size={saved}"], None

@@ -142,7 +142,7 @@ class Trainer:
             pending.append((done, time.time(), record))
             bar.update(1)
             eval_now = self.should(self.train_cfg["eval_every"], done, total)
-            stop = self.preempt is not None and self.preempt.stop_after(done)
+            stop = done < total and self.preempt is not None and self.preempt.stop_after(done)  # last: saved anyway
             save_now = self.should(self.train_cfg["save_every"], done, total) or stop
             log_now = done % self.train_cfg["log_every"] == 0
             flush_now = log_now or eval_now or save_now or done == total
