@@ -4,9 +4,10 @@
     python harness/run.py --recipe ddp --set train.steps=20      (one process)
 
 parse -> load recipe -> resolve + validate for this world size -> train -> teardown.
-Exit codes: 0 done; 2 bad input (one clear message on rank 0, before any process group exists); 75 preempted
-(SIGTERM/SIGUSR1: checkpoint saved at the step the ranks agreed on, `--resume latest` continues;
-harness/train/preempt.py); 1 anything else, e.g. a collective that outlived train.collective_timeout.
+Exit codes: 0 done; 2 bad input (one clear message on rank 0, and on each other node's first rank, before any
+process group exists); 75 preempted (SIGTERM/SIGUSR1: checkpoint saved at the step the ranks agreed on,
+`--resume latest` continues; harness/train/preempt.py); 1 anything else, e.g. a collective that outlived
+train.collective_timeout.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 if __package__ in (None, ""):  # launched by path (deepspeed harness/run.py): make `harness` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness.errors import ConfigError, UsageError  # noqa: E402
+from harness.errors import ConfigError, UsageError, without_secrets  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     from harness.train.dist import CollectiveTimeout
 
     rank = int(os.environ.get("RANK", "0"))
+    # Each node's first rank speaks too: a problem of one machine (no libaio, a full disk) on a node other than
+    # rank 0's must still be seen, as that node's ranks are the only ones that stop.
+    node_first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     try:
         spec = session.prepare(run_args.parse(argv))
         if spec.pp > 1:
@@ -35,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return job.main(spec)
     except (ConfigError, UsageError) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+        if rank == 0 or node_first:
+            text = without_secrets(str(e))
+            print(f"error: {text}" if rank == 0 else f"error (rank {rank}): {text}", file=sys.stderr)
         return 2
     except CollectiveTimeout as e:  # every rank that timed out says so: the first line names the setting
         print(f"error: {e}", file=sys.stderr)

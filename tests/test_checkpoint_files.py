@@ -82,3 +82,9 @@ def test_a_recipe_pinning_the_same_global_batch_gets_its_accumulation_re_derived
                                               "batch.grad_accum_steps=4"])
     overrides, note = resume.batch_overrides(point, recipe, batch_world=4)
     assert overrides == ["batch.train_batch_size=256", "batch.grad_accum_steps=8"] and "8 micro x 8 accum x 4" in note
+
+
+def test_changing_the_layout_with_tensor_or_pipeline_parallel_is_refused(tmp_path):
+    point = resume.find(str(make(tmp_path, 4, world=2)), tmp_path)
+    with pytest.raises(UsageError, match=r"supported for data parallel / ZeRO only.*\n    fix: launch 2 ranks"):
+        resume.needs_universal(point, 4, 1, 2)

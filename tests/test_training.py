@@ -111,6 +111,7 @@ def test_zero2_offload_grad_accumulation(reference, tmp_path):
     print("zero2_offload accum 2: measured / planner", assert_planner_matches_engine(run))
 
 
+@pytest.mark.nvme
 def test_zero3_nvme_matches_offload_and_reference(reference, tmp_path):
     nvme = tmp_path / "nvme"
     run = tmp_path / "run"

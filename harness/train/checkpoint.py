@@ -28,7 +28,11 @@ from harness.train.ckpt_files import LATEST, MANIFEST, is_complete, prune, tag_f
 from harness.train.dist import DistInfo, barrier
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Tensors, ints, floats and strings only, so the file loads with torch.load(weights_only=True): a
+    checkpoint folder may come from elsewhere, and a pickled numpy array would need full unpickling."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -36,7 +40,8 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -124,7 +129,7 @@ def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str, rng_dir: Path | None 
     client = client or {}
     rng = (rng_dir or ckpt_dir / tag) / f"rng_rank{dist.rank}.pt"
     if rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(torch.load(rng, weights_only=True))
     else:  # a rank the checkpoint did not have (resumed on more ranks): its own seed, distinct per rank
         _seed_all(int(client.get("seed", 0)) + 1000003 * (dist.rank + 1) + int(client.get("step", 0)))
     return client

@@ -48,20 +48,28 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or Path(spec).suffix.lower() in BUILDERS
 
 
+def local_source(spec: str) -> tuple[str, str | list[str]] | None:
+    """(datasets builder, data_files) of builtin or a local file or folder; None for a hub id. Reads no data,
+    so it runs before any rank trains; raises UsageError for a missing path or files it cannot read."""
+    if spec == BUILTIN:
+        return "json", str(BUILTIN_CORPUS)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _files_in(path)
+    if path.is_file():
+        return _builder_for(path), str(path)
+    if _looks_like_path(spec):
+        raise UsageError(f"data file {spec} does not exist\n    fix: check the path, or use {BUILTIN!r}")
+    return None
+
+
 def _load_raw(spec: str):
     """datasets.Dataset (train split) for a spec, before column checks."""
     import datasets
 
-    if spec == BUILTIN:
-        return datasets.load_dataset("json", data_files=str(BUILTIN_CORPUS), split="train")
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        builder, files = _files_in(path)
-        return datasets.load_dataset(builder, data_files=files, split="train")
-    if path.is_file():
-        return datasets.load_dataset(_builder_for(path), data_files=str(path), split="train")
-    if _looks_like_path(spec):
-        raise UsageError(f"data file {spec} does not exist\n    fix: check the path, or use {BUILTIN!r}")
+    local = local_source(spec)
+    if local is not None:
+        return datasets.load_dataset(local[0], data_files=local[1], split="train")
     try:
         return datasets.load_dataset(spec, split="train")
     except Exception as err:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ...)

@@ -78,6 +78,12 @@ def needs_universal(point: ResumePoint, world_size: int, pp: int, tp: int) -> bo
     own layout; elsewhere it goes through the universal form. Unsharded state (ZeRO-0 fp32) loads anywhere."""
     if point.layout() == (world_size, pp, tp):
         return False
+    if max(point.layout()[1:] + (pp, tp)) > 1:  # slicing patterns for ds_to_universal are not declared yet
+        world, was_pp, was_tp = point.layout()
+        raise UsageError(f"--resume {point.folder}: saved on world {world} with pipeline {was_pp}, tensor {was_tp}; "
+                         f"this launch is world {world_size} with pipeline {pp}, tensor {tp}: changing the layout is "
+                         "supported for data parallel / ZeRO only (no tensor or pipeline parallel on either side)\n"
+                         f"    fix: launch {world} ranks with the same parallel degrees")
     return any(point.folder.glob("*optim_states.pt"))
 
 

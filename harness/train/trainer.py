@@ -28,7 +28,8 @@ class Data:
 
 
 def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
-    """(dp_rank, dp_size). AutoTP groups consecutive ranks, which must read the same rows."""
+    """(dp_rank, dp_size). Tensor-parallel groups are consecutive ranks (parallel.tensor.TensorDataMPU): the
+    ranks of one group hold shards of one replica, so they read the same rows."""
     return dist.rank // spec.tp, spec.world_size // spec.tp
 
 
