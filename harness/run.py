@@ -4,8 +4,10 @@
     python harness/run.py --recipe ddp --set train.steps=20      (one process)
 
 parse -> load recipe -> resolve + validate for this world size -> train -> teardown.
-Bad input exits 2 with one clear message on rank 0 (and on each other node's first rank), before any process
-group exists.
+Exit codes: 0 done; 2 bad input (one clear message on rank 0, and on each other node's first rank, before any
+process group exists); 75 preempted (SIGTERM/SIGUSR1: checkpoint saved at the step the ranks agreed on,
+`--resume latest` continues; harness/train/preempt.py); 1 anything else, e.g. a collective that outlived
+train.collective_timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from harness.errors import ConfigError, UsageError, without_secrets  # noqa: E40
 
 def main(argv: list[str] | None = None) -> int:
     from harness.train import run_args, session
+    from harness.train.dist import CollectiveTimeout
 
     rank = int(os.environ.get("RANK", "0"))
     # Each node's first rank speaks too: a problem of one machine (no libaio, a full disk) on a node other than
@@ -36,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
             text = without_secrets(str(e))
             print(f"error: {text}" if rank == 0 else f"error (rank {rank}): {text}", file=sys.stderr)
         return 2
+    except CollectiveTimeout as e:  # every rank that timed out says so: the first line names the setting
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         if rank == 0:
             print("interrupted: stopped cleanly (checkpoints written so far are intact)", file=sys.stderr)

@@ -23,11 +23,21 @@ def env() -> dict:
     return out
 
 
+def command(*args: str, ranks: int = 2, script: str = "harness/run.py") -> list[str]:
+    return [str(DEEPSPEED), "--master_port", str(free_port()), "--num_gpus", str(ranks), script, *args]
+
+
+def start(*args: str, ranks: int = 2, log: Path) -> subprocess.Popen:
+    """Start harness/run.py like `launch` without waiting (output to `log`), for tests that signal or kill it."""
+    with open(log, "w") as out:
+        return subprocess.Popen(command(*args, ranks=ranks), cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT)
+
+
 def launch(*args: str, ranks: int = 2, timeout_s: int = 600, check: bool = True,
            script: str = "harness/run.py") -> subprocess.CompletedProcess:
     """Run harness/run.py (or another script of the repository) on `ranks` CPU ranks through DeepSpeed's
     launcher; returns the finished process."""
-    cmd = [str(DEEPSPEED), "--master_port", str(free_port()), "--num_gpus", str(ranks), script, *args]
+    cmd = command(*args, ranks=ranks, script=script)
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout_s)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")

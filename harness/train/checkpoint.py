@@ -1,29 +1,31 @@
 """Checkpoints: DeepSpeed's own layout plus what the harness needs to resume and export.
 
 checkpoints/
-  latest, zero_to_fp32.py, global_stepN/...   DeepSpeed (save/load are collective: every rank calls)
-  global_stepN/manifest.json                  world size, stage, tp, pp, precision, versions, recipe
+  zero_to_fp32.py, global_stepN/...           DeepSpeed (save/load are collective: every rank calls)
+  global_stepN/manifest.json                  world size, stage, tp, pp, dp, batch, precision, versions, recipe
   global_stepN/rng_rank{R}.pt                 per-rank RNG states (client_state is rank 0's only)
+  latest                                      tag of the newest COMPLETE checkpoint (written by the harness)
+  universal/global_stepN/                     DeepSpeed universal form, made once to resume on another layout
   hf/                                         model config + tokenizer, for `harness export`
+
+A save is complete once its manifest exists: rank 0 writes it after every rank has written its files, then
+points `latest` at it (both by rename, so a kill at any moment leaves the old or the new file, never half of
+one). DeepSpeed's own `latest` is turned off: it would name the tag before the manifest marks it complete.
+Retention (train.keep_last) runs after that, so it only ever deletes checkpoints older than a complete one.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from harness.errors import UsageError
+from harness.train.ckpt_files import LATEST, MANIFEST, is_complete, prune, tag_for, write_atomic
 from harness.train.dist import DistInfo, barrier
-
-MANIFEST = "manifest.json"
-
-
-def tag_for(step: int) -> str:
-    return f"global_step{step}"
 
 
 def _rng_state() -> dict:
@@ -50,11 +52,20 @@ def manifest(spec, step: int) -> dict:
     import deepspeed
     import transformers
 
+    ds = spec.ds_config
     return {"step": step, "world_size": spec.world_size, "zero_stage": spec.zero_stage, "tp": spec.tp,
-            "pp": spec.pp, "dp": spec.dp, "precision": spec.recipe["precision"], "recipe": spec.recipe_name,
+            "pp": spec.pp, "dp": spec.dp, "train_batch_size": ds["train_batch_size"],
+            "micro_batch_per_gpu": ds["train_micro_batch_size_per_gpu"],
+            "grad_accum_steps": ds["gradient_accumulation_steps"], "offload": _offload(ds),
+            "precision": spec.recipe["precision"], "recipe": spec.recipe_name,
             "model": spec.recipe["train"]["model"], "deepspeed": deepspeed.__version__,
             "torch": torch.__version__, "transformers": transformers.__version__,
             **({"partition": spec.layout} if spec.layout else {})}
+
+
+def _offload(ds: dict) -> dict:
+    zero = ds.get("zero_optimization", {})
+    return {k: zero.get(k, {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
 
 
 def save_hf_files(ckpt_dir: Path, model, tokenizer) -> None:
@@ -84,58 +95,54 @@ def probe_logits(engine, probe_ids: torch.Tensor) -> torch.Tensor | None:
 def save(engine, spec, dist: DistInfo, ckpt_dir: Path, step: int, client_state: dict,
          probe_ids: torch.Tensor | None = None) -> Path:
     tag = tag_for(step)
-    if (ckpt_dir / tag / MANIFEST).exists():
-        raise RuntimeError(f"refusing to overwrite checkpoint {ckpt_dir / tag}")  # guarded earlier; invariant
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
-    torch.save(_rng_state(), ckpt_dir / tag / f"rng_rank{dist.rank}.pt")
+    folder = ckpt_dir / tag
+    if is_complete(folder):
+        raise RuntimeError(f"refusing to overwrite checkpoint {folder}")  # guarded earlier; invariant
+    if dist.is_main and folder.exists():  # an interrupted save of this step (reported at resume): start afresh
+        shutil.rmtree(folder)
+    barrier()
+    _declare_universal_info(engine.module)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    torch.save(_rng_state(), folder / f"rng_rank{dist.rank}.pt")
     if probe_ids is not None:  # lets `harness export` verify the exported weights against this engine
         logits = probe_logits(engine, probe_ids)
         if dist.is_main:
-            torch.save({"input_ids": probe_ids, "logits": logits}, ckpt_dir / tag / "probe.pt")
+            torch.save({"input_ids": probe_ids, "logits": logits}, folder / "probe.pt")
+    barrier()  # every rank's files are written
+    if dist.is_main:
+        write_atomic(folder / MANIFEST, json.dumps(manifest(spec, step), indent=2) + "\n")  # complete from here
+        write_atomic(ckpt_dir / LATEST, tag + "\n")
+        prune(ckpt_dir, spec.recipe["train"]["keep_last"])
     barrier()
-    if dist.is_main:  # the manifest marks the checkpoint complete: written last
-        (ckpt_dir / tag / MANIFEST).write_text(json.dumps(manifest(spec, step), indent=2) + "\n")
-    barrier()
-    return ckpt_dir / tag
+    return folder
 
 
-def resolve_resume(resume: str, run_dir: Path) -> tuple[Path, str]:
-    """(checkpoint folder, tag) for --resume latest|PATH."""
-    path = run_dir / "checkpoints" if resume == "latest" else Path(resume)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    if (path / "latest").is_file():
-        return path, (path / "latest").read_text().strip()
-    return path.parent, path.name  # a global_stepN folder
+def _declare_universal_info(module) -> None:
+    """ds_to_universal (resume on another world size) needs this in the model states; DeepSpeed fills it itself
+    only for AutoTP. Plain data/ZeRO parallel has no tensor-parallel slicing patterns to declare."""
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+    if getattr(module, UNIVERSAL_CHECKPOINT_INFO, None) is None:
+        setattr(module, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
 
 
-def later_tags(ckpt_dir: Path, step: int) -> list[str]:
-    tags = [p.name for p in ckpt_dir.glob("global_step*") if p.name[len("global_step"):].isdigit()]
-    return sorted(t for t in tags if int(t[len("global_step"):]) > step)
-
-
-def check_layout(spec, ckpt_dir: Path, tag: str) -> None:
-    """DeepSpeed finds a checkpoint's files by this launch's layout (per pipeline layer, per tensor rank): a
-    checkpoint saved with other pipeline/tensor degrees would load wrong or half."""
-    path = ckpt_dir / tag / MANIFEST
-    if not path.is_file():
-        return
-    saved = json.loads(path.read_text())
-    wrong = [f"{k} {saved.get(k, 1)} there, {now} here" for k, now in (("pp", spec.pp), ("tp", spec.tp))
-             if saved.get(k, 1) != now]
-    if wrong:
-        raise UsageError(f"--resume {ckpt_dir / tag}: saved with another parallel layout ({'; '.join(wrong)})\n"
-                         f"    fix: resume with --set parallel.pipeline={saved.get('pp', 1)} --set "
-                         f"parallel.tensor={saved.get('tp', 1)}, or export it (harness export) and start a new run "
-                         "from the exported folder")
-
-
-def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str) -> dict:
-    """Load a checkpoint into the engine; returns the client state (step, ...)."""
+def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str, rng_dir: Path | None = None) -> dict:
+    """Load a checkpoint into the engine; returns the client state (step, ...). rng_dir: where the per-rank RNG
+    files are when the weights come from elsewhere (a universal conversion)."""
     path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     if path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint {ckpt_dir / tag}")
-    rng = ckpt_dir / tag / f"rng_rank{dist.rank}.pt"
+    client = client or {}
+    rng = (rng_dir or ckpt_dir / tag) / f"rng_rank{dist.rank}.pt"
     if rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=True))
-    return client or {}
+    else:  # a rank the checkpoint did not have (resumed on more ranks): its own seed, distinct per rank
+        _seed_all(int(client.get("seed", 0)) + 1000003 * (dist.rank + 1) + int(client.get("step", 0)))
+    return client
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

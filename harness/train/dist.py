@@ -34,7 +34,27 @@ def _single_process_env() -> None:
                           MASTER_PORT=str(free_port()))
 
 
-def init() -> DistInfo:
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within train.collective_timeout: a peer hung or died."""
+
+    def __init__(self, rank: int, minutes: float, cause: BaseException):
+        super().__init__(f"rank {rank}: a collective did not complete within train.collective_timeout = {minutes:g} "
+                         f"min; a peer rank hung or died ({str(cause).splitlines()[0][:200]})\n"
+                         "    fix: look for the rank that failed first; raise train.collective_timeout if a step, "
+                         "save or evaluation legitimately takes longer")
+
+
+def is_timeout(e: BaseException) -> bool:
+    """gloo raises 'Timed out waiting Nms for recv operation'; NCCL's watchdog (when it raises rather than aborts)
+    and the store say 'Timeout(ms)=N' / 'wait timeout'."""
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(s in text for s in ("timed out waiting", "timeout(ms)", "wait timeout"))
+
+
+def init(timeout_min: float = 30.0) -> DistInfo:
+    """timeout_min bounds every collective (gloo and NCCL): a hung peer ends the job instead of waiting forever."""
+    import datetime
+
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -43,7 +63,8 @@ def init() -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if accel.device_name() != "cpu":
         accel.set_device(local_rank)  # before the process group, so nccl binds the right GPU
-    deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(),
+                               timeout=datetime.timedelta(minutes=timeout_min))
     device = accel.device_name(local_rank) if accel.device_name() != "cpu" else "cpu"
     import torch.distributed as dist
 

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from harness.train import checkpoint, checks, dist as distmod
+from harness.train import checkpoint, checks, ckpt_files, dist as distmod, preempt, resume
 from harness import profiling
 from harness.errors import UsageError
 from harness.config.jsonio import dump_json
@@ -84,18 +84,23 @@ def build_engine(spec):
 
 
 def start_step(engine, spec, dist, run_dir: Path) -> int:
-    if spec.resume is None:
+    point = spec.resume_point
+    if point is None:
         return 0
-    ckpt_dir, tag = checkpoint.resolve_resume(spec.resume, run_dir)
-    checkpoint.check_layout(spec, ckpt_dir, tag)
-    client = checkpoint.load(engine, dist, ckpt_dir, tag)
-    step = int(client.get("step", 0))
-    later = checkpoint.later_tags(run_dir / "checkpoints", step)
+    for tag in point.skipped if dist.is_main else ():
+        say("ckpt", f"skipped {point.ckpt_dir / tag}: incomplete (no {ckpt_files.MANIFEST}, its save was interrupted)")
+    if spec.ds_config.get("checkpoint", {}).get("load_universal"):
+        ckpt_dir, tag = resume.universal(point, dist)
+        client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder)
+    else:
+        client = checkpoint.load(engine, dist, point.ckpt_dir, point.tag)
+    step = int(client.get("step", point.step))
+    later = ckpt_files.later_tags(run_dir / "checkpoints", step)
     if later and not spec.overwrite:
         raise UsageError(f"resuming at step {step} would overwrite later checkpoints ({', '.join(later)})\n"
                          "    fix: --resume the latest one, pass --overwrite, or use another --output-dir")
     if dist.is_main:
-        say("ckpt", f"resumed {ckpt_dir / tag} at step {step}")
+        say("ckpt", f"resumed {point.folder} at step {step}")
     return step
 
 
@@ -122,6 +127,14 @@ def announce(spec, dist, run_dir: Path, model, data: Data) -> None:
     say("config", f"run folder {run_dir}")
 
 
+def write_summary(spec, run_dir: Path, step0: int, result: dict) -> None:
+    summary = {"run_dir": str(run_dir), "recipe": spec.recipe_name, "world_size": spec.world_size,
+               "steps": result.get("preempted_at", spec.recipe["train"]["steps"]), "start_step": step0, **result}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    say("done", f"{summary['steps']} steps, loss {result['first_loss']:.3f} -> {result['last_loss']:.3f}; "
+                f"outputs in {run_dir}")
+
+
 def quiesce(engine) -> None:
     """Leave no collective in flight before the process exits. ZeRO-3 prefetches parameters with async
     all-gathers that nothing waits for after the last forward (the checkpoint's probe); wait for them and
@@ -134,7 +147,8 @@ def quiesce(engine) -> None:
 def main(spec) -> int:
     from harness.train.models import load_tokenizer
 
-    dist = distmod.init()
+    timeout_min = spec.recipe["train"]["collective_timeout"]
+    dist = distmod.init(timeout_min)
     log = None
     try:
         run_dir = choose_run_dir(spec, dist)
@@ -152,17 +166,18 @@ def main(spec) -> int:
         if dist.is_main:
             checkpoint.save_hf_files(run_dir / "checkpoints", model, tokenizer)
         hooks = profiling.make_hooks(spec, engine, dist, run_dir, log)
-        result = Trainer(engine, spec, dist, data, run_dir, log, hooks).run(step0)
-        for hook in hooks:
-            result.update(hook.close() or {})
-        if dist.is_main:
-            summary = {"run_dir": str(run_dir), "recipe": spec.recipe_name, "world_size": spec.world_size,
-                       "steps": spec.recipe["train"]["steps"], "start_step": step0, **result}
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            say("done", f"{summary['steps']} steps, loss {result['first_loss']:.3f} -> {result['last_loss']:.3f}; "
-                        f"outputs in {run_dir}")
-        quiesce(engine)
-        return 0
+        with preempt.Preemption() as stop:  # until the end: a later signal (the launcher's) must not cut the exit
+            result = Trainer(engine, spec, dist, data, run_dir, log, hooks, preempt=stop).run(step0)
+            for hook in hooks:
+                result.update(hook.close() or {})
+            if dist.is_main:
+                write_summary(spec, run_dir, step0, result)
+            quiesce(engine)
+        return preempt.EXIT_PREEMPTED if "preempted_at" in result else 0
+    except Exception as e:
+        if distmod.is_timeout(e):
+            raise distmod.CollectiveTimeout(dist.rank, timeout_min, e) from None
+        raise
     finally:
         if log:
             log.close()

@@ -7,7 +7,6 @@ process group exists.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ class RunSpec:
     overwrite: bool
     notes: list[str] = field(default_factory=list)
     layout: dict = field(default_factory=dict)  # pipeline partition, filled at engine build; checkpoint manifests
+    resume_point: object = None  # harness.train.resume.ResumePoint when resuming
 
     @property
     def dp(self) -> int:
@@ -76,20 +76,40 @@ def _guard_output_dir(run_dir: Path, resume: str | None, overwrite: bool) -> Non
                          "    fix: point --output-dir at the run to continue, or --resume PATH")
 
 
-def _check_resume_world(run_dir: Path, resume: str | None, world_size: int) -> None:
-    if resume is None:
-        return
-    ckpt = Path(resume) if resume != "latest" else run_dir / "checkpoints"
-    manifests = sorted(ckpt.glob("**/manifest.json")) if ckpt.is_dir() else []
-    if not manifests:
-        return
-    saved = json.loads(manifests[-1].read_text()).get("world_size")
-    if saved is not None and saved != world_size:
-        raise UsageError(f"checkpoint {manifests[-1].parent} was saved with world size {saved}, this launch has "
-                         f"{world_size}: DeepSpeed cannot load its optimizer state on another world size\n"
-                         f"    fix: launch {saved} ranks, or convert it first: python -m deepspeed.checkpoint."
-                         f"ds_to_universal --input_folder {manifests[-1].parent} --output_folder "
-                         f"{manifests[-1].parent}_universal, then --set deepspeed.checkpoint.load_universal=true")
+def _resume_point(output_dir: Path | None, resume: str | None):
+    from harness.train import resume as resumemod
+
+    return resumemod.find(resume, output_dir) if resume is not None and output_dir is not None else None
+
+
+def _resume_recipe(name: str, overrides: list[str], point, world: int, notes: list[str]) -> tuple[dict, str]:
+    """The recipe, with the checkpoint's global batch kept on this world size (see harness/train/resume.py)."""
+    from harness.config.resolve import batch_world
+    from harness.train import resume as resumemod
+
+    recipe, source = load_recipe(name, overrides)
+    if point is None:
+        return recipe, source
+    parallel = recipe["parallel"]
+    extra, note = resumemod.batch_overrides(point, recipe, batch_world(world, parallel["pipeline"],
+                                                                      parallel["tensor"])[0])
+    notes.extend([note] if note else [])
+    return load_recipe(name, overrides + extra) if extra else (recipe, source)
+
+
+def _resume_layout(ds: dict, source: str, point, world: int, pp: int, tp: int, notes: list[str]) -> dict:
+    """A checkpoint from another layout is loaded through DeepSpeed's universal form (converted at start)."""
+    from harness.train import resume as resumemod
+
+    if point is None:
+        return ds
+    resumemod.check_batch(point, ds, source)
+    if not resumemod.needs_universal(point, world, pp, tp):
+        return ds
+    saved = point.layout()
+    notes.append(f"resume: {point.tag} was saved on world {saved[0]} (pp {saved[1]}, tp {saved[2]}), this launch "
+                 f"is world {world} (pp {pp}, tp {tp}): loading it through DeepSpeed's universal checkpoint")
+    return {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
 
 
 def _output_dir(args, world: int) -> Path | None:
@@ -98,7 +118,6 @@ def _output_dir(args, world: int) -> Path | None:
         output_dir = _run_dir_of(Path(args.resume))
     if output_dir is not None:
         _guard_output_dir(output_dir, args.resume, args.overwrite)
-        _check_resume_world(output_dir, args.resume, world)
     elif args.resume == "latest":
         raise UsageError("--resume latest needs --output-dir (the run folder to continue)")
     return output_dir
@@ -114,13 +133,14 @@ def prepare(args) -> RunSpec:
 def resolve_spec(args) -> RunSpec:
     world = world_size_from_env()
     output_dir = _output_dir(args, world)  # cheapest check first: never touch an earlier run
+    point = _resume_point(output_dir, args.resume)
     name, overrides, notes = args.recipe or DEFAULT_RECIPE, list(args.overrides), []
     if name == "auto":
         from harness.train.auto_recipe import choose
 
         name, planned, reason = choose(overrides, world)
         overrides, notes = planned + overrides, [reason]
-    recipe, source = load_recipe(name, overrides)
+    recipe, source = _resume_recipe(name, overrides, point, world, notes)
     model_config = checks.inputs(recipe["train"], source)  # model and data exist; a hub model's shape, too
     ctx = context(recipe, world, fp16_supported=fp16_supported(), model_config=model_config)
     if args.ds_config:
@@ -134,9 +154,10 @@ def resolve_spec(args) -> RunSpec:
                          "harness/run.py splits the layers itself (one way for tp and 3D, with an mpu)\n"
                          f"    fix: remove the tensor_parallel block and pass --set parallel.tensor={tp} (DeepSpeed "
                          f"then counts world / {tp} data-parallel ranks in train_batch_size)")
+    ds = _resume_layout(ds, args.ds_config or source, point, world, pp, tp, notes)
     return RunSpec(recipe=recipe, recipe_name=Path(name).stem, ds_config=ds, provenance=checked.provenance,
                    warnings=checked.warnings, world_size=world, pp=pp, tp=tp, output_dir=output_dir,
-                   resume=args.resume, overwrite=args.overwrite, notes=notes)
+                   resume=args.resume, overwrite=args.overwrite, notes=notes, resume_point=point)
 
 
 def _run_dir_of(ckpt: Path) -> Path:

@@ -99,9 +99,10 @@ def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
 
 
 class Trainer:
-    def __init__(self, engine, spec, dist: DistInfo, data: Data, run_dir, log: MetricsLog, hooks=()):
+    def __init__(self, engine, spec, dist: DistInfo, data: Data, run_dir, log: MetricsLog, hooks=(), preempt=None):
         self.engine, self.spec, self.dist, self.data = engine, spec, dist, data
         self.run_dir, self.log, self.hooks = run_dir, log, list(hooks)
+        self.preempt = preempt  # harness.train.preempt.Preemption: asked at every step boundary
         self.plan = batch_plan(spec, dist, data.train.shape[0])
         self.train_cfg = spec.recipe["train"]
         self.tokens_per_step = self.plan.global_batch * data.train.shape[1]
@@ -167,7 +168,8 @@ class Trainer:
             pending.append((done, time.time(), record))
             bar.update(1)
             eval_now = self.should(self.train_cfg["eval_every"], done, total)
-            save_now = self.should(self.train_cfg["save_every"], done, total)
+            stop = done < total and self.preempt is not None and self.preempt.stop_after(done)  # last: saved anyway
+            save_now = self.should(self.train_cfg["save_every"], done, total) or stop
             log_now = done % self.train_cfg["log_every"] == 0
             flush_now = log_now or eval_now or save_now or done == total
             if flush_now:
@@ -191,5 +193,12 @@ class Trainer:
                 self.save(done)
             if flush_now:
                 mark, mark_step = time.perf_counter(), done  # throughput over training steps only
+            if stop:
+                self.log.write("preempted", done, reason=self.preempt.reason)
+                if self.dist.is_main:
+                    say("preempt", f"stopped at step {done} ({self.preempt.reason}), checkpoint saved; "
+                                   "continue with --resume latest")
+                bar.close()
+                return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, "preempted_at": done}
         bar.close()
         return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss}

@@ -1,0 +1,163 @@
+"""Where a resumed run continues: which checkpoint, on which layout, with which global batch.
+
+The pure part (find, batch_overrides, needs_universal) runs in session.prepare before any process group, so
+a bad --resume exits 2 on every rank. `universal` runs on the ranks: rank 0 converts a checkpoint saved on
+another layout (world size, tensor or pipeline degree) once into DeepSpeed's universal form, which
+the engine loads on any layout when its config says checkpoint.load_universal.
+
+The global batch is the checkpoint's: the data order (BatchPlan) is a pure function of the step and the
+global batch, so keeping it is what makes the data position continue exactly. When the recipe leaves
+batch.train_batch_size to "auto" (it would otherwise follow the world size), the checkpoint's value is pinned
+and gradient accumulation re-derived for this launch, keeping the recipe's micro batch (also when the recipe pins
+the same train_batch_size with an accumulation made for the old world size). A recipe that pins a different
+train_batch_size is refused: it cannot continue the same data order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from argparse import Namespace
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.errors import UsageError
+from harness.train import ckpt_files
+from harness.train.ckpt_files import UNIVERSAL, is_complete, read_manifest, step_of
+
+CONVERTED = "converted.json"  # written last into the conversion: marks it complete
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    ckpt_dir: Path  # the checkpoints/ folder
+    tag: str  # global_stepN
+    manifest: dict
+    skipped: tuple[str, ...] = ()  # newer folders without a manifest: saves that were interrupted
+
+    @property
+    def folder(self) -> Path:
+        return self.ckpt_dir / self.tag
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def layout(self) -> tuple[int, int, int]:
+        m = self.manifest
+        return int(m["world_size"]), int(m.get("pp", 1)), int(m.get("tp", 1))
+
+
+def find(resume: str, run_dir: Path) -> ResumePoint:
+    """--resume latest|PATH -> the checkpoint to load: the given global_stepN folder, or the newest complete
+    checkpoint of a run / checkpoints folder (incomplete newer ones are skipped and reported)."""
+    path = run_dir / "checkpoints" if resume == "latest" else Path(resume)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if step_of(path.name) is not None:
+        if not is_complete(path):
+            raise UsageError(f"--resume {path}: incomplete checkpoint (no {ckpt_files.MANIFEST}: its save was "
+                             "interrupted)\n    fix: --resume latest (the newest complete one) or an older "
+                             f"{ckpt_files.PREFIX}N")
+        return ResumePoint(path.parent, path.name, read_manifest(path))
+    found = ckpt_files.tags(path) if path.is_dir() else []
+    complete = [t for t in found if is_complete(path / t)]
+    if not complete:
+        held = f" (only incomplete ones: {', '.join(found)})" if found else ""
+        raise UsageError(f"--resume {resume}: no complete checkpoint in {path}{held}\n"
+                         "    fix: point --output-dir at the run to continue, or --resume PATH")
+    newest = complete[-1]
+    skipped = tuple(t for t in found if step_of(t) > step_of(newest))
+    return ResumePoint(path, newest, read_manifest(path / newest), skipped)
+
+
+def needs_universal(point: ResumePoint, world_size: int, pp: int, tp: int) -> bool:
+    """A checkpoint whose optimizer state is sharded (ZeRO, or DeepSpeed's bf16 optimizer) loads only on its
+    own layout; elsewhere it goes through the universal form. Unsharded state (ZeRO-0 fp32) loads anywhere."""
+    if point.layout() == (world_size, pp, tp):
+        return False
+    if max(point.layout()[1:] + (pp, tp)) > 1:  # slicing patterns for ds_to_universal are not declared yet
+        world, was_pp, was_tp = point.layout()
+        raise UsageError(f"--resume {point.folder}: saved on world {world} with pipeline {was_pp}, tensor {was_tp}; "
+                         f"this launch is world {world_size} with pipeline {pp}, tensor {tp}: changing the layout is "
+                         "supported for data parallel / ZeRO only (no tensor or pipeline parallel on either side)\n"
+                         f"    fix: launch {world} ranks with the same parallel degrees")
+    return any(point.folder.glob("*optim_states.pt"))
+
+
+def batch_overrides(point: ResumePoint, recipe: dict, batch_world: int) -> tuple[list[str], str | None]:
+    """Recipe overrides that keep the checkpoint's global batch on this launch, and a note saying so.
+    batch_world: the world size DeepSpeed's batch arithmetic uses here (config.resolve.batch_world)."""
+    saved = point.manifest.get("train_batch_size")
+    batch = recipe["batch"]
+    if saved is None:  # a checkpoint from before the manifest recorded its batch
+        return [], None
+    asked = batch["train_batch_size"]
+    if asked not in ("auto", saved):
+        raise UsageError(f"--resume {point.folder}: it trained with global batch {saved}, batch.train_batch_size"
+                         f" asks {asked}: the data order would not continue where it stopped\n"
+                         f"    fix: --set batch.train_batch_size={saved}, or start a new run")
+    micro = batch["micro_batch_per_gpu"]
+    if not isinstance(micro, int):
+        return [f"batch.train_batch_size={saved}"], None
+    if saved % (micro * batch_world):
+        fix = (f"--set batch.micro_batch_per_gpu=M with M dividing {saved // batch_world}" if saved % batch_world == 0
+               else f"launch a number of ranks that divides {saved}")
+        raise UsageError(f"--resume {point.folder}: it trained with global batch {saved}; here {saved} is not a "
+                         f"multiple of micro {micro} x {batch_world} ranks = {micro * batch_world}\n    fix: {fix}")
+    accum = saved // (micro * batch_world)
+    note = None
+    if accum != batch["grad_accum_steps"]:
+        m = point.manifest
+        note = (f"resume: global batch {saved} kept from {point.tag} ({m.get('micro_batch_per_gpu')} micro x "
+                f"{m.get('grad_accum_steps')} accum x {m['world_size'] // (m.get('pp', 1) * m.get('tp', 1))} dp); "
+                f"here {micro} micro x {accum} accum x {batch_world}")
+    return [f"batch.train_batch_size={saved}", f"batch.grad_accum_steps={accum}"], note
+
+
+def check_batch(point: ResumePoint, ds: dict, source: str) -> None:
+    """The resolved config (a --ds-config included) must keep the checkpoint's global batch."""
+    saved, got = point.manifest.get("train_batch_size"), ds.get("train_batch_size")
+    if saved is not None and got is not None and saved != got:
+        raise UsageError(f"--resume {point.folder}: it trained with global batch {saved}, {source} gives "
+                         f"train_batch_size {got}: the data order would not continue where it stopped\n"
+                         f"    fix: train_batch_size {saved} (micro x accum x data-parallel ranks), or start a new run")
+
+
+def universal(point: ResumePoint, dist) -> tuple[Path, str]:
+    """(checkpoints folder, tag) of the universal form of `point`, converting it once (rank 0; the others wait).
+    Atomic: built in a hidden folder, marked complete, then renamed into place; a finished one is reused."""
+    from harness.train.dist import barrier
+    from harness.train.metrics import say
+
+    root = point.ckpt_dir / UNIVERSAL
+    out = root / point.tag
+    if dist.is_main:
+        if (out / CONVERTED).is_file():
+            say("ckpt", f"reusing the universal form of {point.tag} in {out}")
+        else:
+            world, pp, tp = point.layout()
+            say("ckpt", f"{point.folder} was saved on world size {world} (pp {pp}, tp {tp}): converting it once to "
+                        f"DeepSpeed's universal checkpoint in {out}, which loads on any world size")
+            _convert(point.folder, root, out)
+    barrier()
+    return root, point.tag
+
+
+def _convert(source: Path, root: Path, out: Path) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    tmp = root / f".{out.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    args = Namespace(input_folder=str(source), output_folder=str(tmp), num_extract_workers=1, num_merge_workers=1,
+                     keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with open(tmp / "conversion.log", "w") as log, contextlib.redirect_stdout(log):
+        ds_to_universal.main(args)  # in this process: worker pools would fork a rank holding a process group
+    (root / "latest_universal").unlink(missing_ok=True)  # it writes one naming the hidden folder; tags are explicit
+    (tmp / CONVERTED).write_text(json.dumps({"source": str(source)}) + "\n")
+    if out.exists():  # a conversion interrupted before its marker
+        shutil.rmtree(out)
+    os.replace(tmp, out)

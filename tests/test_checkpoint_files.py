@@ -1,0 +1,90 @@
+"""Checkpoint bookkeeping on real folders, no ranks: which checkpoint a resume picks, retention, the batch kept
+on another world size, and the refusals (exit 2 messages). The launches are in tests/test_reliability.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.config.recipes import load_recipe
+from harness.errors import UsageError
+from harness.train import ckpt_files, resume
+
+
+def make(ckpt: Path, step: int, complete: bool = True, world: int = 2, batch: int = 8, shards: bool = True) -> Path:
+    folder = ckpt / f"global_step{step}"
+    folder.mkdir(parents=True)
+    (folder / "mp_rank_00_model_states.pt").write_bytes(b"")
+    if shards:
+        (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    if complete:
+        (folder / "manifest.json").write_text(json.dumps({
+            "step": step, "world_size": world, "pp": 1, "tp": 1, "dp": world, "train_batch_size": batch,
+            "micro_batch_per_gpu": 4, "grad_accum_steps": batch // (4 * world)}))
+    return folder
+
+
+def test_resume_picks_the_newest_complete_checkpoint_and_reports_interrupted_ones(tmp_path):
+    ckpt = tmp_path / "run" / "checkpoints"
+    for step in (2, 10):
+        make(ckpt, step)
+    make(ckpt, 11, complete=False)
+    point = resume.find("latest", tmp_path / "run")
+    assert (point.tag, point.step, point.skipped) == ("global_step10", 10, ("global_step11",))  # 10 > 2 numerically
+    assert ckpt_files.later_tags(ckpt, 2) == ["global_step10"]  # the incomplete one is nothing to overwrite
+    with pytest.raises(UsageError, match=r"incomplete checkpoint \(no manifest.json: its save was interrupted\)"):
+        resume.find(str(ckpt / "global_step11"), tmp_path / "run")
+
+
+def test_resume_with_only_incomplete_checkpoints_is_refused(tmp_path):
+    make(tmp_path / "checkpoints", 3, complete=False)
+    with pytest.raises(UsageError, match=r"no complete checkpoint .*only incomplete ones: global_step3"):
+        resume.find("latest", tmp_path)
+
+
+def test_retention_keeps_the_newest_complete_and_deletes_only_older(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        make(ckpt, step)
+    make(ckpt, 5, complete=False)  # a save in progress (or interrupted) is newer than every complete one
+    (ckpt / "universal" / "global_step1").mkdir(parents=True)
+    assert ckpt_files.prune(ckpt, 2) == ["global_step1", "global_step2"]
+    assert ckpt_files.tags(ckpt) == ["global_step3", "global_step4", "global_step5"]
+    assert not (ckpt / "universal" / "global_step1").exists()
+    assert ckpt_files.prune(ckpt, 0) == [] and ckpt_files.prune(ckpt, 1) == ["global_step3"]
+
+
+def test_another_world_size_keeps_the_global_batch_and_needs_the_universal_form(tmp_path):
+    make(tmp_path, 4, world=2, batch=8)
+    point = resume.find(str(tmp_path / "global_step4"), tmp_path)
+    recipe, _ = load_recipe("zero2")
+    overrides, note = resume.batch_overrides(point, recipe, batch_world=1)
+    assert overrides == ["batch.train_batch_size=8", "batch.grad_accum_steps=2"]
+    assert "global batch 8 kept from global_step4 (4 micro x 1 accum x 2 dp); here 4 micro x 2 accum x 1" in note
+    assert resume.needs_universal(point, 1, 1, 1) and not resume.needs_universal(point, 2, 1, 1)
+    with pytest.raises(UsageError, match=r"8 is not a multiple of micro 4 x 4 ranks = 16\n    fix: --set "
+                                         r"batch.micro_batch_per_gpu=M with M dividing 2"):
+        resume.batch_overrides(point, recipe, batch_world=4)
+    pinned, _ = load_recipe("zero2", ["batch.train_batch_size=16"])
+    with pytest.raises(UsageError, match=r"global batch 8, batch.train_batch_size asks 16.*\n    fix: --set "
+                                         r"batch.train_batch_size=8"):
+        resume.batch_overrides(point, pinned, batch_world=1)
+    unsharded = resume.find(str(make(tmp_path / "z0", 2, shards=False)), tmp_path)
+    assert not resume.needs_universal(unsharded, 1, 1, 1)  # ZeRO-0 fp32: the whole optimizer state, any world
+
+
+def test_a_recipe_pinning_the_same_global_batch_gets_its_accumulation_re_derived(tmp_path):
+    """zero2_offload pins batch 256 with accum 4 for 8 ranks: on 4 ranks the accumulation must become 8."""
+    point = resume.find(str(make(tmp_path, 5, world=8, batch=256)), tmp_path)
+    recipe, _ = load_recipe("zero2_offload", ["batch.train_batch_size=256", "batch.micro_batch_per_gpu=8",
+                                              "batch.grad_accum_steps=4"])
+    overrides, note = resume.batch_overrides(point, recipe, batch_world=4)
+    assert overrides == ["batch.train_batch_size=256", "batch.grad_accum_steps=8"] and "8 micro x 8 accum x 4" in note
+
+
+def test_changing_the_layout_with_tensor_or_pipeline_parallel_is_refused(tmp_path):
+    point = resume.find(str(make(tmp_path, 4, world=2)), tmp_path)
+    with pytest.raises(UsageError, match=r"supported for data parallel / ZeRO only.*\n    fix: launch 2 ranks"):
+        resume.needs_universal(point, 4, 1, 2)
