@@ -132,7 +132,6 @@ def _write(tmp: Path, chunks, dtype: np.dtype, masked: bool) -> dict:
 def _mapped_chunks(ds, encode, features, num_proc: int, tmp: Path):
     """Tokenize with datasets.map over num_proc processes (its Arrow output lives in tmp), then read it back
     CHUNK_DOCS documents at a time."""
-    num_proc = max(1, min(num_proc, len(ds) // MIN_DOCS_PER_PROC))  # forking for few documents costs more than it saves
     tokenized = ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names, features=features,
                        num_proc=num_proc if num_proc > 1 else None, cache_file_name=str(tmp / "tokenized.arrow"),
                        desc="tokenize")
@@ -186,6 +185,8 @@ def _build(spec: DataSpec, tokenizer, key: dict, tmp: Path, num_proc: int, strea
     masked = spec.format != "text"
     features = _features(masked)
     streamed = not hasattr(ds, "__len__")
+    if not streamed:  # forking for few documents costs more than it saves
+        num_proc = max(1, min(num_proc, len(ds) // MIN_DOCS_PER_PROC))
     chunks = (_streamed_chunks(ds, encode, features, num_proc) if streamed
               else _mapped_chunks(ds, encode, features, num_proc, tmp))
     dtype = dtype_for(len(tokenizer))
