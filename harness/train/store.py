@@ -4,7 +4,7 @@ One folder per (dataset source, tokenizer, seq_len, format and its fields), name
     tokens.bin      all documents' token ids back to back (each ends with eos), uint16 when the vocabulary
                     fits, else uint32; row r of the packed corpus is tokens[r * seq_len:(r + 1) * seq_len]
     loss_mask.bin   uint8 per token, 1 where the token is a training target (instruction/chat only)
-    doc_index.npy   uint64 end offset of every document in tokens.bin (Megatron's .idx, minus the sizes)
+    doc_index.bin   uint64 end offset of every document in tokens.bin (Megatron's .idx, minus the sizes)
     meta.json       the key, counts, dtype, and how it was made; written last
 It is written into a temporary folder beside the final one and renamed into place, so a folder under its final
 name is complete; one whose meta does not match the key or whose files have the wrong size is stale and is
@@ -14,6 +14,7 @@ memory map, so a rank's private memory does not grow with the corpus: the page c
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -102,31 +103,32 @@ def open_store(path: Path, key: dict) -> Store | None:
 
 
 def _write(tmp: Path, chunks, dtype: np.dtype, masked: bool) -> dict:
-    """Append every chunk (pyarrow table of input_ids[, loss_mask] lists) to the flat files; counts."""
+    """Append every chunk (pyarrow table of input_ids[, loss_mask] lists) to the flat files, streaming: the
+    writer holds one chunk at a time however large the corpus. Returns the counts."""
     import pyarrow.compute as pc
 
-    ends, tokens, loss_tokens, max_id = [], 0, 0, -1
-    with open(tmp / "tokens.bin", "wb") as tok_f, open(tmp / "loss_mask.bin", "wb") as mask_f:
+    counts = {"documents": 0, "tokens": 0, "loss_tokens": 0}
+    limit = np.iinfo(dtype).max
+    names = ["tokens.bin", "doc_index.bin"] + (["loss_mask.bin"] if masked else [])
+    with contextlib.ExitStack() as stack:
+        tok_f, index_f, *mask_f = (stack.enter_context(open(tmp / name, "wb")) for name in names)
         for table in chunks:
             lengths = pc.list_value_length(table["input_ids"]).fill_null(0).to_numpy()
             ids = pc.list_flatten(table["input_ids"]).to_numpy()
-            if ids.size:
-                max_id = max(max_id, int(ids.max()))
+            if ids.size and int(ids.max()) > limit:
+                raise AssertionError(f"token id {int(ids.max())} does not fit {dtype}")  # dtype_for's promise
             ids.astype(dtype).tofile(tok_f)
             if masked:
                 mask = pc.list_flatten(table["loss_mask"]).to_numpy().astype(np.uint8)
-                loss_tokens += int(mask.sum())
-                mask.tofile(mask_f)
-            ends.append(tokens + np.cumsum(lengths[lengths > 0], dtype=np.uint64))
-            tokens += int(lengths.sum())
+                counts["loss_tokens"] += int(mask.sum())
+                mask.tofile(mask_f[0])
+            lengths = lengths[lengths > 0]
+            (counts["tokens"] + np.cumsum(lengths, dtype=np.uint64)).tofile(index_f)
+            counts["documents"] += len(lengths)
+            counts["tokens"] += int(lengths.sum())
     if not masked:
-        (tmp / "loss_mask.bin").unlink()
-        loss_tokens = tokens
-    if max_id >= np.iinfo(dtype).max + 1:
-        raise AssertionError(f"token id {max_id} does not fit {dtype}")
-    index = np.concatenate(ends) if ends else np.zeros(0, np.uint64)
-    np.save(tmp / "doc_index.npy", index)
-    return {"documents": int(index.size), "tokens": tokens, "loss_tokens": loss_tokens}
+        counts["loss_tokens"] = counts["tokens"]
+    return counts
 
 
 def _mapped_chunks(ds, encode, features, num_proc: int, tmp: Path):
