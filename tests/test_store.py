@@ -83,6 +83,12 @@ def test_partial_or_stale_stores_are_never_used(tmp_path, tok):
     assert open_store(good.path, key) is None
     assert prepare(spec, tok, 4, root)[1]
     assert not [p for p in good.path.parent.iterdir() if p.name.startswith(".stale")]  # moved aside, then removed
+    # two processes prepared the same store: the second to finish keeps the first one's (readers may map it)
+    inode = (good.path / "tokens.bin").stat().st_ino
+    late = good.path.parent / ".tmp-late"
+    late.mkdir()
+    storemod._publish(late, good.path, key)
+    assert (good.path / "tokens.bin").stat().st_ino == inode and open_store(good.path, key) is not None
 
 
 def test_failed_preparation_leaves_nothing(tmp_path, tok):

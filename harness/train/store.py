@@ -204,16 +204,19 @@ def _build(spec: DataSpec, tokenizer, key: dict, tmp: Path, num_proc: int, strea
             "prepared_s": round(time.perf_counter() - start, 3), "spec": asdict(spec)}
 
 
-def _publish(tmp: Path, path: Path) -> None:
-    """Rename the finished tmp folder to its final name; a stale folder there is moved aside first."""
+def _publish(tmp: Path, path: Path, key: dict) -> None:
+    """Rename the finished tmp folder to its final name. A valid store already there (another process finished
+    first) is kept and ours dropped; a stale one is moved aside, then removed (readers keep their open maps)."""
     stale = None
     if path.exists():
+        if open_store(path, key) is not None:
+            return
         stale = path.with_name(f".stale-{path.name}-{uuid.uuid4().hex[:8]}")
         os.replace(path, stale)
     try:
         os.replace(tmp, path)
-    except OSError:  # another process published the same store meanwhile: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:  # published by another process between the check and here: keep theirs
+        pass
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -232,7 +235,7 @@ def prepare(spec: DataSpec, tokenizer, seq_len: int, root: str | None = None, nu
     try:
         meta = _build(spec, tokenizer, key, tmp, num_proc or default_num_proc(), streaming)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _publish(tmp, path)
+        _publish(tmp, path, key)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     store = open_store(path, key)
