@@ -221,6 +221,17 @@ def _publish(tmp: Path, path: Path, key: dict) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """One preparer per store at a time across processes (and nodes sharing the folder, where flock works):
+    the others wait here, then find the store made."""
+    import fcntl
+
+    with open(path.with_name(f".lock-{path.name}"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def prepare(spec: DataSpec, tokenizer, seq_len: int, root: str | None = None, num_proc: int | None = None,
             streaming: bool | None = None) -> tuple[Store, bool]:
     """(store, prepared_now): the existing store for this key, else a new one built atomically."""
@@ -230,14 +241,18 @@ def prepare(spec: DataSpec, tokenizer, seq_len: int, root: str | None = None, nu
     if found is not None:
         return found, False
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
-        meta = _build(spec, tokenizer, key, tmp, num_proc or default_num_proc(), streaming)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _publish(tmp, path, key)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with _exclusive(path):
+        found = open_store(path, key)
+        if found is not None:
+            return found, False
+        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir()
+        try:
+            meta = _build(spec, tokenizer, key, tmp, num_proc or default_num_proc(), streaming)
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            _publish(tmp, path, key)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     store = open_store(path, key)
     assert store is not None, f"store {path} unreadable right after it was written"
     return store, True
