@@ -2,6 +2,8 @@
 # GPU check: a ~1B Llama-shaped model (TinyLlama-1.1B shape, random weights), bf16, ZeRO-2, seq 2048 on one
 # GPU, measured through the harness's profiling hooks. Prints tokens/s, TFLOP/s, MFU and the planner's
 # predicted peak memory next to the measured one; leaves metrics.jsonl, summary.json and report.md in OUT_DIR.
+# On a node with >= 2 GPUs also a pipeline case (2 stages), with >= 4 a 3D case (pipeline 2 x tensor 2):
+# per-stage model states, p2p / TP bytes and the bubble vs the planner, reports in OUT_DIR/pipeline, OUT_DIR/3d.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -63,6 +65,28 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
+# Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
+# the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
+# TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d}
+need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
-timeout 450 $PY "$ROOT/bench/gpu_check.py" --out "$OUT" "$@"
-echo "[gpu]     check took $(( $(date +%s) - start )) s; report: $OUT/report.md"
+for case in $CASES; do
+    if (( gpus < $(need "$case") )); then
+        echo "[skip]    $case needs $(need "$case") GPUs, $gpus visible"
+        continue
+    fi
+    case $case in
+        zero2)
+            timeout 450 $PY "$ROOT/bench/gpu_check.py" --out "$OUT" "$@" ;;
+        pipeline|3d)
+            tp=1; [[ $case == 3d ]] && tp=2
+            timeout 450 $PY -m deepspeed.launcher.runner --num_gpus "$(need "$case")" "$ROOT/bench/pipe_probe.py" \
+                --out "$OUT/$case" --shape tinyllama-1.1b --pp 2 --tp $tp --precision bf16 --seq-len 2048 \
+                --micro-batch 2 --accum 8 --steps 12 --profile-steps 10-11
+            echo "[$case]  report: $OUT/$case/report.md" ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d)" >&2; exit 2 ;;
+    esac
+done
+echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from harness.errors import ConfigError, UsageError
+from harness.errors import ConfigError, UsageError, without_secrets
 
 COMMANDS = {
     "recipes": "list the shipped recipes",
@@ -17,6 +17,7 @@ COMMANDS = {
     "export": "write a Hugging Face model folder from a DeepSpeed checkpoint",
     "report": "predicted vs measured tables and plots for a run folder",
     "data": "tokenize a dataset once into the memory-mapped token store runs read (data prepare)",
+    "doctor": "check this machine before a long job (versions, GPUs, DeepSpeed ops, paths); exit 1 if --recipe cannot run",
 }
 
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser_for(argv).parse_args(argv)
         return _module(args.command).run(args)
     except (ConfigError, UsageError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {without_secrets(str(e))}", file=sys.stderr)
         return 2
     except SystemExit as e:  # argparse: --help (0) or a usage error (2; it printed the message)
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2

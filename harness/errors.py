@@ -7,7 +7,11 @@ carries every problem found in one pass, so a user fixes them all at once. The C
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
+
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|API_KEY|ACCESS_KEY", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -48,3 +52,12 @@ def raise_if_errors(problems: list[Problem], source: str = "") -> list[Problem]:
     if any(p.severity == "error" for p in problems):
         raise ConfigError(problems, source)
     return [p for p in problems if p.severity == "warning"]
+
+
+def without_secrets(text: str) -> str:
+    """`text` with the value of every secret-looking environment variable (HF_TOKEN, WANDB_API_KEY, ...) masked:
+    a message may quote a library's error, and that error a URL or header holding the token."""
+    for name, value in os.environ.items():
+        if SECRET_NAME.search(name) and len(value) >= 8:
+            text = text.replace(value, f"<${name}>")
+    return text

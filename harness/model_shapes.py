@@ -15,7 +15,7 @@ from harness.errors import UsageError
 TINY_VOCAB_SIZE = 512  # the built-in tokenizer's vocabulary (harness/assets/tokenizer.json)
 
 # Tiny presets are trained for real by tests and the demo. tiny-llama has 4 heads and 2 kv heads
-# so AutoTP can split it 2 ways evenly.
+# so tensor parallel can split it 2 ways evenly.
 PRESETS: dict[str, dict] = {
     "tiny-llama": {
         "model_type": "llama",
@@ -89,6 +89,11 @@ KNOWN: dict[str, dict] = {
 }
 
 
+# Model types the harness turns into pipeline stages (harness/train/parallel/pipeline.py), by layer family:
+# "llama" = RMSNorm decoder layers with rotary position embeddings (GQA), "gpt2" = learned positions.
+PIPELINE_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+
+
 def is_preset(spec: str) -> bool:
     return spec in PRESETS
 
@@ -131,3 +136,25 @@ def shape_summary(cfg: dict) -> dict:
         "vocab_size": cfg.get("vocab_size"),
         "model_type": cfg.get("model_type"),
     }
+
+
+# Families whose decoder layers harness/train/parallel/tensor.py splits (q/k/v/o + gate/up/down, RMSNorm).
+TP_FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def tp_problems(shape: dict, tp: int, name: str = "") -> list[tuple[str, str]]:
+    """(what, fix) for each reason a model (shape_summary) cannot be split over `tp` tensor-parallel ranks."""
+    if tp <= 1:
+        return []
+    model = f"model {name} " if name else "the model "
+    kind = shape.get("model_type")
+    if kind is not None and kind not in TP_FAMILIES:
+        return [(f"{model}has model_type {kind!r}; tensor parallel splits {', '.join(TP_FAMILIES)} decoder layers "
+                 "only", "use parallel.tensor 1 (ZeRO data parallel, or a pipeline) for this model")]
+    out = []
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        n = shape.get(field)
+        if isinstance(n, int) and n % tp:
+            out.append((f"{field} ({n}) of {model}must be divisible by the tensor degree ({tp}): "
+                        f"{n} / {tp} = {n / tp:g} per rank", f"use a tensor degree that divides {n}"))
+    return out

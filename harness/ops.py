@@ -1,14 +1,103 @@
-"""Compile DeepSpeed's JIT ops ahead of time (`python -m harness.ops`), so runs and tests don't pay for it.
+"""DeepSpeed's C++ ops: which ones a config needs, whether this machine can load them, and compiling them ahead
+of time (`python -m harness.ops`), so runs and tests don't pay for it.
 
-First compile takes minutes per op; the torch extensions cache keeps the result.
+"Can load" is decided as ds_report decides it (op builder `is_compatible()`, pre-built `installed_ops`), plus
+what a JIT build needs that `is_compatible()` does not ask: ninja, and a C++ compiler unless the torch
+extensions cache already holds the built op. First compile takes minutes per op; the cache keeps the result.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
 
 OPS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder", "AsyncIOBuilder")
+# The CPU optimizer DeepSpeed builds when optimizer state is offloaded (runtime/engine.py), by optimizer type.
+CPU_OPTIMIZER_OPS = {"adam": "cpu_adam", "adamw": "cpu_adam", "adagrad": "cpu_adagrad", "lion": "cpu_lion"}
+NVME_OPS = ("async_io", "pin_memory")  # AsyncIOBuilder.load() loads pin_memory first
+INSTALL_LIBAIO = ("install libaio: apt-get install libaio-dev (yum install libaio-devel), "
+                  "then `make ops` to compile async_io once")
+INSTALL_COMPILER = "install a C++ compiler: apt-get install build-essential (or set CXX to one)"
+INSTALL_NINJA = "pip install ninja (DeepSpeed JIT-compiles its ops with it)"
+
+
+def needed_ops(ds: dict) -> dict[str, str]:
+    """{op name: DeepSpeed JSON path that needs it} for a resolved DeepSpeed config."""
+    zo = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    stage = zo.get("stage", 0)
+    out: dict[str, str] = {}
+    for block in ("offload_optimizer", "offload_param"):
+        device = (zo.get(block) or {}).get("device", "none") if isinstance(zo.get(block), dict) else "none"
+        if device == "nvme" and stage == 3:  # below stage 3 DeepSpeed treats nvme as cpu (rules.py says so)
+            for op in NVME_OPS:
+                out.setdefault(op, f"zero_optimization.{block}.device")
+        if block == "offload_optimizer" and device in ("cpu", "nvme") and stage >= 1:
+            opt_type = str((ds.get("optimizer") or {}).get("type", "adam")).lower()
+            if opt_type in CPU_OPTIMIZER_OPS:
+                out.setdefault(CPU_OPTIMIZER_OPS[opt_type], f"zero_optimization.{block}.device")
+    return out
+
+
+def init_ops() -> dict[str, str]:
+    """{op: who needs it} for ops DeepSpeed builds at process-group init whatever the config: on its CPU
+    accelerator the shared-memory all-reduce, when compatible (the test of deepspeed/comm/torch.py build_shm_op)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    builder = accel.create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return {}
+    return {builder.NAME: f"accelerator ({accel.device_name()})"}
+
+
+def _builders() -> dict:
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS  # this accelerator's builders, as ds_report lists them
+
+    return ALL_OPS
+
+
+def is_prebuilt(name: str) -> bool:
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+
+    return bool(installed_ops.get(name)) and accelerator_name == get_accelerator()._name
+
+
+def is_cached(name: str) -> bool:
+    """Whether a JIT build of the op sits in the torch extensions cache (TORCH_EXTENSIONS_DIR)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = _get_build_directory(name, False)
+    return os.path.isdir(folder) and any(f.endswith(".so") for f in os.listdir(folder))
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX") or "c++")
+
+
+def op_problem(name: str) -> tuple[str, str] | None:
+    """(why op `name` cannot be loaded here, the fix), or None when it can."""
+    from deepspeed.ops.op_builder.builder import probe_is_compatible
+    from torch.utils.cpp_extension import is_ninja_available
+
+    builder = _builders().get(name)
+    if builder is None:
+        return f"DeepSpeed has no {name} op for this accelerator", "run on a machine whose accelerator has it"
+    if is_prebuilt(name):
+        return None
+    if not probe_is_compatible(builder, verbose=False):  # what ds_report prints as compatible [NO]
+        if name == "async_io":
+            return "the async_io op is not compatible here: libaio (headers + .so) not found", INSTALL_LIBAIO
+        return f"the {name} op is not compatible here (ds_report shows it [NO])", "run ds_report to see what it lacks"
+    if not is_ninja_available():
+        return f"the {name} op must be JIT-compiled and ninja is not installed", INSTALL_NINJA
+    if not is_cached(name) and compiler() is None:
+        return (f"the {name} op is not built yet (not in the torch extensions cache) and no C++ compiler "
+                f"({os.environ.get('CXX') or 'c++'}) is on PATH to build it", INSTALL_COMPILER)
+    return None
 
 
 def main() -> int:
@@ -20,8 +109,9 @@ def main() -> int:
         if builder is None:
             print(f"[ops] {name}: not used on {accel.device_name()}")
             continue
-        if not builder.is_compatible(verbose=False):
-            print(f"[ops] {name}: not compatible here (for async_io: apt-get install libaio-dev)")
+        problem = op_problem(builder.name)
+        if problem is not None:
+            print(f"[ops] {name}: {problem[0]} ({problem[1]})")
             continue
         start = time.perf_counter()
         builder.load(verbose=False)

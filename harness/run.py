@@ -4,7 +4,8 @@
     python harness/run.py --recipe ddp --set train.steps=20      (one process)
 
 parse -> load recipe -> resolve + validate for this world size -> train -> teardown.
-Bad input exits 2 with one clear message on rank 0, before any process group exists.
+Bad input exits 2 with one clear message on rank 0 (and on each other node's first rank), before any process
+group exists.
 """
 
 from __future__ import annotations
@@ -15,25 +16,25 @@ import sys
 if __package__ in (None, ""):  # launched by path (deepspeed harness/run.py): make `harness` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness.errors import ConfigError, UsageError  # noqa: E402
+from harness.errors import ConfigError, UsageError, without_secrets  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     from harness.train import run_args, session
 
     rank = int(os.environ.get("RANK", "0"))
+    # Each node's first rank speaks too: a problem of one machine (no libaio, a full disk) on a node other than
+    # rank 0's must still be seen, as that node's ranks are the only ones that stop.
+    node_first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     try:
         spec = session.prepare(run_args.parse(argv))
-        if spec.pp > 1:
-            raise UsageError(f"recipe {spec.recipe_name}: pipeline parallelism (pp={spec.pp}) is not run by "
-                             "harness/run.py yet; its DeepSpeed config validates (harness show), training comes "
-                             "with the pipeline engine support")
         from harness.train import job
 
         return job.main(spec)
     except (ConfigError, UsageError) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+        if rank == 0 or node_first:
+            text = without_secrets(str(e))
+            print(f"error: {text}" if rank == 0 else f"error (rank {rank}): {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if rank == 0:

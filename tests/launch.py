@@ -23,9 +23,11 @@ def env() -> dict:
     return out
 
 
-def launch(*args: str, ranks: int = 2, timeout_s: int = 600, check: bool = True) -> subprocess.CompletedProcess:
-    """Run harness/run.py on `ranks` CPU ranks through DeepSpeed's launcher; returns the finished process."""
-    cmd = [str(DEEPSPEED), "--master_port", str(free_port()), "--num_gpus", str(ranks), "harness/run.py", *args]
+def launch(*args: str, ranks: int = 2, timeout_s: int = 600, check: bool = True,
+           script: str = "harness/run.py") -> subprocess.CompletedProcess:
+    """Run harness/run.py (or another script of the repository) on `ranks` CPU ranks through DeepSpeed's
+    launcher; returns the finished process."""
+    cmd = [str(DEEPSPEED), "--master_port", str(free_port()), "--num_gpus", str(ranks), script, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout_s)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")

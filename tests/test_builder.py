@@ -84,9 +84,9 @@ def test_zero2_offload_is_the_seed_config():
 
 def test_strategy_blocks_per_recipe():
     built = {name: builder.build(load_recipe(name)[0]) for name in recipe_names()}
-    assert "tensor_parallel" not in built["3d"], "AutoTP cannot wrap a PipelineModule: 3D builds TP layers itself"
+    # tensor parallel is the harness's own layers (with an mpu), never DeepSpeed's AutoTP: one way, not two
+    assert not any("tensor_parallel" in ds for ds in built.values())
     assert built["3d"]["pipeline"]["stages"] == 2 and built["pipeline"]["pipeline"]["stages"] == 2
-    assert built["tp"]["tensor_parallel"] == {"autotp_size": 2}
     for name in ("3d", "pipeline", "tp"):
         assert built[name]["zero_optimization"]["stage"] <= 1
     nvme = built["zero3_nvme"]

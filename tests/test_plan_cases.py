@@ -80,7 +80,7 @@ def test_impossible_405b_names_the_cpu_ram_and_nvme_it_would_need():
 def test_gpt2_tensor_parallel_rows_say_why_not():
     result = make_plan(*CASES[-1][:-1])
     tp_rows = [c for c in result.candidates if c["tp"] > 1]
-    assert tp_rows and all(not c["applicable"] and "does not split gpt2" in c["why_not"] for c in tp_rows)
+    assert tp_rows and all(not c["applicable"] and "model_type 'gpt2'" in c["why_not"] for c in tp_rows)
     assert "activations" in result.missing[0] and "--activation-checkpointing" in result.missing[0]
 
 

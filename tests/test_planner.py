@@ -10,7 +10,8 @@ from harness.commands import plan as plan_cmd
 from harness.errors import UsageError
 from harness.model_shapes import KNOWN, PRESETS
 from harness.planner import plan
-from harness.planner.comm import bubble_fraction, comm_bytes_per_step, wire_bytes
+from harness.planner.comm import comm_bytes_per_step, wire_bytes
+from harness.planner.pipeline import bubble_fraction
 from harness.planner.memory import (ZeroBuckets, activation_bytes, by_device, harness_buckets,
                                     model_state_bytes)
 from harness.planner.params import closed_form_count, count_params, meta_count, model_shape

@@ -121,3 +121,35 @@ def test_run_without_profiling_gets_loss_throughput_and_step_time_only(tmp_path)
     plots = json.loads((run_dir / "report.json").read_text())["plots"]
     assert set(plots) == {"loss.png", "throughput.png", "step_time.png"} and plots["step_time.png"] == ["step time"]
     assert "profiling window: off" in text and "not measured (no profile window)" in text
+
+
+def test_pipeline_run_compares_each_rank_with_its_own_stage(tmp_path):
+    """Two stages: the ranks' p2p and gradient predictions differ; each is compared with its own, the pipeline
+    section sets send/recv and the bubble beside the measured ones, and a planned split unlike the engine's
+    is flagged."""
+    run_dir = fake_run(tmp_path / "pipe", stage=1, recipe="pipeline")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    own = [{"all_reduce": 200 * MB, "send": 4 * MB, "recv": 4 * MB},
+           {"all_reduce": 100 * MB, "send": 4 * MB, "recv": 4 * MB}]
+    summary["comm"].update(measured_per_rank=[dict(p, broadcast=8) for p in own], predicted=own[0],
+                           predicted_per_rank=own, count_per_rank=[{}, {}], latency_ms_per_rank=[{}, {}],
+                           predicted_by_group_per_rank=[{"pp": {"send": 4 * MB, "recv": 4 * MB}, "tp": {}},
+                                                        {"pp": {"send": 4 * MB, "recv": 4 * MB}, "tp": {}}])
+    summary["pipeline"] = {"pp": 2, "micro_batches": 4, "predicted_bubble": 0.2, "parts_planned": [0, 3, 6],
+                           "parts_engine": [0, 4, 6], "stage_per_rank": [0, 1],
+                           "measured_bubble_per_rank": [0.25, 0.31], "instruction_ms_per_rank": [{}, {}]}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    text = write_report(run_dir).read_text()
+    report = json.loads((run_dir / "report.json").read_text())
+    reduce = next(r for r in report["tables"]["comm"] if r["collective"] == "all_reduce")
+    assert reduce["ratio"] == [1.0, 1.0] and reduce["flag"] == ""
+    assert "| all_reduce | 200.00 MB / 100.00 MB |" in text
+    summary["memory"]["predicted_after_step_per_rank"] = [PREDICTED_STATES, {**PREDICTED_STATES, "params": {"gpu": 100 * MB}}]
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    text = write_report(run_dir).read_text()
+    assert "| params | 200.00 MB / 100.00 MB | 200.00 MB | 200.00 MB | 1.000 / 2.000 |" in text  # each rank's own
+    assert [r["bubble_measured"] for r in report["tables"]["pipeline"]] == [0.25, 0.31]
+    assert "## Pipeline stages per rank" in text and "| 1 | 1 | 4.00 MB | 4.00 MB |" in text
+    assert "31.0%" in text and "20.0% predicted" in text
+    assert any(f.startswith("pipeline: the planner split the layers [0, 3, 6], the engine [0, 4, 6]")
+               for f in report["flags"])

@@ -23,13 +23,16 @@ def batch(ds: dict) -> tuple:
 # --- the world size DeepSpeed's batch assertion uses ---
 
 @pytest.mark.parametrize("world,pp,tp,dp", [(8, 1, 1, 8), (8, 2, 1, 4), (8, 2, 2, 2), (16, 4, 2, 2),
-                                            (8, 1, 2, 8), (8, 1, 4, 8)])  # AutoTP: the FULL world
+                                            (8, 1, 2, 4), (8, 1, 4, 2)])
 def test_batch_world(world, pp, tp, dp):
     assert batch_world(world, pp, tp)[0] == dp
+    if pp == 1 and tp > 1:  # DeepSpeed's AutoTP (a DeepSpeed dict's autotp_size): the FULL world
+        assert batch_world(world, pp, tp, auto_tp=True)[0] == world
 
 
 def test_batch_world_explains_the_autotp_quirk():
-    assert "AutoTP: DeepSpeed counts the 2 tensor ranks" in batch_world(8, 1, 2)[1]
+    assert "AutoTP: DeepSpeed counts the 2 tensor ranks" in batch_world(8, 1, 2, auto_tp=True)[1]
+    assert batch_world(8, 1, 2)[1] == "world 8 / tensor 2"
     assert batch_world(8, 2, 2)[1] == "world 8 / (pipeline 2 x tensor 2)"
 
 
@@ -73,8 +76,9 @@ def test_degrees_ignore_values_that_are_not_degrees(bad):
     # AutoTP: DeepSpeed counts the tensor ranks, so the batch is over the FULL world
     ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
       "tensor_parallel": {"autotp_size": 2}}, 8, {}, (32, 4, 1)),
+    # the recipe's parallel.tensor (the harness's layers, with an mpu): dp = world / tp
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1}, 8,
-     {"parallel": {"tensor": 2}}, (64, 8, 1)),
+     {"parallel": {"tensor": 2}}, (64, 16, 1)),
 ])
 def test_batch_resolution(given, world, parts, expected):
     ds, _, problems = resolve(given, ctx(world, **parts))

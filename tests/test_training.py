@@ -61,7 +61,8 @@ def _grouped(states: dict) -> dict[str, int]:
 
 def assert_planner_matches_engine(run_dir) -> dict:
     """Each rank's planner prediction of its model-state bytes (params, grads, fp32 master, optimizer state,
-    buffers, total) and comm bytes per collective vs what the profiling hooks counted on the live engine."""
+    buffers, total) and comm bytes per collective vs what the profiling hooks counted on the live engine (each
+    rank against its own prediction: pipeline stages hold different layers and neighbours)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     ratios = {}
     for rank, states in enumerate(summary["memory"]["model_states_per_rank"]):
@@ -72,8 +73,10 @@ def assert_planner_matches_engine(run_dir) -> dict:
             if want:
                 ratios[f"rank{rank}.{term}"] = got / want
                 assert abs(got - want) <= STATE_RTOL * want, f"rank {rank} {term}: measured {got} vs planner {want}"
-    for rank, measured in enumerate(summary["comm"]["measured_per_rank"]):
-        for op, want in summary["comm"]["predicted"].items():
+    comm = summary["comm"]
+    own = comm.get("predicted_per_rank") or [comm["predicted"]] * len(comm["measured_per_rank"])
+    for rank, (measured, predicted) in enumerate(zip(comm["measured_per_rank"], own)):
+        for op, want in predicted.items():
             got = measured.get(op, 0)
             if want > 1024:  # scalar all-reduces (overflow, grad norm) are not modelled
                 ratios[f"rank{rank}.{op}"] = got / want
@@ -117,6 +120,7 @@ def test_zero2_offload_grad_accumulation(reference, tmp_path):
     print("zero2_offload accum 2: measured / planner", assert_planner_matches_engine(run))
 
 
+@pytest.mark.nvme
 def test_zero3_nvme_matches_offload_and_reference(reference, tmp_path):
     nvme = tmp_path / "nvme"
     run = tmp_path / "run"

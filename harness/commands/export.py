@@ -17,7 +17,7 @@ def run(args: argparse.Namespace) -> int:
     info = export(args.checkpoint, args.out, args.overwrite)
     check = ("not verified (no probe.pt in the checkpoint)" if info["max_logit_diff"] is None else
              f"verified against the engine: max |logit diff| {info['max_logit_diff']:.2e} (limit {info['tolerance']})")
-    print(f"[export] {info['checkpoint']} (ZeRO-{info['zero_stage']}, step {info['step']}) -> {info['out']}")
+    print(f"[export] {info['checkpoint']} (ZeRO-{info['zero_stage']}, tp {info['tp']}, step {info['step']}) -> {info['out']}")
     print(f"[export] {check}")
     print(f"[export] load with AutoModelForCausalLM.from_pretrained({info['out']!r})")
     return 0

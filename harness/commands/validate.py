@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from harness.commands.common import check_file, world_size_arg
-from harness.errors import ConfigError, UsageError
+from harness.errors import ConfigError, UsageError, without_secrets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             checked, _ = check_file(path, args.world_size, args.model)
         except (ConfigError, UsageError) as e:
-            print(str(e), file=sys.stderr)
+            print(without_secrets(str(e)), file=sys.stderr)
             status = 2
             continue
         for w in checked.warnings:

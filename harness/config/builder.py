@@ -36,7 +36,6 @@ RECIPE_SOURCE = {
     "zero_optimization.offload_param.device": "zero.offload_param",
     "zero_optimization.offload_param.nvme_path": "zero.nvme_path",
     "pipeline.stages": "parallel.pipeline",
-    "tensor_parallel.autotp_size": "parallel.tensor",
 }
 
 
@@ -116,9 +115,7 @@ def build(recipe: dict) -> dict:
     if parallel["pipeline"] > 1:
         ds["pipeline"] = {"stages": parallel["pipeline"], "partition": parallel["partition_method"],
                           "activation_checkpoint_interval": 1 if recipe["activation_checkpointing"] else 0}
-    # AutoTP cannot wrap a PipelineModule (DeepSpeed 0.19): in 3D the runner builds tensor-parallel
-    # layers itself from recipe parallel.tensor, so the key is only emitted for pure TP.
-    if parallel["tensor"] > 1 and parallel["pipeline"] == 1:
-        ds["tensor_parallel"] = {"autotp_size": parallel["tensor"]}
+    # parallel.tensor emits nothing: the runner splits the layers itself (harness/train/parallel/tensor.py,
+    # also inside pipeline stages, where DeepSpeed 0.19's AutoTP cannot go) and hands DeepSpeed an mpu.
     ds["wall_clock_breakdown"] = False
     return deep_merge(ds, recipe["deepspeed"])

@@ -45,22 +45,32 @@ def degrees(ds: dict, recipe: dict) -> tuple[int, int]:
     stages = ds["pipeline"].get("stages") if isinstance(ds.get("pipeline"), dict) else None
     if pp == 1 and is_count(stages) and stages >= 1:  # 0 or -1 is the schema's to report, not a degree
         pp = int(stages)
-    autotp = ds["tensor_parallel"].get("autotp_size") if isinstance(ds.get("tensor_parallel"), dict) else None
-    if tp == 1 and is_count(autotp) and autotp >= 1:
-        tp = int(autotp)
+    if tp == 1 and autotp(ds, recipe):
+        tp = int(ds["tensor_parallel"]["autotp_size"])
     return pp, tp
 
 
-def batch_world(world: int, pp: int, tp: int) -> tuple[int, str]:
+def autotp(ds: dict, recipe: dict) -> bool:
+    """True when the tensor degree is DeepSpeed's AutoTP (tensor_parallel.autotp_size in a DeepSpeed dict)
+    rather than the recipe's parallel.tensor (layers the harness splits itself, with an mpu)."""
+    block = ds.get("tensor_parallel")
+    size = block.get("autotp_size") if isinstance(block, dict) else None
+    return recipe["parallel"]["tensor"] == 1 and is_count(size) and size > 1
+
+
+def batch_world(world: int, pp: int, tp: int, auto_tp: bool = False) -> tuple[int, str]:
     """The world size DeepSpeed's batch assertion uses, and why.
 
-    PipelineModule: world / (pp * tp). AutoTP without a pipeline: the FULL world (DeepSpeed counts
-    tensor-parallel ranks as data-parallel ranks in its batch check).
+    With an mpu (the harness's tensor-parallel layers) or a PipelineModule: the data-parallel world,
+    world / (pp * tp). DeepSpeed's AutoTP (a DeepSpeed dict's autotp_size) counts its tensor-parallel
+    ranks as data-parallel ranks: the FULL world.
     """
     if pp > 1:
         return world // (pp * tp), f"world {world} / (pipeline {pp} x tensor {tp})"
-    if tp > 1:
+    if auto_tp:
         return world, f"world {world} (AutoTP: DeepSpeed counts the {tp} tensor ranks in its batch check)"
+    if tp > 1:
+        return world // tp, f"world {world} / tensor {tp}"
     return world, f"world {world}"
 
 
@@ -82,7 +92,7 @@ class _Filler:
 def _resolve_batch(f: _Filler, ctx: Context, pp: int, tp: int) -> None:
     if ctx.world_size is None:
         return
-    world, why = batch_world(ctx.world_size, pp, tp)
+    world, why = batch_world(ctx.world_size, pp, tp, autotp(f.ds, ctx.recipe))
     if world < 1:
         return  # degree problems are reported by the rules
     vals = {k: f.ds.get(k) for k in BATCH_KEYS}

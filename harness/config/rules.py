@@ -8,7 +8,8 @@ value elsewhere must not hide this rule's finding.
 from __future__ import annotations
 
 from harness.errors import Problem
-from harness.config.resolve import Context, batch_world, degrees, is_count
+from harness.model_shapes import PIPELINE_FAMILIES, tp_problems
+from harness.config.resolve import Context, autotp, batch_world, degrees, is_count
 from harness.config.schema import suggest
 
 # DeepSpeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS (matched lower-cased) ...
@@ -87,6 +88,7 @@ def check_offload(ds: dict, ctx: Context) -> list[Problem]:
 
 def check_parallel(ds: dict, ctx: Context) -> list[Problem]:
     pp, tp = degrees(ds, ctx.recipe)
+    tp_path = "tensor_parallel.autotp_size" if autotp(ds, ctx.recipe) else "parallel.tensor"
     out = []
     stage = _block(ds, "zero_optimization").get("stage", 0)
     if pp > 1 and stage in (2, 3):
@@ -94,21 +96,33 @@ def check_parallel(ds: dict, ctx: Context) -> list[Problem]:
                            "DeepSpeed refuses ZeRO-2/3 with pipeline parallelism", "use ZeRO stage 0 or 1 with a pipeline"))
     world = ctx.world_size
     if world is not None:
-        for name, path, degree in (("pipeline", "pipeline.stages", pp), ("tensor", "tensor_parallel.autotp_size", tp)):
+        for name, path, degree in (("pipeline", "pipeline.stages", pp), ("tensor", tp_path, tp)):
             if world % degree:
                 out.append(Problem(path, f"{name} degree {degree} does not divide the world size {world}",
                                    f"use a world size that is a multiple of {degree}, or a degree dividing {world}"))
         if world % pp == 0 and world % tp == 0 and world % (pp * tp):
             out.append(Problem("pipeline.stages", f"pipeline {pp} x tensor {tp} = {pp * tp} does not divide the "
-                               f"world size {world}", f"make pipeline x tensor divide {world}"))
-    model = ctx.model or {}
-    for field in ("num_attention_heads", "num_key_value_heads"):
-        n = model.get(field)
-        if tp > 1 and isinstance(n, int) and n % tp:
-            out.append(Problem("tensor_parallel.autotp_size", f"{field} ({n}) of model {ctx.model_name} must be "
-                               f"divisible by the tensor degree ({tp}); DeepSpeed would split heads unevenly",
-                               f"use a tensor degree that divides {n}"))
+                               f"world size {world} ({world} / {pp * tp} = {world / (pp * tp):.3g} data-parallel "
+                               "replicas)", f"launch a multiple of {pp * tp} ranks, or make pipeline x tensor "
+                               f"divide {world}"))
+    out += _pipeline_model(pp, ctx.model or {}, ctx.model_name)
+    out += [Problem(tp_path, what, fix) for what, fix in tp_problems(ctx.model or {}, tp, ctx.model_name)]
     return out
+
+
+def _pipeline_model(pp: int, model: dict, name: str) -> list[Problem]:
+    """A pipeline needs a model the harness can cut into stages, and at least one decoder layer per stage."""
+    if pp < 2:
+        return []
+    model_type, layers = model.get("model_type"), model.get("num_hidden_layers")
+    if model_type is not None and model_type not in PIPELINE_FAMILIES:
+        return [Problem("pipeline.stages", f"model {name} (model_type {model_type!r}) cannot be split into pipeline "
+                        f"stages; supported model types: {', '.join(sorted(PIPELINE_FAMILIES))}",
+                        "use one of those models, or a recipe without parallel.pipeline")]
+    if isinstance(layers, int) and pp > layers:
+        return [Problem("pipeline.stages", f"{pp} pipeline stages for the {layers} decoder layers of model {name}: "
+                        f"{pp} > {layers} leaves a stage without a decoder layer", f"use at most {layers} stages")]
+    return []
 
 
 def check_batch(ds: dict, ctx: Context) -> list[Problem]:
@@ -118,7 +132,7 @@ def check_batch(ds: dict, ctx: Context) -> list[Problem]:
     pp, tp = degrees(ds, ctx.recipe)
     if ctx.world_size % (pp * tp):
         return []  # reported by check_parallel
-    world, why = batch_world(ctx.world_size, pp, tp)
+    world, why = batch_world(ctx.world_size, pp, tp, autotp(ds, ctx.recipe))
     tbs, micro, gas = vals
     if tbs != micro * gas * world:
         return [Problem("train_batch_size", f"train_batch_size {tbs} != micro {micro} x accum {gas} x {why} = "

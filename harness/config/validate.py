@@ -31,17 +31,18 @@ def model_shape(spec: str) -> dict | None:
     try:
         return shape_summary(load_model_config(spec))
     except UsageError:
-        if Path(spec).exists():
+        if Path(spec).exists() or spec.startswith((".", "/", "~")):  # a path that is not a model folder
             raise
         return None
 
 
 def context(recipe: dict, world_size: int | None, model: str | None = None,
-            fp16_supported: bool | None = None) -> Context:
-    """What a config is checked against: run settings, world size, and the model's shape when known."""
+            fp16_supported: bool | None = None, model_config: dict | None = None) -> Context:
+    """What a config is checked against: run settings, world size, and the model's shape when known
+    (`model_config`: its HF config dict, when the caller has loaded it, e.g. a hub model's at launch)."""
     name = model or recipe["train"]["model"]
-    return Context(recipe=recipe, world_size=world_size, model=model_shape(name), model_name=name,
-                   fp16_supported=fp16_supported)
+    shape = shape_summary(model_config) if model_config is not None else model_shape(name)
+    return Context(recipe=recipe, world_size=world_size, model=shape, model_name=name, fp16_supported=fp16_supported)
 
 
 def normalize(ds: dict) -> tuple[dict, list[Problem]]:
@@ -66,7 +67,7 @@ def normalize(ds: dict) -> tuple[dict, list[Problem]]:
     return ds, problems
 
 
-def _with_recipe_paths(problems: list[Problem], raw_deepspeed: dict) -> list[Problem]:
+def with_recipe_paths(problems: list[Problem], raw_deepspeed: dict) -> list[Problem]:
     """Name the recipe key the user wrote: deepspeed.<path> for raw keys, else the builder's source key."""
     out = []
     for p in problems:
@@ -97,8 +98,8 @@ def check_recipe(recipe: dict, ctx: Context, source: str = "") -> Checked:
     try:
         checked = check_ds_config(builder.build(recipe), ctx, source)
     except ConfigError as e:
-        raise ConfigError(_with_recipe_paths(e.problems, raw), source) from None
-    checked.warnings = _with_recipe_paths(checked.warnings, raw)
+        raise ConfigError(with_recipe_paths(e.problems, raw), source) from None
+    checked.warnings = with_recipe_paths(checked.warnings, raw)
     return checked
 
 
@@ -107,4 +108,5 @@ def strip_annotations(ds: dict) -> dict:
     return {k: v for k, v in ds.items() if k != "$schema"}
 
 
-__all__ = ["Checked", "Context", "check_ds_config", "check_recipe", "normalize", "strip_annotations", "join_path"]
+__all__ = ["Checked", "Context", "check_ds_config", "check_recipe", "normalize", "strip_annotations", "join_path",
+           "with_recipe_paths"]

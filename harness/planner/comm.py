@@ -11,7 +11,8 @@ Two numbers per collective:
 DeepSpeed 0.19.8 as measured: ZeRO-0 all-reduces the 16-bit grads once per step; ZeRO-1/2 all-reduce
 them (ZeRO-1 once per step, ZeRO-2 every micro-step) and all-gather the updated partitions; ZeRO-3
 reduce-scatters every micro-step and all-gathers parameters in forward and again in backward. Tiny
-scalar all-reduces (overflow check, grad norm) are left out.
+scalar all-reduces (overflow check, grad norm) are left out. Pipeline (p2p), tensor-parallel and tied-embedding
+traffic, and the bubble, are in pipeline.py.
 """
 
 from __future__ import annotations
@@ -58,39 +59,6 @@ def wire_bytes(collective: str, logged_bytes: int, group_size: int) -> int:
     if collective == "reduce_scatter_tensor":
         return logged_bytes * (n - 1) // n
     return logged_bytes  # send / recv: point to point
-
-
-def tp_comm_bytes_per_step(shape: dict, *, tp: int, num_layers: int, seq_len: int, micro_batch: int,
-                           precision: str, grad_accum: int = 1, activation_checkpointing: bool = False) -> dict:
-    """Tensor parallel: per block, an all-reduce of the (tokens x hidden) output after attention and after
-    the MLP in forward, and of the input gradients before them in backward (recomputed forwards add two)."""
-    if tp <= 1:
-        return {}
-    per_call = PRECISION_BYTES[precision] * seq_len * micro_batch * shape["hidden_size"]
-    calls = (6 if activation_checkpointing else 4) * num_layers * grad_accum
-    return {"all_reduce": per_call * calls}
-
-
-def pp_comm_bytes_per_step(shape: dict, *, pp: int, seq_len: int, micro_batch: int, precision: str,
-                           micro_batches: int) -> dict:
-    """Pipeline, a middle stage: each micro-batch's activation arrives and leaves in forward, and its
-    gradient comes back and goes on in backward. Tied embeddings are all-reduced between the first and
-    last stage once per step."""
-    if pp <= 1:
-        return {}
-    lp = PRECISION_BYTES[precision]
-    boundary = lp * seq_len * micro_batch * shape["hidden_size"]
-    out = {"send": 2 * boundary * micro_batches, "recv": 2 * boundary * micro_batches}
-    if shape.get("tie_word_embeddings"):
-        out["all_reduce"] = lp * shape["vocab_size"] * shape["hidden_size"]
-    return out
-
-
-def bubble_fraction(pp: int, micro_batches: int) -> float:
-    """Idle share of a pipeline step: (p - 1) / (m + p - 1)."""
-    if pp <= 1:
-        return 0.0
-    return (pp - 1) / (micro_batches + pp - 1)
 
 
 def seed_volume_elems(num_params: int, stage: int) -> int:

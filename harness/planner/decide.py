@@ -16,11 +16,10 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from harness.planner import comm, memory
+from harness.planner import comm, memory, pipeline
 from harness.planner.params import ParamCount
 
 RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS
-AUTOTP_FAMILIES = ("llama", "mistral", "qwen2")  # AutoTP refuses GPT-2 in DeepSpeed 0.19.8
 PP_MICRO_BATCHES_PER_STAGE = 4  # m = 4p keeps the bubble (p-1)/(m+p-1) under 20%
 
 
@@ -64,26 +63,27 @@ def candidates(world: int, gpus_per_node: int, num_layers: int) -> list[Candidat
 
 
 def not_applicable(c: Candidate, shape: dict) -> str | None:
-    """Why a split cannot be built for this model, or None."""
-    if c.tp > 1:
-        if shape["model_type"] not in AUTOTP_FAMILIES:
-            return f"tensor parallel (AutoTP) does not split {shape['model_type']} models in DeepSpeed 0.19.8"
-        heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-        if heads % c.tp or kv % c.tp:
-            return f"tp {c.tp} does not divide {heads} attention heads / {kv} key-value heads"
+    """Why a split cannot be built for this model, or None (tensor parallel: the harness's own TP layers,
+    model_shapes.tp_problems; a pipeline: the families harness/train/parallel/pipeline.py converts, and no
+    more stages than blocks)."""
+    from harness.model_shapes import PIPELINE_FAMILIES, tp_problems
+
+    problems = tp_problems(shape, c.tp)
+    if problems:
+        return "; ".join(what for what, _ in problems)
+    if c.pp > 1 and shape["model_type"] not in PIPELINE_FAMILIES:
+        return f"the harness cannot split {shape['model_type']} models into pipeline stages"
     return None
 
 
 def rank_params(c: Candidate, count: ParamCount) -> tuple[int, int]:
-    """(parameters on one rank before ZeRO sharding, its block count): the largest pipeline stage,
-    blocks split by tp; embeddings, head and norms stay whole on each tensor-parallel rank."""
-    if c.tp == 1 and c.pp == 1:
-        return count.total, count.num_layers
-    layers = -(-count.num_layers // c.pp)
-    ends = count.embedding + count.lm_head + count.other
-    if c.pp > 1:  # first stage: embedding; last: head (+ tied embedding copy) and final norm
-        ends = max(count.embedding, (count.lm_head or count.embedding) + count.other)
-    return layers * count.per_layer // c.tp + ends, layers
+    """(parameters on the fullest rank before ZeRO sharding, its block count): the largest pipeline stage
+    by DeepSpeed's own partition (planner/pipeline.py), block weights split by tp; embeddings, head and
+    norms stay whole on each tensor-parallel rank, a tied embedding on both end stages."""
+    if c.pp == 1:
+        return count.total - count.num_layers * (count.per_layer - count.block_params(c.tp)), count.num_layers
+    fullest = max(pipeline.stages(count, c.pp, "parameters", c.tp), key=lambda s: s["params"])
+    return fullest["params"], fullest["blocks"]
 
 
 def micro_batches(c: Candidate, grad_accum: int) -> int:
@@ -117,7 +117,7 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
     result = {
         "recipe": c.recipe, "label": c.label, "zero_stage": c.stage, "offload_optimizer": c.offload_optimizer,
         "offload_param": c.offload_param, "tp": c.tp, "pp": c.pp, "dp": dp, "micro_batches": m,
-        "params_per_rank": params, "bubble_fraction": comm.bubble_fraction(c.pp, m),
+        "params_per_rank": params, "bubble_fraction": pipeline.bubble_fraction(c.pp, m),
         "memory": {
             "model_states": states, "activations": acts,
             "gpu_bytes": device["gpu"] + acts["total"],
@@ -125,26 +125,33 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
             "nvme_bytes_per_node": device["nvme"] * hw["gpus_per_node"],
             "seed_model_states": memory.by_device(seed),
         },
-        "comm": _comm(c, params, layers, dp, m, persistent, shape, work),
+        "comm": _comm(c, count, params, layers, dp, m, persistent, shape, work),
     }
+    if c.pp > 1:  # every stage, so the text can show which one is the largest
+        result["stages"] = [{k: s[k] for k in ("stage", "layers", "blocks", "params")}
+                            for s in pipeline.stages(count, c.pp, "parameters", c.tp)]
     result.update(_verdict(c, result["memory"], shape, hw))
     return result
 
 
-def _comm(c: Candidate, params: int, layers: int, dp: int, m: int, persistent: int, shape: dict,
-          work: dict) -> dict:
+def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m: int, persistent: int,
+          shape: dict, work: dict) -> dict:
     prec, seq, mb = work["precision"], work["seq_len"], work["micro_batch"]
     groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, dp=dp, precision=prec, grad_accum=m,
                                               persistent_params=persistent), dp)}
     if c.tp > 1:
-        groups["tp"] = (comm.tp_comm_bytes_per_step(
-            shape, tp=c.tp, num_layers=layers, seq_len=seq, micro_batch=mb, precision=prec, grad_accum=m,
-            activation_checkpointing=work["activation_checkpointing"]), c.tp)
-    if c.pp > 1:
-        p2p = comm.pp_comm_bytes_per_step(shape, pp=c.pp, seq_len=seq, micro_batch=mb, precision=prec,
-                                          micro_batches=m)
-        tied = p2p.pop("all_reduce", 0)
+        groups["tp"] = ({"all_reduce": pipeline.tp_allreduce_bytes(
+            shape, tp=c.tp, blocks=layers, seq_len=seq, micro_batch=mb, micro_batches=m, precision=prec,
+            activation_checkpointing=work["activation_checkpointing"])}, c.tp)
+    if c.pp > 1:  # a middle stage (two neighbours) when there is one
+        middle = 1 if c.pp > 2 else 0
+        p2p = pipeline.p2p_bytes(shape, stage=middle, pp=c.pp, seq_len=seq, micro_batch=mb, micro_batches=m,
+                                 precision=prec, tp=c.tp)
+        gathers = p2p.pop("all_gather_into_tensor", 0)
         groups["pp"] = (p2p, c.pp)
+        if gathers:
+            groups["tp-pipe"] = ({"all_gather_into_tensor": gathers}, c.tp)
+        tied = pipeline.tied_allreduce_bytes(count, stage=0, pp=c.pp, precision=prec)
         if tied:
             groups["pp-tied"] = ({"all_reduce": tied}, 2)
     rows = comm.comm_rows(groups)
@@ -343,6 +350,9 @@ def notes(best: dict | None, hw: dict, shape: dict, seq_len: int) -> list[str]:
     if cpu and hw["cpu_mem_bytes"] is None:
         out.append(f"CPU RAM not given: {best['recipe']} needs >= {gb(cpu / (1 - RESERVE_FRACTION))} per node "
                    f"for the offloaded states (pass --cpu-mem to check)")
+    if hw["nodes"] > 1:
+        out.append(f"the launch line reads ./hostfile: one line per node, '<host> slots={hw['gpus_per_node']}' "
+                   "(docker/README.md; without ssh: --no_ssh --node_rank N on each node)")
     if best["offload_optimizer"] == "nvme" or best["offload_param"] == "nvme":
         out.append("set zero.nvme_path to a directory on a local NVMe drive (--set zero.nvme_path=/local_nvme)")
     return out

@@ -180,6 +180,12 @@ def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
     return out
 
 
+def checkpoint_bytes(num_params: int, precision: str) -> int:
+    """Bytes of one DeepSpeed checkpoint summed over ranks: weights in the training precision (model states) plus
+    the fp32 master copy and both Adam moments (optimizer states; ZeRO splits them across ranks, the sum stays)."""
+    return num_params * (PRECISION_BYTES[precision] + FP32_BYTES * (1 + ADAM_MOMENTS))
+
+
 def by_device(terms: dict[str, dict[str, int]]) -> dict[str, int]:
     """Sum a {term: {device: bytes}} table per device."""
     return {d: sum(t[d] for t in terms.values()) for d in DEVICES}

@@ -31,6 +31,14 @@ class ParamCount:
     largest_tensor: int  # largest single parameter tensor
     tensor_sizes: dict[int, int] = field(default_factory=dict)  # numel -> number of tensors
     method: str = "closed-form"  # or "meta-device"
+    # of per_layer, what tensor parallelism splits (column-parallel weights and biases, row-parallel
+    # weights); the rest (norms, row-parallel biases) stays whole on every tensor-parallel rank
+    per_layer_split: int = 0
+    positions: int = 0  # learned position embeddings (GPT-2's wpe), part of `embedding`
+
+    def block_params(self, tp: int = 1) -> int:
+        """One block's parameters on one tensor-parallel rank."""
+        return self.per_layer - self.per_layer_split + self.per_layer_split // tp
 
     def persistent_numel(self, threshold: int) -> int:
         """Elements in tensors ZeRO-3 keeps whole on every rank (numel <= threshold)."""
@@ -39,7 +47,7 @@ class ParamCount:
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in (
             "total", "num_layers", "per_layer", "embedding", "lm_head", "other",
-            "largest_layer", "largest_tensor", "method")}
+            "largest_layer", "largest_tensor", "method", "per_layer_split", "positions")}
 
 
 def _sizes(*groups: tuple[int, int]) -> dict[int, int]:
@@ -89,10 +97,12 @@ def _llama_count(cfg: dict) -> ParamCount:
     embedding = vocab * h
     lm_head = 0 if tied else vocab * h
     hist = _sizes(*[(n, c * layers) for n, c in tensors], (embedding, 1 if tied else 2), (h, 1))
+    o_bias = h if cfg.get("attention_bias", False) and cfg["model_type"] != "qwen2" else 0
+    down_bias = h if cfg.get("mlp_bias", False) else 0
     return ParamCount(
         total=embedding + lm_head + h + layers * per_layer, num_layers=layers, per_layer=per_layer,
         embedding=embedding, lm_head=lm_head, other=h, largest_layer=max(modules + [embedding]),
-        largest_tensor=max(hist), tensor_sizes=hist)
+        largest_tensor=max(hist), tensor_sizes=hist, per_layer_split=sum(modules[:7]) - o_bias - down_bias)
 
 
 def _gpt2_count(cfg: dict) -> ParamCount:
@@ -110,7 +120,8 @@ def _gpt2_count(cfg: dict) -> ParamCount:
     return ParamCount(
         total=wte + wpe + lm_head + 2 * h + layers * per_layer, num_layers=layers, per_layer=per_layer,
         embedding=wte + wpe, lm_head=lm_head, other=2 * h, largest_layer=max(modules + [wte, wpe]),
-        largest_tensor=max(hist), tensor_sizes=hist)
+        largest_tensor=max(hist), tensor_sizes=hist, positions=wpe,
+        per_layer_split=per_layer - 4 * h - 2 * h)  # ln_1, ln_2 and the two c_proj biases stay whole
 
 
 def closed_form_count(cfg: dict) -> ParamCount | None:
@@ -155,14 +166,15 @@ def count_module(model) -> ParamCount:
     out = model.get_output_embeddings()
     embedding = emb.weight.numel() if emb is not None else 0
     position = getattr(getattr(model, "transformer", None), "wpe", None)
-    embedding += position.weight.numel() if position is not None else 0
+    positions = position.weight.numel() if position is not None else 0
+    embedding += positions
     tied = out is None or emb is None or out.weight is emb.weight
     lm_head = 0 if tied else out.weight.numel()
     total = sum(p.numel() for p in unique.values())
     return ParamCount(
         total=total, num_layers=num_layers, per_layer=per_layer, embedding=embedding, lm_head=lm_head,
         other=total - embedding - lm_head - num_layers * per_layer, largest_layer=largest_layer,
-        largest_tensor=max(hist), tensor_sizes=hist, method="meta-device")
+        largest_tensor=max(hist), tensor_sizes=hist, method="meta-device", positions=positions)
 
 
 def count_params(cfg: dict, *, exact: bool = False) -> ParamCount:

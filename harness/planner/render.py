@@ -78,6 +78,9 @@ def _comm(r: dict) -> list[str]:
     if r["pp"] > 1:
         lines.append(f"  pipeline bubble (p-1)/(m+p-1) = ({r['pp']}-1)/({r['micro_batches']}+{r['pp']}-1) "
                      f"= {r['bubble_fraction']:.1%}")
+        stages = ", ".join(f"{s['stage']}: layers {s['layers'][0]}-{s['layers'][1] - 1} ({s['blocks']} blocks, "
+                           f"{s['params'] / 1e9:.2f} B params)" for s in r.get("stages", []))
+        lines.append(f"  stages (DeepSpeed's 'parameters' partition; memory above is the largest): {stages}")
     return lines
 
 

@@ -33,7 +33,13 @@ profiled steps and once at close, so there are no per-rank files and no gathers 
     profile      {"window": [A, B] or null, "step_numbering": "..."}
     comm         {"profiled_steps": [...], "measured_per_rank": [{collective: bytes per step}],
                   "count_per_rank": [...], "latency_ms_per_rank": [...],
-                  "predicted": {collective: bytes per step}, "prediction_notes": [...]}     (window only)
+                  "predicted": {collective: bytes per step} (rank 0's),
+                  "predicted_per_rank": [...] (each rank's own: pipeline stages differ),
+                  "predicted_by_group_per_rank": [{group: {collective: bytes}}] (dp, pp, tp, tied),
+                  "prediction_notes": [...]}                                              (window only)
+    pipeline     (pp > 1) {"pp", "micro_batches", "predicted_bubble": (p-1)/(m+p-1), "parts_planned",
+                  "parts_engine", "stage_per_rank", "measured_bubble_per_rank", "instruction_ms_per_rank"}
+                  (pipe.py: schedule instructions timed on the profiled steps)
     memory       {"device": "cuda"|"cpu", "peak_per_rank": [{peak_...: bytes}], "model_states_per_rank":
                   [...], "model_states_step": the step they were counted after (the last profiled step,
                   else the last step), "nvme_swap_bytes_per_rank": [...], "predicted": {"after_step",
@@ -95,22 +101,29 @@ def _monitor_overrides(spec, run_dir) -> dict:
 
 def ds_overrides(spec, run_dir) -> dict:
     """comms_logger and wall_clock_breakdown only when a window is set (DeepSpeed turns the comms logger on
-    whenever its key is present, even with enabled=false); monitors when the recipe asks for them."""
+    whenever its key is present, even with enabled=false); monitors when the recipe asks for them.
+
+    Not wall_clock_breakdown with a pipeline: in DeepSpeed 0.19.8 the PipelineEngine starts bwd_microstep
+    itself and the engine's backward hook starts it again on every stage but the last ("bwd_microstep timer
+    has already been started"). The pipe hook (pipe.py) times the schedule's instructions instead."""
     out = _monitor_overrides(spec, run_dir)
     if window_of(spec) is not None:
         out["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
-        out["wall_clock_breakdown"] = True
+        if getattr(spec, "pp", 1) <= 1:
+            out["wall_clock_breakdown"] = True
     return out
 
 
 def make_hooks(spec, engine, dist, run_dir, log) -> list:
-    from harness.profiling import comm, memory, monitor, predict, throughput
+    from harness.profiling import comm, memory, monitor, pipe, predict, throughput
 
     window = window_of(spec)
     prediction = predict.for_run(spec, engine)
     hooks: list = [throughput.ThroughputHook(spec, engine, dist, window)]  # cheap: no sync, no gather
     if window is not None:
         hooks.append(comm.CommHook(dist, window, prediction))
+    if getattr(spec, "pp", 1) > 1 and hasattr(engine, "_INSTRUCTION_MAP"):
+        hooks.append(pipe.PipeHook(engine, dist, window, prediction))
     if spec.recipe.get("profile", {}).get("memory", True):
         hooks.append(memory.MemoryHook(spec, engine, dist, window, prediction))
     if getattr(engine, "monitor", None) is not None and engine.monitor.enabled:

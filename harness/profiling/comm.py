@@ -80,13 +80,19 @@ class CommHook:
     def close(self) -> dict:
         per_rank = gather({"bytes": per_step_mean(self.steps, "bytes"),
                            "count": per_step_mean(self.steps, "count"),
-                           "latency_ms": per_step_mean(self.steps, "latency_ms")})
+                           "latency_ms": per_step_mean(self.steps, "latency_ms"),
+                           "predicted": self.prediction.get("comm", {}),
+                           "by_group": self.prediction.get("comm_by_group")})
         out = {"profiled_steps": self.profiled,
                "measured_per_rank": [r["bytes"] for r in per_rank],
                "count_per_rank": [r["count"] for r in per_rank],
                "latency_ms_per_rank": [r["latency_ms"] for r in per_rank],
                "predicted": self.prediction.get("comm", {}),
+               # each rank's own: pipeline stages (and their tensor-parallel blocks) differ
+               "predicted_per_rank": [r["predicted"] for r in per_rank],
                "prediction_notes": self.prediction.get("notes", [])}
+        if any(r["by_group"] for r in per_rank):
+            out["predicted_by_group_per_rank"] = [r["by_group"] for r in per_rank]
         if "error" in self.prediction:
             out["prediction_notes"] = [self.prediction["error"]]
         return {"comm": out}

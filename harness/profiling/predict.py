@@ -8,7 +8,8 @@ between predicted and measured is a gap in the planner's model, not in its input
 
 from __future__ import annotations
 
-from harness.planner import comm, memory
+from harness.errors import UsageError
+from harness.planner import comm, memory, pipeline
 
 STAGE3_DEFAULT_MAX_LIVE = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default
 
@@ -95,12 +96,10 @@ def predict(count: dict, ds: dict, *, dp: int, precision: str, shape: dict | Non
         out["activations"] = acts
         out["peak_total_bytes"] = memory.by_device(out["peak"])["gpu"] + acts["total"]
         if tp > 1:
-            tp_comm = comm.tp_comm_bytes_per_step(shape, tp=tp, num_layers=shape["num_hidden_layers"],
-                                                  seq_len=seq_len, micro_batch=micro, precision=precision,
-                                                  grad_accum=grad_accum,
+            tp_comm = pipeline.tp_allreduce_bytes(shape, tp=tp, blocks=shape["num_hidden_layers"], seq_len=seq_len,
+                                                  micro_batch=micro, micro_batches=grad_accum, precision=precision,
                                                   activation_checkpointing=activation_checkpointing)
-            for op, nbytes in tp_comm.items():
-                out["comm"][op] = out["comm"].get(op, 0) + nbytes
+            out["comm"]["all_reduce"] = out["comm"].get("all_reduce", 0) + tp_comm
     else:
         notes.append("activations not predicted: the planner cannot size this architecture")
     out["notes"] = notes
@@ -111,9 +110,13 @@ def for_run(spec, engine) -> dict:
     """Predictions for this launch; {"error": ...} rather than a crash when the planner cannot answer."""
     train = spec.recipe["train"]
     try:
+        if getattr(spec, "pp", 1) > 1:
+            from harness.profiling.predict_pipe import for_pipeline
+
+            return for_pipeline(spec, engine, _zero_settings(spec.ds_config), live_count(engine.module))
         return predict(live_count(engine.module, engine.optimizer), spec.ds_config, dp=spec.dp,
                        precision=spec.recipe["precision"], shape=_model_shape(engine.module),
                        seq_len=train["seq_len"], tp=spec.tp,
                        activation_checkpointing=bool(spec.recipe.get("activation_checkpointing")))
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, UsageError) as e:
         return {"error": f"planner could not predict this run: {e}"}

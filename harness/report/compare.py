@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import UsageError
+from harness.report.pipeline import pipeline_flags, pipeline_rows, pipeline_section
 from harness.train.metrics import read_metrics
 
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.25
@@ -122,6 +123,7 @@ def state_rows(run: Run) -> list[dict]:
         if pred and any(measured) and want != where:
             flags.append(f"predicted on {'+'.join(sorted(want))}, measured on {'+'.join(sorted(where))}")
         rows.append({"term": term, "predicted": pred, "measured": measured, "ratio": ratios,
+                     "predicted_per_rank": [_total((p or {}).get(term)) for p in own],
                      "devices": sorted(where), "predicted_devices": sorted(want),
                      "flag": "; ".join(sorted({f for f in flags if f}))})
     if rows:
@@ -129,23 +131,30 @@ def state_rows(run: Run) -> list[dict]:
         measured = [_grand_total(rank) for rank in ranks]
         ratios = [ratio(m, _grand_total(p)) for m, p in zip(measured, own)]
         rows.append({"term": "total", "predicted": pred_total, "measured": measured, "ratio": ratios,
+                     "predicted_per_rank": [_grand_total(p) for p in own],
                      "devices": [], "flag": "; ".join(sorted({f for f in (_flag(r, STATE_TOL) for r in ratios) if f}))})
     return rows
 
 
 def comm_rows(run: Run) -> list[dict]:
+    """Logged bytes per collective and rank; each rank against its own prediction where the run recorded them
+    (pipeline stages differ: the end stages have one neighbour, the middle ones two)."""
     comm = run.summary.get("comm", {})
     predicted = comm.get("predicted", {})
     ranks = comm.get("measured_per_rank", [])
+    own = comm.get("predicted_per_rank") or [predicted] * len(ranks)
     rows = []
-    for op in sorted(set(predicted) | {op for rank in ranks for op in rank}):
-        pred = predicted.get(op)
+    ops = set(predicted) | {op for p in own for op in p} | {op for rank in ranks for op in rank}
+    for op in sorted(ops):
+        preds = [p.get(op) for p in own]
+        pred = preds[0] if len(set(preds)) <= 1 and preds else predicted.get(op)
         measured = [rank.get(op, 0) for rank in ranks]
-        ratios = [ratio(m, pred) for m in measured]
+        ratios = [ratio(m, p) for m, p in zip(measured, preds)]
         flags = {_flag(r, COMM_TOL) for r in ratios} - {""}
-        if pred is None and max(measured, default=0) >= SMALL_BYTES:
+        if all(p is None for p in preds) and max(measured, default=0) >= SMALL_BYTES:
             flags = {"not in the planner's model"}
-        rows.append({"collective": op, "predicted": pred, "measured": measured, "ratio": ratios,
+        rows.append({"collective": op, "predicted": pred, "predicted_per_rank": preds, "measured": measured,
+                     "ratio": ratios,
                      "count": [c.get(op, 0) for c in comm.get("count_per_rank", [])],
                      "latency_ms": [c.get(op, 0) for c in comm.get("latency_ms_per_rank", [])],
                      "flag": "; ".join(sorted(flags))})
@@ -237,6 +246,12 @@ def _per_rank(values: list, fmt) -> list[str]:
     return [fmt(v) for v in values]
 
 
+def _predicted_cell(row: dict) -> str:
+    """One value, or each rank's own when they differ (pipeline stages)."""
+    preds = row.get("predicted_per_rank") or [row["predicted"]]
+    return fmt_bytes(row["predicted"]) if len(set(preds)) <= 1 else " / ".join(_per_rank(preds, fmt_bytes))
+
+
 def headline(run: Run) -> list[str]:
     s, t = run.summary, run.summary.get("throughput", {})
     zero = run.ds_config.get("zero_optimization", {})
@@ -271,7 +286,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
     out += ["", "## Model states per rank after a step (predicted vs measured)", ""]
     if tables["states"]:
         out.append(_table(["term", "predicted", *ranks, "ratio (per rank)", "where (measured)", "flag"], [
-            [r["term"], fmt_bytes(r["predicted"]), *_per_rank(r["measured"], fmt_bytes),
+            [r["term"], _predicted_cell(r), *_per_rank(r["measured"], fmt_bytes),
              " / ".join(_per_rank(r["ratio"], fmt_ratio)), "+".join(r["devices"]), r["flag"]]
             for r in tables["states"]]))
     else:
@@ -280,7 +295,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
     if tables["comm"]:
         out.append(_table(["collective", "predicted", *ranks, "ratio (per rank)", "calls/step",
                            "latency ms/step", "flag"], [
-            [r["collective"], fmt_bytes(r["predicted"]), *_per_rank(r["measured"], fmt_bytes),
+            [r["collective"], _predicted_cell(r), *_per_rank(r["measured"], fmt_bytes),
              " / ".join(_per_rank(r["ratio"], fmt_ratio)), " / ".join(f"{c:g}" for c in r["count"]),
              " / ".join(f"{v:.1f}" for v in r["latency_ms"]), r["flag"]] for r in tables["comm"]]))
         notes = run.summary.get("comm", {}).get("prediction_notes", [])
@@ -294,6 +309,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
              fmt_ratio(r["ratio"]), r["flag"]] for r in tables["peak"]]))
     else:
         out.append("not recorded")
+    out += pipeline_section(run, tables.get("pipeline", []))
     timers = run.summary.get("throughput", {}).get("timers_ms_median", {})
     if timers:
         out += ["", "## Step time breakdown (DeepSpeed timers, median ms, rank 0)", "",
@@ -309,8 +325,10 @@ def write_report(run_dir, others: list | None = None) -> Path:
     from harness.report import plots as report_plots
 
     run = load_run(run_dir)
-    tables = {"states": state_rows(run), "comm": comm_rows(run), "peak": peak_rows(run)}
+    tables = {"states": state_rows(run), "comm": comm_rows(run), "peak": peak_rows(run),
+              "pipeline": pipeline_rows(run)}
     flags = [f"model states, {r['term']}: {r['flag']}" for r in tables["states"] if r["flag"]]
+    flags += pipeline_flags(run)
     flags += [f"comm, {r['collective']}: {r['flag']}" for r in tables["comm"] if r["flag"]]
     flags += [f"peak memory, rank {r['rank']}: {r['flag']}" for r in tables["peak"]
               if r["flag"] and r["ratio"] is not None]

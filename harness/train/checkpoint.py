@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness.errors import UsageError
 from harness.train.dist import DistInfo, barrier
 
 MANIFEST = "manifest.json"
@@ -26,7 +27,11 @@ def tag_for(step: int) -> str:
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Tensors, ints, floats and strings only, so the file loads with torch.load(weights_only=True): a
+    checkpoint folder may come from elsewhere, and a pickled numpy array would need full unpickling."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -34,7 +39,8 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -47,7 +53,8 @@ def manifest(spec, step: int) -> dict:
     return {"step": step, "world_size": spec.world_size, "zero_stage": spec.zero_stage, "tp": spec.tp,
             "pp": spec.pp, "dp": spec.dp, "precision": spec.recipe["precision"], "recipe": spec.recipe_name,
             "model": spec.recipe["train"]["model"], "deepspeed": deepspeed.__version__,
-            "torch": torch.__version__, "transformers": transformers.__version__}
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            **({"partition": spec.layout} if spec.layout else {})}
 
 
 def save_hf_files(ckpt_dir: Path, model, tokenizer) -> None:
@@ -60,8 +67,13 @@ def save_hf_files(ckpt_dir: Path, model, tokenizer) -> None:
 
 
 @torch.no_grad()
-def probe_logits(engine, probe_ids: torch.Tensor) -> torch.Tensor:
-    """The engine's logits on a fixed batch (collective under ZeRO-3: every rank calls)."""
+def probe_logits(engine, probe_ids: torch.Tensor) -> torch.Tensor | None:
+    """The engine's logits on a fixed batch (collective under ZeRO-3 and pipelines: every rank calls; a
+    pipeline returns them on rank 0 only)."""
+    from harness.train.parallel import pipe_engine
+
+    if pipe_engine.is_pipeline(engine):
+        return pipe_engine.probe_logits(engine, probe_ids)
     was_training = engine.training
     engine.eval()
     logits = engine(input_ids=probe_ids.to(engine.device), use_cache=False).logits.float().cpu()
@@ -102,6 +114,22 @@ def later_tags(ckpt_dir: Path, step: int) -> list[str]:
     return sorted(t for t in tags if int(t[len("global_step"):]) > step)
 
 
+def check_layout(spec, ckpt_dir: Path, tag: str) -> None:
+    """DeepSpeed finds a checkpoint's files by this launch's layout (per pipeline layer, per tensor rank): a
+    checkpoint saved with other pipeline/tensor degrees would load wrong or half."""
+    path = ckpt_dir / tag / MANIFEST
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_text())
+    wrong = [f"{k} {saved.get(k, 1)} there, {now} here" for k, now in (("pp", spec.pp), ("tp", spec.tp))
+             if saved.get(k, 1) != now]
+    if wrong:
+        raise UsageError(f"--resume {ckpt_dir / tag}: saved with another parallel layout ({'; '.join(wrong)})\n"
+                         f"    fix: resume with --set parallel.pipeline={saved.get('pp', 1)} --set "
+                         f"parallel.tensor={saved.get('tp', 1)}, or export it (harness export) and start a new run "
+                         "from the exported folder")
+
+
 def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str) -> dict:
     """Load a checkpoint into the engine; returns the client state (step, ...)."""
     path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
@@ -109,5 +137,5 @@ def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str) -> dict:
         raise RuntimeError(f"DeepSpeed found no checkpoint {ckpt_dir / tag}")
     rng = ckpt_dir / tag / f"rng_rank{dist.rank}.pt"
     if rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(torch.load(rng, weights_only=True))
     return client or {}

@@ -82,8 +82,9 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or Path(spec).suffix.lower() in BUILDERS
 
 
-def local_files(spec: str) -> tuple[str, list[str]] | None:
-    """(builder, files) of a built-in or local spec; None for a hub id."""
+def local_source(spec: str) -> tuple[str, list[str]] | None:
+    """(datasets builder, data files) of builtin or a local file or folder; None for a hub id. Reads no data,
+    so it runs before any rank trains; raises UsageError for a missing path or files it cannot read."""
     if spec == BUILTIN:
         return "json", [str(BUILTIN_CORPUS)]
     path = Path(spec).expanduser()
@@ -99,7 +100,7 @@ def local_files(spec: str) -> tuple[str, list[str]] | None:
 def source_fingerprint(spec: DataSpec) -> str:
     """Identity of the source without reading it: each local file's path, size and mtime (what `datasets`
     keys its own cache on), or the hub id, config and split. Cheap, so every rank can compute it."""
-    local = local_files(spec.dataset)
+    local = local_source(spec.dataset)
     if local is None:
         return f"hub:{spec.dataset}:{spec.config}:{spec.split}"
     stats = [f"{f}:{Path(f).stat().st_size}:{Path(f).stat().st_mtime_ns}" for f in local[1]]
@@ -129,7 +130,7 @@ def load_raw(spec: DataSpec, streaming: bool | None = None):
     streaming=None: hub datasets larger than STREAM_BYTES are streamed, everything else is loaded."""
     import datasets
 
-    local = local_files(spec.dataset)
+    local = local_source(spec.dataset)
     if local is not None:
         builder, files = local
         split = "train"  # a file's records are all in datasets' default split

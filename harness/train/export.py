@@ -1,7 +1,9 @@
 """DeepSpeed checkpoint -> Hugging Face model folder (safetensors + config + tokenizer).
 
 ZeRO-1/2/3 checkpoints are consolidated with DeepSpeed's zero_to_fp32 (fp32 master weights); a ZeRO-0
-checkpoint holds whole weights in its model-states file. Every checkpoint the harness writes carries
+checkpoint holds whole weights in its model-states file. A tensor-parallel checkpoint is read one tensor rank
+at a time the same way, and the ranks' weights are merged by parallel.tensor.merge_shards; pipeline and 3D
+checkpoints hold per-layer files (parallel/pipe_export.py). Every checkpoint the harness writes carries
 probe.pt (the engine's logits on a fixed batch), so an export is verified against the trained engine.
 """
 
@@ -47,15 +49,47 @@ def find_checkpoint(path: str | Path) -> CheckpointRef:
                      "checkpoints/global_stepN)")
 
 
-def fp32_state_dict(ref: CheckpointRef, zero_stage: int) -> dict:
+def _rank_state_dict(ref: CheckpointRef, zero_stage: int, mp_rank: int) -> dict:
+    """fp32 weights of one tensor-parallel rank: ZeRO-1/2/3 through zero_to_fp32 (the fp32 master) over a view
+    of the tag folder holding only that rank's files (zero_to_fp32 expects one model-parallel rank); ZeRO-0 from
+    its mp_rank_XX model-states file."""
+    import os
+    import tempfile
+
     import torch
 
-    if zero_stage >= 1:
+    if zero_stage == 0:
+        states = torch.load(ref.tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", map_location="cpu",
+                            weights_only=True)
+        return {k: v.float() for k, v in states["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with tempfile.TemporaryDirectory() as view:
+        (Path(view) / ref.tag).mkdir()
+        for f in ref.tag_dir.glob(f"*mp_rank_{mp_rank:02d}_*"):
+            os.symlink(f, Path(view) / ref.tag / f.name)
+        return get_fp32_state_dict_from_zero_checkpoint(view, tag=ref.tag)
+
+
+def fp32_state_dict(ref: CheckpointRef, manifest: dict) -> dict:
+    """Whole fp32 weights; a tensor-parallel checkpoint's ranks are merged by parallel.tensor.merge_shards."""
+    if manifest.get("pp", 1) > 1:  # per-layer files (pipeline, 3D)
+        from harness.train.parallel import pipe_export
+
+        return pipe_export.state_dict(ref, manifest)
+    zero_stage, tp = manifest["zero_stage"], manifest.get("tp", 1)
+    if tp == 1 and zero_stage >= 1:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(ref.ckpt_dir), tag=ref.tag)
-    states = torch.load(ref.tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    return {k: v.float() for k, v in states["module"].items()}
+    if tp == 1:
+        return _rank_state_dict(ref, zero_stage, 0)
+    from transformers import AutoConfig
+
+    from harness.train.parallel.tensor import merge_shards
+
+    shards = [_rank_state_dict(ref, zero_stage, r) for r in range(tp)]
+    return merge_shards(shards, AutoConfig.from_pretrained(ref.ckpt_dir / "hf"))
 
 
 def build_hf_model(ref: CheckpointRef, state: dict):
@@ -95,7 +129,7 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False) -> dict:
         raise UsageError(f"{out} is not empty\n    fix: choose a new --out folder, or pass --overwrite")
     ref = find_checkpoint(ckpt)
     manifest = ref.manifest()
-    model = build_hf_model(ref, fp32_state_dict(ref, manifest["zero_stage"]))
+    model = build_hf_model(ref, fp32_state_dict(ref, manifest))
     diff = verify(ref, model)
     limit = TOLERANCE.get(manifest.get("precision", "fp32"), 1e-4)
     if diff is not None and diff > limit:
@@ -105,4 +139,5 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False) -> dict:
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(ref.ckpt_dir / "hf").save_pretrained(out)
     return {"checkpoint": str(ref.tag_dir), "out": str(out), "step": manifest.get("step"),
-            "zero_stage": manifest["zero_stage"], "max_logit_diff": diff, "tolerance": limit}
+            "zero_stage": manifest["zero_stage"], "tp": manifest.get("tp", 1), "max_logit_diff": diff,
+            "tolerance": limit}

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from harness.train import checkpoint, dist as distmod
+from harness.train import checkpoint, checks, dist as distmod
 from harness import profiling
 from harness.errors import UsageError
 from harness.config.jsonio import dump_json
@@ -72,12 +72,23 @@ def build_engine(spec):
 
     from harness.train.models import build_model
 
+    if spec.pp > 1:
+        from harness.train.parallel import pipe_engine
+
+        return pipe_engine.build_engine(spec)
     train = spec.recipe["train"]
-    zero3 = spec.zero_stage == 3
+    # Tensor parallel splits whole layers, so the model is built whole (ZeRO-3 then partitions the shards).
+    zero3 = spec.zero_stage == 3 and spec.tp == 1
     model = build_model(train["model"], seed=train["seed"], zero3_init_config=spec.ds_config if zero3 else None,
                         gradient_checkpointing=spec.recipe["activation_checkpointing"])
+    mpu = None
+    if spec.tp > 1:  # every rank built the same whole model (same seed or checkpoint); each keeps its shard
+        from harness.train.parallel.tensor import TensorDataMPU, shard_model
+
+        mpu = TensorDataMPU(spec.tp)
+        shard_model(model, mpu.tp_group, mpu.tp_rank, spec.tp)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
-                                      config=spec.ds_config)
+                                      config=spec.ds_config, mpu=mpu)
     return engine, model
 
 
@@ -85,6 +96,7 @@ def start_step(engine, spec, dist, run_dir: Path) -> int:
     if spec.resume is None:
         return 0
     ckpt_dir, tag = checkpoint.resolve_resume(spec.resume, run_dir)
+    checkpoint.check_layout(spec, ckpt_dir, tag)
     client = checkpoint.load(engine, dist, ckpt_dir, tag)
     step = int(client.get("step", 0))
     later = checkpoint.later_tags(run_dir / "checkpoints", step)
@@ -100,7 +112,9 @@ def announce(spec, dist, run_dir: Path, model, data: Data) -> None:
     if not dist.is_main:
         return
     ds = spec.ds_config
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    # The whole model's size: a tensor-parallel shard counts once per tensor rank.
+    n_params = sum(getattr(p, "ds_numel", p.numel()) * (spec.tp if getattr(p, "tensor_model_parallel", False) else 1)
+                   for p in model.parameters())
     say("config", f"recipe {spec.recipe_name} | world {spec.world_size} ({dist.backend}) | zero {spec.zero_stage}"
                   f" | tp {spec.tp} pp {spec.pp} dp {spec.dp} | {spec.recipe['precision']}")
     say("batch", f"{ds['train_micro_batch_size_per_gpu']} micro x {ds['gradient_accumulation_steps']} accum x "
@@ -139,6 +153,7 @@ def main(spec) -> int:
         distmod.barrier()
         tokenizer = load_tokenizer(spec.recipe["train"]["model"])
         data = load_data(spec, dist, tokenizer)
+        checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
         engine, model = build_engine(spec)
         log = MetricsLog(run_dir, enabled=dist.is_main)
         announce(spec, dist, run_dir, model, data)

@@ -1,7 +1,8 @@
 """Everything decided before ranks talk: the recipe, the resolved DeepSpeed config, the run folder.
 
-Pure except for reading files and environment variables, so bad input fails identically on every
-rank with exit code 2, before any process group exists.
+Reads files and environment variables and probes this machine (harness.train.checks: DeepSpeed ops, paths,
+free space), but starts nothing, so bad input fails identically on every rank with exit code 2, before any
+process group exists.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 from harness.errors import UsageError
 from harness.config.jsonio import load_json
 from harness.config.recipes import load_recipe
-from harness.config.resolve import degrees
+from harness.config.resolve import autotp, degrees
 from harness.config.validate import check_ds_config, check_recipe, context, strip_annotations
+from harness.train import checks
 
 DEFAULT_RECIPE = "zero2_offload"
 
@@ -34,6 +36,7 @@ class RunSpec:
     resume: str | None
     overwrite: bool
     notes: list[str] = field(default_factory=list)
+    layout: dict = field(default_factory=dict)  # pipeline partition, filled at engine build; checkpoint manifests
 
     @property
     def dp(self) -> int:
@@ -102,6 +105,13 @@ def _output_dir(args, world: int) -> Path | None:
 
 
 def prepare(args) -> RunSpec:
+    """The run's spec, after every check that needs no process group (config, then this machine)."""
+    spec = resolve_spec(args)
+    checks.before_init(spec, args.ds_config)  # this machine: ops, model limits, paths and free space
+    return spec
+
+
+def resolve_spec(args) -> RunSpec:
     world = world_size_from_env()
     output_dir = _output_dir(args, world)  # cheapest check first: never touch an earlier run
     name, overrides, notes = args.recipe or DEFAULT_RECIPE, list(args.overrides), []
@@ -111,13 +121,19 @@ def prepare(args) -> RunSpec:
         name, planned, reason = choose(overrides, world)
         overrides, notes = planned + overrides, [reason]
     recipe, source = load_recipe(name, overrides)
-    ctx = context(recipe, world, fp16_supported=fp16_supported())
+    model_config = checks.inputs(recipe["train"], source)  # model and data exist; a hub model's shape, too
+    ctx = context(recipe, world, fp16_supported=fp16_supported(), model_config=model_config)
     if args.ds_config:
         checked = check_ds_config(load_json(args.ds_config), ctx, args.ds_config)
     else:
         checked = check_recipe(recipe, ctx, source)
     ds = strip_annotations(checked.ds_config)
     pp, tp = degrees(ds, recipe)
+    if autotp(ds, recipe):
+        raise UsageError(f"{args.ds_config}: tensor_parallel.autotp_size {tp} asks for DeepSpeed's AutoTP; "
+                         "harness/run.py splits the layers itself (one way for tp and 3D, with an mpu)\n"
+                         f"    fix: remove the tensor_parallel block and pass --set parallel.tensor={tp} (DeepSpeed "
+                         f"then counts world / {tp} data-parallel ranks in train_batch_size)")
     return RunSpec(recipe=recipe, recipe_name=Path(name).stem, ds_config=ds, provenance=checked.provenance,
                    warnings=checked.warnings, world_size=world, pp=pp, tp=tp, output_dir=output_dir,
                    resume=args.resume, overwrite=args.overwrite, notes=notes)

@@ -29,7 +29,13 @@ class Data:
 
 
 def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
-    """(dp_rank, dp_size). AutoTP groups consecutive ranks, which must read the same rows."""
+    """(dp_rank, dp_size). Tensor-parallel groups are consecutive ranks (parallel.tensor.TensorDataMPU): the
+    ranks of one group hold shards of one replica, so they read the same rows; a pipeline's replicas are its
+    topology's data coordinate."""
+    if spec.pp > 1:
+        from harness.train.parallel import pipe_engine
+
+        return pipe_engine.dp_coords(spec, dist.rank)
     return dist.rank // spec.tp, spec.world_size // spec.tp
 
 
@@ -51,7 +57,33 @@ def _loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return engine(input_ids=ids, labels=labels, use_cache=False).loss
 
 
+def micro_steps(engine, batches: list) -> torch.Tensor:
+    """One optimizer step as forward/backward/step per micro-batch; this rank's mean loss (a device tensor)."""
+    total = None
+    for batch in batches:
+        loss = _loss(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float() if total is None else total + loss.detach().float()
+    return total / len(batches)
+
+
 @torch.no_grad()
+def micro_eval(engine, batches: list) -> float:
+    """This rank's mean loss over its eval micro-batches."""
+    losses = [_loss(engine, batch).float().item() for batch in batches]
+    return sum(losses) / len(losses)
+
+
+def strategy(spec):
+    """(train step, eval) functions: the pipeline engine runs a whole step in train_batch / eval_batch."""
+    if spec.pp > 1:
+        from harness.train.parallel import pipe_engine
+
+        return pipe_engine.train_step, pipe_engine.eval_loss
+    return micro_steps, micro_eval
+
+
 def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
     """Mean loss over the same eval rows every time: rank r takes rows r, r + dp, ... (equal count per rank)."""
     if data.eval.shape[0] == 0:
@@ -61,10 +93,9 @@ def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
     per_rank = max(1, min(spec.recipe["train"]["eval_batches"] * micro, data.eval.shape[0] // dp_size))
     rows = data.eval[dp_rank::dp_size][:per_rank]
     engine.eval()
-    losses = [_loss(engine, fetch(rows, slice(i, i + micro))).float().item()
-              for i in range(0, rows.shape[0], micro)]
+    loss = strategy(spec)[1](engine, [fetch(rows, slice(i, i + micro)) for i in range(0, rows.shape[0], micro)])
     engine.train()
-    return mean_across_ranks([sum(losses) / len(losses)])[0]
+    return mean_across_ranks([loss])[0]
 
 
 class Trainer:
@@ -74,21 +105,16 @@ class Trainer:
         self.plan = batch_plan(spec, dist, data.train.shape[0])
         self.train_cfg = spec.recipe["train"]
         self.tokens_per_step = self.plan.global_batch * data.train.shape[1]
+        self.step_fn = strategy(spec)[0]
 
     def train_step(self, step: int) -> dict:
         start = time.perf_counter()
         lr = self.engine.get_lr()[0] if self.engine.lr_scheduler is not None else self.engine.optimizer.param_groups[0]["lr"]
-        total, count = None, 0
-        for rows in self.plan.micro_batches(step):
-            loss = _loss(self.engine, fetch(self.data.train, rows))
-            self.engine.backward(loss)
-            self.engine.step()
-            total = loss.detach().float() if total is None else total + loss.detach().float()
-            count += 1
+        loss = self.step_fn(self.engine, [fetch(self.data.train, rows) for rows in self.plan.micro_batches(step)])
         step_time = time.perf_counter() - start
         norm = self.engine.get_global_grad_norm()
         norm = norm.detach().clone() if torch.is_tensor(norm) else norm  # read (synchronised) at the flush
-        return {"loss": total / count, "lr": lr, "grad_norm": norm,
+        return {"loss": loss, "lr": lr, "grad_norm": norm,
                 "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time,
                 "samples_per_s": self.plan.global_batch / step_time}
 

@@ -1,0 +1,170 @@
+"""Pipeline and tensor-parallel axes: which layers each stage holds, what each rank sends per step.
+
+The layer -> stage split is DeepSpeed 0.19.8's own (deepspeed/runtime/pipe/module.py `_partition_layers`):
+partition_method "uniform" splits the layer count evenly (runtime/utils.py `partition_uniform`), "parameters"
+(the default) balances the layers' trainable parameter counts with `partition_balanced`, a dynamic program
+over (max - min) part sums whose ties go to the LAST split point examined. Both are replicated here line for
+line (tests hold them equal to DeepSpeed's functions), so the split is exact, not estimated.
+
+The harness lays a model out as DeepSpeed sees it (harness/train/parallel/pipeline.py):
+    [token embedding, (GPT-2: learned positions), block 0 .. block L-1, final norm, LM head]
+A tied head is a TiedLayerSpec of the embedding module: `_count_layer_params` builds it and counts the whole
+embedding again, and the last stage holds its own copy (its gradient is all-reduced with the first stage's
+once per step). Tensor parallelism splits each block's column/row-parallel weights over tp ranks; the
+embedding, final norm and head stay whole on every tensor-parallel rank.
+
+Traffic per step (logged bytes, comms-logger convention), A = micro x seq x hidden activation elements:
+  p2p     per micro-batch a stage with a next stage sends A forward and receives A's gradient; one with a
+          previous stage receives A and sends its gradient back (DeepSpeed's p2p.send/recv are deepspeed.comm
+          send/recv on torch >= 1.8, so the comms logger sees them). Shapes (256 int32 = 1 KiB) travel on the
+          first step, and again on the first step after an eval (the harness resets them for eval batches):
+          left out of the per-step prediction.
+  3D      with tensor parallelism, DeepSpeed's pipe engine sends only this rank's 1/tp slice of A
+          (pipeline.pipe_partitioned / grad_partitioned, both on by default) plus a small long tensor of
+          partition meta, and rebuilds the whole tensor with an all_gather_into_tensor over the tp group:
+          on receiving activations, and on the sending stage twice in backward (its output, the gradient).
+  TP      per block per micro-batch: an all-reduce of A after attention and after the MLP in forward, and of
+          the input gradients before them in backward (Megatron f/g); recomputation adds two.
+  tied    the tied embedding's gradient, all-reduced between the first and the last stage.
+"""
+
+from __future__ import annotations
+
+from harness.planner.memory import FP32_BYTES, PRECISION_BYTES
+from harness.planner.params import ParamCount
+
+PARTITION_METHODS = ("parameters", "uniform")
+LONG_BYTES = 8
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """deepspeed.runtime.utils.partition_uniform: part boundaries, the first `residual` parts one larger."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    return [p * chunk + min(p, residual) for p in range(num_parts + 1)]
+
+
+def partition_balanced(weights: list[int], num_parts: int) -> list[int]:
+    """deepspeed.runtime.utils.partition_balanced: minimise (largest - smallest) part sum; same tie-breaking."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    inf = float("inf")
+    dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
+    dp_cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    position = [[0] * (m + 1) for _ in range(n + 1)]
+    prefix = [0.0] * (n + 1)
+    for i, w in enumerate(weights):
+        prefix[i + 1] = prefix[i] + float(w)
+    dp_max[0][0] = dp_cost[0][0] = 0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                max_sum, min_sum = max(dp_max[k][j - 1], part), min(dp_min[k][j - 1], part)
+                cost = max_sum - min_sum
+                if dp_cost[i][j] >= cost:  # `>=`: a later k wins a tie, as in DeepSpeed
+                    dp_cost[i][j], dp_max[i][j], dp_min[i][j], position[i][j] = cost, max_sum, min_sum, k
+    parts = [n]
+    for j in reversed(range(1, m + 1)):
+        parts.append(position[parts[-1]][j])
+    return parts[::-1]
+
+
+def layer_specs(count: ParamCount, tp: int = 1) -> list[tuple[str, int]]:
+    """(name, trainable parameters as `_count_layer_params` counts them) for each PipelineModule layer.
+    GPT-2's learned positions are a layer of their own after the token embedding, which alone is tied."""
+    tokens = count.embedding - count.positions
+    block = count.block_params(tp)
+    head = tokens if count.lm_head == 0 else count.lm_head
+    positions = [("positions", count.positions)] if count.positions else []
+    return [("embedding", tokens), *positions, *[(f"block{i}", block) for i in range(count.num_layers)],
+            ("final_norm", count.other), ("lm_head", head)]
+
+
+def partition(count: ParamCount, pp: int, method: str = "parameters", tp: int = 1,
+              counted_tp: int | None = None) -> list[int]:
+    """Layer boundaries of the pp stages: stage s holds layers [parts[s], parts[s+1]).
+
+    counted_tp: the split of the blocks that DeepSpeed's `_count_layer_params` sees when it builds each layer
+    to weigh it: 1 when the stage splits its blocks after the PipelineModule is built (the harness:
+    harness/train/parallel/pipe_engine.py, the default), tp when a layer is split as it is built."""
+    specs = layer_specs(count, 1 if counted_tp is None else counted_tp)
+    if method == "uniform":
+        return partition_uniform(len(specs), pp)
+    if method == "parameters":
+        return partition_balanced([n for _, n in specs], pp)
+    raise ValueError(f"pipeline partition method {method!r}: the planner knows {', '.join(PARTITION_METHODS)}")
+
+
+def stages(count: ParamCount, pp: int, method: str = "parameters", tp: int = 1,
+           counted_tp: int | None = None) -> list[dict]:
+    """Per stage: its layers, blocks, and the parameters one of its ranks holds (a tied embedding counted once
+    per stage that holds either end)."""
+    specs = layer_specs(count, tp)
+    parts = partition(count, pp, method, tp, counted_tp)
+    tied = count.lm_head == 0
+    out = []
+    for s in range(pp):
+        held = specs[parts[s]:parts[s + 1]]
+        names = [name for name, _ in held]
+        params = sum(n for name, n in held)
+        if tied and "embedding" in names and "lm_head" in names:
+            params -= count.embedding - count.positions  # one module, built once on a stage holding both ends
+        out.append({"stage": s, "layers": [parts[s], parts[s + 1]], "names": names, "params": params,
+                    "blocks": sum(name.startswith("block") for name in names),
+                    "tied_copy": tied and pp > 1 and ("embedding" in names or "lm_head" in names)})
+    return out
+
+
+def activation_elems(shape: dict, seq_len: int, micro_batch: int) -> int:
+    """Elements of the hidden states crossing a stage boundary per micro-batch."""
+    return micro_batch * seq_len * shape["hidden_size"]
+
+
+def p2p_bytes(shape: dict, *, stage: int, pp: int, seq_len: int, micro_batch: int, micro_batches: int,
+              precision: str, tp: int = 1, partitioned: bool = True) -> dict[str, int]:
+    """Logged bytes per step of one rank of `stage`: send, recv and (3D) the tp all-gathers that rebuild
+    partitioned activations. Steady state: the shape meta of the first step is left out."""
+    if pp <= 1:
+        return {}
+    lp = PRECISION_BYTES[precision]
+    a = activation_elems(shape, seq_len, micro_batch)
+    sliced = partitioned and tp > 1
+    # the rank's slice: partition_uniform over the flat tensor, the first ranks one element larger
+    part = (-(-a // tp) if sliced else a) * lp
+    meta = LONG_BYTES * (1 + 3 + 2 + tp + 1) if sliced else 0  # [ndims, 3 dims, parts, rank, tp+1 bounds]
+    per_message = part + meta
+    neighbours = (stage > 0) + (stage < pp - 1)
+    out = {"send": neighbours * per_message * micro_batches, "recv": neighbours * per_message * micro_batches}
+    if sliced:  # receive side rebuilds the input; the sending side its output and the gradient in backward
+        gathers = (stage > 0) + 2 * (stage < pp - 1)
+        out["all_gather_into_tensor"] = gathers * part * micro_batches
+    return out
+
+
+def tp_allreduce_bytes(shape: dict, *, tp: int, blocks: int, seq_len: int, micro_batch: int, micro_batches: int,
+                       precision: str, activation_checkpointing: bool = False) -> int:
+    """Logged all-reduce bytes per step of one tensor-parallel rank holding `blocks` blocks: per block and
+    micro-batch two in forward (after o_proj and down_proj), two in backward (the gradients of the column-
+    parallel inputs), two more when the forward is recomputed."""
+    if tp <= 1:
+        return 0
+    per_call = PRECISION_BYTES[precision] * activation_elems(shape, seq_len, micro_batch)
+    return per_call * (6 if activation_checkpointing else 4) * blocks * micro_batches
+
+
+def tied_allreduce_bytes(count: ParamCount, *, stage: int, pp: int, precision: str,
+                         bf16_optimizer: bool = False) -> int:
+    """The tied embedding's gradient, all-reduced between the end stages once per step (fp32 when DeepSpeed's
+    BF16 optimizer keeps fp32 gradients)."""
+    if pp <= 1 or count.lm_head != 0 or stage not in (0, pp - 1):
+        return 0
+    return (count.embedding - count.positions) * (FP32_BYTES if bf16_optimizer else PRECISION_BYTES[precision])
+
+
+def bubble_fraction(pp: int, micro_batches: int) -> float:
+    """Idle share of a 1F1B pipeline step: (p - 1) / (m + p - 1)."""
+    return (pp - 1) / (micro_batches + pp - 1) if pp > 1 else 0.0

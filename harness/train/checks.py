@@ -1,0 +1,229 @@
+"""Checks of this machine and of the run's inputs, made before any rank trains.
+
+Each finds what would otherwise fail minutes into a job (or on every rank with a traceback): a DeepSpeed op
+that cannot be built here, a sequence longer than the model's positions, tokenizer ids past the embedding,
+a run folder or NVMe path that cannot be written or has no room for what the planner says it will hold, a
+dataset smaller than one global batch. Problems are collected and raised once (exit 2, rank 0 prints them).
+
+`before_init` runs from session.prepare (no process group yet); `data_fits` runs once the data is packed,
+before the engine is built (packing happens after init so rank 0 tokenizes once for every rank).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from harness import model_shapes
+from harness.errors import Problem, UsageError, raise_if_errors
+
+PATH_PREFIXES = (".", "/", "~")  # a model or data spec starting so is a path, never a hub id
+
+
+def inputs(train: dict, source: str) -> dict:
+    """The model's HF config; raises ConfigError when train.model or train.dataset cannot be found (checked
+    before the DeepSpeed config, whose "auto" values need the model's shape)."""
+    cfg, problems = input_problems(train)
+    raise_if_errors(problems, source)
+    return cfg
+
+
+def before_init(spec, ds_json: str | None = None) -> None:
+    """Raise ConfigError listing every problem found; `ds_json` is the --ds-config file, if one was given."""
+    from harness.config.validate import with_recipe_paths
+
+    cfg = model_config(spec.recipe["train"]["model"])  # found by inputs() already: a config file read
+    problems = op_problems(spec.ds_config) + model_problems(spec.recipe["train"], cfg)
+    problems += path_problems(spec, cfg)
+    if ds_json is None:  # name the recipe key the user wrote
+        problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
+    raise_if_errors(problems, f"{ds_json or spec.recipe_name} on this machine")
+
+
+def op_problems(ds: dict) -> list[Problem]:
+    from harness import ops
+
+    out = []
+    for name, path in ops.needed_ops(ds).items():
+        found = ops.op_problem(name)
+        if found is not None:
+            device = path.rsplit(".", 1)[0].split(".")[-1]
+            out.append(Problem(path, f"{device} needs DeepSpeed's {name} op: {found[0]}", found[1]))
+    for name, who in ops.init_ops().items():
+        found = ops.op_problem(name)
+        if found is not None:
+            out.append(Problem(who, f"DeepSpeed builds its {name} op when the process group starts: {found[0]}",
+                               found[1]))
+    return out
+
+
+def model_config(name: str) -> dict:
+    """HF config dict of a preset, known shape or local dir, else of a hub id the way the job will load it (the
+    HF cache, or the hub when online): a model that cannot be loaded fails here, not after init."""
+    try:
+        return model_shapes.load_model_config(name)
+    except UsageError:
+        if Path(name).exists() or name.startswith(PATH_PREFIXES):
+            raise
+    from harness.train.models import load_model_config
+
+    return load_model_config(name).to_dict()
+
+
+def _as_problem(path: str, err: UsageError) -> Problem:
+    why, _, fix = str(err).partition("\n    fix: ")
+    return Problem(path, why, fix)
+
+
+def input_problems(train: dict) -> tuple[dict | None, list[Problem]]:
+    """(the model's config or None, problems of train.model and train.dataset) without loading any data."""
+    from harness.train.data import local_source
+
+    out, cfg = [], None
+    try:
+        local_source(train["dataset"])
+    except UsageError as e:
+        out.append(_as_problem("train.dataset", e))
+    try:
+        cfg = model_config(train["model"])
+    except UsageError as e:
+        out.append(_as_problem("train.model", e))
+    return cfg, out
+
+
+def max_positions(cfg: dict) -> tuple[str, int] | None:
+    for key in ("max_position_embeddings", "n_positions"):
+        if isinstance(cfg.get(key), int):
+            return key, cfg[key]
+    return None
+
+
+def model_problems(train: dict, cfg: dict) -> list[Problem]:
+    name, seq_len, out = train["model"], train["seq_len"], []
+    positions = max_positions(cfg)
+    if positions is not None and seq_len > positions[1]:
+        key, limit = positions
+        out.append(Problem("train.seq_len", f"{seq_len} tokens per sequence, but model {name} has {limit} "
+                           f"positions ({key} in its config): it would train past them (or fail) for the whole run",
+                           f"--set train.seq_len={limit} or less, or a model with more positions"))
+    vocab = cfg.get("vocab_size")
+    if isinstance(vocab, int):
+        from harness.train.models import load_tokenizer
+
+        try:
+            tok = load_tokenizer(name)
+        except UsageError as e:  # listed with the other problems rather than alone
+            return out + [_as_problem("train.model", e)]
+        num_ids = max(len(tok), max(tok.get_vocab().values(), default=-1) + 1)
+        if num_ids > vocab:
+            out.append(Problem("train.model", f"the tokenizer of {name} has {num_ids} ids (0..{num_ids - 1}) but "
+                               f"the model's vocab_size is {vocab}: ids >= {vocab} have no embedding row (index "
+                               "error on CPU, device-side assert on CUDA)",
+                               "use the tokenizer saved with this model (tokenizer.save_pretrained into its "
+                               "folder), or a model whose vocab_size covers the tokenizer"))
+    return out
+
+
+def existing(path: Path) -> Path:
+    path = path.expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def unwritable(path: Path) -> str | None:
+    """Why a folder cannot be made at `path` and written into, or None. Probes by creating (and removing) a
+    folder: as root, os.access says yes to /proc and to read-only mounts."""
+    base = existing(path)
+    if path.exists() and not path.is_dir():
+        return f"{path} is a file, not a folder"
+    if not base.is_dir():
+        return f"{base} is a file, so no folder can be made under it"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dsharness-probe-", dir=base))
+    except OSError as e:
+        return f"cannot create anything in {base} ({e.strerror})"
+    return None
+
+
+def _precision(ds: dict) -> str:
+    for name in ("bf16", "fp16"):
+        if (ds.get(name) or {}).get("enabled") is True:
+            return name
+    return "fp32"
+
+
+def _needs(spec, cfg: dict) -> dict[str, tuple[str, int]]:
+    """{place: (what, bytes)} the planner expects: one checkpoint in the run folder, swap files on NVMe."""
+    from harness.planner import memory
+    from harness.planner.params import count_params
+
+    try:
+        total = count_params(cfg).total
+    except Exception:  # an architecture the planner cannot count: no size to check against
+        return {}
+    precision = _precision(spec.ds_config)
+    per_param = memory.checkpoint_bytes(1, precision)
+    out = {"output": (f"one checkpoint ({total:,} params x {per_param} B: {precision} weights + fp32 master + "
+                      f"Adam moments)", memory.checkpoint_bytes(total, precision))}
+    zo = spec.ds_config.get("zero_optimization", {})
+    devices = {b: (zo.get(b) or {}).get("device", "none") for b in ("offload_optimizer", "offload_param")}
+    if zo.get("stage") == 3 and "nvme" in devices.values():
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", spec.world_size))
+        states = memory.model_state_bytes(total // (spec.tp * spec.pp), stage=3, dp=spec.dp, precision=precision,
+                                          offload_optimizer=devices["offload_optimizer"],
+                                          offload_param=devices["offload_param"])
+        per_rank = memory.by_device(states)["nvme"]
+        out["nvme"] = (f"NVMe swap files ({per_rank:,} B per rank x {local_ranks} on this node)",
+                       per_rank * local_ranks)
+    return out
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e7 else f"{nbytes:,} B"
+
+
+def path_problems(spec, cfg: dict) -> list[Problem]:
+    """Run folder and NVMe path: creatable, writable, and with room for what the planner says they will hold."""
+    zo = spec.ds_config.get("zero_optimization", {})
+    places = {"output": ("--output-dir" if spec.output_dir is not None else "train.output_dir",
+                         spec.output_dir or Path(spec.recipe["train"]["output_dir"]))}
+    for block in ("offload_param", "offload_optimizer"):
+        conf = zo.get(block) or {}
+        if conf.get("device") == "nvme" and conf.get("nvme_path"):
+            places.setdefault("nvme", (f"zero_optimization.{block}.nvme_path", Path(conf["nvme_path"])))
+    needs, out, by_disk = _needs(spec, cfg), [], {}
+    for place, (flag, path) in places.items():
+        why = unwritable(path)
+        if why:
+            out.append(Problem(flag, why, "point it at a folder this user can create and write"))
+        elif place in needs:
+            by_disk.setdefault(os.stat(existing(path)).st_dev, []).append((flag, path, *needs[place]))
+    for entries in by_disk.values():  # the run folder and NVMe swap on one disk share its free space
+        free = shutil.disk_usage(existing(entries[0][1])).free
+        need = sum(e[3] for e in entries)
+        if need > free:
+            held = " + ".join(f"{what} {_gb(nbytes)} at {path}" for _, path, what, nbytes in entries)
+            total = f" = {_gb(need)}" if len(entries) > 1 else ""
+            out.append(Problem(entries[0][0], f"not enough free space: needs {held}{total}, but "
+                               f"{existing(entries[0][1])} has {_gb(free)} free",
+                               f"free space there, or point it at a disk with {_gb(need)} free"))
+    return out
+
+
+def data_fits(spec, num_rows: int, seq_len: int) -> None:
+    """The packed training rows must fill one global batch (the BatchPlan invariant), said as exit 2."""
+    ds = spec.ds_config
+    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    dp = spec.dp  # the tensor (and pipeline) ranks of one replica read the same rows (trainer.dp_coords)
+    rows = micro * accum * dp
+    if num_rows < rows:
+        train = spec.recipe["train"]
+        raise UsageError(
+            f"train.dataset {train['dataset']!r}: {num_rows} training rows of seq_len={seq_len} tokens "
+            f"({num_rows * seq_len:,} tokens after holding out eval_fraction={train['eval_fraction']}), fewer "
+            f"than one global batch: {micro} micro x {accum} accum x {dp} dp = {rows} rows = {rows * seq_len:,} "
+            "tokens\n    fix: more text, a smaller batch (--set batch.micro_batch_per_gpu=1), fewer ranks, "
+            "or a shorter train.seq_len")

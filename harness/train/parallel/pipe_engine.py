@@ -1,0 +1,121 @@
+"""DeepSpeed's PipelineEngine in the harness: topology, engine build (pipeline and 3D), one optimizer step,
+eval, and the probe logits a checkpoint keeps for export verification.
+
+Rank layout is DeepSpeed's topology: axes (pipe, data) for a pipeline, (pipe, data, model) for 3D, so the
+tensor-parallel ranks of a stage are consecutive (inside a node) and a stage spans data x model ranks.
+Every rank of a stage's data-parallel replica reads the same rows (BatchPlan with the topology's data
+coordinate); the engine only lets first- and last-stage ranks pull from the iterator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from harness.errors import UsageError
+from harness.train.parallel import pipeline
+
+
+def topology(spec):
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
+
+    if spec.tp > 1:
+        return PipeModelDataParallelTopology(num_pp=spec.pp, num_mp=spec.tp, num_dp=spec.dp)
+    return PipeDataParallelTopology(num_pp=spec.pp, num_dp=spec.dp)
+
+
+def dp_coords(spec, rank: int) -> tuple[int, int]:
+    """(dp_rank, dp_size) of a global rank in the pipeline topology."""
+    return topology(spec).get_coord(rank).data, spec.dp
+
+
+def is_pipeline(engine) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return isinstance(engine, PipelineEngine)
+
+
+def _check_stages(spec, config) -> None:
+    """More stages than decoder layers leaves a stage with nothing but an embedding or a head (checked before
+    launch for models whose shape is known; here for the rest)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is not None and spec.pp > layers:
+        raise UsageError(f"parallel.pipeline: {spec.pp} stages for {layers} decoder layers of "
+                         f"{spec.recipe['train']['model']}: pipeline stages must not outnumber layers\n"
+                         f"    fix: use at most {layers} stages")
+
+
+def _shard_stage(module, config) -> None:
+    """3D: split this stage's decoder layers over the topology's model-parallel group."""
+    from harness.train.parallel import tensor
+
+    grid = module.mpu()
+    group, rank, size = (grid.get_slice_parallel_group(), grid.get_slice_parallel_rank(),
+                         grid.get_slice_parallel_world_size())
+    tensor.supported(config, size)
+    for layer in pipeline.local_decoder_layers(module):
+        tensor.shard_decoder_layer(layer, config, group, rank, size)
+
+
+def build_engine(spec):
+    """(PipelineEngine, the HF model it was built from). Records the partition in spec.layout."""
+    import deepspeed
+
+    from harness.train.models import build_model
+
+    train = spec.recipe["train"]
+    model = build_model(train["model"], seed=train["seed"])
+    pipeline.supported(model.config)
+    _check_stages(spec, model.config)
+    ds_pipe = spec.ds_config.get("pipeline", {})
+    method = ds_pipe.get("partition", spec.recipe["parallel"]["partition_method"])
+    module, specs = pipeline.build_module(model, topology(spec), method,
+                                          int(ds_pipe.get("activation_checkpoint_interval", 0)))
+    names = pipeline.hf_names(specs, model)
+    if spec.tp > 1:
+        _shard_stage(module, model.config)
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()
+                                                                      if p.requires_grad], config=spec.ds_config)
+    spec.layout = pipeline.layout(module, specs, names)
+    return engine, model
+
+
+def train_step(engine, batches: list) -> torch.Tensor:
+    """One optimizer step over this replica's micro-batches; the loss averaged over micro-batches and
+    data-parallel replicas, the same value on every rank (DeepSpeed all-reduces and broadcasts it inside
+    train_batch every step: the pipe schedule synchronises the ranks anyway)."""
+    return engine.train_batch(iter(batches)).detach().float()
+
+
+@contextlib.contextmanager
+def _any_shape(engine):
+    """Eval and probe batches may differ in shape from training's: send shapes with every micro-batch, then
+    make training re-announce its shapes (all ranks reset, so both ends of each p2p agree)."""
+    engine.dynamic_shape = True
+    try:
+        yield
+    finally:
+        engine.dynamic_shape = False
+        engine.reset_activation_shape()
+
+
+def eval_loss(engine, batches: list) -> float:
+    """Mean loss over this replica's eval micro-batches and the data-parallel replicas."""
+    with _any_shape(engine):
+        loss = engine.eval_batch(iter(batches), num_micro_batches=len(batches))
+    return float(loss.float().mean())
+
+
+def probe_logits(engine, probe_ids: torch.Tensor) -> torch.Tensor | None:
+    """The last stage's logits on `probe_ids` (returned on global rank 0, None elsewhere; every rank calls)."""
+    import torch.distributed as dist
+
+    with _any_shape(engine):
+        _, logits = engine.eval_batch(iter([(probe_ids, probe_ids)]), return_logits=True, num_micro_batches=1)
+    topo = engine.grid.topology()
+    src = min(topo.filter_match(pipe=engine.num_stages - 1))
+    box = [logits.float().cpu() if dist.get_rank() == src else None]
+    if src != 0:
+        dist.broadcast_object_list(box, src=src)
+    return box[0] if dist.get_rank() == 0 else None

@@ -1,0 +1,114 @@
+"""The HF -> pipe conversion in one process (no ranks): the layer chain computes the HF model's logits and loss,
+every HF weight has one pipe name; bad layouts exit 2 before any process group, with the arithmetic."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness.errors import UsageError
+from harness.train.models import build_model
+from harness.train.parallel import pipeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def qwen2_sliding():
+    """Qwen2 with a sliding-window layer shorter than the sequence: the mask the pipe builds must be HF's."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                         attn_implementation="sdpa")
+    torch.manual_seed(3)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def mistral_sliding():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                           attn_implementation="sdpa")
+    torch.manual_seed(4)
+    return AutoModelForCausalLM.from_config(config)
+
+
+BUILDERS = {"qwen2-sliding": qwen2_sliding, "mistral-sliding": mistral_sliding}
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "qwen2-sliding", "mistral-sliding"])
+def test_layer_chain_equals_the_hf_model(name):
+    model = (BUILDERS[name]() if name in BUILDERS else build_model(name, seed=5)).eval()
+    specs = pipeline.layer_specs(model)
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    x = ids
+    with torch.no_grad():
+        for spec in specs:
+            module = spec.build()
+            x = spec.forward_fn(module, x) if getattr(spec, "forward_fn", None) else module(x)
+        want = model(input_ids=ids, labels=labels, use_cache=False)
+        loss = pipeline.causal_lm_loss(x, labels)
+    torch.testing.assert_close(x, want.logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(loss, want.loss, rtol=1e-6, atol=0)
+    names = [n for layer in pipeline.hf_names(specs, model) for n in layer.values()]
+    tied = {"lm_head.weight"} if pipeline._is_tied(model) else set()
+    assert set(names) == set(model.state_dict()) - tied, "every HF weight must be exported from one pipe layer"
+
+
+def test_partition_method_is_checked_against_the_layers():
+    specs = pipeline.layer_specs(build_model("tiny-llama", seed=1))
+    pipeline.check_partition_method("type:DecoderLayerPipe", specs)
+    with pytest.raises(UsageError, match=r"'type:Transformer'.*\(EmbedPipe, DecoderLayerPipe, NormPipe, HeadPipe\)"):
+        pipeline.check_partition_method("type:Transformer", specs)
+    with pytest.raises(UsageError, match="expected parameters, uniform or type:<regex>"):
+        pipeline.check_partition_method("best", specs)
+
+
+def run_py(world: int, *argv: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+    env["WORLD_SIZE"] = str(world)
+    return subprocess.run([sys.executable, "harness/run.py", *argv], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+
+
+def opt_folder(tmp_path) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "opt", "hidden_size": 64, "num_hidden_layers": 4,
+                                                      "num_attention_heads": 4, "vocab_size": 512}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("world, argv, message", [
+    (6, ["--recipe", "3d"], "pipeline 2 x tensor 2 = 4 does not divide the world size 6 (6 / 4 = 1.5 data-parallel"),
+    (8, ["--recipe", "3d", "--set", "parallel.tensor=4"], "num_key_value_heads (2) of model tiny-llama must be "
+                                                          "divisible by the tensor degree (4)"),
+    (4, ["--recipe", "pipeline", "--set", "parallel.pipeline=4"], "4 pipeline stages for the 2 decoder layers of "
+                                                                  "model tiny-llama: 4 > 2"),
+    (2, ["--recipe", "pipeline", "--set", "zero.stage=2"], "DeepSpeed refuses ZeRO-2/3 with pipeline parallelism"),
+    (2, ["--recipe", "pipeline", "--model", "OPT"], "model_type 'opt') cannot be split into pipeline stages; "
+                                                    "supported model types: gpt2, llama, mistral, qwen2"),
+])
+def test_bad_layouts_exit_2_before_launch(world, argv, message, tmp_path):
+    argv = [opt_folder(tmp_path) if a == "OPT" else a for a in argv]
+    proc = run_py(world, *argv)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "Initializing TorchBackend" not in proc.stderr
+
+
+def test_resume_with_another_parallel_layout_is_refused(tmp_path):
+    from harness.train import checkpoint, run_args, session
+
+    (tmp_path / "global_step3").mkdir()
+    (tmp_path / "global_step3" / "manifest.json").write_text(json.dumps({"pp": 2, "tp": 2, "world_size": 1}))
+    spec = session.prepare(run_args.parse(["--recipe", "zero1"]))
+    with pytest.raises(UsageError, match=r"another parallel layout \(pp 2 there, 1 here; tp 2 there, 1 here\)"):
+        checkpoint.check_layout(spec, tmp_path, "global_step3")

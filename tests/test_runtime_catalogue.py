@@ -1,0 +1,237 @@
+"""The run-time catalogue: bad input to `harness/run.py` (flags, recipe, DeepSpeed JSON, model, dataset, paths,
+resume, this machine's DeepSpeed ops) exits 2 naming the field or file and the fix, with no traceback, before
+any rank trains.
+
+Every case is the real entry point, `harness.run.main(argv)`, with the environment a launcher would give it
+(WORLD_SIZE, RANK, ...). To keep the whole catalogue cheap they run in one interpreter
+(tests/catalogue_driver.py, start-up paid once), with file descriptors 1 and 2 captured per case, so a process
+group started by mistake shows ("Initializing TorchBackend"); tests/test_run_args.py runs the entry point by path.
+The last cases get past every pre-init check on purpose: their problem shows only once the data is packed,
+after init and before the engine is built.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "harness" / "assets"
+INVALID = Path(__file__).parent / "invalid"
+EXPECTED = json.loads((INVALID / "expected.json").read_text())
+FIXTURE = "{fx}"  # replaced by the fixture folder in argv and env values
+SECRET = "hf_catalogueSecret0123456789"
+TINY = ["--set", "train.steps=1", "--set", "train.eval_every=0"]  # bounds a case that wrongly gets through
+
+
+def case(id_, argv, where, fragment, env=None, post_init=False, needs=None, silent=False):
+    return {"id": id_, "argv": list(argv), "where": where, "fragment": fragment, "env": env or {},
+            "post_init": post_init, "needs": needs, "silent": silent}
+
+
+def from_invalid(name: str):
+    """A file of the validate catalogue (tests/invalid), now through harness/run.py."""
+    exp = EXPECTED[name]
+    flag = "--ds-config" if name.startswith("ds/") else "--recipe"
+    argv = [flag, str(INVALID / name)] + (["--model", exp["model"]] if "model" in exp else [])
+    env = {"WORLD_SIZE": str(exp["world_size"])} if "world_size" in exp else {}
+    return case(f"invalid:{name}", argv, str(INVALID / name), exp["fragment"], env)
+
+
+INVALID_CASES = ["ds/gradient_clippping.json", "ds/stage_5.json", "ds/amp_removed.json", "ds/not_utf8.json",
+                 "ds/syntax_trailing_comma.json", "ds/nan_gradient_clipping.json", "ds/offload_optimizer_stage0.json",
+                 "ds/duplicate_key_top.json", "ds/top_level_array.json", "ds/pipeline_not_dividing.json",
+                 "recipes/unknown_key.json", "recipes/nested_unknown_key.json", "recipes/precision_typo.json",
+                 "recipes/nvme_without_path.json", "recipes/3d_world_2.json", "recipes/pipeline_zero3.json",
+                 "recipes/tp3_tiny_llama_heads.json"]
+NO_COMPILER = {"CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": f"{FIXTURE}/empty_extensions"}
+
+CASES = [
+    # command line
+    case("cli:unknown_recipe", ["--recipe", "nope"], "unknown recipe 'nope'", "valid recipes:"),
+    case("cli:set_without_value", ["--set", "train.steps"], "--set 'train.steps'", "expected KEY=VALUE"),
+    case("cli:set_unknown_key", ["--set", "zero.stag=3"], "--set zero.stag", "did you mean 'zero.stage'?"),
+    case("cli:set_wrong_type", ["--set", "train.steps=twenty"], "train.steps", "expected integer >= 1"),
+    case("cli:set_into_value", ["--set", "zero=1", "--set", "zero.stage=2"], "--set zero.stage",
+         "not a block of keys"),
+    case("cli:seq_len_below_minimum", ["--set", "train.seq_len=4"], "train.seq_len", "got 4"),
+    case("cli:ds_config_missing", ["--ds-config", f"{FIXTURE}/nope.json"], f"{FIXTURE}/nope.json", "no such file"),
+    case("cli:resume_latest_without_output_dir", ["--resume"], "--resume latest", "needs --output-dir"),
+    # recipes and DeepSpeed JSON, world sizes
+    *[from_invalid(name) for name in INVALID_CASES],
+    case("recipe:pipeline_not_run_yet", ["--recipe", "pipeline"], "pipeline parallelism (pp=2)",
+         "not run by harness/run.py yet", env={"WORLD_SIZE": "2"}),
+    case("recipe:tp_world_3", ["--recipe", "tp"], "parallel.tensor",
+         "tensor degree 2 does not divide the world size 3", env={"WORLD_SIZE": "3"}),
+    case("recipe:tp_kv_heads", ["--recipe", "tp", "--set", "parallel.tensor=4"], "parallel.tensor",
+         "num_key_value_heads (2) of model tiny-llama must be divisible by the tensor degree (4): 2 / 4 = 0.5 per rank",
+         env={"WORLD_SIZE": "4"}),
+    case("recipe:batch_not_dividing", ["--recipe", "zero1", "--set", "batch.train_batch_size=7",
+                                       "--set", "batch.micro_batch_per_gpu=\"auto\""], "batch.train_batch_size",
+         "7", env={"WORLD_SIZE": "2"}),
+    # this machine's DeepSpeed ops
+    case("ops:cpu_adam_without_compiler", ["--recipe", "zero2_offload"],
+         "zero.offload_optimizer (-> zero_optimization.offload_optimizer.device)",
+         "cpu_adam op is not built yet", env=NO_COMPILER),
+    case("ops:cpu_lion_without_compiler", ["--recipe", "zero3_offload", "--set", "optimizer.type=lion"],
+         "zero.offload_optimizer", "cpu_lion op is not built yet", env=NO_COMPILER),
+    case("ops:ds_json_cpu_offload_without_compiler", ["--ds-config", f"{FIXTURE}/ds_offload.json"],
+         "zero_optimization.offload_optimizer.device", "no C++ compiler", env=NO_COMPILER),
+    case("ops:shm_comm_without_compiler", ["--recipe", "ddp"], "accelerator (cpu)",
+         "builds its deepspeed_shm_comm op when the process group starts", env=NO_COMPILER, needs="cpu_accelerator"),
+    case("ops:nvme_without_libaio", ["--recipe", "zero3_nvme", "--set", f"zero.nvme_path={FIXTURE}/nvme"],
+         "zero.offload_optimizer (-> zero_optimization.offload_optimizer.device)",
+         "apt-get install libaio-dev", needs="no_libaio"),
+    # model
+    case("model:seq_len_past_llama_positions", ["--set", "train.seq_len=100000"], "train.seq_len",
+         "model tiny-llama has 512 positions (max_position_embeddings"),
+    case("model:seq_len_past_gpt2_positions", ["--model", "tiny-gpt2", "--set", "train.seq_len=1024"],
+         "train.seq_len", "512 positions (n_positions"),
+    case("model:local_dir_short_positions", ["--model", f"{FIXTURE}/model_short"], "train.seq_len",
+         "has 64 positions"),
+    case("model:tokenizer_past_vocab", ["--model", f"{FIXTURE}/model_vocab"], "train.model",
+         "the model's vocab_size is 100"),
+    case("model:config_not_json", ["--model", f"{FIXTURE}/model_badjson"], f"{FIXTURE}/model_badjson/config.json",
+         "not valid JSON"),
+    case("model:dir_missing", ["--model", f"{FIXTURE}/no_such_model"], "unknown model", "no config.json"),
+    case("model:dir_without_tokenizer", ["--model", f"{FIXTURE}/model_notok"], "train.model",
+         "cannot load tokenizer from directory"),
+    case("model:hub_id_offline", ["--model", "no-such-org/no-such-model"], "train.model",
+         "HF_HUB_OFFLINE=1", env={"HF_HUB_OFFLINE": "1"}),
+    # dataset
+    case("data:file_missing", ["--dataset", f"{FIXTURE}/nope.jsonl"], "train.dataset", "does not exist"),
+    case("data:unsupported_extension", ["--dataset", f"{FIXTURE}/data/notes.xml"], "train.dataset",
+         "unsupported data file"),
+    case("data:empty_folder", ["--dataset", f"{FIXTURE}/data/empty"], "train.dataset", "has no data files"),
+    case("data:mixed_folder", ["--dataset", f"{FIXTURE}/data/mixed"], "train.dataset", "mixes file kinds"),
+    # paths and free space
+    case("path:output_in_proc", ["--output-dir", "/proc/nope"], "--output-dir", "cannot create anything in /proc"),
+    case("path:output_is_a_file", ["--output-dir", f"{FIXTURE}/file.txt"], "--output-dir", "is a file"),
+    case("path:output_under_a_file", ["--output-dir", f"{FIXTURE}/file.txt/run"], "--output-dir",
+         "is a file, so no folder can be made under it"),
+    case("path:recipe_output_dir_in_proc", ["--set", "train.output_dir=/proc/runs"], "train.output_dir",
+         "cannot create anything in /proc"),
+    case("path:nvme_in_proc", ["--recipe", "zero3_nvme", "--set", "zero.nvme_path=/proc/nvme"],
+         "zero.nvme_path (-> zero_optimization.offload_", "cannot create anything in /proc"),
+    case("path:nvme_under_a_file", ["--ds-config", f"{FIXTURE}/ds_nvme_under_file.json"],
+         "zero_optimization.offload_param.nvme_path", "is a file"),
+    case("path:no_room_for_a_checkpoint", ["--model", "llama-3.1-405b", "--output-dir", f"{FIXTURE}/big"],
+         "--output-dir", "not enough free space: needs one checkpoint (405,853,388,800 params x 14 B"),
+    # which rank reports: rank 0, and the first rank of every other node (its machine may be the one at fault)
+    case("rank:non_first_rank_is_silent", ["--output-dir", "/proc/nope", "--local_rank=1"], "", "",
+         env={"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, silent=True),
+    case("rank:first_rank_of_another_node_reports", ["--output-dir", "/proc/nope", "--local_rank=0"],
+         "error (rank 2): ", "--output-dir: cannot create anything in /proc",
+         env={"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}),
+    case("path:no_room_for_nvme_swap", ["--recipe", "zero3_nvme", "--model", "llama-3.1-405b", "--set",
+                                        f"zero.nvme_path={FIXTURE}/nvme", "--output-dir", f"{FIXTURE}/big"],
+         "--output-dir", "+ NVMe swap files ("),
+    # resume
+    case("resume:earlier_run_without_resume", ["--output-dir", f"{FIXTURE}/run_done"], f"{FIXTURE}/run_done",
+         "already holds an earlier run (global_step5)"),
+    case("resume:latest_without_checkpoint", ["--output-dir", f"{FIXTURE}/run_empty", "--resume"],
+         "--resume latest", "no checkpoint in"),
+    case("resume:path_missing", ["--resume", f"{FIXTURE}/run_done/checkpoints/global_step9"],
+         f"--resume {FIXTURE}/run_done/checkpoints/global_step9", "no such checkpoint"),
+    case("resume:path_outside_a_run", ["--resume", f"{FIXTURE}/data"], f"--resume {FIXTURE}/data",
+         "not inside a run folder"),
+    # after init, before the engine: only packing tells how much data there is (rank 0 packs once for all)
+    case("data:fewer_rows_than_one_global_batch", ["--dataset", f"{FIXTURE}/data/small.jsonl", "--set",
+                                                   "train.seq_len=32", *TINY, "--output-dir", f"{FIXTURE}/out_small"],
+         "train.dataset", "fewer than one global batch: ", post_init=True),
+    case("data:shorter_than_one_block", ["--dataset", f"{FIXTURE}/data/tiny.jsonl", *TINY,
+                                         "--output-dir", f"{FIXTURE}/out_tiny"], "the dataset has",
+         "fewer than one block of seq_len=128", post_init=True),
+    case("data:text_field_missing", ["--set", "train.text_field=body", *TINY, "--output-dir", f"{FIXTURE}/out_col"],
+         "no column 'body'", "fix: pass the text column's name", post_init=True),
+]
+
+
+def write_fixtures(fx: Path) -> None:
+    (fx / "file.txt").write_text("not a folder\n")
+    (fx / "empty_extensions").mkdir()
+    offload = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    (fx / "ds_offload.json").write_text(json.dumps(offload))
+    nvme = dict(offload, zero_optimization={"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": f"{fx}/file.txt/nvme"}})
+    (fx / "ds_nvme_under_file.json").write_text(json.dumps(nvme))
+    from harness.model_shapes import PRESETS
+
+    for name, changes in (("model_short", {"max_position_embeddings": 64}), ("model_vocab", {"vocab_size": 100}),
+                          ("model_notok", {})):
+        folder = fx / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**PRESETS["tiny-llama"], **changes}))
+        if name != "model_notok":
+            for asset in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(ASSETS / asset, folder / asset)
+    (fx / "model_badjson").mkdir()
+    (fx / "model_badjson" / "config.json").write_text("{\"model_type\": ")
+    data = fx / "data"
+    (data / "empty").mkdir(parents=True)
+    (data / "mixed").mkdir()
+    (data / "mixed" / "a.txt").write_text("hello\n")
+    (data / "mixed" / "b.csv").write_text("text\nhello\n")
+    (data / "notes.xml").write_text("<notes/>\n")
+    (data / "tiny.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
+    words = " ".join(f"word{i}" for i in range(30))  # ~3 blocks of 32 tokens in all: 1 eval + 2 train rows
+    (data / "small.jsonl").write_text("".join(json.dumps({"text": words}) + "\n" for _ in range(2)))
+    step = fx / "run_done" / "checkpoints" / "global_step5"
+    step.mkdir(parents=True)
+    (step.parent / "latest").write_text("global_step5")
+    (fx / "run_empty").mkdir()
+
+
+def fill(value: str, fx: Path) -> str:
+    return value.replace(FIXTURE, str(fx))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    fx = tmp_path_factory.mktemp("catalogue")
+    write_fixtures(fx)
+    cases = [{"id": c["id"], "argv": [fill(a, fx) for a in c["argv"]],
+              "env": {k: fill(v, fx) for k, v in c["env"].items()}}
+             for c in sorted(CASES, key=lambda c: c["post_init"])]  # post-init cases last (see the driver)
+    (fx / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "HF_TOKEN": SECRET}  # no message may ever echo a token
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "catalogue_driver.py"), str(fx / "cases.json"),
+                           str(fx / "results.json")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads((fx / "results.json").read_text())
+    return {"fx": fx, **out}
+
+
+def test_catalogue_size_and_kinds():
+    assert len(CASES) >= 40 and len({c["id"] for c in CASES}) == len(CASES)
+    kinds = {c["id"].split(":")[0] for c in CASES}
+    assert kinds == {"cli", "invalid", "recipe", "ops", "model", "data", "path", "rank", "resume"}
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c["id"] for c in CASES])
+def test_bad_input_exits_2_naming_the_field(c, results):
+    if c["needs"] == "no_libaio" and results["async_io_loads"]:
+        pytest.skip("libaio is installed here: the async_io op loads")
+    if c["needs"] == "cpu_accelerator" and results["accelerator"] != "cpu":
+        pytest.skip(f"DeepSpeed runs on {results['accelerator']} here, not its CPU accelerator")
+    fx = results["fx"]
+    got = results[c["id"]]
+    err = got["stderr"]
+    assert got["rc"] == 2, f"exit {got['rc']}\n{err[-3000:]}\n{got['stdout'][-2000:]}"
+    if c["silent"]:
+        assert "error" not in err and "Traceback" not in err, err
+        return
+    assert "Traceback" not in err + got["stdout"], err
+    assert SECRET not in err + got["stdout"]
+    assert [line[:5] for line in err.splitlines()].count("error") == 1, err  # one report, every problem in it
+    assert fill(c["where"], fx) in err, err
+    assert fill(c["fragment"], fx) in err, err
+    if not c["post_init"]:
+        assert "Initializing TorchBackend" not in err + got["stdout"], "no process group for bad input"

@@ -1,0 +1,73 @@
+"""Files a run reads may come from elsewhere (a shared checkpoint, a downloaded recipe): recipes and configs are
+parsed as JSON only, every torch.load loads tensors and plain data only (weights_only=True), and the RNG state a
+checkpoint holds is written so that such a load restores it exactly."""
+from __future__ import annotations
+
+import ast
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from harness.train.checkpoint import _rng_state, _set_rng_state
+
+HARNESS = Path(__file__).resolve().parents[1] / "harness"
+SOURCES = sorted(HARNESS.rglob("*.py"))
+
+
+def calls(pattern: str) -> list[str]:
+    found = []
+    for path in SOURCES:
+        for num, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(pattern, line) and not line.lstrip().startswith("#"):
+                found.append(f"{path.relative_to(HARNESS.parent)}:{num}: {line.strip()}")
+    return found
+
+
+def torch_load_calls() -> list[tuple[str, bool]]:
+    """(where, weights_only=True?) for every torch.load(...) call in the package, however it is wrapped."""
+    found = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"):
+                safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                           for k in node.keywords)
+                found.append((f"{path.relative_to(HARNESS.parent)}:{node.lineno}", safe))
+    return found
+
+
+def test_every_torch_load_is_weights_only():
+    loads = torch_load_calls()
+    assert loads, "the scan found nothing: the pattern is wrong"
+    unsafe = [where for where, safe in loads if not safe]
+    assert not unsafe, "torch.load without weights_only=True:\n" + "\n".join(unsafe)
+
+
+def test_no_other_deserializer_of_code_or_objects():
+    found = calls(r"\b(pickle|marshal|yaml|dill|shelve)\b|(?<![.\w])(?<!def )(eval|exec)\(")
+    assert not found, "\n".join(found)
+
+
+def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
+    random.seed(3), np.random.seed(5), torch.manual_seed(7)
+    np.random.randn()  # a cached Gaussian is part of numpy's state too
+    torch.save(_rng_state(), tmp_path / "rng_rank0.pt")
+    expected = (random.random(), np.random.randn(4).tolist(), torch.rand(3).tolist())
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    _set_rng_state(torch.load(tmp_path / "rng_rank0.pt", weights_only=True))
+    assert (random.random(), np.random.randn(4).tolist(), torch.rand(3).tolist()) == expected
+
+
+def test_errors_never_print_a_secret_from_the_environment(monkeypatch, capsys):
+    """A quoted library error may carry a token (a URL, a header): what harness/run.py prints masks it."""
+    from harness.run import main
+
+    secret = "hf_quotedSecret0123456789"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--ds-config", f"/no/such/dir/{secret}.json"]) == 2
+    err = capsys.readouterr().err
+    assert secret not in err and "/no/such/dir/<$HF_TOKEN>.json: no such file" in err
