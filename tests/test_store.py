@@ -93,7 +93,7 @@ def test_partial_or_stale_stores_are_never_used(tmp_path, tok):
 
 def test_failed_preparation_leaves_nothing(tmp_path, tok):
     root = tmp_path / "stores"
-    with pytest.raises(UsageError, match="fewer than one row of seq_len=4096"):
+    with pytest.raises(UsageError, match="the dataset has 38 tokens, fewer than one block of seq_len=4096"):
         prepare(DataSpec(str(corpus(tmp_path))), tok, 4096, str(root))
     with pytest.raises(UsageError, match="has no chat template"):
         prepare(DataSpec(str(write_chat(tmp_path / "c.jsonl", 3)), format="chat"), tok, 8, str(root))

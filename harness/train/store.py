@@ -197,8 +197,8 @@ def _build(spec: DataSpec, tokenizer, key: dict, tmp: Path, num_proc: int, strea
         leftover.unlink()
     rows = counts["tokens"] // key["seq_len"]
     if rows == 0:
-        raise UsageError(f"dataset {spec.dataset!r} has {counts['tokens']} tokens, fewer than one row of "
-                         f"seq_len={key['seq_len']}\n    fix: use more text or a smaller train.seq_len")
+        raise UsageError(f"train.dataset {spec.dataset!r}: the dataset has {counts['tokens']} tokens, fewer than one "
+                         f"block of seq_len={key['seq_len']}\n    fix: use more text or a smaller train.seq_len")
     return {"key": key, **key, **counts, "rows": rows, "dtype": dtype.name, "has_loss_mask": masked,
             "vocab_size": len(tokenizer), "num_proc": num_proc, "streamed": streamed,
             "prepared_s": round(time.perf_counter() - start, 3), "spec": asdict(spec)}
