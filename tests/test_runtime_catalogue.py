@@ -64,8 +64,8 @@ CASES = [
     case("cli:resume_latest_without_output_dir", ["--resume"], "--resume latest", "needs --output-dir"),
     # recipes and DeepSpeed JSON, world sizes
     *[from_invalid(name) for name in INVALID_CASES],
-    case("recipe:pipeline_not_run_yet", ["--recipe", "pipeline"], "pipeline parallelism (pp=2)",
-         "not run by harness/run.py yet", env={"WORLD_SIZE": "2"}),
+    case("recipe:pipeline_world_3", ["--recipe", "pipeline"], "parallel.pipeline",
+         "pipeline degree 2 does not divide the world size 3", env={"WORLD_SIZE": "3"}),
     case("recipe:tp_world_3", ["--recipe", "tp"], "parallel.tensor",
          "tensor degree 2 does not divide the world size 3", env={"WORLD_SIZE": "3"}),
     case("recipe:tp_kv_heads", ["--recipe", "tp", "--set", "parallel.tensor=4"], "parallel.tensor",
