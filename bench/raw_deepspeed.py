@@ -34,7 +34,9 @@ def main() -> None:
     import torch.distributed as dist
 
     from harness.train.batches import BatchPlan
-    from harness.train.data import load_text_dataset, split_blocks, tokenize_and_pack
+    from harness.train.data import DataSpec
+    from harness.train.rows import Rows, split_rows
+    from harness.train.store import prepare
     from harness.train.dist import unlink_shm_buffer
     from harness.train.models import build_model, load_tokenizer
 
@@ -47,9 +49,9 @@ def main() -> None:
         ds_config.pop("comms_logger", None)
         ds_config["wall_clock_breakdown"] = False
     train = recipe["train"]
-    blocks = tokenize_and_pack(load_text_dataset(train["dataset"], train["text_field"]),
-                               load_tokenizer(train["model"]), train["seq_len"])
-    rows = split_blocks(blocks, train["eval_fraction"], train["seed"])[0]
+    store, _ = prepare(DataSpec.from_train(train), load_tokenizer(train["model"]), train["seq_len"],
+                       train["store_dir"] or None)  # the harness run before this one prepared it
+    rows = split_rows(Rows.of(store), train["eval_fraction"], train["seed"])[0]
     zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
     model = build_model(train["model"], seed=train["seed"], zero3_init_config=ds_config if zero3 else None,
                         gradient_checkpointing=recipe["activation_checkpointing"])
@@ -63,8 +65,8 @@ def main() -> None:
     for step in range(args.steps):
         step_losses = []
         for idx in plan.micro_batches(step):
-            ids = rows[idx].to(engine.device)
-            loss = engine(input_ids=ids, labels=ids, use_cache=False).loss
+            ids, labels = (t.to(engine.device) for t in rows[idx].tensors())
+            loss = engine(input_ids=ids, labels=labels, use_cache=False).loss
             engine.backward(loss)
             engine.step()
             step_losses.append(loss.detach())

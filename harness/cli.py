@@ -16,6 +16,7 @@ COMMANDS = {
     "plan": "memory and communication math; recommend a strategy",
     "export": "write a Hugging Face model folder from a DeepSpeed checkpoint",
     "report": "predicted vs measured tables and plots for a run folder",
+    "data": "tokenize a dataset once into the memory-mapped token store runs read (data prepare)",
     "doctor": "check this machine before a long job (versions, GPUs, DeepSpeed ops, paths); exit 1 if --recipe cannot run",
 }
 

@@ -5,28 +5,38 @@ from __future__ import annotations
 import torch
 
 from harness.train.batches import BatchPlan
-from harness.train.data import load_text_dataset, split_blocks, tokenize_and_pack
+from harness.train.data import DataSpec
 from harness.train.models import build_model, load_tokenizer
+from harness.train.rows import Rows, split_rows
+from harness.train.store import prepare
 
 
-def train_blocks(model: str, seq_len: int, eval_fraction: float, seed: int) -> torch.Tensor:
-    blocks = tokenize_and_pack(load_text_dataset("builtin"), load_tokenizer(model), seq_len)
-    return split_blocks(blocks, eval_fraction, seed)[0]
+def train_rows(model: str, seq_len: int, eval_fraction: float, seed: int, data: DataSpec = DataSpec(),
+               store_dir: str | None = None) -> Rows:
+    """The training split of the same prepared store a launch uses."""
+    store, _ = prepare(data, load_tokenizer(model), seq_len, store_dir)
+    return split_rows(Rows.of(store), eval_fraction, seed)[0]
 
 
 def plain_pytorch_losses(*, model: str, steps: int, seq_len: int, global_batch: int, lr: float, betas, eps: float,
-                         weight_decay: float, clip: float, seed: int, eval_fraction: float) -> list[float]:
-    """AdamW + clip_grad_norm_ on all global_batch rows of each step at once (mean of equal rank means)."""
+                         weight_decay: float, clip: float, seed: int, eval_fraction: float,
+                         data: DataSpec = DataSpec(), store_dir: str | None = None,
+                         micro_batches: int = 1) -> list[float]:
+    """AdamW + clip_grad_norm_ on all global_batch rows of each step. The step's loss is the mean of the losses
+    of its `micro_batches` equal chunks (in rank order), as DeepSpeed averages rank and accumulation means: with
+    masked labels the chunks hold different numbers of target tokens, so this is not the mean over all targets."""
     torch.manual_seed(seed)
     net = build_model(model, seed=seed).float().train()
     opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-    rows = train_blocks(model, seq_len, eval_fraction, seed)
+    rows = train_rows(model, seq_len, eval_fraction, seed, data, store_dir)
     plan = BatchPlan(num_rows=rows.shape[0], global_batch=global_batch, micro_batch=global_batch, grad_accum=1,
                      seed=seed)
     out = []
     for step in range(steps):
-        ids = rows[plan.global_rows(step)]
-        loss = net(input_ids=ids, labels=ids, use_cache=False).loss
+        chunks = plan.global_rows(step).chunk(micro_batches)
+        losses = [net(input_ids=ids, labels=labels, use_cache=False).loss
+                  for ids, labels in (rows[chunk].tensors() for chunk in chunks)]
+        loss = torch.stack(losses).mean()
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), clip)

@@ -165,18 +165,20 @@ def test_zero3_init_partitions_and_matches_the_plain_build(tmp_path):
 
 def test_tiny_llama_learns_the_builtin_corpus(tmp_path):
     """60 AdamW steps of 16 x 128 tokens: the corpus has learnable structure and the pieces fit together."""
-    from harness.train import data
     from harness.train.batches import BatchPlan
+    from harness.train.data import DataSpec
+    from harness.train.rows import Rows
+    from harness.train.store import prepare
 
-    tok = models.load_tokenizer("tiny-llama")
-    blocks = data.tokenize_and_pack(data.load_text_dataset("builtin"), tok, 128, str(tmp_path))
+    store, _ = prepare(DataSpec(), models.load_tokenizer("tiny-llama"), 128, str(tmp_path))
+    blocks = Rows.of(store)
     plan = BatchPlan(num_rows=len(blocks), global_batch=16, micro_batch=16, grad_accum=1, seed=0)
     model = models.build_model("tiny-llama", seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses, start = [], time.perf_counter()
     for step in range(60):
-        batch = blocks[plan.global_rows(step)]
-        loss = model(input_ids=batch, labels=batch).loss
+        ids, labels = blocks[plan.global_rows(step)].tensors()
+        loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

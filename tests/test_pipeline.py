@@ -55,15 +55,19 @@ def qwen2_folder(path):
 def eval_loss_of(model, run, micro: int) -> float:
     """The trainer's eval on one data-parallel replica: the first eval_batches x micro eval rows, in micro-batches,
     mean of the micro-batch means."""
-    from harness.train.data import load_text_dataset, split_blocks, tokenize_and_pack
+    from harness.train.data import DataSpec
     from harness.train.models import load_tokenizer
+    from harness.train.rows import Rows, split_rows
+    from harness.train.store import prepare
 
     train = json.loads((run / "recipe.json").read_text())["train"]
-    blocks = tokenize_and_pack(load_text_dataset("builtin"), load_tokenizer(train["model"]), train["seq_len"])
-    rows = split_blocks(blocks, train["eval_fraction"], train["seed"])[1][:train["eval_batches"] * micro]
+    store, _ = prepare(DataSpec.from_train(train), load_tokenizer(train["model"]), train["seq_len"],
+                       train["store_dir"] or None)  # the run's own store
+    evals = split_rows(Rows.of(store), train["eval_fraction"], train["seed"])[1]
+    ids, labels = evals[:train["eval_batches"] * micro].tensors()
     with torch.no_grad():
-        losses = [model(input_ids=rows[i:i + micro], labels=rows[i:i + micro]).loss.item()
-                  for i in range(0, rows.shape[0], micro)]
+        losses = [model(input_ids=ids[i:i + micro], labels=labels[i:i + micro]).loss.item()
+                  for i in range(0, ids.shape[0], micro)]
     return sum(losses) / len(losses)
 
 

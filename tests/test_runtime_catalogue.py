@@ -148,7 +148,7 @@ CASES = [
                                          "--output-dir", f"{FIXTURE}/out_tiny"], "the dataset has",
          "fewer than one block of seq_len=128", post_init=True),
     case("data:text_field_missing", ["--set", "train.text_field=body", *TINY, "--output-dir", f"{FIXTURE}/out_col"],
-         "no column 'body'", "fix: pass the text column's name", post_init=True),
+         "no column 'body'", "fix: set train.text_field to the column", post_init=True),
 ]
 
 

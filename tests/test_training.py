@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from baseline import plain_pytorch_losses
+from corpora import chat_model_dir, write_chat, write_instruction
+from harness.train.data import DataSpec
 from launch import launch, losses, records
 
 pytestmark = pytest.mark.multirank
@@ -32,11 +34,15 @@ COMMON = ["--set", f"train.steps={STEPS}", "--set", f"train.seq_len={SEQ_LEN}", 
 STATE_RTOL, COMM_RTOL = 0.02, 0.05
 
 
+def reference_losses(model: str = "tiny-llama", **data) -> list[float]:
+    return plain_pytorch_losses(model=model, steps=STEPS, seq_len=SEQ_LEN, global_batch=MICRO * 2, lr=LR,
+                                betas=BETAS, eps=EPS, weight_decay=WD, clip=CLIP, seed=SEED,
+                                eval_fraction=EVAL_FRACTION, **data)
+
+
 @pytest.fixture(scope="module")
 def reference() -> list[float]:
-    return plain_pytorch_losses(model="tiny-llama", steps=STEPS, seq_len=SEQ_LEN, global_batch=MICRO * 2, lr=LR,
-                                betas=BETAS, eps=EPS, weight_decay=WD, clip=CLIP, seed=SEED,
-                                eval_fraction=EVAL_FRACTION)
+    return reference_losses()
 
 
 # Working buffers whose split between terms depends on where DeepSpeed parks them (an offloaded fp32
@@ -148,3 +154,33 @@ def test_export_round_trip(tmp_path):
         logits = model(input_ids=probe["input_ids"]).logits
     assert logits.shape == probe["logits"].shape
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_instruction_parity_on_a_store_prepared_beforehand(tmp_path):
+    """`harness data prepare` first, then the launch only memory-maps the store: no tokenization in the launch.
+    Loss only on response tokens; the reference averages the two ranks' micro-batch means as DeepSpeed does."""
+    from harness.cli import main
+
+    path, stores = write_instruction(tmp_path / "instr.jsonl", 400), tmp_path / "stores"
+    assert main(["data", "prepare", "--dataset", str(path), "--model", "tiny-llama", "--seq-len", str(SEQ_LEN),
+                 "--format", "instruction", "--out", str(stores)]) == 0
+    run = tmp_path / "run"
+    proc = launch("--recipe", "zero2", "--set", "precision=fp32", "--output-dir", str(run), *COMMON,
+                  "--set", f"train.dataset={path}", "--set", "train.format=instruction",
+                  "--set", f"train.store_dir={stores}")
+    assert "using store" in proc.stdout and "tokenize" not in proc.stderr
+    want = reference_losses(data=DataSpec(str(path), format="instruction"), store_dir=str(stores), micro_batches=2)
+    print(f"instruction: max relative loss difference vs one process {assert_close(losses(run), want, FP32_RTOL):.2e}")
+
+
+def test_chat_parity_with_a_chat_template_model_folder(tmp_path):
+    """A model folder whose tokenizer has a chat template; the launch prepares the store itself."""
+    model, path = chat_model_dir(tmp_path / "model", SEED), write_chat(tmp_path / "chat.jsonl", 400)
+    run, stores = tmp_path / "run", tmp_path / "stores"
+    proc = launch("--recipe", "zero2", "--set", "precision=fp32", "--output-dir", str(run), *COMMON,
+                  "--set", f"train.model={model}", "--set", f"train.dataset={path}", "--set", "train.format=chat",
+                  "--set", f"train.store_dir={stores}")
+    assert "prepared store" in proc.stdout
+    want = reference_losses(str(model), data=DataSpec(str(path), format="chat"), store_dir=str(stores),
+                            micro_batches=2)
+    print(f"chat: max relative loss difference vs one process {assert_close(losses(run), want, FP32_RTOL):.2e}")

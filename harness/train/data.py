@@ -1,13 +1,13 @@
-"""Text data: load a corpus (built-in, local files, or a hub id), tokenise it, pack it into fixed blocks.
+"""Corpus loading: which dataset a recipe names (built-in, local files, or a hub id with config and split),
+loaded with `datasets`, its columns checked for the data format, and a cheap fingerprint of its source.
 
-Packing (documents joined with eos, cut into seq_len blocks, remainder dropped) gives every row the same
-length, so a row index is all a rank needs to know what it trains on (see harness.train.batches).
+Tokenizing and packing happen once, into a prepared token store (harness.train.store); training reads that.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import UsageError
@@ -16,8 +16,42 @@ BUILTIN = "builtin"
 BUILTIN_CORPUS = Path(__file__).resolve().parent.parent / "assets" / "corpus.jsonl"
 # datasets builder per file extension
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-DEFAULT_CACHE_DIR = "~/.cache/dsharness"
-PACK_FORMAT_VERSION = 1  # bump when the packing rule changes, so old caches are not reused
+FORMATS = ("text", "instruction", "chat")
+STREAM_BYTES = 20 * 2**30  # hub datasets larger than this (as the hub reports them) are streamed, not downloaded
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What to read and how to turn a record into tokens: the recipe's train.dataset* and field keys."""
+
+    dataset: str = BUILTIN
+    config: str = ""  # hub dataset configuration ("" = its default)
+    split: str = "train"
+    format: str = "text"  # text | instruction | chat
+    text_field: str = "text"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+
+    @classmethod
+    def from_train(cls, train: dict) -> "DataSpec":
+        return cls(dataset=train["dataset"], config=train.get("dataset_config", ""),
+                   split=train.get("dataset_split", "train"), format=train.get("format", "text"),
+                   text_field=train.get("text_field", "text"), prompt_field=train.get("prompt_field", "prompt"),
+                   response_field=train.get("response_field", "response"),
+                   messages_field=train.get("messages_field", "messages"))
+
+    @property
+    def columns(self) -> dict[str, str]:
+        """{recipe key: column name} the format reads."""
+        if self.format == "instruction":
+            return {"prompt_field": self.prompt_field, "response_field": self.response_field}
+        if self.format == "chat":
+            return {"messages_field": self.messages_field}
+        if self.format == "text":
+            return {"text_field": self.text_field}
+        raise UsageError(f"train.format {self.format!r} is not one of {', '.join(FORMATS)}\n"
+                         f"    fix: set train.format to one of {', '.join(FORMATS)}")
 
 
 def _supported() -> str:
@@ -48,139 +82,80 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or Path(spec).suffix.lower() in BUILDERS
 
 
-def local_source(spec: str) -> tuple[str, str | list[str]] | None:
-    """(datasets builder, data_files) of builtin or a local file or folder; None for a hub id. Reads no data,
+def local_source(spec: str) -> tuple[str, list[str]] | None:
+    """(datasets builder, data files) of builtin or a local file or folder; None for a hub id. Reads no data,
     so it runs before any rank trains; raises UsageError for a missing path or files it cannot read."""
     if spec == BUILTIN:
-        return "json", str(BUILTIN_CORPUS)
+        return "json", [str(BUILTIN_CORPUS)]
     path = Path(spec).expanduser()
     if path.is_dir():
         return _files_in(path)
     if path.is_file():
-        return _builder_for(path), str(path)
+        return _builder_for(path), [str(path)]
     if _looks_like_path(spec):
         raise UsageError(f"data file {spec} does not exist\n    fix: check the path, or use {BUILTIN!r}")
     return None
 
 
-def _load_raw(spec: str):
-    """datasets.Dataset (train split) for a spec, before column checks."""
+def source_fingerprint(spec: DataSpec) -> str:
+    """Identity of the source without reading it: each local file's path, size and mtime (what `datasets`
+    keys its own cache on), or the hub id, config and split. Cheap, so every rank can compute it."""
+    local = local_source(spec.dataset)
+    if local is None:
+        return f"hub:{spec.dataset}:{spec.config}:{spec.split}"
+    stats = [f"{f}:{Path(f).stat().st_size}:{Path(f).stat().st_mtime_ns}" for f in local[1]]
+    return "files:" + hashlib.sha256("\n".join(stats).encode()).hexdigest()
+
+
+def _hub_failure(spec: DataSpec, err: Exception) -> UsageError:
+    first = str(err).splitlines()[0] if str(err) else ""
+    where = spec.dataset + (f" (config {spec.config!r})" if spec.config else "") + f" split {spec.split!r}"
+    return UsageError(
+        f"cannot load dataset {where}: not {BUILTIN!r}, not a local file or folder, and the Hugging Face Hub "
+        f"lookup failed ({type(err).__name__}: {first})\n    fix: use {BUILTIN!r} or a local file "
+        f"({_supported()}); with network unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE and check the id, "
+        "train.dataset_config and train.dataset_split (or run `harness data prepare` where there is network)")
+
+
+def _hub_is_large(spec: DataSpec) -> bool:
     import datasets
 
-    local = local_source(spec)
+    info = datasets.load_dataset_builder(spec.dataset, spec.config or None).info
+    return (info.dataset_size or info.download_size or 0) > STREAM_BYTES
+
+
+def load_raw(spec: DataSpec, streaming: bool | None = None):
+    """datasets.Dataset (or IterableDataset when streamed) of the spec's split, before column checks.
+
+    streaming=None: hub datasets larger than STREAM_BYTES are streamed, everything else is loaded."""
+    import datasets
+
+    local = local_source(spec.dataset)
     if local is not None:
-        return datasets.load_dataset(local[0], data_files=local[1], split="train")
+        builder, files = local
+        split = "train"  # a file's records are all in datasets' default split
+        return datasets.load_dataset(builder, data_files=files, split=split, streaming=bool(streaming))
     try:
-        return datasets.load_dataset(spec, split="train")
+        stream = _hub_is_large(spec) if streaming is None else streaming
+        return datasets.load_dataset(spec.dataset, spec.config or None, split=spec.split, streaming=stream)
     except Exception as err:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ...)
-        first = str(err).splitlines()[0] if str(err) else ""
-        raise UsageError(
-            f"cannot load dataset {spec!r}: not {BUILTIN!r}, not a local file or folder, and the Hugging Face "
-            f"Hub lookup failed ({type(err).__name__}: {first})\n    fix: use {BUILTIN!r} or a local file "
-            f"({_supported()}); with network unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE and check the id"
-        ) from None
+        raise _hub_failure(spec, err) from None
 
 
-def load_text_dataset(spec: str, text_field: str = "text"):
-    """A datasets.Dataset with exactly one column, "text", from `spec`'s `text_field` column."""
-    ds = _load_raw(spec)
-    if text_field not in ds.column_names:
-        raise UsageError(f"dataset {spec!r} has no column {text_field!r}; its columns are: "
-                         f"{', '.join(ds.column_names)}\n    fix: pass the text column's name as text_field")
-    ds = ds.select_columns([text_field])
-    if text_field != "text":
-        ds = ds.rename_column(text_field, "text")
-    return ds
+def load_dataset_for(spec: DataSpec, streaming: bool | None = None):
+    """The spec's records with only the columns its format reads (checked, each named in the error)."""
+    spec.columns  # an unknown format fails before anything is read
+    ds = load_raw(spec, streaming)
+    have = list(ds.column_names or [])
+    for key, column in spec.columns.items():
+        if have and column not in have:
+            raise UsageError(f"dataset {spec.dataset!r} has no column {column!r} (train.{key}, format "
+                             f"{spec.format!r}); its columns are: {', '.join(have)}\n"
+                             f"    fix: set train.{key} to the column that holds it")
+    return ds.select_columns(list(spec.columns.values())) if have else ds
 
 
-def _tokenizer_key(tokenizer) -> str:
-    """What the packed ids depend on: the tokenizer's full definition and its eos id."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        body = backend.to_str()
-    else:
-        from datasets.fingerprint import Hasher
-
-        body = Hasher.hash(tokenizer)
-    return f"{type(tokenizer).__name__}:{tokenizer.eos_token_id}:{body}"
-
-
-def pack_cache_path(ds, tokenizer, seq_len: int, cache_dir: str | None) -> Path | None:
-    """Where the packed blocks of (ds, tokenizer, seq_len) are cached; None when ds has no stable identity.
-
-    A file-backed dataset's fingerprint is derived from its source files, so it is the same in every
-    process; an in-memory dataset's is not, and caching it would only leave litter behind.
-    """
-    if not ds.cache_files:
-        return None
-    key = hashlib.sha256(
-        f"{PACK_FORMAT_VERSION}|{ds._fingerprint}|{seq_len}|{_tokenizer_key(tokenizer)}".encode()
-    ).hexdigest()[:24]
-    return Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "packed" / f"blocks_{seq_len}_{key}.pt"
-
-
-def _tokenize_flat(ds, tokenizer, num_proc):
-    """All documents' token ids, each followed by eos, as one 1-D int64 tensor."""
-    import pyarrow.compute as pc
-    import torch
-
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise UsageError("the tokenizer has no eos token\n    fix: use a tokenizer with an eos token; "
-                         "packing needs it to mark where each document ends")
-
-    def encode(batch):
-        texts = [t or "" for t in batch["text"]]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return {"input_ids": [row + [eos] if row else [] for row in ids]}
-
-    tokenized = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=num_proc,
-                       desc="tokenize")
-    column = tokenized.with_format("arrow")[:]["input_ids"]
-    return torch.from_numpy(pc.list_flatten(column).to_numpy().astype("int64"))
-
-
-def tokenize_and_pack(ds, tokenizer, seq_len: int, cache_dir: str | None = None, num_proc=None):
-    """torch.LongTensor [num_blocks, seq_len]: documents joined with eos, cut into blocks, tail dropped.
-
-    num_proc defaults to None (no fork): under deepspeed every rank already occupies cores.
-    """
-    import torch
-
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    cache = pack_cache_path(ds, tokenizer, seq_len, cache_dir)
-    if cache is not None and cache.is_file():
-        return torch.load(cache, weights_only=True)
-    flat = _tokenize_flat(ds, tokenizer, num_proc)
-    num_blocks = flat.numel() // seq_len
-    if num_blocks == 0:
-        raise UsageError(f"the dataset has {flat.numel()} tokens, fewer than one block of seq_len={seq_len}\n"
-                         "    fix: use more text or a smaller seq_len")
-    blocks = flat[: num_blocks * seq_len].view(num_blocks, seq_len).contiguous()
-    if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        torch.save(blocks, tmp)
-        os.replace(tmp, cache)  # atomic: ranks packing at once never read a half-written file
-    return blocks
-
-
-def split_blocks(blocks, eval_fraction: float, seed: int):
-    """(train_blocks, eval_blocks): a seeded random choice of eval rows, at least one when fraction > 0.
-
-    Both keep the original row order, so eval rows are whole, contiguous-text blocks like train rows.
-    """
-    import torch
-
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    num_rows = blocks.shape[0]
-    num_eval = max(1, round(num_rows * eval_fraction)) if eval_fraction > 0 else 0
-    if num_eval >= num_rows:
-        raise ValueError(f"eval_fraction={eval_fraction} of {num_rows} blocks leaves no training blocks; "
-                         "use a smaller eval_fraction or more data")
-    perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))
-    eval_idx, _ = torch.sort(perm[:num_eval])
-    train_idx, _ = torch.sort(perm[num_eval:])
-    return blocks[train_idx], blocks[eval_idx]
+def load_text_dataset(dataset: str, text_field: str = "text"):
+    """A datasets.Dataset with exactly one column, "text", from `dataset`'s `text_field` column."""
+    ds = load_dataset_for(DataSpec(dataset=dataset, text_field=text_field))
+    return ds.rename_column(text_field, "text") if text_field != "text" else ds

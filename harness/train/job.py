@@ -44,18 +44,27 @@ def write_run_files(spec, run_dir: Path) -> None:
 
 
 def load_data(spec, dist, tokenizer) -> Data:
-    from harness.train.data import load_text_dataset, split_blocks, tokenize_and_pack
+    """Rows of the prepared token store for the recipe's data (prepared here, once, if there is none)."""
+    import time
 
+    from harness.train.data import DataSpec
+    from harness.train.formats import check_chat_template
+    from harness.train.rows import Rows, split_rows
+    from harness.train.store import ensure_store
+
+    start = time.perf_counter()
     train = spec.recipe["train"]
-    # Rank 0 tokenizes and fills the cache first; the others then read it instead of racing.
-    blocks = None
-    for turn in ("main", "others"):
-        if (turn == "main") == dist.is_main:
-            ds = load_text_dataset(train["dataset"], train["text_field"])
-            blocks = tokenize_and_pack(ds, tokenizer, train["seq_len"], cache_dir=None)
-        distmod.barrier()
-    train_blocks, eval_blocks = split_blocks(blocks, train["eval_fraction"], train["seed"])
-    return Data(train=train_blocks, eval=eval_blocks)
+    data_spec = DataSpec.from_train(train)
+    if data_spec.format == "chat":  # every rank, so all exit with the message before any waits on a store
+        check_chat_template(tokenizer, train["model"])
+    store, made = ensure_store(data_spec, tokenizer, train["seq_len"], train["store_dir"] or None, dist.local_rank)
+    train_rows, eval_rows = split_rows(Rows.of(store), train["eval_fraction"], train["seed"])
+    if dist.is_main:
+        meta = store.meta
+        say("data", f"{'prepared' if made else 'using'} store {store.path}: {meta['documents']} documents, "
+                    f"{meta['tokens']} tokens ({meta['dtype']}), {meta['rows']} rows, format {meta['format']}; "
+                    f"data ready in {time.perf_counter() - start:.2f}s")
+    return Data(train=train_rows, eval=eval_rows)
 
 
 def build_engine(spec):

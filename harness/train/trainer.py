@@ -19,12 +19,13 @@ from harness.train import checkpoint
 from harness.train.batches import BatchPlan
 from harness.train.dist import DistInfo, mean_across_ranks
 from harness.train.metrics import MetricsLog, say
+from harness.train.rows import Rows
 
 
 @dataclass
 class Data:
-    train: torch.Tensor  # [rows, seq_len] token ids
-    eval: torch.Tensor
+    train: Rows  # .shape == (rows, seq_len); views over the memory-mapped token store
+    eval: Rows
 
 
 def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
@@ -48,8 +49,7 @@ def batch_plan(spec, dist: DistInfo, num_rows: int) -> BatchPlan:
 
 def fetch(split, rows) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels) of the given rows of a split; labels are -100 where a token carries no loss."""
-    ids = split[rows]
-    return ids, ids
+    return split[rows].tensors()
 
 
 def _loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -144,7 +144,8 @@ class Trainer:
     def save(self, step: int) -> None:
         path = checkpoint.save(self.engine, self.spec, self.dist, self.run_dir / "checkpoints", step,
                                {"step": step, "epoch": self.plan.epoch_of(max(step - 1, 0))},
-                               probe_ids=(self.data.eval if self.data.eval.shape[0] else self.data.train)[:1, :16])
+                               probe_ids=fetch(self.data.eval if self.data.eval.shape[0] else self.data.train,
+                                               slice(0, 1))[0][:, :16])
         if self.dist.is_main:
             say("ckpt", f"step {step} -> {path}")
             self.log.write("checkpoint", step, path=str(path))

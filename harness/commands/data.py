@@ -1,0 +1,58 @@
+"""`harness data prepare --dataset SPEC --model M --seq-len N`: tokenize a corpus once into the token store
+that runs with the same train.* keys then memory-map (a run prepares it itself when it is missing; doing it
+here first keeps tokenization out of the launch). Other train.* keys (format, fields, hub config and split)
+come through --set, exactly as for a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from harness.errors import UsageError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = sub.add_parser("prepare", help="tokenize a dataset into a prepared token store")
+    p.add_argument("--dataset", help="builtin, a local file or folder, or a hub id (train.dataset)")
+    p.add_argument("--model", help="model whose tokenizer to use (train.model)")
+    p.add_argument("--seq-len", type=int, help="tokens per packed row (train.seq_len)")
+    p.add_argument("--format", choices=["text", "instruction", "chat"], help="train.format")
+    p.add_argument("--num-proc", type=int, default=None, help="tokenizing processes (default: one per core)")
+    p.add_argument("--out", help="store folder root (train.store_dir; default ~/.cache/dsharness/stores)")
+    p.add_argument("--stream", action="store_true", help="stream the dataset instead of loading it first")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other recipe key, e.g. --set train.dataset_split=validation")
+
+
+def _train_keys(args) -> dict:
+    from harness.config.recipes import complete
+
+    flags = {"dataset": args.dataset, "model": args.model, "seq_len": args.seq_len, "format": args.format,
+             "store_dir": args.out}
+    sets = [f"train.{k}={v}" for k, v in flags.items() if v is not None]
+    return complete({"description": "harness data prepare"}, "harness data prepare", [*args.overrides, *sets])["train"]
+
+
+def run(args: argparse.Namespace) -> int:
+    from harness.train.data import DataSpec
+    from harness.train.formats import check_chat_template
+    from harness.train.models import load_tokenizer
+    from harness.train.store import prepare
+
+    if args.num_proc is not None and args.num_proc < 1:
+        raise UsageError(f"--num-proc {args.num_proc}: must be >= 1\n    fix: leave it out for one per core")
+    train = _train_keys(args)
+    spec, tokenizer = DataSpec.from_train(train), load_tokenizer(train["model"])
+    if spec.format == "chat":
+        check_chat_template(tokenizer, train["model"])
+    store, made = prepare(spec, tokenizer, train["seq_len"], train["store_dir"] or None,
+                          num_proc=args.num_proc, streaming=True if args.stream else None)
+    meta = store.meta
+    how = f"prepared in {meta['prepared_s']:.1f}s with {meta['num_proc']} processes" if made else "already prepared"
+    print(f"[data] {store.path}: {how}")
+    print(f"[data] {meta['documents']} documents, {meta['tokens']} tokens ({meta['dtype']}), {meta['rows']} rows "
+          f"of {meta['seq_len']}, format {meta['format']}, {meta['loss_tokens']} tokens carry loss")
+    if train["store_dir"]:
+        print(f"[data] train with --set train.store_dir={train['store_dir']} to use it")
+    return 0
