@@ -21,6 +21,7 @@ INSTALL_LIBAIO = ("install libaio: apt-get install libaio-dev (yum install libai
                   "then `make ops` to compile async_io once")
 INSTALL_COMPILER = "install a C++ compiler: apt-get install build-essential (or set CXX to one)"
 INSTALL_NINJA = "pip install ninja (DeepSpeed JIT-compiles its ops with it)"
+STALE_LOCK_S = 20 * 60  # a JIT build takes minutes; a build lock this old was left by a compile that was killed
 
 
 def needed_ops(ds: dict) -> dict[str, str]:
@@ -74,6 +75,19 @@ def is_cached(name: str) -> bool:
     return os.path.isdir(folder) and any(f.endswith(".so") for f in os.listdir(folder))
 
 
+def stale_lock(name: str) -> tuple[str, float] | None:
+    """(path, age in s) of a build lock in the op's torch extensions folder older than STALE_LOCK_S. torch
+    takes that lock on EVERY load of a JIT op (built or not) and waits, without a timeout, while it exists."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(name, False), "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return None
+    return (lock, age) if age > STALE_LOCK_S else None
+
+
 def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or "c++")
 
@@ -94,6 +108,10 @@ def op_problem(name: str) -> tuple[str, str] | None:
         return f"the {name} op is not compatible here (ds_report shows it [NO])", "run ds_report to see what it lacks"
     if not is_ninja_available():
         return f"the {name} op must be JIT-compiled and ninja is not installed", INSTALL_NINJA
+    if stale := stale_lock(name):
+        return (f"the {name} op's build lock {stale[0]} is {stale[1] / 60:.0f} min old, left by a compile that was "
+                f"killed: every process that loads the op would wait on it forever",
+                f"rm {stale[0]} (if no other process on this machine is compiling {name})")
     if not is_cached(name) and compiler() is None:
         return (f"the {name} op is not built yet (not in the torch extensions cache) and no C++ compiler "
                 f"({os.environ.get('CXX') or 'c++'}) is on PATH to build it", INSTALL_COMPILER)

@@ -31,3 +31,23 @@ def test_checkpoint_bytes_are_weights_plus_master_and_adam_moments():
     assert checkpoint_bytes(1, "bf16") == 2 + 4 + 8
     assert checkpoint_bytes(1, "fp32") == 4 + 4 + 8
     assert checkpoint_bytes(7_000_000_000, "bf16") == 98_000_000_000
+
+
+def test_a_stale_build_lock_is_reported_with_its_path_not_waited_on(tmp_path, monkeypatch):
+    """torch takes `lock` in an op's extensions folder on every load of a JIT op and waits on it without a
+    timeout: one left by a killed compile would hang every rank. A fresh lock (a compile under way) is not
+    reported."""
+    import os
+    import time
+
+    from harness.ops import STALE_LOCK_S, op_problem
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    assert op_problem("cpu_adam") is None or "lock" not in op_problem("cpu_adam")[0]
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    why, fix = op_problem("cpu_adam")
+    assert f"the cpu_adam op's build lock {lock} is 21 min old" in why and fix.startswith(f"rm {lock}")

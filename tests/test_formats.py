@@ -80,3 +80,38 @@ def test_masked_tokens_carry_no_loss(tmp_path):
     torch.testing.assert_close(loss, manual, rtol=1e-6, atol=1e-6)
     everything = net(input_ids=ids, labels=ids).loss.detach()
     assert abs(float(everything) - float(loss)) > 1e-3  # the mask matters
+
+
+def test_rows_without_targets_are_counted_and_train_with_loss_zero_not_nan(tmp_path):
+    """A prompt longer than seq_len packs into rows with no target token: the store counts them (and the user
+    is told), and the trainer's loss on such a micro-batch is 0 with zero gradients instead of 0/0 = NaN, while
+    on any other micro-batch it equals HF's own mean loss bit for bit; so does the pipeline's loss."""
+    from harness.train.parallel.pipeline import causal_lm_loss
+    from harness.train.store import empty_rows_note
+    from harness.train.trainer import _loss
+
+    path = tmp_path / "i.jsonl"
+    long_prompt = " ".join(["seven"] * 200)  # ~200 tokens of prompt: several 16-token rows of it alone
+    path.write_text("".join(json.dumps({"prompt": p, "response": " cat dog"}) + "\n"
+                            for p in (long_prompt, "Repeat: a b", long_prompt, "Say: c")))
+    store, _ = prepare(DataSpec(str(path), format="instruction"), load_tokenizer("tiny-llama"), 16,
+                       str(tmp_path / "stores"))
+    mask = store.loss_mask[:store.num_rows].astype(bool)
+    empty = ~mask[:, 1:].any(axis=1)
+    assert store.meta["rows_without_loss"] == int(empty.sum()) >= 20
+    assert f"{int(empty.sum())} of {store.num_rows} rows have no target token" in empty_rows_note(store.meta)
+    net = build_model("tiny-llama", seed=0).float()
+    rows = Rows.of(store)
+    all_masked = rows[np.flatnonzero(empty)[:2]].tensors()
+    loss = _loss(net, all_masked)
+    loss.backward()
+    grads = [p.grad for p in net.parameters() if p.grad is not None]
+    assert float(loss.detach()) == 0.0 and grads and all(float(g.abs().max()) == 0.0 for g in grads)
+    assert torch.isnan(net(input_ids=all_masked[0], labels=all_masked[1]).loss)  # what HF's mean gives
+    mixed = rows[np.flatnonzero(~empty)[:2]].tensors()
+    with torch.no_grad():
+        assert torch.equal(_loss(net, mixed), net(input_ids=mixed[0], labels=mixed[1]).loss)
+        logits = net(input_ids=all_masked[0]).logits
+        assert float(causal_lm_loss(logits, all_masked[1])) == 0.0
+        logits = net(input_ids=mixed[0]).logits
+        assert torch.equal(causal_lm_loss(logits, mixed[1]), net(input_ids=mixed[0], labels=mixed[1]).loss)

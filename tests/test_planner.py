@@ -183,7 +183,12 @@ def test_comm_bytes_as_the_comms_logger_records_them():
     assert z3 == {"reduce_scatter_tensor": 4 * P, "all_gather_into_tensor": 2 * 2 * P}
     assert comm_bytes_per_step(P, stage=3, dp=4, precision="fp32") == {
         "reduce_scatter_tensor": 4 * P, "all_gather_into_tensor": 2 * P}
-    assert comm_bytes_per_step(P, stage=3, dp=1, precision="bf16") == {}
+    # a group of one: DeepSpeed still calls (and the logger logs) the gradient reductions, no all-gather
+    # (measured on one CPU rank, fp32, 2 micro-batches per step: ZeRO-1 4P, ZeRO-2 8P, ZeRO-3 8P + 8 B)
+    assert comm_bytes_per_step(P, stage=1, dp=1, precision="fp32", grad_accum=2) == {"all_reduce": 4 * P}
+    assert comm_bytes_per_step(P, stage=2, dp=1, precision="fp32", grad_accum=2) == {"all_reduce": 8 * P}
+    assert comm_bytes_per_step(P, stage=3, dp=1, precision="fp32", grad_accum=2) == {"reduce_scatter_tensor": 8 * P}
+    assert all(wire_bytes(op, n, 1) == 0 for op, n in comm_bytes_per_step(P, stage=3, dp=1, precision="bf16").items())
 
 
 def test_zero3_moves_one_and_a_half_times_data_parallel_traffic():

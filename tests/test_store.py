@@ -104,8 +104,10 @@ def test_parallel_and_streamed_preparation_write_the_same_bytes(tmp_path, tok, m
     spec = DataSpec(str(corpus(tmp_path, copies=50)))
     one, _ = prepare(spec, tok, 4, str(tmp_path / "a"), num_proc=1)
     monkeypatch.setattr(storemod, "MIN_DOCS_PER_PROC", 10)  # fork even for this small corpus
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
     two, _ = prepare(spec, tok, 4, str(tmp_path / "b"), num_proc=2)
     streamed, _ = prepare(spec, tok, 4, str(tmp_path / "c"), num_proc=2, streaming=True)
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"  # workers ran on one thread each; the user's setting is back
     assert (two.meta["num_proc"], streamed.meta["streamed"]) == (2, True)
     raw = [(s.path / "tokens.bin").read_bytes() for s in (one, two, streamed)]
     assert raw[0] == raw[1] == raw[2]

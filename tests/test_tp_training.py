@@ -2,7 +2,9 @@
 fp32 loss parity with ONE plain PyTorch process on the same global batch, for tiny-llama and for a Qwen2-shaped
 local model folder (GQA 4 heads / 2 kv heads, q/k/v biases, tied embeddings) saved with save_pretrained, on
 ZeRO-3; the start-up line shows the whole model's size; save -> resume continues exactly; `harness export`
-merges the tensor-parallel shards into one HF folder whose logits equal the engine's. Three launches in all.
+merges the tensor-parallel shards into one HF folder whose logits equal the engine's; profiled steps 3-4: each
+rank's logged collectives (tensor-parallel all-reduces + the gradient reduction over a data-parallel group of
+one) equal the run's own planner prediction. Three launches in all.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def runs(tmp_path_factory) -> dict:
     for name, model, stage in (("tiny-llama", "tiny-llama", 1), ("qwen2", _qwen2_folder(base / "qwen2-model"), 3)):
         run = base / name
         proc = launch(*COMMON, "--set", f"train.model={model}", "--set", f"zero.stage={stage}",
-                      "--output-dir", str(run))
+                      "--profile-steps", "3-4", "--output-dir", str(run))
         out[name] = {"model": model, "run": run, "stdout": proc.stdout}
     return out
 
@@ -87,6 +89,12 @@ def test_tp_matches_one_process_and_exports(name, runs, tmp_path):
     print(f"tp {name}: max relative loss difference vs one process {worst:.2e}")
     assert worst <= FP32_RTOL, f"{name}: {worst:.3g} > {FP32_RTOL}"
     assert f": {_full_params(r['model']) / 1e6:.2f}M params" in r["stdout"], "start-up line: the whole model"
+    comm = json.loads((r["run"] / "summary.json").read_text())["comm"]
+    for rank, (measured, predicted) in enumerate(zip(comm["measured_per_rank"], comm["predicted_per_rank"])):
+        assert "all_reduce" in predicted, predicted
+        for op, want in predicted.items():
+            assert abs(measured.get(op, 0) / want - 1) <= 0.05, f"rank {rank} {op}: {measured.get(op)} vs {want}"
+        assert all(b < 64 for op, b in measured.items() if op not in predicted), measured  # norm scalars only
     manifest = json.loads((r["run"] / "checkpoints" / "global_step3" / "manifest.json").read_text())
     assert (manifest["tp"], manifest["dp"], manifest["world_size"]) == (2, 1, 2)
     info = export(r["run"], tmp_path / "hf")

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from harness.train.data import DataSpec
     from harness.train.formats import check_chat_template
     from harness.train.models import load_tokenizer
-    from harness.train.store import prepare
+    from harness.train.store import empty_rows_note, prepare
 
     if args.num_proc is not None and args.num_proc < 1:
         raise UsageError(f"--num-proc {args.num_proc}: must be >= 1\n    fix: leave it out for one per core")
@@ -53,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"[data] {store.path}: {how}")
     print(f"[data] {meta['documents']} documents, {meta['tokens']} tokens ({meta['dtype']}), {meta['rows']} rows "
           f"of {meta['seq_len']}, format {meta['format']}, {meta['loss_tokens']} tokens carry loss")
+    if note := empty_rows_note(meta):
+        print(f"[data] warning: {note}")
     if train["store_dir"]:
         print(f"[data] train with --set train.store_dir={train['store_dir']} to use it")
     return 0

@@ -79,7 +79,8 @@ def ops_table() -> None:
         problem = ops.op_problem(name)
         state = "pre-built" if ops.is_prebuilt(name) else "built (cache)" if ops.is_cached(name) else "JIT on first use"
         line(f"op {name}", f"ok, {state}" if problem is None else f"NO: {problem[0]} -> {problem[1]}")
-    line("libaio (NVMe offload)", "yes" if ops.op_problem("async_io") is None else "NO (apt-get install libaio-dev)")
+    aio = ops.op_problem("async_io")
+    line("libaio (NVMe offload)", "NO (apt-get install libaio-dev)" if aio and "libaio" in aio[0] else "yes")
 
 
 def shm() -> None:

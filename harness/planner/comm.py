@@ -26,25 +26,29 @@ def comm_bytes_per_step(num_params: int, *, stage: int, dp: int, precision: str,
 
     num_params: parameters this rank's ZeRO group shards. persistent_params: ZeRO-3 tensors kept whole
     (never gathered). gathers_per_micro_step: ZeRO-3 parameter all-gathers per micro-step (forward and
-    backward: 2; a model small enough to stay live: 1). A group of one rank sends nothing.
+    backward: 2; a model small enough to stay live: 1). A group of one rank sends nothing on the wire
+    (wire_bytes), but DeepSpeed still calls, and the comms logger logs, its gradient reductions (measured on
+    one rank: all_reduce for ZeRO-0/1/2, reduce_scatter_tensor for ZeRO-3; no all-gather).
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISION_BYTES)}")
-    if dp <= 1:
-        return {}
     lp = PRECISION_BYTES[precision]
     grads = lp * num_params
-    shard = lp * -(-num_params // dp)
+    shard = lp * -(-num_params // dp) if dp > 1 else 0
     if stage == 0:
         return {"all_reduce": grads}
     if stage in (1, 2):
         reduces = 1 if stage == 1 else grad_accum  # ZeRO-1 reduces at the accumulation boundary only
-        return {"all_reduce": grads * reduces, "all_gather_into_tensor": shard}
+        return _nonzero({"all_reduce": grads * reduces, "all_gather_into_tensor": shard})
     if stage == 3:
-        gathered = lp * -(-(num_params - persistent_params) // dp)
-        return {"reduce_scatter_tensor": grads * grad_accum,
-                "all_gather_into_tensor": gathered * gathers_per_micro_step * grad_accum}
+        gathered = lp * -(-(num_params - persistent_params) // dp) if dp > 1 else 0
+        return _nonzero({"reduce_scatter_tensor": grads * grad_accum,
+                         "all_gather_into_tensor": gathered * gathers_per_micro_step * grad_accum})
     raise ValueError(f"zero stage {stage}: expected 0, 1, 2 or 3")
+
+
+def _nonzero(ops: dict[str, int]) -> dict[str, int]:
+    return {op: n for op, n in ops.items() if n}
 
 
 def wire_bytes(collective: str, logged_bytes: int, group_size: int) -> int:

@@ -23,13 +23,10 @@ def _hf_config(module, spec) -> dict:
 
 
 def dp_comm(stage_params: int, *, zero_stage: int, dp: int, precision: str, grad_accum: int) -> dict:
-    """The data-parallel gradient traffic of one stage. A pipeline reduces at the step boundary only, and
-    DeepSpeed all-reduces the stage's gradients even over a data-parallel group of one (logged, nothing on
-    the wire)."""
-    if dp > 1:
-        return comm.comm_bytes_per_step(stage_params, stage=zero_stage, dp=dp, precision=precision,
-                                        grad_accum=1 if zero_stage <= 1 else grad_accum)
-    return {"all_reduce": memory.PRECISION_BYTES[precision] * stage_params}
+    """The data-parallel gradient traffic of one stage (logged bytes: a group of one included). A pipeline
+    reduces at the step boundary only."""
+    return comm.comm_bytes_per_step(stage_params, stage=zero_stage, dp=dp, precision=precision,
+                                    grad_accum=1 if zero_stage <= 1 else grad_accum)
 
 
 def _add(total: dict, part: dict) -> None:

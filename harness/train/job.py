@@ -50,7 +50,7 @@ def load_data(spec, dist, tokenizer) -> Data:
     from harness.train.data import DataSpec
     from harness.train.formats import check_chat_template
     from harness.train.rows import Rows, split_rows
-    from harness.train.store import ensure_store
+    from harness.train.store import empty_rows_note, ensure_store
 
     start = time.perf_counter()
     train = spec.recipe["train"]
@@ -64,6 +64,8 @@ def load_data(spec, dist, tokenizer) -> Data:
         say("data", f"{'prepared' if made else 'using'} store {store.path}: {meta['documents']} documents, "
                     f"{meta['tokens']} tokens ({meta['dtype']}), {meta['rows']} rows, format {meta['format']}; "
                     f"data ready in {time.perf_counter() - start:.2f}s")
+        if note := empty_rows_note(meta):
+            say("data", f"warning: {note}")
     return Data(train=train_rows, eval=eval_rows)
 
 

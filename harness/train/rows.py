@@ -41,6 +41,13 @@ class Rows:
         return ids, ids.masked_fill(~keep, IGNORE_INDEX)
 
 
+def loss_items(labels: torch.Tensor) -> torch.Tensor:
+    """The number of targets a causal-LM loss averages over (labels shifted by one, IGNORE_INDEX skipped), at
+    least 1. Given as HF's num_items_in_batch, the loss equals HF's mean bit for bit, and a micro-batch with no
+    target at all (a prompt longer than seq_len) has loss 0 and no gradient instead of 0/0 = NaN."""
+    return (labels[..., 1:] != IGNORE_INDEX).sum().clamp(min=1)
+
+
 def split_rows(rows: Rows, eval_fraction: float, seed: int) -> tuple[Rows, Rows]:
     """(train, eval): a seeded random choice of eval rows, at least one when fraction > 0.
 

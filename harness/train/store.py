@@ -131,12 +131,38 @@ def _write(tmp: Path, chunks, dtype: np.dtype, masked: bool) -> dict:
     return counts
 
 
+@contextlib.contextmanager
+def _one_thread_per_process(num_proc: int):
+    """With several worker processes, each tokenizes on one thread: a fast tokenizer's own thread pool (which a
+    single process uses to fill the cores) would otherwise put num_proc x cores threads on the cores."""
+    if num_proc <= 1:
+        yield
+        return
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # forked workers inherit it; the tokenizer reads it per call
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def _rows_without_loss(path: Path, seq_len: int, rows: int) -> int:
+    """Packed rows in which no token is a target (the first token of a row never is): they train nothing."""
+    mask = np.memmap(path, dtype=np.uint8, mode="r", shape=(rows, seq_len))
+    step = max(1, (64 << 20) // seq_len)  # 64 MB of mask at a time
+    return int(sum((~mask[i:i + step, 1:].any(axis=1)).sum() for i in range(0, rows, step)))
+
+
 def _mapped_chunks(ds, encode, features, num_proc: int, tmp: Path):
     """Tokenize with datasets.map over num_proc processes (its Arrow output lives in tmp), then read it back
     CHUNK_DOCS documents at a time."""
-    tokenized = ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names, features=features,
-                       num_proc=num_proc if num_proc > 1 else None, cache_file_name=str(tmp / "tokenized.arrow"),
-                       desc="tokenize")
+    with _one_thread_per_process(num_proc):
+        tokenized = ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names,
+                           features=features, num_proc=num_proc if num_proc > 1 else None,
+                           cache_file_name=str(tmp / "tokenized.arrow"), desc="tokenize")
     yield from tokenized.with_format("arrow").iter(batch_size=CHUNK_DOCS)
 
 
@@ -157,7 +183,7 @@ def _streamed_chunks(ds, encode, features, num_proc: int):
     _STREAM_ENCODE = encode
     schema = features.arrow_schema
     batches = ds.iter(batch_size=CHUNK_DOCS // 10)
-    with multiprocessing.get_context("fork").Pool(max(1, num_proc)) as pool:
+    with _one_thread_per_process(num_proc), multiprocessing.get_context("fork").Pool(max(1, num_proc)) as pool:
         for encoded in pool.imap(_encode_inherited, batches):
             yield pa.Table.from_pydict(encoded, schema=schema)
 
@@ -199,9 +225,20 @@ def _build(spec: DataSpec, tokenizer, key: dict, tmp: Path, num_proc: int, strea
     if rows == 0:
         raise UsageError(f"train.dataset {spec.dataset!r}: the dataset has {counts['tokens']} tokens, fewer than one "
                          f"block of seq_len={key['seq_len']}\n    fix: use more text or a smaller train.seq_len")
+    counts["rows_without_loss"] = _rows_without_loss(tmp / "loss_mask.bin", key["seq_len"], rows) if masked else 0
     return {"key": key, **key, **counts, "rows": rows, "dtype": dtype.name, "has_loss_mask": masked,
             "vocab_size": len(tokenizer), "num_proc": num_proc, "streamed": streamed,
             "prepared_s": round(time.perf_counter() - start, 3), "spec": asdict(spec)}
+
+
+def empty_rows_note(meta: dict) -> str | None:
+    """What to tell the user when some packed rows carry no loss at all (instruction/chat data)."""
+    empty = meta.get("rows_without_loss", 0)
+    if not empty:
+        return None
+    return (f"{empty} of {meta['rows']} rows have no target token (their whole seq_len={meta['seq_len']} window is "
+            f"prompt or system text): their micro-batches add loss 0 and no gradient\n    fix: raise train.seq_len "
+            f"or shorten the prompts")
 
 
 def _publish(tmp: Path, path: Path, key: dict) -> None:

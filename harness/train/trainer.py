@@ -19,7 +19,7 @@ from harness.train import checkpoint
 from harness.train.batches import BatchPlan
 from harness.train.dist import DistInfo, mean_across_ranks
 from harness.train.metrics import MetricsLog, say
-from harness.train.rows import Rows
+from harness.train.rows import Rows, loss_items
 
 
 @dataclass
@@ -53,8 +53,9 @@ def fetch(split, rows) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    items = loss_items(batch[1])  # from the host copy: no device sync
     ids, labels = (t.to(engine.device) for t in batch)
-    return engine(input_ids=ids, labels=labels, use_cache=False).loss
+    return engine(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=items).loss
 
 
 def micro_steps(engine, batches: list) -> torch.Tensor:

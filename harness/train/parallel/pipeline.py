@@ -114,10 +114,13 @@ def tied_head(module: EmbedPipe, hidden):
 
 
 def causal_lm_loss(logits, labels):
-    """HF's own causal-LM loss, so the pipe's loss is the HF model's loss on the same batch."""
+    """HF's own causal-LM loss, so the pipe's loss is the HF model's loss on the same batch (0, not NaN, when
+    no token of the micro-batch is a target, as in trainer._loss)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+    from harness.train.rows import loss_items
+
+    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], num_items_in_batch=loss_items(labels))
 
 
 def _is_tied(model) -> bool:
