@@ -80,7 +80,7 @@ def ops_table() -> None:
         state = "pre-built" if ops.is_prebuilt(name) else "built (cache)" if ops.is_cached(name) else "JIT on first use"
         line(f"op {name}", f"ok, {state}" if problem is None else f"NO: {problem[0]} -> {problem[1]}")
     aio = ops.op_problem("async_io")
-    line("libaio (NVMe offload)", "NO (apt-get install libaio-dev)" if aio and "libaio" in aio[0] else "yes")
+    line("libaio (NVMe offload)", "NO (apt-get install libaio-dev)" if aio and aio[1] == ops.INSTALL_LIBAIO else "yes")
 
 
 def shm() -> None:
