@@ -337,3 +337,20 @@ def test_auto_in_a_pydantic_block_is_dropped_to_deepspeeds_default():
     assert dsc.DeepSpeedConfig(nested("zero_optimization.stage", "auto")).zero_optimization_stage == 0
     kept, problems = normalize(nested("zero_optimization.stage", "auto"))
     assert kept["zero_optimization"]["stage"] == "auto" and problems == []  # the schema refuses it
+
+
+def test_optimizer_and_scheduler_lists_match_deepspeed_and_torch():
+    """rules.py names what DeepSpeed builds from a config; kept equal to DeepSpeed's and torch's own lists."""
+    import inspect
+
+    import torch
+    from deepspeed.runtime import lr_schedules
+    from harness.config import rules
+    assert list(rules.DS_OPTIMIZERS) == dsc.DEEPSPEED_OPTIMIZERS
+    assert set(rules.TORCH_OPTIMIZERS) == {n for n, c in vars(torch.optim).items() if isinstance(c, type)
+                                           and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+    assert list(rules.SCHEDULERS) == lr_schedules.VALID_LR_SCHEDULES
+    for name, (accepted, required) in rules.SCHEDULERS.items():
+        params = {k: p for k, p in inspect.signature(getattr(lr_schedules, name).__init__).parameters.items()
+                  if k not in ("self", "optimizer", "last_batch_iteration")}
+        assert set(params) == accepted and {k for k, p in params.items() if p.default is p.empty} == required, name
