@@ -82,7 +82,7 @@ def normalize(ds: dict) -> tuple[dict, list[Problem]]:
 
 def _drop_pydantic_autos(node: dict, schema: dict, path: str) -> list[Problem]:
     """DeepSpeed's pydantic blocks (DeepSpeedConfigModel, strict=False) drop an "auto" that nobody fills and use
-    their default: "stage": "auto" is ZeRO stage 0. Drop it here too, and say what it becomes."""
+    their default. Drop it here too and say what it becomes (AUTO_REFUSED stays, for the schema to refuse)."""
     out = []
     for key, value in list(node.items()):
         sub = schema.get("properties", {}).get(key)
