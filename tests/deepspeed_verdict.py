@@ -9,6 +9,7 @@ listed in `engine_config`.
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import inspect
 import os
@@ -80,14 +81,27 @@ class DataParallel:
         return self.world
 
 
-def init_gloo() -> None:
+ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def gloo_world_of_one():
+    """A one-rank gloo process group in this process, for as long as the block runs; the environment and the
+    process group are restored after, so later tests (and the ranks they launch) do not inherit RANK/WORLD_SIZE."""
     import deepspeed
-    import torch.distributed as dist
-    if dist.is_initialized():
-        return
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed.comm as ds_dist
+    saved = {k: os.environ.get(k) for k in ENV_KEYS}
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    try:
+        yield
+    finally:
+        ds_dist.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _free_port() -> int:
@@ -139,9 +153,9 @@ def tiny_llama():
 
 
 def engine_verdict(filled: dict) -> str | None:
-    """deepspeed.initialize on a tiny Llama with the config's own optimizer (and scheduler), one gloo rank."""
+    """deepspeed.initialize on a tiny Llama with the config's own optimizer (and scheduler), inside
+    gloo_world_of_one()."""
     import deepspeed
-    init_gloo()
     cfg = engine_config(filled)
 
     def build():
@@ -176,7 +190,6 @@ def _short(why: str) -> str:
 def harness_cell(path: str) -> str:
     """`harness validate PATH --world-size N` for N in WORLDS, as the table writes it: "accepted[, warns KEYS]" or
     "refused[ at N]: KEYS" (the keys its error lines name)."""
-    import contextlib
     import io
     from harness.cli import main
     seen = {}

@@ -47,7 +47,8 @@ def test_harness_refuses_exactly_where_deepspeed_does(row):
 
 @pytest.fixture(scope="module")
 def gloo():
-    truth.init_gloo()
+    with truth.gloo_world_of_one():
+        yield
 
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))
