@@ -19,6 +19,8 @@ from deepspeed.runtime.zenflow.zenflow_config import ZenFlowConfig
 from deepspeed.runtime.zero import config as zc, leaf_module_config as leaf, offload_config as off
 from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
 
+import deepspeed_verdict as truth
+
 SCHEMA = json.loads((Path(__file__).parents[1] / "harness/schemas/ds_config.schema.json").read_text())
 VALIDATOR = Draft202012Validator(SCHEMA)
 REMOVED, DEPRECATED, OUT_OF_SCOPE = SCHEMA["x-removed-keys"], SCHEMA["x-deprecated-keys"], SCHEMA["x-out-of-scope-keys"]
@@ -45,13 +47,8 @@ READ_ELSEWHERE = {  # top-level schema keys that DeepSpeedConfig does not probe 
     "data_parallel_size": "read by deepspeed.initialize() to build the DP x SP mesh",
 }
 DICT_BLOCKS = ["activation_checkpointing", "flops_profiler", "aio", "checkpoint", "checkpoint.writer",
-               "checkpoint.parallel_write", "data_types", "torch_autocast", "timers"]
-EXPECTED_AUTO = {  # the keys transformers' HfTrainerDeepSpeedConfig fills in
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    *(f"optimizer.params.{k}" for k in ("lr", "betas", "eps", "weight_decay")),
-    *(f"scheduler.params.{k}" for k in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")),
-    "fp16.enabled", "bf16.enabled", *(f"zero_optimization.{k}" for k in (
-        "reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"))}
+               "checkpoint.parallel_write", "data_types", "torch_autocast", "timers", "autotuning", "data_efficiency",
+               "data_efficiency.data_sampling", "data_efficiency.data_routing"]
 NATIVE_AUTO = {  # DeepSpeed's own "auto" values (not Hugging Face placeholders)
     "pipeline.stages", "data_types.keep_in_fp32_modules", "zero_optimization.zenflow.select_strategy",
     "zero_optimization.zenflow.select_interval", "zero_optimization.zenflow.update_interval"}
@@ -204,8 +201,29 @@ def test_removed_and_deprecated_lists():
         assert new.rsplit(".", 1)[-1] in keys(parent), new
 
 
-def test_auto_only_where_the_hf_trainer_resolves_it():
+def hf_filled_keys() -> set[str]:
+    """The keys the HF Trainer (HfTrainerDeepSpeedConfig) and accelerate (_prepare_deepspeed) fill: every schema leaf
+    set to "auto" on a ZeRO-3 config, run through their real fill code; what is no longer "auto" was filled."""
+    cfg = {}
+    for path, _ in leaves():
+        cfg = nested(path, "auto", cfg)
+    cfg["zero_optimization"]["stage"] = 3
+    filled = truth.hf_fill(cfg, 8, 64)
+    return {p for p, _ in leaves() if p != "zero_optimization.stage" and get(filled, p) != "auto"}
+
+
+def get(d, path):
+    for part in path.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+EXPECTED_AUTO = hf_filled_keys()
+
+
+def test_auto_only_where_the_hf_trainer_or_accelerate_fills_it():
     assert {p for p, n in leaves() if n.get("x-auto")} == EXPECTED_AUTO
+    assert "zero_optimization.stage3_gather_16bit_weights_on_model_save" in EXPECTED_AUTO  # accelerate's
     base = {"train_batch_size": 8, "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}}
     for path, n in leaves():
         if n.get("x-auto") or path in NATIVE_AUTO:
@@ -275,3 +293,64 @@ def test_every_default_together_passes_schema_and_deepspeed():
 def test_bad_configs_fail(path, value, needle):
     errs = errors(nested(path, value))
     assert errs and any(needle in e for e in errs), errs
+
+
+def marked(kind):
+    def walk(n, path):
+        if "properties" in n:
+            yield from [path] if n.get("x-deepspeed") == kind else []
+            for k, sub in n["properties"].items():
+                yield from walk(sub, f"{path}.{k}" if path else k)
+    return set(walk(SCHEMA, ""))
+
+
+def test_unknown_key_markers_match_what_deepspeed_does():
+    """x-deepspeed "pydantic": DeepSpeed refuses an unknown key there (so does the harness); "dict": DeepSpeed ignores
+    it (the harness warns, or refuses a near-miss of a known key); keys starting with "_" are comments there."""
+    assert marked("pydantic") == set(PYDANTIC_BLOCKS)
+    assert marked("dict") == {"", "optimizer", "optimizer.params", "scheduler", "scheduler.params", "pipeline",
+                              *DICT_BLOCKS}
+    base = {"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    for path in sorted(marked("pydantic") | marked("dict")):
+        cfg = nested(f"{path}.zz_unknown_key" if path else "zz_unknown_key", 1, base)
+        refusal = truth.refusal(lambda: dsc.DeepSpeedConfig(copy.deepcopy(cfg)))
+        assert (refusal is not None and "zz_unknown_key" in refusal + str(cfg)) == (path in PYDANTIC_BLOCKS), path
+        assert errors(cfg), path  # the schema still sees it (validate.py turns dict-level ones into warnings)
+        comment = errors(nested(f"{path}._comment" if path else "_comment", "x", base))
+        assert any("_comment" in e for e in comment) == (path in PYDANTIC_BLOCKS), path
+
+
+def test_auto_in_a_pydantic_block_is_dropped_to_deepspeeds_default():
+    """What harness/config/validate.py reports for an "auto" nobody fills: DeepSpeed drops it (strict=False) and uses
+    the default, which the schema records; "stage": "auto" (ZeRO off) stays refused, the harness's stricter choice."""
+    from harness.config.validate import normalize
+    cfg = {"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "stage3_max_live_parameters": "auto", "offload_param": {"device": "cpu", "buffer_size": "auto"}}}
+    zero = dsc.DeepSpeedConfig(copy.deepcopy(cfg)).zero_config
+    assert zero.max_live_parameters == node("zero_optimization.stage3_max_live_parameters")["default"]
+    assert zero.offload_param.buffer_size == node("zero_optimization.offload_param.buffer_size")["default"]
+    dropped, problems = normalize(cfg)
+    assert dropped["zero_optimization"] == {"stage": 3, "offload_param": {"device": "cpu"}}
+    assert [p.path for p in problems] == ["zero_optimization.stage3_max_live_parameters",
+                                          "zero_optimization.offload_param.buffer_size"]
+    assert all(p.severity == "warning" for p in problems) and "uses 1000000000" in problems[0].message
+    assert dsc.DeepSpeedConfig(nested("zero_optimization.stage", "auto")).zero_optimization_stage == 0
+    kept, problems = normalize(nested("zero_optimization.stage", "auto"))
+    assert kept["zero_optimization"]["stage"] == "auto" and problems == []  # the schema refuses it
+
+
+def test_optimizer_and_scheduler_lists_match_deepspeed_and_torch():
+    """rules.py names what DeepSpeed builds from a config; kept equal to DeepSpeed's and torch's own lists."""
+    import inspect
+
+    import torch
+    from deepspeed.runtime import lr_schedules
+    from harness.config import rules
+    assert list(rules.DS_OPTIMIZERS) == dsc.DEEPSPEED_OPTIMIZERS
+    assert set(rules.TORCH_OPTIMIZERS) == {n for n, c in vars(torch.optim).items() if isinstance(c, type)
+                                           and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
+    assert list(rules.SCHEDULERS) == lr_schedules.VALID_LR_SCHEDULES
+    for name, (accepted, required) in rules.SCHEDULERS.items():
+        params = {k: p for k, p in inspect.signature(getattr(lr_schedules, name).__init__).parameters.items()
+                  if k not in ("self", "optimizer", "last_batch_iteration")}
+        assert set(params) == accepted and {k for k, p in params.items() if p.default is p.empty} == required, name

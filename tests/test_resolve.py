@@ -65,8 +65,14 @@ def test_degrees_ignore_values_that_are_not_degrees(bad):
     # all auto: micro and accum from the recipe, batch derived
     ({k: "auto" for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}, 8,
      {"batch": {"micro_batch_per_gpu": 2, "grad_accum_steps": 2}}, (32, 2, 2)),
-    # absent keys count as auto
-    ({}, 2, {}, (8, 4, 1)),
+    # absent keys follow DeepSpeed's rule: only train_batch_size -> accumulation 1, micro = batch / world ...
+    ({"train_batch_size": 64}, 8, {}, (64, 8, 1)),
+    # ... only the micro batch -> accumulation 1 ...
+    ({"train_micro_batch_size_per_gpu": 2}, 4, {}, (8, 2, 1)),
+    # ... batch and micro -> accumulation derived (not the recipe's micro batch)
+    ({"train_batch_size": 256, "train_micro_batch_size_per_gpu": 16}, 8, {}, (256, 16, 2)),
+    # an "auto" train_batch_size is the HF Trainer's: its micro batch and accumulation (the recipe's here)
+    ({"train_batch_size": "auto"}, 2, {}, (8, 4, 1)),
     # pipeline: dp = world / pp
     ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
       "pipeline": {"stages": 2}}, 8, {}, (64, 4, 4)),
@@ -200,12 +206,37 @@ def test_bucket_autos_from_hidden_size(model, hidden):
     assert prov["zero_optimization.stage3_param_persistence_threshold"]["source"].endswith("10 x hidden_size")
 
 
-def test_bucket_auto_without_a_model_names_each_key():
+def test_bucket_auto_without_a_model_is_left_for_launch_with_a_note():
+    """The HF integration fills them from the model at launch: without one, nothing to refuse, but say so."""
     given = {"zero_optimization": {"stage": 3, **{k: "auto" for k in BUCKETS}}}
-    _, prov, problems = resolve(given, ctx(None, model=None))
-    assert prov == {}
+    ds, prov, problems = resolve(given, ctx(None, model=None))
+    assert prov == {} and all(ds["zero_optimization"][k] == "auto" for k in BUCKETS)
     assert [p.path for p in problems] == [f"zero_optimization.{k}" for k in BUCKETS]
-    assert all("needs the model's hidden_size" in p.message and "--model" in p.fix for p in problems)
+    assert all(p.severity == "note" and "hidden_size" in p.message and "--model" in p.fix for p in problems)
+
+
+def test_no_batch_size_at_all_is_refused_as_deepspeed_does():
+    for given in ({}, {"gradient_accumulation_steps": 4}):
+        _, _, problems = resolve(given, ctx(8))
+        assert [(p.path, p.severity) for p in problems] == [("train_batch_size", "error")], given
+        assert "DeepSpeed needs train_batch_size or train_micro_batch_size_per_gpu" in problems[0].message
+
+
+def test_only_train_batch_size_smaller_than_the_world_is_refused():
+    """DeepSpeed: micro = 2 // 8 = 0, "Micro batch size per gpu: 0 has to be greater than 0"."""
+    _, prov, problems = resolve({"train_batch_size": 2}, ctx(8))
+    assert prov["gradient_accumulation_steps"]["source"] == "DeepSpeed's default when only one batch size is given"
+    assert [p.path for p in problems] == ["train_batch_size"]
+    assert "not divisible by accum 1 x world 8 = 8" in problems[0].message
+
+
+def test_sequence_parallel_size_divides_the_batch_world():
+    given = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+             "sequence_parallel_size": 2}
+    assert check(resolve(given, ctx(4))[0], ctx(4)) == []
+    problems = check(resolve(given, ctx(8))[0], ctx(8))
+    assert [p.path for p in problems] == ["train_batch_size"]
+    assert "world 8 / sequence_parallel_size 2" in problems[0].message
 
 
 def test_model_shape_of_an_unknown_hub_id_is_unknown_not_an_error():

@@ -77,14 +77,56 @@ def test_typo_gradient_clippping_names_it_and_suggests_the_key(tmp_path, capsys)
 
 def test_hf_style_auto_config_validates_for_world_8(tmp_path, capsys):
     path = write(tmp_path, "hf_zero3.json", HF_STYLE_ZERO3)
-    code, out, err = run(["validate", path, "--world-size", "8"], capsys)
+    code, out, err = run(["validate", path, "--world-size", "8", "--model", "tiny-llama"], capsys)
     assert (code, err) == (0, "")
     assert out == f"{path}: valid for world size 8\n"
+    # without --model: still valid; the hidden-size autos are filled at launch, and a note says so
+    code, out, err = run(["validate", path, "--world-size", "8"], capsys)
+    assert (code, out) == (0, f"{path}: valid for world size 8\n")
+    notes = [line for line in err.splitlines() if not line.startswith("    fix: ")]
+    assert len(notes) == 3 and all(line.startswith(f"note: {path}:zero_optimization.") for line in notes), err
+
+
+def test_without_model_model_checks_are_skipped_not_run_on_a_default(tmp_path, capsys):
+    """autotp_size 4 is fine for a model with 4 kv heads; the default tiny-llama (2) must not decide it."""
+    path = write(tmp_path, "tp4.json", {"train_batch_size": 16, "tensor_parallel": {"autotp_size": 4}})
+    code, out, err = run(["validate", path, "--world-size", "8"], capsys)
+    assert code == 0 and "valid for world size 8" in out
+    assert "note: " in err and "pipeline 1 x tensor 4 was not checked" in err and "pass --model" in err
+    code, _, err = run(["validate", path, "--world-size", "8", "--model", "tiny-llama"], capsys)
+    assert code == 2 and "num_key_value_heads (2) of model tiny-llama must be divisible by the tensor degree (4)" in err
+
+
+def test_what_deepspeed_ignores_warns_and_a_near_miss_is_refused(tmp_path, capsys):
+    cfg = {"_comment": "JSON has no comments", "train_batch_size": 16, "cuda_visible_devices": 0,
+           "hybrid_engine": {"enabled": False}, "zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto"},
+           "autotuning": {"enabled": True, "fast": False}, "data_efficiency": {"enabled": False}}
+    path = write(tmp_path, "ignored.json", cfg)
+    code, out, err = run(["validate", path, "--world-size", "8"], capsys)
+    assert code == 0 and "valid for world size 8" in out
+    flagged = {line.split(".json:")[1].split(":")[0] for line in err.splitlines() if line.startswith("warning: ")}
+    assert flagged == {"cuda_visible_devices", "hybrid_engine", "zero_optimization.stage3_max_live_parameters"}, err
+    assert f"warning: {path}:cuda_visible_devices: unknown key 'cuda_visible_devices': DeepSpeed ignores it" in err
+    assert f"warning: {path}:hybrid_engine: 'hybrid_engine' is read by DeepSpeed but not checked" in err
+    assert (f'warning: {path}:zero_optimization.stage3_max_live_parameters: "auto" here is filled by neither the '
+            "HF Trainer nor accelerate: DeepSpeed drops it and uses 1000000000") in err
+    cfg = {"train_batch_size": 16, "zero_optimization": {"stage": 2, "_comment": "x"}, "gradient_clippping": 1.0}
+    code, _, err = run(["validate", write(tmp_path, "refused.json", cfg)], capsys)
+    assert code == 2 and "zero_optimization._comment: unknown key '_comment'" in err  # DeepSpeed refuses it there
+    assert "gradient_clippping: unknown key 'gradient_clippping': DeepSpeed silently ignores it" in err
+
+
+def test_optimizer_max_grad_norm_is_refused_as_deepspeed_does(tmp_path, capsys):
+    cfg = {"train_batch_size": 16, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "max_grad_norm": 0.5}}}
+    code, _, err = run(["validate", write(tmp_path, "mgn.json", cfg)], capsys)
+    assert code == 2
+    assert "optimizer.params.max_grad_norm: DeepSpeed refuses max_grad_norm as an optimizer parameter" in err
+    assert 'fix: remove it and set the top-level "gradient_clipping": 0.5' in err
 
 
 def test_show_fills_every_auto_and_says_where_each_value_came_from(tmp_path, capsys):
     path = write(tmp_path, "hf_zero3.json", HF_STYLE_ZERO3)
-    code, out, err = run(["show", path, "--world-size", "8"], capsys)
+    code, out, err = run(["show", path, "--world-size", "8", "--model", "tiny-llama"], capsys)
     assert code == 0
     shown = json.loads(out)
     assert '"auto"' not in json.dumps(shown)
@@ -218,7 +260,8 @@ def test_validate_missing_file_and_bad_arguments(tmp_path, capsys):
 def test_shipped_recipes_and_configs_validate_for_world_8(capsys):
     files = sorted(str(p) for d in ("recipes", "ds_configs") for p in (REPO / d).glob("*.json"))
     code, out, err = run(["validate", *files, "--world-size", "8"], capsys)
-    assert (code, err) == (0, "")
+    assert code == 0 and "warning" not in err
+    assert all(line.startswith(("note: ", "    fix: ")) for line in err.splitlines())  # ds_configs/ name no model
     assert out.count("valid for world size 8") == 2 * len(RECIPES)
 
 

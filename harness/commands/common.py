@@ -29,7 +29,8 @@ def check_file(path: str, world_size: int | None, model: str | None = None, over
         recipe = complete(data, path, overrides)
         return check_recipe(recipe, context(recipe, world_size, model), path), recipe
     recipe = complete({"description": DEFAULTS_SOURCE}, DEFAULTS_SOURCE, overrides)
-    return check_ds_config(data, context(recipe, world_size, model), path), recipe
+    # a bare DeepSpeed file names no model: without --model, model checks are skipped (not run on a default)
+    return check_ds_config(data, context(recipe, world_size, model, recipe_model=False), path), recipe
 
 
 def check_named(name: str, world_size: int | None, model: str | None = None, overrides=()) -> tuple[Checked, dict]:

@@ -13,7 +13,7 @@ from harness.config.resolve import render_provenance
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="recipe name, recipe file, or DeepSpeed config file")
     parser.add_argument("--world-size", type=world_size_arg, required=True, help="number of ranks")
-    parser.add_argument("--model", help="model (default: the recipe's train.model)")
+    parser.add_argument("--model", help="model (default: a recipe's train.model; a bare DeepSpeed file has none)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override, e.g. --set batch.micro_batch_per_gpu=2")
 
@@ -27,4 +27,6 @@ def run(args: argparse.Namespace) -> int:
     print(render_provenance(checked.provenance), file=sys.stderr)
     for w in checked.warnings:
         print("warning: " + w.render(args.name), file=sys.stderr)
+    for n in checked.notes:
+        print("note: " + n.render(args.name), file=sys.stderr)
     return 0

@@ -27,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
             continue
         for w in checked.warnings:
             print("warning: " + w.render(path), file=sys.stderr)
+        for n in checked.notes:
+            print("note: " + n.render(path), file=sys.stderr)
         where = f" for world size {args.world_size}" if args.world_size else ""
         print(f"{path}: valid{where}")
     return status

@@ -58,13 +58,21 @@ def autotp(ds: dict, recipe: dict) -> bool:
     return recipe["parallel"]["tensor"] == 1 and is_count(size) and size > 1
 
 
-def batch_world(world: int, pp: int, tp: int, auto_tp: bool = False) -> tuple[int, str]:
+def sequence_parallel(ds: dict) -> int:
+    """sequence_parallel_size of a DeepSpeed dict (1 when absent or malformed: the schema reports that)."""
+    sp = ds.get("sequence_parallel_size", 1)
+    return int(sp) if is_count(sp) and sp >= 1 else 1
+
+
+def batch_world(world: int, pp: int, tp: int, auto_tp: bool = False, sp: int = 1) -> tuple[int, str]:
     """The world size DeepSpeed's batch assertion uses, and why.
 
     With an mpu (the harness's tensor-parallel layers) or a PipelineModule: the data-parallel world,
     world / (pp * tp). DeepSpeed's AutoTP (a DeepSpeed dict's autotp_size) counts its tensor-parallel
     ranks as data-parallel ranks: the FULL world.
     """
+    if sp > 1:  # runtime/config.py: dist world / sequence_parallel_size when the config gives it
+        return world // sp, f"world {world} / sequence_parallel_size {sp}"
     if pp > 1:
         return world // (pp * tp), f"world {world} / (pipeline {pp} x tensor {tp})"
     if auto_tp:
@@ -90,9 +98,12 @@ class _Filler:
 
 
 def _resolve_batch(f: _Filler, ctx: Context, pp: int, tp: int) -> None:
+    """"auto" batch keys take the run settings (as the HF Trainer fills them from its arguments) until two are
+    fixed; absent keys follow DeepSpeed's own rule (runtime/config.py _set_batch_related_parameters): only
+    train_batch_size -> accumulation 1, micro = batch / world; nothing -> refused."""
     if ctx.world_size is None:
         return
-    world, why = batch_world(ctx.world_size, pp, tp, autotp(f.ds, ctx.recipe))
+    world, why = batch_world(ctx.world_size, pp, tp, autotp(f.ds, ctx.recipe), sequence_parallel(f.ds))
     if world < 1:
         return  # degree problems are reported by the rules
     vals = {k: f.ds.get(k) for k in BATCH_KEYS}
@@ -100,19 +111,33 @@ def _resolve_batch(f: _Filler, ctx: Context, pp: int, tp: int) -> None:
         return  # a malformed value is the schema's to report; filling around it would hide it
     vals = {k: int(v) if is_count(v) else v for k, v in vals.items()}
     batch = ctx.recipe["batch"]
-    # Fewer than two fixed values: take run settings (micro batch first, then accumulation).
+    # the HF Trainer computes an "auto" train_batch_size from its own micro batch and accumulation
+    from_settings = {k for k, v in vals.items() if v == "auto" or (v is None and vals["train_batch_size"] == "auto")}
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         if sum(isinstance(v, int) for v in vals.values()) >= 2:
             break
-        if vals[key] in (None, "auto") and isinstance(batch[RECIPE_BATCH[key].split(".")[1]], int):
+        if key in from_settings and isinstance(batch[RECIPE_BATCH[key].split(".")[1]], int):
             vals[key] = batch[RECIPE_BATCH[key].split(".")[1]]
             f.fill(key, vals[key], f"recipe {RECIPE_BATCH[key]}")
+    if sum(isinstance(v, int) for v in vals.values()) == 1 and vals["gradient_accumulation_steps"] is None:
+        _deepspeed_default_accumulation(f, vals)
     tbs, micro, gas = (vals[k] for k in BATCH_KEYS)
     if sum(isinstance(v, int) for v in (tbs, micro, gas)) < 2:
-        f.problems.append(Problem("train_batch_size", "cannot resolve the batch: at most one of train_batch_size, "
-                                  "train_micro_batch_size_per_gpu, gradient_accumulation_steps is a number",
-                                  "give two of the three as numbers"))
+        f.problems.append(Problem("train_batch_size", "cannot resolve the batch: DeepSpeed needs train_batch_size or "
+                                  "train_micro_batch_size_per_gpu, and at most one of the three is a number here",
+                                  "give train_batch_size, or train_micro_batch_size_per_gpu (and optionally "
+                                  "gradient_accumulation_steps)"))
         return
+    _derive_third(f, tbs, micro, gas, world, why)
+
+
+def _deepspeed_default_accumulation(f: _Filler, vals: dict) -> None:
+    """One of train_batch_size / micro batch given, accumulation absent: DeepSpeed takes accumulation 1."""
+    vals["gradient_accumulation_steps"] = 1
+    f.fill("gradient_accumulation_steps", 1, "DeepSpeed's default when only one batch size is given")
+
+
+def _derive_third(f: _Filler, tbs, micro, gas, world: int, why: str) -> None:
     if not isinstance(tbs, int):
         f.fill("train_batch_size", micro * gas * world, f"micro {micro} x accum {gas} x {why}")
     elif not isinstance(micro, int):
@@ -143,6 +168,9 @@ def _resolve_settings(f: _Filler, ctx: Context) -> None:
         "scheduler.params.total_num_steps": (r["train"]["steps"], "recipe train.steps"),
         "fp16.enabled": (r["precision"] == "fp16", f"recipe precision {r['precision']!r}"),
         "bf16.enabled": (r["precision"] == "bf16", f"recipe precision {r['precision']!r}"),
+        # accelerate's _prepare_deepspeed: False unless its plugin sets zero3_save_16bit_model; the harness
+        # exports full weights itself (harness export), so it does not need DeepSpeed's 16-bit gather
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save": (False, "accelerate's default"),
     }
     for path, (value, source) in settings.items():
         if get_path(f.ds, path) == "auto":
@@ -159,9 +187,9 @@ def _resolve_buckets(f: _Filler, ctx: Context) -> None:
             continue
         if hidden:
             f.fill(path, formula(hidden), f"model {ctx.model_name} hidden_size={hidden}: {text}")
-        else:
-            f.problems.append(Problem(path, f'"auto" needs the model\'s hidden_size ({text}), and no model is known',
-                                      "pass --model, or write a number"))
+        else:  # the HF integration fills it from the model at launch; nothing to refuse
+            f.problems.append(Problem(path, f'"auto" is filled from the model\'s hidden_size ({text}) at launch; '
+                                      "no model is known here", "pass --model to see the value", severity="note"))
 
 
 def resolve(ds: dict, ctx: Context) -> tuple[dict, dict[str, dict], list[Problem]]:

@@ -7,9 +7,11 @@ value elsewhere must not hide this rule's finding.
 
 from __future__ import annotations
 
+import json
+
 from harness.errors import Problem
 from harness.model_shapes import PIPELINE_FAMILIES, tp_problems
-from harness.config.resolve import Context, autotp, batch_world, degrees, is_count
+from harness.config.resolve import Context, autotp, batch_world, degrees, is_count, sequence_parallel
 from harness.config.schema import suggest
 
 # DeepSpeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS (matched lower-cased) ...
@@ -132,7 +134,7 @@ def check_batch(ds: dict, ctx: Context) -> list[Problem]:
     pp, tp = degrees(ds, ctx.recipe)
     if ctx.world_size % (pp * tp):
         return []  # reported by check_parallel
-    world, why = batch_world(ctx.world_size, pp, tp, autotp(ds, ctx.recipe))
+    world, why = batch_world(ctx.world_size, pp, tp, autotp(ds, ctx.recipe), sequence_parallel(ds))
     tbs, micro, gas = vals
     if tbs != micro * gas * world:
         return [Problem("train_batch_size", f"train_batch_size {tbs} != micro {micro} x accum {gas} x {why} = "
@@ -149,6 +151,11 @@ def check_optimizer(ds: dict, ctx: Context) -> list[Problem]:
         hint = suggest(name.lower(), DS_OPTIMIZERS) or suggest(name, TORCH_OPTIMIZERS)
         return [Problem("optimizer.type", f"unknown optimizer {name!r}",
                         hint or f"use one of {', '.join(DS_OPTIMIZERS)} or a torch.optim class name")]
+    params = opt.get("params") if isinstance(opt.get("params"), dict) else {}
+    if "max_grad_norm" in params:
+        return [Problem("optimizer.params.max_grad_norm", "DeepSpeed refuses max_grad_norm as an optimizer parameter "
+                        "(ValueError when it builds the optimizer)",
+                        f"remove it and set the top-level \"gradient_clipping\": {json.dumps(params['max_grad_norm'])}")]
     stage = _block(ds, "zero_optimization").get("stage", 0)
     if stage and name.lower() not in ZERO_TESTED and ds.get("zero_allow_untested_optimizer") is not True:
         return [Problem("optimizer.type", f"optimizer {name!r} is not in ZeRO's tested list "

@@ -19,6 +19,9 @@ from harness.config.jsonio import join_path
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
 RECIPE_SCHEMA = "recipe.schema.json"
 DS_SCHEMA = "ds_config.schema.json"
+# An unknown key this similar to a known one (difflib ratio) is taken for a misspelling of it:
+# gradient_clippping/gradient_clipping 0.97, train_micro_batch_size_per_gpus 0.98; comms_config/comms_logger 0.67.
+TYPO_CUTOFF = 0.85
 
 
 @cache
@@ -31,8 +34,8 @@ def _validator(name: str) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(load_schema(name))
 
 
-def suggest(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+def suggest(word: str, choices, cutoff: float = 0.6) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
     return f"did you mean {close[0]!r}?" if close else ""
 
 
@@ -63,15 +66,32 @@ def _fix_hint(schema: dict) -> str:
     return schema.get("description", "")
 
 
-def _problems_for(error: jsonschema.ValidationError, prefix: str) -> list[Problem]:
+def _unknown_key(path: str, key: str, allowed: set[str], kind: str | None, out_of_scope: dict) -> Problem:
+    """DeepSpeed refuses unknown keys in its pydantic blocks (an error here too). Elsewhere ("dict" blocks) it
+    ignores them: a near-miss of a key it reads is still an error (the setting would be lost without a word),
+    any other key is a warning. Recipes (no x-deepspeed) are strict."""
+    listing = f"allowed keys here: {', '.join(sorted(allowed))}"
+    if kind != "dict":
+        return Problem(path, f"unknown key {key!r}", suggest(key, allowed) or listing)
+    if key in out_of_scope:
+        return Problem(path, f"{key!r} is read by DeepSpeed but not checked by the harness", out_of_scope[key],
+                       severity="warning")
+    typo = suggest(key, allowed, TYPO_CUTOFF)
+    if typo:
+        return Problem(path, f"unknown key {key!r}: DeepSpeed silently ignores it, so this setting would be lost",
+                       typo)
+    return Problem(path, f"unknown key {key!r}: DeepSpeed ignores it", suggest(key, allowed) or listing,
+                   severity="warning")
+
+
+def _problems_for(error: jsonschema.ValidationError, prefix: str, out_of_scope: dict) -> list[Problem]:
     path = _path(error, prefix)
     schema = error.schema if isinstance(error.schema, dict) else {}
     if error.validator == "additionalProperties":
         allowed = set(schema.get("properties", {}))
-        extras = [k for k in error.instance if k not in allowed]
-        return [Problem(join_path(path, k), f"unknown key {k!r}",
-                        suggest(k, allowed) or f"allowed keys here: {', '.join(sorted(allowed))}")
-                for k in extras]
+        kind = schema.get("x-deepspeed")
+        return [_unknown_key(join_path(path, k), k, allowed, kind, out_of_scope)
+                for k in error.instance if k not in allowed and not (kind == "dict" and k.startswith("_"))]
     value = json.dumps(error.instance)
     if error.validator in ("anyOf", "oneOf"):
         problem = Problem(path, f"got {value}, expected {' or '.join(_expected(s) for s in error.validator_value)}",
@@ -95,8 +115,9 @@ def validate(instance: dict, schema_name: str, prefix: str = "") -> list[Problem
     """Every schema violation as a Problem (empty list when valid)."""
     problems: list[Problem] = []
     errors = sorted(_validator(schema_name).iter_errors(instance), key=lambda e: list(map(str, e.absolute_path)))
+    out_of_scope = load_schema(schema_name).get("x-out-of-scope-keys", {})
     for error in errors:
-        problems.extend(_problems_for(error, prefix))
+        problems.extend(_problems_for(error, prefix, out_of_scope))
     return problems
 
 

@@ -7,6 +7,7 @@ CLI and the runner call; both are pure (no process group).
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,9 +15,14 @@ from harness.config import builder
 from harness.errors import ConfigError, Problem, UsageError
 from harness.config.jsonio import has_path, join_path, pop_path, setdefault_path
 from harness.model_shapes import load_model_config, shape_summary
-from harness.config.resolve import Context, resolve
+from harness.config.resolve import Context, degrees, resolve
 from harness.config.rules import check
 from harness.config.schema import DS_SCHEMA, load_schema, validate
+
+
+# "auto" that DeepSpeed drops to a default so harmful that the harness refuses it (stricter than DeepSpeed):
+# "stage": "auto" runs ZeRO stage 0, i.e. no ZeRO at all (accelerate fills it only from its own plugin config).
+AUTO_REFUSED = ("zero_optimization.stage",)
 
 
 @dataclass
@@ -24,6 +30,7 @@ class Checked:
     ds_config: dict  # resolved as far as the context allows
     provenance: dict[str, dict] = field(default_factory=dict)
     warnings: list[Problem] = field(default_factory=list)
+    notes: list[Problem] = field(default_factory=list)  # what was not checked, and why
 
 
 def model_shape(spec: str) -> dict | None:
@@ -37,16 +44,21 @@ def model_shape(spec: str) -> dict | None:
 
 
 def context(recipe: dict, world_size: int | None, model: str | None = None,
-            fp16_supported: bool | None = None, model_config: dict | None = None) -> Context:
+            fp16_supported: bool | None = None, model_config: dict | None = None,
+            recipe_model: bool = True) -> Context:
     """What a config is checked against: run settings, world size, and the model's shape when known
-    (`model_config`: its HF config dict, when the caller has loaded it, e.g. a hub model's at launch)."""
+    (`model_config`: its HF config dict, when the caller has loaded it, e.g. a hub model's at launch).
+    `recipe_model=False` (a bare DeepSpeed file): no model unless one is named, so model checks are skipped."""
+    if model is None and model_config is None and not recipe_model:
+        return Context(recipe=recipe, world_size=world_size, fp16_supported=fp16_supported)
     name = model or recipe["train"]["model"]
     shape = shape_summary(model_config) if model_config is not None else model_shape(name)
     return Context(recipe=recipe, world_size=world_size, model=shape, model_name=name, fp16_supported=fp16_supported)
 
 
 def normalize(ds: dict) -> tuple[dict, list[Problem]]:
-    """Report removed keys (errors) and remap deprecated ones (warnings), as DeepSpeed 0.19.8 would."""
+    """Report removed keys (errors), remap deprecated ones and drop "auto" where DeepSpeed drops it (warnings),
+    as DeepSpeed 0.19.8 would."""
     schema = load_schema(DS_SCHEMA)
     ds = copy.deepcopy(ds)
     problems = []
@@ -64,7 +76,28 @@ def normalize(ds: dict) -> tuple[dict, list[Problem]]:
                 value = {"device": "cpu"} if value else None
             if value is not None:
                 setdefault_path(ds, new, value)
+    problems += _drop_pydantic_autos(ds, schema, "")
     return ds, problems
+
+
+def _drop_pydantic_autos(node: dict, schema: dict, path: str) -> list[Problem]:
+    """DeepSpeed's pydantic blocks (DeepSpeedConfigModel, strict=False) drop an "auto" that nobody fills and use
+    their default. Drop it here too and say what it becomes (AUTO_REFUSED stays, for the schema to refuse)."""
+    out = []
+    for key, value in list(node.items()):
+        sub = schema.get("properties", {}).get(key)
+        if sub is None:
+            continue
+        where = join_path(path, key)
+        if isinstance(value, dict):
+            out += _drop_pydantic_autos(value, sub, where)
+        elif value == "auto" and schema.get("x-deepspeed") == "pydantic" and not sub.get("x-auto") \
+                and where not in AUTO_REFUSED:
+            del node[key]
+            default = json.dumps(sub["default"]) if "default" in sub else "its default"
+            out.append(Problem(where, f'"auto" here is filled by neither the HF Trainer nor accelerate: DeepSpeed '
+                               f"drops it and uses {default}", "write the value you want", severity="warning"))
+    return out
 
 
 def with_recipe_paths(problems: list[Problem], raw_deepspeed: dict) -> list[Problem]:
@@ -86,10 +119,22 @@ def check_ds_config(ds: dict, ctx: Context, source: str = "") -> Checked:
     problems += unresolved
     problems += validate(resolved, DS_SCHEMA)
     problems += check(resolved, ctx)
+    problems += _unchecked_model(resolved, ctx)
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         raise ConfigError(problems, source)
-    return Checked(resolved, provenance, [p for p in problems if p.severity == "warning"])
+    return Checked(resolved, provenance, [p for p in problems if p.severity == "warning"],
+                   [p for p in problems if p.severity == "note"])
+
+
+def _unchecked_model(ds: dict, ctx: Context) -> list[Problem]:
+    """Without a model (a bare DeepSpeed file and no --model), say which model checks were skipped."""
+    pp, tp = degrees(ds, ctx.recipe)
+    if ctx.model is not None or (pp == 1 and tp == 1):
+        return []
+    return [Problem("", f"model unknown (no --model, or a hub id not looked up offline): pipeline {pp} x tensor {tp} "
+                    "was not checked against the model's layers and heads", "pass --model to check it",
+                    severity="note")]
 
 
 def check_recipe(recipe: dict, ctx: Context, source: str = "") -> Checked:
