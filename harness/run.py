@@ -63,4 +63,11 @@ def exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    from harness.train.preempt import report_exit
+
+    code = 1  # an exception escaping main(): Python prints it and exits 1
+    try:
+        code = main()
+    finally:
+        report_exit(code)
+    exit_now(code)
