@@ -27,11 +27,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from harness.commands.launch import ranks_code
 from harness.train.dist import free_port
+from harness.train.preempt import EXIT_DIR_ENV, report_exit
 from launch import ROOT, env, records
 from test_reliability import latest_is_complete, train_steps_logged, tree, wait_for
-
-pytestmark = pytest.mark.multirank
 
 HARNESS = Path(sys.executable).parent / "harness"
 GRACE_S = 40
@@ -82,12 +82,14 @@ def signal_one_and_check(cmd: list[str], run: Path, log: Path, target) -> str:
     return f"checkpoint {tag}, exit 75, {len(everyone)} processes gone {returned_s:.1f} s after SIGTERM"
 
 
+@pytest.mark.multirank
 def test_sigterm_to_harness_launch_waits_for_the_ranks_save_and_returns_75(tmp_path):
     run = tmp_path / "run"
     said = signal_one_and_check(launch_command(run), run, tmp_path / "launch.log", target=lambda proc: proc.pid)
     print(f"harness launch: {said}")
 
 
+@pytest.mark.multirank
 def test_sigterm_to_the_containers_pid_1_reaches_the_ranks(tmp_path):
     problem = pid_namespace_problem()
     if problem:
@@ -102,3 +104,26 @@ def test_sigterm_to_the_containers_pid_1_reaches_the_ranks(tmp_path):
 
     said = signal_one_and_check(cmd, run, tmp_path / "pid1.log", target=pid_1)
     print(f"PID 1 = {'tini -g' if tini else 'harness launch'}: {said}")
+
+
+def test_exit_code_comes_from_the_ranks_reports(tmp_path, monkeypatch):
+    """The rules `harness launch` applies to what the ranks report (the launcher's own code is the fallback)."""
+    def reported(*codes, local=2):
+        folder = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        monkeypatch.setenv(EXIT_DIR_ENV, str(folder))
+        monkeypatch.setenv("LOCAL_SIZE", str(local))
+        for rank, code in enumerate(codes):
+            monkeypatch.setenv("RANK", str(rank))
+            report_exit(code)
+            time.sleep(0.01)  # reports are ordered by mtime: the first failure wins
+        return folder
+
+    assert ranks_code(reported(75, 75), fallback=1) == 75  # preempted: the launcher's 1 is not the answer
+    assert ranks_code(reported(0, 75), fallback=1) == 75
+    assert ranks_code(reported(0, 0), fallback=0) == 0
+    assert ranks_code(reported(2, 1), fallback=1) == 2  # the first failure, not the ones it caused
+    assert ranks_code(reported(75, 1), fallback=1) == 1
+    assert ranks_code(reported(0), fallback=143) == 143  # a rank left no report (killed): the runner's code
+    assert ranks_code(reported(0, local=1), fallback=1) == 0
+    assert ranks_code(reported(), fallback=143) == 143
