@@ -205,11 +205,18 @@ def default_num_proc() -> int:
 def _build(spec: DataSpec, tokenizer, key: dict, tmp: Path, num_proc: int, streaming: bool | None) -> dict:
     """Tokenize the corpus into tmp; returns its meta (not yet written)."""
     from harness.train.data import load_dataset_for
+    from harness.train.datafiles import check_local, load_failure
     from harness.train.formats import encoder
 
     start = time.perf_counter()
     encode = encoder(spec, tokenizer)  # fails on a missing chat template before the corpus is read
-    ds = load_dataset_for(spec, streaming)
+    check_local(spec)  # `harness data prepare` comes here without the launch's checks
+    try:
+        ds = load_dataset_for(spec, streaming)
+    except UsageError:
+        raise
+    except Exception as err:  # datasets' builders fail on a malformed file in many ways
+        raise load_failure(spec, err) or err from None
     masked = spec.format != "text"
     features = _features(masked)
     streamed = not hasattr(ds, "__len__")
