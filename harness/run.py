@@ -1,7 +1,7 @@
 """Train a Hugging Face causal LM with DeepSpeed from a recipe.
 
-    deepspeed --num_gpus 2 harness/run.py --recipe zero2_offload
-    python harness/run.py --recipe ddp --set train.steps=20      (one process)
+    harness launch --num_gpus 2 harness/run.py --recipe zero2_offload   (`deepspeed`'s arguments; safe to signal)
+    python harness/run.py --recipe ddp --set train.steps=20             (one process)
 
 parse -> load recipe -> resolve + validate for this world size -> train -> teardown.
 Exit codes: 0 done; 2 bad input (one clear message on rank 0, and on each other node's first rank, before any
