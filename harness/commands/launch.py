@@ -85,7 +85,7 @@ def wait_all(child: subprocess.Popen) -> int:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     become_subreaper()
     exit_dir = Path(tempfile.mkdtemp(prefix="dsharness-exit-"))
