@@ -25,7 +25,7 @@ ops: install
 	$(PY) -m harness.ops
 
 demo: ops
-	$(VENV)/bin/deepspeed --num_gpus 2 harness/run.py --recipe zero2_offload \
+	$(VENV)/bin/harness launch --num_gpus 2 harness/run.py --recipe zero2_offload \
 		--set train.steps=40 --set train.eval_every=20 --set optimizer.lr=0.003
 
 test: ops

@@ -19,6 +19,14 @@ the shipped tokenizer, generated once into --work.
   memory   USS (Private_Clean + Private_Dirty of /proc/PID/smaps_rollup) of every rank, sampled every 0.2 s during
            the launch with a store; the peak per rank. Store pages two ranks both read are shared (page cache);
            Goal: peak USS at 40M within 50 MB of 1M.
+           And, for both launches, RssAnon (/proc/PID/status: private anonymous memory, what a rank allocated)
+           of every rank while training (from the first train record on), the peak per rank. The launch without
+           a store prepares it in a child process of local rank 0 (harness/train/store.py prepare_in_child), so
+           Goal: without a store, peak RssAnon while training at 40M within 50 MB of 1M (issue #18: it was 565
+           vs 456 MB when rank 0 tokenized in the training process).
+           Measured 2026-12-01 (2 cores shared, load average 13-18; ddp, 2 ranks, 20 steps), without a store:
+           rank 0 / rank 1 peak RssAnon while training 311 / 311 MB at 1M, 316 / 316 MB at 40M (+4.9 MB); the
+           same launches on the code before (rank 0 tokenizing in itself): 373 / 311 MB and 480 / 315 MB (+108).
 """
 
 from __future__ import annotations
@@ -127,6 +135,23 @@ def uss_bytes(pid: int) -> int | None:
     return sum(int(fields[k].split()[0]) * 1024 for k in ("Private_Clean", "Private_Dirty"))
 
 
+def rss_anon_bytes(pid: int) -> int | None:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    line = next((l for l in text.splitlines() if l.startswith("RssAnon:")), None)
+    return int(line.split()[1]) * 1024 if line else None
+
+
+def training(run_dir: Path) -> bool:
+    """A train record is in the metrics: the ranks are past data preparation and engine set-up."""
+    try:
+        return '"kind": "train"' in (run_dir / "metrics.jsonl").read_text()
+    except OSError:
+        return False
+
+
 def rank_pids(run_dir: Path) -> list[int]:
     """The rank processes of this launch (python harness/run.py --local_rank=N ... run_dir), not the processes
     they fork (same command line, parent is a rank)."""
@@ -143,7 +168,8 @@ def rank_pids(run_dir: Path) -> list[int]:
 
 
 def launch(args, corpus: Path, store_dir: Path, run_dir: Path) -> dict:
-    """One training launch: time to first step, peak USS per rank, and whether it prepared the store."""
+    """One training launch: time to first step, peak USS per rank, peak RssAnon per rank while training, and
+    whether it prepared the store."""
     cmd = [str(BIN / "deepspeed"), "--master_port", str(free_port()), "--num_gpus", str(args.ranks),
            "harness/run.py", "--recipe", "ddp", "--set", "precision=fp32", "--set", f"train.dataset={corpus}",
            "--set", f"train.store_dir={store_dir}", "--set", f"train.steps={args.steps}", "--set",
@@ -152,13 +178,18 @@ def launch(args, corpus: Path, store_dir: Path, run_dir: Path) -> dict:
     start = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peaks: dict[int, int] = {}
+    anon: dict[int, int] = {}
     mine: set[int] = set()
     while proc.poll() is None:
         mine.update(rank_pids(run_dir))
+        trains = training(run_dir)
         for pid in mine:
             uss = uss_bytes(pid)
             if uss is not None:
                 peaks[pid] = max(peaks.get(pid, 0), uss)
+            rss = rss_anon_bytes(pid) if trains else None
+            if rss is not None:
+                anon[pid] = max(anon.get(pid, 0), rss)
         time.sleep(0.2)
     output = proc.stdout.read()
     if proc.returncode != 0:
@@ -167,6 +198,7 @@ def launch(args, corpus: Path, store_dir: Path, run_dir: Path) -> dict:
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     ready = re.search(r"data ready in ([0-9.]+)s", output)
     return {"first_step_s": train[0]["time"] - start, "uss_mb": [peaks[p] / 1e6 for p in sorted(peaks)],
+            "anon_mb": [anon[p] / 1e6 for p in sorted(anon)],
             "prepared": "prepared store" in output, "data_s": float(ready.group(1))}
 
 
@@ -209,7 +241,13 @@ def main() -> int:
         rows[m] = (cold, warm)
         print(f"{m:>3}M tokens: first step {cold['first_step_s']:.1f}s without store (data {cold['data_s']:.2f}s), "
               f"{warm['first_step_s']:.1f}s with (data {warm['data_s']:.2f}s); peak USS per rank with store "
-              f"{', '.join(f'{u:.0f}' for u in warm['uss_mb'])} MB", flush=True)
+              f"{', '.join(f'{u:.0f}' for u in warm['uss_mb'])} MB; peak RssAnon per rank while training without "
+              f"store {', '.join(f'{u:.0f}' for u in cold['anon_mb'])} MB, with "
+              f"{', '.join(f'{u:.0f}' for u in warm['anon_mb'])} MB", flush=True)
+    for name, i in (("without", 0), ("with", 1)):
+        a, b = rows[min(sizes)][i]["anon_mb"], rows[max(sizes)][i]["anon_mb"]
+        print(f"RssAnon while training, {name} a store, {max(sizes)}M - {min(sizes)}M: "
+              f"{max(y - x for x, y in zip(a, b)):+.1f} MB per rank (goal <= 50)")
     small, large = rows[min(sizes)][1], rows[max(sizes)][1]
     uss_delta = max(b - a for a, b in zip(small["uss_mb"], large["uss_mb"]))
     first_delta = large["first_step_s"] - small["first_step_s"]

@@ -12,7 +12,8 @@
 #   MASTER_PORT  a free TCP port on node 0 (default 29500)
 #   HOSTFILE     DeepSpeed hostfile, the same on every node (default: docker/hostfile next to this script);
 #                with --no_ssh its names are labels only (unique, never resolved): see hostfile.example
-#   DEEPSPEED    the launcher to run (default: deepspeed on PATH)
+#   DEEPSPEED    the launcher to run (default: `harness launch`, DeepSpeed's `deepspeed` that forwards SIGTERM
+#                and SIGUSR1 to every rank and exits with their code, 75 when preempted)
 #   DS_LAUNCHER_ARGS  extra launcher flags, e.g. "--bind_cores_to_rank"
 # Every node needs the same code, data paths and --output-dir (shared storage for checkpoints).
 #
@@ -27,7 +28,7 @@ set -euo pipefail
 MASTER_PORT="${MASTER_PORT:-29500}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HOSTFILE="${HOSTFILE:-$ROOT/docker/hostfile}"
-DEEPSPEED="${DEEPSPEED:-deepspeed}"
+DEEPSPEED="${DEEPSPEED:-harness launch}"
 
 if [[ ! -f "$HOSTFILE" ]]; then
     echo "error: hostfile $HOSTFILE not found (set HOSTFILE; format: docker/hostfile.example)" >&2
@@ -35,7 +36,7 @@ if [[ ! -f "$HOSTFILE" ]]; then
 fi
 
 cd "$ROOT"
-# shellcheck disable=SC2086  # DS_LAUNCHER_ARGS is a list of flags
-exec "$DEEPSPEED" --hostfile "$HOSTFILE" --no_ssh --node_rank "$NODE_RANK" \
+# shellcheck disable=SC2086  # DEEPSPEED and DS_LAUNCHER_ARGS are lists of words
+exec $DEEPSPEED --hostfile "$HOSTFILE" --no_ssh --node_rank "$NODE_RANK" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" ${DS_LAUNCHER_ARGS:-} \
     harness/run.py "$@"

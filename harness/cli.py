@@ -17,6 +17,7 @@ COMMANDS = {
     "export": "write a Hugging Face model folder from a DeepSpeed checkpoint",
     "report": "predicted vs measured tables and plots for a run folder",
     "data": "tokenize a dataset once into the memory-mapped token store runs read (data prepare)",
+    "launch": "`deepspeed ...` that forwards SIGTERM/SIGUSR1 to every rank, waits for all, returns their code",
     "doctor": "check this machine before a long job (versions, GPUs, DeepSpeed ops, paths); exit 1 if --recipe cannot run",
 }
 
@@ -38,6 +39,8 @@ def parser_for(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # the rest is DeepSpeed's command line, which argparse must not read
+        return _module("launch").main(argv[1:])
     try:
         args = parser_for(argv).parse_args(argv)
         return _module(args.command).run(args)

@@ -1,7 +1,7 @@
 """Train a Hugging Face causal LM with DeepSpeed from a recipe.
 
-    deepspeed --num_gpus 2 harness/run.py --recipe zero2_offload
-    python harness/run.py --recipe ddp --set train.steps=20      (one process)
+    harness launch --num_gpus 2 harness/run.py --recipe zero2_offload   (`deepspeed`'s arguments; safe to signal)
+    python harness/run.py --recipe ddp --set train.steps=20             (one process)
 
 parse -> load recipe -> resolve + validate for this world size -> train -> teardown.
 Exit codes: 0 done; 2 bad input (one clear message on rank 0, and on each other node's first rank, before any
@@ -63,4 +63,11 @@ def exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    from harness.train.preempt import report_exit
+
+    code = 1  # an exception escaping main(): Python prints it and exits 1
+    try:
+        code = main()
+    finally:
+        report_exit(code)
+    exit_now(code)

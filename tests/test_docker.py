@@ -7,6 +7,7 @@ and the example hostfile parses with DeepSpeed's own hostfile parser.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -71,7 +72,15 @@ def test_base_image_is_cuda_devel_with_the_pinned_torch():
     # pre-built ops need the CUDA op builders even though no GPU is visible at build time
     assert "DS_ACCELERATOR=cuda" in text and "TORCH_CUDA_ARCH_LIST" in build_args()
     apt = " ".join(rest for keyword, rest in instructions() if keyword == "RUN" and "apt-get install" in rest)
-    assert all(pkg in apt.split() for pkg in ("libaio-dev", "openssh-client", "pdsh")), apt
+    assert all(pkg in apt.split() for pkg in ("libaio-dev", "openssh-client", "pdsh", "tini")), apt
+
+
+def test_entrypoint_handles_pid_1():
+    """PID 1 ignores SIGTERM without a handler: tini -g is PID 1 and signals the command's process group
+    (tests/test_launch_signals.py runs `harness launch` as a real PID 1 and signals it)."""
+    entry = [json.loads(rest) for keyword, rest in instructions() if keyword == "ENTRYPOINT"]
+    assert entry == [["tini", "-g", "--"]], entry
+    assert "harness launch" in (DOCKER / "README.md").read_text()
 
 
 def test_launch_script_is_executable_and_parses():

@@ -35,8 +35,8 @@ def test_instruction_loss_is_on_response_and_eos_only(tmp_path):
     assert trained == "".join(r["a"] + "<|endoftext|>" for r in records)
     assert masked == "".join(r["q"] for r in records)
     assert store.meta["loss_tokens"] == int(np.fromfile(store.path / "loss_mask.bin", np.uint8).sum())
-    with pytest.raises(UsageError, match=r"no column 'prompt' \(train.prompt_field, format 'instruction'\); "
-                                         r"its columns are: q, a\n    fix: set train.prompt_field"):
+    with pytest.raises(UsageError, match=r"no column 'prompt' \(train.prompt_field, format 'instruction'\) in "
+                                         r"its first 30 records; their columns are: q, a\n    fix: set train.prompt_field"):
         prepare(DataSpec(str(path), format="instruction"), load_tokenizer("tiny-llama"), 16, str(tmp_path))
 
 

@@ -25,8 +25,9 @@ TIMEOUT_S = 600
 
 
 def start_node(node_rank: int, hostfile, port: int, log_path, args: list[str]) -> subprocess.Popen:
+    # the script's default launcher, `harness launch` (the venv's): each node's wrapper around its own runner
     node_env = dict(env(), NODE_RANK=str(node_rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                    HOSTFILE=str(hostfile), DEEPSPEED=str(DEEPSPEED))
+                    HOSTFILE=str(hostfile), DEEPSPEED=f"{DEEPSPEED.parent / 'harness'} launch")
     # Output to files, not pipes: a node blocked on a full pipe would stall the other in a collective.
     with open(log_path, "w") as log:
         return subprocess.Popen([str(SCRIPT), *args], cwd=ROOT, env=node_env, stdout=log, stderr=subprocess.STDOUT,

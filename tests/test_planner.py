@@ -212,7 +212,7 @@ def test_plan_json_has_the_recommendation_and_every_candidate():
     data = json.loads(to_json(result))
     rec = data["recommended"]
     assert rec["recipe"] == "zero1" and rec["fits"]
-    assert rec["launch"].startswith("deepspeed --num_gpus 8 harness/run.py --recipe zero1 --model llama-2-7b")
+    assert rec["launch"].startswith("harness launch --num_gpus 8 harness/run.py --recipe zero1 --model llama-2-7b")
     assert "--set batch.micro_batch_per_gpu=1" in rec["launch"]
     assert [c["recipe"] for c in data["candidates"][:4]] == ["ddp", "zero1", "zero2", "zero3"]
     assert data["candidates"][0]["why_not"].startswith("GPU: needs 146.5 GB > 72.0 GB usable")
@@ -287,7 +287,7 @@ def run_plan(argv, capsys):
 
 def test_command_prints_the_plan_and_json(capsys):
     code, out = run_plan(["--model", "llama-2-7b", "--gpus", "8", "--gpu-mem", "80GB"], capsys)
-    assert code == 0 and "recommended: zero1" in out and "launch: deepspeed --num_gpus 8" in out
+    assert code == 0 and "recommended: zero1" in out and "launch: harness launch --num_gpus 8" in out
     code, out = run_plan(["--model", "llama-2-7b", "--gpus", "8", "--gpu-mem", "80GB", "--json"], capsys)
     assert code == 0 and json.loads(out)["recommended"]["recipe"] == "zero1"
 

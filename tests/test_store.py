@@ -112,3 +112,20 @@ def test_parallel_and_streamed_preparation_write_the_same_bytes(tmp_path, tok, m
     raw = [(s.path / "tokens.bin").read_bytes() for s in (one, two, streamed)]
     assert raw[0] == raw[1] == raw[2]
     assert (one.path / "doc_index.bin").read_bytes() == (streamed.path / "doc_index.bin").read_bytes()
+
+
+def test_a_launch_prepares_in_a_child_process_and_hears_its_errors(tmp_path, tok):
+    """ensure_store on local rank 0 builds the store in a spawned process (so a training rank keeps none of what
+    tokenizing allocated: bench/data.py measures it); the store is the one prepare() makes in-process, and a
+    UsageError in the child reaches the rank as that UsageError (exit 2 with its message)."""
+    from harness.train.store import ensure_store
+
+    spec = DataSpec(str(corpus(tmp_path, copies=5)))
+    store, made = ensure_store(spec, tok, 4, str(tmp_path / "child"), local_rank=0)
+    assert made and store.path.parent == tmp_path / "child"
+    again, made_again = ensure_store(spec, tok, 4, str(tmp_path / "child"), local_rank=1)  # a waiting rank
+    assert not made_again and again.path == store.path
+    local, _ = prepare(spec, tok, 4, str(tmp_path / "here"))
+    assert np.array_equal(store.tokens, local.tokens) and store.meta["documents"] == local.meta["documents"]
+    with pytest.raises(UsageError, match="fewer than one block of seq_len=4096"):
+        ensure_store(spec, tok, 4096, str(tmp_path / "child"), local_rank=0)

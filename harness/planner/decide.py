@@ -210,8 +210,8 @@ def overrides(c: Candidate, result: dict, work: dict) -> dict:
 
 
 def launch_command(recipe: str, model_name: str, hw: dict, sets: dict) -> str:
-    head = f"deepspeed --num_gpus {hw['gpus_per_node']}"
-    if hw["nodes"] > 1:
+    head = f"harness launch --num_gpus {hw['gpus_per_node']}"  # `deepspeed` that is safe to signal (README)
+    if hw["nodes"] > 1:  # DeepSpeed's pdsh launcher: the other nodes' ranks cannot report to `harness launch`
         head = f"deepspeed --hostfile hostfile --num_nodes {hw['nodes']} --num_gpus {hw['gpus_per_node']}"
     args = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items())
     return f"{head} harness/run.py --recipe {recipe} --model {shlex.quote(model_name)} {args}"

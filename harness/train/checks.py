@@ -79,11 +79,12 @@ def _as_problem(path: str, err: UsageError) -> Problem:
 
 def input_problems(train: dict) -> tuple[dict | None, list[Problem]]:
     """(the model's config or None, problems of train.model and train.dataset) without loading any data."""
-    from harness.train.data import local_source
+    from harness.train.data import DataSpec
+    from harness.train.datafiles import check_local
 
     out, cfg = [], None
     try:
-        local_source(train["dataset"])
+        check_local(DataSpec.from_train(train))  # the path exists, and its files hold records datasets can read
     except UsageError as e:
         out.append(_as_problem("train.dataset", e))
     try:

@@ -68,9 +68,13 @@ def _builder_for(path: Path) -> str:
 
 def _files_in(folder: Path) -> tuple[str, list[str]]:
     """The builder and sorted files of a folder; all supported files must share one builder."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS)
+    every = sorted(p for p in folder.rglob("*") if p.is_file())
+    files = [p for p in every if p.suffix.lower() in BUILDERS]
     if not files:
-        raise UsageError(f"data folder {folder} has no data files\n    fix: add files ending in {_supported()}")
+        held = (f"holds {len(every)} other files ({', '.join(p.name for p in every[:5])}"
+                f"{', ...' if len(every) > 5 else ''})" if every else "is empty")
+        raise UsageError(f"data folder {folder} has no data files: it {held}\n"
+                         f"    fix: add files ending in {_supported()}, or point train.dataset at the folder that has them")
     builders = {BUILDERS[p.suffix.lower()] for p in files}
     if len(builders) > 1:
         raise UsageError(f"data folder {folder} mixes file kinds ({', '.join(sorted(builders))})\n"

@@ -17,9 +17,13 @@ the last checkpoint is written, so the default action (terminate) is right there
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+from pathlib import Path
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; `--resume latest` continues it
+EXIT_DIR_ENV = "DSHARNESS_EXIT_DIR"  # set by `harness launch`: where each rank reports its exit code
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 KEY = "harness/preempt_at_step"
 
@@ -67,3 +71,21 @@ class Preemption:
         if self.stop_at is not None and done > self.stop_at:  # the argument above says this cannot happen
             raise RuntimeError(f"preemption: this rank is past step {self.stop_at}, which the ranks agreed to stop at")
         return self.stop_at == done
+
+
+def report_exit(code: int) -> None:
+    """Tell `harness launch` this rank's exit code: DeepSpeed's launcher exits 1 after a signal whatever its ranks
+    return, so the wrapper reads the codes here. Written by rename: a report is whole or absent."""
+    folder = os.environ.get(EXIT_DIR_ENV)
+    if not folder:
+        return
+    rank = os.environ.get("RANK", "0")
+    # DeepSpeed's launch.py sets LOCAL_SIZE (ranks on this node); torchrun LOCAL_WORLD_SIZE
+    local_world = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or
+                      os.environ.get("WORLD_SIZE", "1"))
+    tmp = Path(folder) / f".rank{rank}.tmp"
+    try:
+        tmp.write_text(json.dumps({"rank": int(rank), "code": code, "local_world_size": local_world}))
+        os.replace(tmp, Path(folder) / f"rank{rank}.json")
+    except OSError:  # the wrapper is gone or the folder with it: nobody to tell
+        pass

@@ -9,7 +9,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="harness/run.py",
         description="Train a Hugging Face causal LM with DeepSpeed from a recipe. "
-                    "Launch: deepspeed --num_gpus N harness/run.py --recipe NAME")
+                    "Launch: harness launch --num_gpus N harness/run.py --recipe NAME")
     p.add_argument("--recipe", default=None,
                    help="recipe name from recipes/, a recipe .json path, or auto (the planner picks for this hardware); "
                         "default: zero2_offload")

@@ -205,11 +205,18 @@ def default_num_proc() -> int:
 def _build(spec: DataSpec, tokenizer, key: dict, tmp: Path, num_proc: int, streaming: bool | None) -> dict:
     """Tokenize the corpus into tmp; returns its meta (not yet written)."""
     from harness.train.data import load_dataset_for
+    from harness.train.datafiles import check_local, load_failure
     from harness.train.formats import encoder
 
     start = time.perf_counter()
     encode = encoder(spec, tokenizer)  # fails on a missing chat template before the corpus is read
-    ds = load_dataset_for(spec, streaming)
+    check_local(spec)  # `harness data prepare` comes here without the launch's checks
+    try:
+        ds = load_dataset_for(spec, streaming)
+    except UsageError:
+        raise
+    except Exception as err:  # datasets' builders fail on a malformed file in many ways
+        raise load_failure(spec, err) or err from None
     masked = spec.format != "text"
     features = _features(masked)
     streamed = not hasattr(ds, "__len__")
@@ -295,15 +302,59 @@ def prepare(spec: DataSpec, tokenizer, seq_len: int, root: str | None = None, nu
     return store, True
 
 
+def _prepare_child(conn, spec: DataSpec, tokenizer, seq_len: int, root: str | None) -> None:
+    """The body of prepare_in_child's process: the outcome goes back through conn, never as a traceback."""
+    import traceback
+
+    try:
+        conn.send(("ok", prepare(spec, tokenizer, seq_len, root)[1]))
+    except UsageError as e:
+        conn.send(("usage", str(e)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def prepare_in_child(spec: DataSpec, tokenizer, seq_len: int, root: str | None) -> bool:
+    """prepare() in a fresh process; whether it built the store. Tokenizing grows the process by what `datasets`,
+    Arrow and the tokenizer allocate (malloc arenas and Arrow's pool keep it afterwards: +110 MB per rank at 40M
+    tokens), which a training rank would carry for the whole run; a child gives all of it back when it exits.
+    Spawned, not forked: the rank already runs the process group's threads."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_prepare_child, args=(child, spec, tokenizer, seq_len, root), name="dsharness-prepare")
+    proc.start()
+    child.close()
+    try:
+        kind, value = parent.recv()
+    except EOFError:  # it died without a word (killed, out of memory)
+        proc.join()
+        raise RuntimeError(f"preparing the token store for {spec.dataset!r}: the preparing process exited "
+                           f"{proc.exitcode} without a result") from None
+    proc.join()
+    if kind == "usage":
+        raise UsageError(value)
+    if kind == "error":
+        raise RuntimeError(f"preparing the token store for {spec.dataset!r} failed in its process:\n{value}")
+    return value
+
+
 def ensure_store(spec: DataSpec, tokenizer, seq_len: int, root: str | None, local_rank: int,
                  poll_s: float = 0.5) -> tuple[Store, bool]:
-    """At a launch: local rank 0 prepares the store if it is missing (all cores); the node's other ranks
-    wait for it on the file system rather than in a collective, which would time out on a long preparation
-    (if rank 0 fails, the launcher ends them)."""
-    if local_rank == 0:
-        return prepare(spec, tokenizer, seq_len, root)
+    """At a launch: local rank 0 prepares the store if it is missing (all cores, in a child process: a training
+    rank's memory is the same whether or not the store existed); the node's other ranks wait for it on the file
+    system rather than in a collective, which would time out on a long preparation (if rank 0 fails, the
+    launcher ends them)."""
     key = store_key(spec, tokenizer, seq_len)
     path = store_path(key, root)
+    made = False
+    if local_rank == 0 and open_store(path, key) is None:
+        made = prepare_in_child(spec, tokenizer, seq_len, root)
     while (store := open_store(path, key)) is None:
+        if local_rank == 0:
+            raise AssertionError(f"store {path} unreadable right after it was written")  # prepare()'s promise
         time.sleep(poll_s)
-    return store, False
+    return store, made
