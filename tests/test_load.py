@@ -66,8 +66,31 @@ def test_tp_rank_reads_its_slices_cast_to_fp32(folder, rank):
         assert tensor.dtype == torch.float32, name
         assert torch.equal(tensor, want[name]), name
     assert nbytes == 4 * sum(p.numel() for p in model.parameters())
+    from harness.planner.load import owned_params
+    from harness.planner.params import count_params
+
+    assert owned_params(count_params(model.config.to_dict()), tp=2) == sum(p.numel() for p in model.parameters())
     for name, buf in model.named_buffers():  # rotary inv_freq: computed at construction, not left on meta
         torch.testing.assert_close(buf, dict(whole.named_buffers())[name])
+
+
+def test_preset_by_share_equals_the_seeded_model_and_keeps_its_tie():
+    """A preset's meta build keeps the LM head tied to the embedding, and materialises to the seeded weights a
+    one-process run starts from (one tensor for both names)."""
+    from harness.train.load import meta, share
+    from harness.train.load.build import open_source
+    from harness.train.load.source import check_keys
+    from harness.train.models import build_model, load_model_config
+
+    model = meta.build_on_meta(load_model_config("tiny-gpt2"))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    source = open_source("tiny-gpt2", SEED)
+    check_keys(source, model)
+    share.materialise(model, share.hf_paths(model), source, torch.float32)
+    assert model.lm_head.weight is model.transformer.wte.weight and meta.left_on_meta(model) == []
+    want = build_model("tiny-gpt2", seed=SEED).state_dict()
+    got = model.state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_missing_and_unexpected_keys_name_the_key_and_the_file(tmp_path):

@@ -25,3 +25,14 @@ def build_bytes(*, owned_params: int, train_dtype: str, checkpoint_dtype: str | 
            "source": source_params * DTYPE_BYTES["float32"]}
     out["total"] = sum(out.values())
     return out
+
+
+def owned_params(count, *, pp: int = 1, tp: int = 1, stage: int = 0, method: str = "parameters") -> int:
+    """Parameters one rank of `stage` holds after loading by share (a ParamCount from params.count_params): its
+    pipeline stage (DeepSpeed's partition, planner/pipeline.py) with the blocks split over tp, or for tp alone
+    the whole model with its blocks split. Data parallel and ZeRO-1/2 hold count.total."""
+    from harness.planner import pipeline
+
+    if pp > 1:
+        return pipeline.stages(count, pp, method, tp)[stage]["params"]
+    return count.total - count.num_layers * (count.per_layer - count.block_params(tp))

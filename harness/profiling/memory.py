@@ -222,7 +222,8 @@ class MemoryHook:
             self.states, self.states_step = self._states(), None
         per_rank = gather({"peak": self.peak, "model_states": self.states,
                            "nvme": nvme_swap_bytes(self.ds_config, self.dist.rank),
-                           "predicted": self.prediction.get("after_step")})
+                           "predicted": self.prediction.get("after_step"),
+                           "predicted_peak": self.prediction.get("peak_total_bytes")})
         out = {"peak_per_rank": [r["peak"] for r in per_rank],
                "model_states_per_rank": [r["model_states"] for r in per_rank],
                "model_states_step": self.states_step,
@@ -230,7 +231,9 @@ class MemoryHook:
                "device": "cuda" if self.process.cuda else "cpu",
                "predicted": {k: v for k, v in self.prediction.items() if k != "comm"},
                # each rank's own prediction: they differ where the layout does (ZeRO-1/2 partition edges)
-               "predicted_after_step_per_rank": [r["predicted"] for r in per_rank]}
+               "predicted_after_step_per_rank": [r["predicted"] for r in per_rank],
+               # model states at their peak + activations, each rank's own (pipeline stages differ)
+               "predicted_peak_total_per_rank": [r["predicted_peak"] for r in per_rank]}
         if not self.process.cuda and not self.process.per_step_peak:
             out["note"] = "peak_rss_bytes is the process's lifetime peak (/proc/self/clear_refs was refused)"
         return {"memory": out}

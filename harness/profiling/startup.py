@@ -98,23 +98,30 @@ def render(per_rank: list[dict], predicted: list) -> list[str]:
 
 
 def predict_build(spec, built) -> dict:
-    """The planner's bytes for this rank's build (harness/planner/load.py), inputs read off the built module."""
+    """The planner's bytes for this rank's build (harness/planner/load.py). The tensors a pipeline or tp rank
+    owns come from the model's shape through the planner's own stage split (so the engine's count tests it);
+    ZeRO-3's partition and the largest tensor are read off the built module."""
     from harness import model_shapes
-    from harness.planner.load import build_bytes
+    from harness.planner.load import build_bytes, owned_params
+    from harness.planner.params import count_params
 
     params = list(built.module.parameters())
     zero3 = any(hasattr(p, "ds_tensor") for p in params)
-    owned = sum(p.ds_tensor.numel() if zero3 else p.numel() for p in params)
+    info = built.info
+    if zero3:
+        owned = sum(p.ds_tensor.numel() for p in params)
+    else:
+        method = spec.ds_config.get("pipeline", {}).get("partition", spec.recipe["parallel"]["partition_method"])
+        owned = owned_params(count_params(info.config.to_dict()), pp=spec.pp, tp=spec.tp,
+                             stage=getattr(built.module, "stage_id", 0), method=method)
     largest_tensor = max((getattr(p, "ds_numel", p.numel()) for p in params), default=0)
     largest_layer = max((sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False))
                          for m in built.module.modules()), default=0)
     preset = model_shapes.is_preset(spec.recipe["train"]["model"])
-    by_share = spec.pp > 1 or spec.tp > 1
-    info = built.info
     terms = build_bytes(owned_params=owned, train_dtype=info.train_dtype,
                         checkpoint_dtype="float32" if preset else info.checkpoint_dtype,
                         largest_tensor_params=largest_tensor, gathered_params=largest_layer if zero3 else 0,
-                        source_params=info.num_params if preset and by_share else 0)
+                        source_params=info.num_params if preset and (spec.pp > 1 or spec.tp > 1) else 0)
     return {"build_bytes": terms["total"], "build_terms": terms, "owned_params": owned}
 
 

@@ -41,7 +41,11 @@ def build_on_meta(config):
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    # init_empty_weights re-registers every parameter as a new meta Parameter, so the tie made during
+    # construction (lm_head.weight = embed.weight) is lost; tie again now, outside its patch
+    model.tie_weights()
+    return model
 
 
 def num_params(model) -> int:

@@ -169,9 +169,6 @@ def _split_dim(key: str) -> int | None:
     return None
 
 
-split_dim = _split_dim  # the loader (harness/train/load) reads a shard's slice through the same table
-
-
 def merge_shards(state_dicts: list[dict], config) -> dict:
     """TP-rank state dicts (HF names, any prefix kept), in rank order -> the full state dict."""
     supported(config, len(state_dicts))
@@ -231,3 +228,6 @@ class TensorDataMPU:
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return self.dp_ranks
+
+
+split_dim = _split_dim  # the loader (harness/train/load) reads a shard's slice through the same table
