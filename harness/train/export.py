@@ -173,11 +173,13 @@ def _write_folder(ref: CheckpointRef, manifest: dict, folder: Path, dtype, max_s
     """Weights, config, generation config and tokenizer into `folder`; returns the sizes written."""
     from transformers import AutoTokenizer
 
-    from harness.train.ckpt_tensors import MappedFiles
-    from harness.train.hf_shards import plan_shards, write_sharded
+    from harness.train.ckpt_tensors import FILE_BUDGET_BYTES, MappedFiles
+    from harness.train.hf_shards import parse_shard_size, plan_shards, write_sharded
 
     model = meta_model(ref)
-    state, names = open_state(ref, manifest, MappedFiles()), save_names(model)
+    # maps dropped after each shard's worth of reading: the checkpoint pages touched stay about a shard too
+    files = MappedFiles(min(FILE_BUDGET_BYTES, parse_shard_size(max_shard_size)))
+    state, names = open_state(ref, manifest, files), save_names(model)
     check_keys(state, names, model, ref.tag_dir)
     plan = specs(state, names, dtype, model)
     split = plan_shards(plan, max_shard_size)
