@@ -16,7 +16,8 @@ from harness.train.parallel.tensor import split_dim
 
 
 def hf_paths(model) -> dict[int, str]:
-    """id(module) -> its HF path, for every module of the (meta) HF model ("" for the model itself)."""
+    """id(module) -> its HF path, for every module of the (meta) HF model ("" for the model itself). Take it
+    after the split and use it at once: ids of modules the split replaced and freed are reused by new ones."""
     return {id(module): name for name, module in model.named_modules()}
 
 
