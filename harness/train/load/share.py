@@ -58,10 +58,12 @@ def materialise(root: nn.Module, paths: dict[int, str], source, dtype, tp_rank: 
     materialised."""
     slots: dict[int, list] = {}
     keys: dict[int, tuple[str, object]] = {}
+    stored = source.keys()
     for module, attr, kind, key in _holders(root, paths):
         tensor = getattr(module, attr)
         slots.setdefault(id(tensor), []).append((module, attr, kind))
-        keys.setdefault(id(tensor), (key, tensor))
+        if id(tensor) not in keys or (key in stored and keys[id(tensor)][0] not in stored):
+            keys[id(tensor)] = (key, tensor)  # a tied weight is read under the name the checkpoint stores
     requests = {key: _request(key, t, tp_rank, tp_size) for key, t in keys.values()}
     values = source.read(requests, dtype)
     total = 0
