@@ -46,8 +46,9 @@ def _check_stages(spec, config) -> None:
                          f"    fix: use at most {layers} stages")
 
 
-def _shard_stage(module, config) -> None:
-    """3D: split this stage's decoder layers over the topology's model-parallel group."""
+def _shard_stage(module, config) -> tuple[int, int]:
+    """3D: split this stage's decoder layers over the topology's model-parallel group (on meta, before they are
+    materialised); (tensor rank, tensor size)."""
     from harness.train.parallel import tensor
 
     grid = module.mpu()
@@ -56,29 +57,32 @@ def _shard_stage(module, config) -> None:
     tensor.supported(config, size)
     for layer in pipeline.local_decoder_layers(module):
         tensor.shard_decoder_layer(layer, config, group, rank, size)
+    return rank, size
 
 
-def build_engine(spec):
-    """(PipelineEngine, the HF model it was built from). Records the partition in spec.layout."""
-    import deepspeed
+def build_stage(spec):
+    """This rank's PipelineModule stage, loaded by share (harness/train/load): the HF model on meta -> the
+    PipelineModule builds this stage's layers -> (3D) split on meta -> this rank's tensors read, cast -> moved to
+    the device and the tied embedding synchronised by DeepSpeed. Records the partition in spec.layout."""
+    from harness.train.load import build, meta, share
 
-    from harness.train.models import build_model
-
-    train = spec.recipe["train"]
-    model = build_model(train["model"], seed=train["seed"])
+    model, source, info = build.open_model(spec)
     pipeline.supported(model.config)
     _check_stages(spec, model.config)
+    dtype = meta.train_dtype(spec.recipe["precision"])
+
+    def on_stage(module):
+        rank, size = _shard_stage(module, model.config) if spec.tp > 1 else (0, 1)
+        # paths after the split: it replaced the row-parallel linears, and a new module may reuse a freed id
+        share.materialise(module, share.hf_paths(model), source, dtype, rank, size)
+        build.check_materialised(module)
+
     ds_pipe = spec.ds_config.get("pipeline", {})
     method = ds_pipe.get("partition", spec.recipe["parallel"]["partition_method"])
     module, specs = pipeline.build_module(model, topology(spec), method,
-                                          int(ds_pipe.get("activation_checkpoint_interval", 0)))
-    names = pipeline.hf_names(specs, model)
-    if spec.tp > 1:
-        _shard_stage(module, model.config)
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()
-                                                                      if p.requires_grad], config=spec.ds_config)
-    spec.layout = pipeline.layout(module, specs, names)
-    return engine, model
+                                          int(ds_pipe.get("activation_checkpoint_interval", 0)), on_stage=on_stage)
+    spec.layout = pipeline.layout(module, specs, pipeline.hf_names(specs, model))
+    return build.Built(module, info)
 
 
 def train_step(engine, batches: list) -> torch.Tensor:
