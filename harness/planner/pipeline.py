@@ -30,6 +30,8 @@ Traffic per step (logged bytes, comms-logger convention), A = micro x seq x hidd
 
 from __future__ import annotations
 
+import functools
+
 from harness.planner.memory import FP32_BYTES, PRECISION_BYTES
 from harness.planner.params import ParamCount
 
@@ -46,10 +48,16 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 
 def partition_balanced(weights: list[int], num_parts: int) -> list[int]:
-    """deepspeed.runtime.utils.partition_balanced: minimise (largest - smallest) part sum; same tie-breaking."""
+    """deepspeed.runtime.utils.partition_balanced: minimise (largest - smallest) part sum; same tie-breaking.
+    Cached: the planner's search asks for the same split many times (one per micro-batch and strategy)."""
+    return list(_partition_balanced(tuple(weights), num_parts))
+
+
+@functools.lru_cache(maxsize=1024)
+def _partition_balanced(weights: tuple[int, ...], num_parts: int) -> tuple[int, ...]:
     n, m = len(weights), num_parts
     if n <= m:
-        return partition_uniform(n, m)
+        return tuple(partition_uniform(n, m))
     inf = float("inf")
     dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
     dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
@@ -70,7 +78,7 @@ def partition_balanced(weights: list[int], num_parts: int) -> list[int]:
     parts = [n]
     for j in reversed(range(1, m + 1)):
         parts.append(position[parts[-1]][j])
-    return parts[::-1]
+    return tuple(parts[::-1])
 
 
 def layer_specs(count: ParamCount, tp: int = 1) -> list[tuple[str, int]]:
