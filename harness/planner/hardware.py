@@ -79,3 +79,35 @@ def achieved_flops(profile: dict, precision: str) -> float:
 
 def device_adam_params_per_s(profile: dict) -> float:
     return profile.get("device_adam_params_per_s") or profile["hbm_gbps"] * 1e9 / ADAM_BYTES_PER_PARAM
+
+
+HARDWARE_ENV = "HARNESS_HARDWARE"  # NAME|FILE: the profile runs and --recipe auto use
+
+
+def calibrated_path() -> Path:
+    """Where `harness calibrate` writes by default, and where runs look for this machine's profile."""
+    import os
+
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsharness" / "hardware.json"
+
+
+def for_machine(device: str, device_name: str, gpu_mem_bytes: int) -> tuple[dict | None, str]:
+    """(profile, where it came from) for the machine a run is on: $HARNESS_HARDWARE, else the calibrated file when
+    it was measured on this kind of device, else the named GPU profile matching the device's name and memory;
+    (None, why) when there is none (the CPU accelerator before `harness calibrate`)."""
+    import os
+
+    if os.environ.get(HARDWARE_ENV):
+        return load(os.environ[HARDWARE_ENV]), f"${HARDWARE_ENV}={os.environ[HARDWARE_ENV]}"
+    path = calibrated_path()
+    kind = "cpu" if device.startswith("cpu") else "gpu"
+    if path.is_file():
+        profile = load(str(path))
+        if profile["device"] == kind and (kind == "cpu" or device_name in profile.get("description", "")):
+            return profile, f"calibrated ({path})"
+    if kind == "gpu":
+        family = [n for n in names() if n.split("-")[0] in device_name.lower().replace(" ", "")]
+        if family:
+            best = min(family, key=lambda n: abs(_named(n)["gpu_mem_bytes"] - gpu_mem_bytes))
+            return dict(_named(best)), f"named profile {best} (matched {device_name!r})"
+    return None, f"no hardware profile for {device_name or device}: run `harness calibrate` (writes {path})"
