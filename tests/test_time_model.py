@@ -114,11 +114,13 @@ def test_collective_times_follow_the_ring_formulas():
 
 
 def test_1024_nodes_plans_in_well_under_5_s():
-    start = time.perf_counter()
+    # CPU time of this process, not wall time: other tenants of a loaded machine do not make it fail. ~0.7 s
+    # cold on an idle core (the pipeline partitions of every depth come from one dynamic-programming table).
+    start = time.process_time()
     p = plan(KNOWN["llama-2-70b"], gpus_per_node=8, nodes=1024, gpu_mem_bytes=80 * GB, model_name="llama-2-70b",
              hardware_profile=hardware.load("a100-80gb-sxm"))
-    elapsed = time.perf_counter() - start
-    assert p.ranked and elapsed < 5.0, f"{elapsed:.2f} s"  # ~0.3 s idle: the margin absorbs a loaded machine
+    elapsed = time.process_time() - start
+    assert p.ranked and elapsed < 5.0, f"{elapsed:.2f} s of CPU"
 
 
 def test_scaling_png_for_the_recommended_layout(tmp_path, capsys):

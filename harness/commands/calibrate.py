@@ -28,7 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from harness.commands.plan import resolve_model
     from harness.planner import hardware
-    from harness.planner.params import model_shape
 
     for flag, value in (("--seq-len", args.seq_len), ("--micro-batch", args.micro_batch), ("--ranks", args.ranks)):
         if value is not None and value < 1:
@@ -36,10 +35,10 @@ def run(args: argparse.Namespace) -> int:
     if args.nvme_path and not Path(args.nvme_path).is_dir():
         raise UsageError(f"--nvme-path {args.nvme_path}: not a directory")
     out = Path(args.out) if args.out else hardware.calibrated_path()
-    shape = model_shape(resolve_model(args.model))
+    cfg = resolve_model(args.model)
     from harness.profiling.calibrate import build_profile
 
-    profile = build_profile(shape, seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision,
+    profile = build_profile(cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision,
                             ranks=args.ranks, nvme_path=args.nvme_path, name=args.name)
     hardware.check(profile, str(out))
     out.parent.mkdir(parents=True, exist_ok=True)

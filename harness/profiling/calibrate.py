@@ -3,9 +3,11 @@
 What it measures, each with the real code path training uses:
 - GEMM FLOP/s at the model's shapes (torch.matmul in the training precision, tokens = micro-batch x seq):
   the q/k/v/o, MLP and LM-head products of one block, timed on the device. The profile's peak is the
-  datasheet's on a known GPU (its gemm_efficiency = measured / peak); on the CPU accelerator, where there is
-  no fixed peak, the measured rate itself with gemm_efficiency 1.
+  datasheet's on a known GPU; on the CPU accelerator, where there is no fixed peak, the measured GEMM rate.
 - Device memory bandwidth (a large tensor copy), which times the step's elementwise work and the optimizer.
+- Forward + backward of the model cut to two blocks, at the same shapes: gemm_efficiency is the share of the
+  GEMM peak at which the time model's compute term (planner/steptime.py) reproduces that measured time, so
+  the profile carries what a real step achieves here (autograd, elementwise kernels, attention), not a guess.
 - all_reduce, all_gather_into_tensor and reduce_scatter_tensor bus bandwidth per group size, over the
   backend DeepSpeed picks for this accelerator (NCCL on CUDA, gloo on CPU): calibrate_comm.py.
 - host <-> device copies from pinned memory (CUDA). On the CPU accelerator device memory IS host memory, so
@@ -72,6 +74,44 @@ def measure_gemm(shape: dict, tokens: int, precision: str, device: str) -> dict:
         weight = max(count, 1) if count else 1.0 / max(shape["num_hidden_layers"], 1)  # the head once per model
         flops, seconds = flops + weight * f, seconds + weight * t
     return {"tflops": flops / seconds / 1e12, "shapes": per_shape, "precision": precision, "tokens": tokens}
+
+
+def measure_block_step(cfg: dict, seq_len: int, micro_batch: int, precision: str, device: str,
+                       layers: int = 2) -> dict:
+    """Forward + backward of the model cut to `layers` blocks (embedding, blocks, head, loss) at `tokens` per
+    micro-batch: what a training step's math really achieves here, elementwise work and autograd included."""
+    import torch
+    import transformers
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    key = "n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"
+    fields[key] = layers
+    config = transformers.AutoConfig.for_model(cfg["model_type"], **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype)
+    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    return {"seconds": timeit(step, device, repeat=3), "layers": layers, "tokens": ids.numel(), "seq_len": seq_len}
+
+
+def block_efficiency(cfg: dict, block: dict, peak_tflops: float, hbm_gbps: float, precision: str) -> float:
+    """The efficiency at which the time model's compute term (planner/steptime.py) reproduces the measured
+    forward + backward: its FLOPs over (measured time - its memory-bound term) at the GEMM peak."""
+    from harness.planner import steptime
+    from harness.planner.params import count_params, model_shape
+
+    key = "n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"
+    small = dict(cfg, **{key: block["layers"]})
+    count, shape = count_params(small), model_shape(small)
+    work = {"seq_len": block["seq_len"], "precision": precision, "micro_batch": block["tokens"] // block["seq_len"]}
+    flops = 3 * block["tokens"] * (block["layers"] * steptime.block_flops_per_token(count, shape, block["seq_len"], 1)
+                                   + steptime.head_flops_per_token(shape))
+    elem = 3 * block["tokens"] * block["layers"] * steptime.elementwise_bytes_per_token(shape, work, 1) / (hbm_gbps * 1e9)
+    math_s = max(block["seconds"] - elem, 0.1 * block["seconds"])
+    return min(1.0, flops / math_s / (peak_tflops * 1e12))
 
 
 def measure_memory_bw(device: str, nbytes: int = 256 * 2**20) -> float:
@@ -165,9 +205,12 @@ def _peak(device_name: str, precision: str, measured_tflops: float) -> tuple[flo
     return peak, min(1.0, measured_tflops / peak), f"datasheet peak {peak} TFLOP/s (profiling/flops.py)"
 
 
-def build_profile(shape: dict, *, seq_len: int, micro_batch: int, precision: str, ranks: int | None,
+def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, ranks: int | None,
                   nvme_path: str | None, name: str, log=print) -> dict:
     """Measure this machine and return a hardware profile (schema: harness/schemas/hardware.schema.json)."""
+    from harness.planner.params import model_shape
+
+    shape = model_shape(cfg)
     device, device_name, local = _device()
     host = _host()
     ranks = ranks or local or 2
@@ -176,6 +219,8 @@ def build_profile(shape: dict, *, seq_len: int, micro_batch: int, precision: str
     log(f"  GEMM at the model's shapes: {gemm['tflops']:.3f} TFLOP/s ({precision})")
     hbm = measure_memory_bw(device)
     log(f"  device memory copy: {hbm:.1f} GB/s")
+    block = measure_block_step(cfg, seq_len, micro_batch, precision, device)
+    log(f"  forward + backward of {block['layers']} blocks + head: {block['seconds'] * 1e3:.1f} ms")
     copy = measure_host_copy(device)
     log(f"  host<->device: {copy['gbps']:.1f} GB/s" + (f" ({copy['note']})" if "note" in copy else ""))
     adam = measure_cpu_adam()
@@ -185,14 +230,16 @@ def build_profile(shape: dict, *, seq_len: int, micro_batch: int, precision: str
     from harness.profiling import calibrate_comm
 
     comm = calibrate_comm.measure(ranks)
-    if "error" in comm:
-        raise RuntimeError(comm["error"])
+    if "error" in comm:  # one GPU: nothing to time; keep the links of this GPU's named profile, and say so
+        comm = _named_links(device, device_name, comm["error"])
     for op, by_size in comm["bus_gbps"].items():
         log(f"  {comm['backend']} {op}: " + ", ".join(f"{n} ranks {v:.2f} GB/s" for n, v in by_size.items()))
     nvme = measure_nvme(nvme_path or tempfile_dir())
     log("  NVMe (async_io): " + (nvme["error"] if "error" in nvme else
                                  f"write {nvme['write_gbps']:.2f} GB/s, read {nvme['read_gbps']:.2f} GB/s"))
-    peak, eff, peak_source = _peak(device_name, precision, gemm["tflops"])
+    peak, _, peak_source = _peak(device_name, precision, gemm["tflops"])
+    eff = block_efficiency(cfg, block, peak, hbm, precision)
+    log(f"  efficiency of a training step's math: {eff:.2f} of {peak:.3g} TFLOP/s")
     largest = str(max(int(n) for n in comm["bus_gbps"]["all_reduce"]))
     latency = statistics.median(v for by in comm["latency_us"].values() for v in by.values())
     read, write = (DEFAULT_NVME_GBPS if "error" in nvme else (nvme["read_gbps"], nvme["write_gbps"]))
@@ -206,7 +253,7 @@ def build_profile(shape: dict, *, seq_len: int, micro_batch: int, precision: str
         "intra_latency_us": latency, "inter_latency_us": latency, "pcie_gbps": copy["gbps"],
         "cpu_adam_params_per_s": per_node, "nvme_read_gbps": read, "nvme_write_gbps": write,
         "comm_overlap": device != "cpu",
-        "measured": {"gemm": gemm, "memory_copy_gbps": hbm, "host_copy": copy, "cpu_adam": adam, "nvme": nvme,
+        "measured": {"gemm": gemm, "block_step": block, "memory_copy_gbps": hbm, "host_copy": copy, "cpu_adam": adam, "nvme": nvme,
                      "backend": comm["backend"], "bus_gbps": comm["bus_gbps"], "latency_us": comm["latency_us"],
                      "host": host, "model_tokens": seq_len * micro_batch},
         "source": f"harness calibrate, {time.strftime('%Y-%m-%d %H:%M')}: peak from {peak_source}; one node, so the "
@@ -226,3 +273,17 @@ def _total_memory() -> int:
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().total_memory(0)
+
+
+def _named_links(device: str, device_name: str, why: str) -> dict:
+    """Collective figures from the named profile of this GPU when no collective can be timed (one rank)."""
+    from harness.errors import UsageError
+    from harness.planner import hardware
+
+    named, _ = hardware.for_machine(device, device_name, 0) if device != "cpu" else (None, "")
+    if named is None or named.get("name") == "calibrated":
+        raise UsageError(f"calibrate: {why}; and no named profile for {device_name} to take link figures from")
+    bw, lat = named["intra_node_gbps"], named["intra_latency_us"]
+    return {"backend": f"not measured ({why}): {named['name']}'s figures",
+            "bus_gbps": {op: {"8": bw} for op in ("all_reduce", "all_gather", "reduce_scatter")},
+            "latency_us": {op: {"8": lat} for op in ("all_reduce", "all_gather", "reduce_scatter")}}
