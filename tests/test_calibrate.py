@@ -9,12 +9,14 @@ import sys
 
 import pytest
 from launch import ROOT, env, launch
+from test_planner import run_plan
 
 from harness.planner import hardware
+from harness.report import write_report
 
 
 @pytest.mark.multirank
-def test_calibrate_then_auto_run_records_predicted_and_measured_step_time(tmp_path, monkeypatch):
+def test_calibrate_then_auto_run_records_predicted_and_measured_step_time(tmp_path, monkeypatch, capsys):
     out = tmp_path / "hw.json"
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "calibrate", "--out", str(out), "--model", "tiny-llama",
                            "--seq-len", "64", "--ranks", "2", "--nvme-path", str(tmp_path)],
@@ -29,10 +31,9 @@ def test_calibrate_then_auto_run_records_predicted_and_measured_step_time(tmp_pa
     assert ("read_gbps" in m["nvme"]) or ("async_io does not load" in m["nvme"]["error"])
     assert not list(tmp_path.glob("harness-calibrate-*"))  # the NVMe probe file is removed
 
-    plan = subprocess.run([sys.executable, "-m", "harness.cli", "plan", "--model", "tiny-llama", "--gpus", "2",
-                           "--hardware", str(out), "--zero", "2", "--json"], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, check=True)
-    evaluated = json.loads(plan.stdout)["evaluated"]
+    code, text = run_plan(["--model", "tiny-llama", "--gpus", "2", "--hardware", str(out), "--zero", "2", "--json"],
+                          capsys)
+    evaluated = json.loads(text)["evaluated"]
     assert evaluated["time"]["step_time_s"] > 0 and evaluated["time"]["breakdown"]["dp_reduce_exposed_s"] > 0
 
     monkeypatch.setenv("HARNESS_HARDWARE", str(out))
@@ -42,7 +43,5 @@ def test_calibrate_then_auto_run_records_predicted_and_measured_step_time(tmp_pa
     st = json.loads((run / "summary.json").read_text())["throughput"]["step_time"]
     assert st["profile"] == "calibrated" and st["step_time_s"] > 0 and len(st["measured_median_s_per_rank"]) == 2
     assert st["ratio"] == pytest.approx(max(st["measured_median_s_per_rank"]) / st["step_time_s"], rel=0.5)
-    subprocess.run([sys.executable, "-m", "harness.cli", "report", str(run)], cwd=ROOT, env=env(), check=True,
-                   capture_output=True)
-    report = (run / "report.md").read_text()
+    report = write_report(run).read_text()
     assert "## Step time (predicted vs measured)" in report and "profile **calibrated**" in report

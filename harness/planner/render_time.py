@@ -18,12 +18,12 @@ def breakdown_text(t: dict) -> str:
 def layout_line(i: int | str, r: dict) -> str:
     t = r["time"]
     ckpt = "full" if r["activation_checkpointing"] else "none"
-    return (f"  {i:>2}  {r['label']:<24}{ckpt:<6}{r['micro_batch']:>5}{r['micro_batches']:>6}"
+    return (f"  {i:>2}  {r['label']:<32}{ckpt:<6}{r['micro_batch']:>5}{r['micro_batches']:>6}"
             f"{gb(r['memory']['gpu_bytes']):>10}{t['step_time_s']:>9.3g}{t['tokens_per_s_per_gpu']:>10.0f}"
             f"{t['mfu']:>7.1%}  {breakdown_text(t)}")
 
 
-HEAD = (f"  {'#':>2}  {'layout':<24}{'ckpt':<6}{'micro':>5}{'accum':>6}{'GPU/rank':>10}{'step s':>9}"
+HEAD = (f"  {'#':>2}  {'layout':<32}{'ckpt':<6}{'micro':>5}{'accum':>6}{'GPU/rank':>10}{'step s':>9}"
         f"{'tok/s/GPU':>10}{'MFU':>7}  breakdown (s; exposed comm only)")
 
 

@@ -144,7 +144,7 @@ def _offload_s(c, profile: dict, hw: dict, work: dict, shard: int, m: int, t_mb:
         out["optimizer"] = shard / hardware.device_adam_params_per_s(profile)
     else:
         out["optimizer"] = shard * gpn / profile["cpu_adam_params_per_s"]
-        down = m * lp * shard / pcie if c.stage == 2 else lp * shard / pcie  # ZeRO-2 copies every micro-step
+        down = m * lp * shard / pcie  # each micro-step's gradient partition goes to the CPU buffer
         hidden = m * (t_mb["backward"] + t_mb["recompute"]) if profile["comm_overlap"] else 0.0
         out["pcie"] = max(0.0, down - hidden) + lp * shard / pcie  # grads down, updated params up
     if c.offload_param != "none":

@@ -214,6 +214,10 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
     device, device_name, local = _device()
     host = _host()
     ranks = ranks or local or 2
+    if device == "cpu":  # each training rank gets its share of the cores: measure with that many threads
+        import torch
+
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), host["cores"] // ranks)))
     log(f"calibrating {device_name} x {ranks} ranks ({host['cores']} cores, {host['ram_bytes'] / 1e9:.0f} GB RAM)")
     gemm = measure_gemm(shape, seq_len * micro_batch, precision, device)
     log(f"  GEMM at the model's shapes: {gemm['tflops']:.3f} TFLOP/s ({precision})")
