@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="preset, known model (llama-2-7b, ...), local dir or config.json, or hub id")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs per node")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    parser.add_argument("--gpu-mem", required=True, help="memory per GPU with a unit: 80GB, 80GiB, 24000MB")
+    parser.add_argument("--gpu-mem", help="memory per GPU with a unit: 80GB, 80GiB, 24000MB (default: the --hardware "
+                                          "profile's)")
     parser.add_argument("--cpu-mem", help="CPU RAM per node (default: not checked)")
     parser.add_argument("--nvme", help="NVMe space per node for ZeRO-Infinity (default: none)")
     parser.add_argument("--seq-len", type=int,
@@ -79,8 +80,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-accum", type=int, default=1,
                         help="micro-batches per step (default 1; pipelines use 4 x stages)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
-    parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="recompute each block in backward (keeps only block inputs)")
+    parser.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=("none", "full"),
+                        help="full: recompute each block in backward (keeps only block inputs); alone means full")
+    parser.add_argument("--global-batch", type=int,
+                        help="sequences per optimizer step over all GPUs (default micro-batch x grad-accum x GPUs); "
+                             "the search keeps it fixed and picks the micro-batch")
+    parser.add_argument("--hardware", help="hardware profile for the step-time model: a name "
+                                           "(harness/planner/profiles/) or a JSON file from `harness calibrate` "
+                                           "(default: the named GPU profile nearest --gpu-mem)")
+    layout = parser.add_argument_group("one exact layout (evaluated instead of searched; any of these selects it)")
+    layout.add_argument("--tp", type=int, help="tensor-parallel degree (inside a node)")
+    layout.add_argument("--pp", type=int, help="pipeline stages")
+    layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
+    layout.add_argument("--offload", choices=("none", "cpu", "nvme"), help="optimizer (ZeRO-3: and parameters) offload")
+    parser.add_argument("--scaling", metavar="PNG", help="also draw predicted tokens/s per GPU against node count "
+                                                         "for the recommended layout into this PNG")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -89,11 +103,19 @@ def run(args: argparse.Namespace) -> int:
     from harness.planner import plan
     from harness.planner.render import to_json, to_text
 
-    gpu_mem = parse_size(args.gpu_mem, "--gpu-mem")
+    from harness.planner import hardware
+
+    profile = hardware.load(args.hardware) if args.hardware else None
+    if args.gpu_mem is None and profile is None:
+        raise UsageError("--gpu-mem is required without --hardware: give the memory per GPU (e.g. --gpu-mem 80GB) "
+                         f"or a profile ({', '.join(hardware.names())})")
+    gpu_mem = parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else profile["gpu_mem_bytes"]
+    profile = profile or hardware.for_memory(gpu_mem)
     cpu_mem = parse_size(args.cpu_mem, "--cpu-mem") if args.cpu_mem is not None else None
     nvme = parse_size(args.nvme, "--nvme") if args.nvme is not None else None
     for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--seq-len", args.seq_len),
-                        ("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum)):
+                        ("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum),
+                        ("--global-batch", args.global_batch), ("--tp", args.tp), ("--pp", args.pp)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1")
     cfg = resolve_model(args.model)
@@ -103,9 +125,26 @@ def run(args: argparse.Namespace) -> int:
         result = plan(cfg, gpus_per_node=args.gpus, nodes=args.nodes, gpu_mem_bytes=gpu_mem,
                       cpu_mem_bytes=cpu_mem, nvme_bytes=nvme, seq_len=seq_len,
                       micro_batch=args.micro_batch, precision=args.precision,
-                      activation_checkpointing=args.activation_checkpointing, grad_accum=args.grad_accum,
-                      model_name=args.model)
+                      activation_checkpointing=args.activation_checkpointing == "full", grad_accum=args.grad_accum,
+                      model_name=args.model, hardware_profile=profile, global_batch=args.global_batch,
+                      layout=_layout(args))
     except ValueError as e:
         raise UsageError(f"plan: {e}") from None
+    if not args.hardware:
+        result.notes.append(f"hardware profile not given: timed on {profile['name']} (the named profile nearest "
+                            f"{args.gpu_mem} per GPU; --hardware NAME|FILE to choose)")
+    if args.scaling and result.recommended:
+        from harness.planner.scaling import curve
+        from harness.report.scaling_plot import draw
+
+        result.scaling = curve(result, cfg, profile)
+        result.scaling["png"] = draw(result.scaling, args.scaling)
     sys.stdout.write(to_json(result) + "\n" if args.json else to_text(result))
-    return 0 if result.recommended else 1
+    return 0 if result.recommended or result.evaluated else 1
+
+
+def _layout(args: argparse.Namespace) -> dict | None:
+    """{zero, offload, tp, pp} when any layout flag is given (the rest default to 1 / ZeRO-0 / none)."""
+    if all(getattr(args, k) is None for k in ("tp", "pp", "zero", "offload")):
+        return None
+    return {"tp": args.tp or 1, "pp": args.pp or 1, "zero": args.zero or 0, "offload": args.offload or "none"}

@@ -117,7 +117,7 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
     result = {
         "recipe": c.recipe, "label": c.label, "zero_stage": c.stage, "offload_optimizer": c.offload_optimizer,
         "offload_param": c.offload_param, "tp": c.tp, "pp": c.pp, "dp": dp, "micro_batches": m,
-        "params_per_rank": params, "bubble_fraction": pipeline.bubble_fraction(c.pp, m),
+        "params_per_rank": params, "blocks_per_rank": layers, "bubble_fraction": pipeline.bubble_fraction(c.pp, m),
         "memory": {
             "model_states": states, "activations": acts,
             "gpu_bytes": device["gpu"] + acts["total"],
@@ -227,11 +227,23 @@ class Plan:
     recommended: dict | None  # the first that fits; None when nothing does
     missing: list[str]  # when nothing fits: what would make it fit
     notes: list[str]  # assumptions the recommendation rests on (e.g. CPU RAM not given)
+    # with a hardware profile (search.attach): the fitting layouts fastest first (recommended = the first), the
+    # seeds' first fit timed at the same global batch, their speed ratio, or one layout evaluated exactly
+    profile: dict | None = None
+    ranked: list[dict] | None = None
+    first_fit: dict | None = None
+    comparison: dict | None = None
+    evaluated: dict | None = None
+    scaling: dict | None = None  # `plan --scaling`: tokens/s per GPU against node count (planner/scaling.py)
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "hardware": self.hardware, "workload": self.workload, "seed": self.seed,
-                "recommended": self.recommended, "missing": self.missing, "notes": self.notes,
-                "candidates": self.candidates}
+        out = {"model": self.model, "hardware": self.hardware, "workload": self.workload, "seed": self.seed,
+               "recommended": self.recommended, "missing": self.missing, "notes": self.notes,
+               "candidates": self.candidates}
+        for key in ("profile", "ranked", "first_fit", "comparison", "evaluated", "scaling"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 def hardware(gpus_per_node: int, nodes: int, gpu_mem_bytes: int, cpu_mem_bytes: int | None,
@@ -315,11 +327,14 @@ def seed_headline(count: ParamCount, hw: dict, precision: str) -> dict:
 def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: int,
          cpu_mem_bytes: int | None = None, nvme_bytes: int | None = None, seq_len: int = 2048,
          micro_batch: int = 1, precision: str = "bf16", activation_checkpointing: bool = False,
-         grad_accum: int = 1, model_name: str | None = None, count: ParamCount | None = None) -> Plan:
+         grad_accum: int = 1, model_name: str | None = None, count: ParamCount | None = None,
+         hardware_profile: dict | None = None, global_batch: int | None = None, layout: dict | None = None) -> Plan:
     """Evaluate every strategy for this model and hardware; recommend the first that fits.
 
     cpu_mem_bytes / nvme_bytes are per node. CPU RAM not given: offload is not checked against it (its
     need is still reported). NVMe not given: there is none. `count` skips counting (e.g. a meta count).
+    With `hardware_profile` the step-time model ranks the layouts and recommends the fastest (search.attach);
+    `layout` ({zero, offload, tp, pp}) evaluates that one layout instead.
     """
     from harness.planner.params import count_params, model_shape
 
@@ -334,10 +349,15 @@ def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: 
     name = model_name or model_cfg.get("_name_or_path") or "MODEL"
     results = evaluate_all(count, shape, hw, work, name)
     best = next((r for r in results if r["fits"]), None)
-    return Plan(model={"name": name, "params": count.to_dict(), "shape": shape}, hardware=hw, workload=work,
-                seed=seed_headline(count, hw, precision), candidates=results, recommended=best,
-                missing=[] if best else missing(results, count, shape, hw, work),
-                notes=notes(best, hw, shape, seq_len))
+    result = Plan(model={"name": name, "params": count.to_dict(), "shape": shape}, hardware=hw, workload=dict(work),
+                  seed=seed_headline(count, hw, precision), candidates=results, recommended=best,
+                  missing=[] if best else missing(results, count, shape, hw, work),
+                  notes=notes(best, hw, shape, seq_len))
+    if hardware_profile is not None:
+        from harness.planner import search
+
+        search.attach(result, count, shape, hw, work, hardware_profile, global_batch, layout)
+    return result
 
 
 def notes(best: dict | None, hw: dict, shape: dict, seq_len: int) -> list[str]:

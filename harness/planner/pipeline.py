@@ -46,10 +46,32 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 
 def partition_balanced(weights: list[int], num_parts: int) -> list[int]:
-    """deepspeed.runtime.utils.partition_balanced: minimise (largest - smallest) part sum; same tie-breaking."""
-    n, m = len(weights), num_parts
-    if n <= m:
-        return partition_uniform(n, m)
+    """deepspeed.runtime.utils.partition_balanced: minimise (largest - smallest) part sum; same tie-breaking.
+
+    The dynamic program's cell (i, j) (the first i layers in j parts) does not depend on the number of parts
+    asked for, so one table serves every pipeline depth up to the one it was built for: the search asks for
+    many depths of the same layers. Split points k < j - 1 are skipped: their cost is infinite and never wins
+    over a finite one, so the result is DeepSpeed's exactly (tests hold it equal)."""
+    n = len(weights)
+    if n <= num_parts:
+        return partition_uniform(n, num_parts)
+    position = _table(tuple(weights), num_parts)
+    parts = [n]
+    for j in reversed(range(1, num_parts + 1)):
+        parts.append(position[parts[-1]][j])
+    return parts[::-1]
+
+
+_TABLES: dict[tuple[int, ...], list[list[int]]] = {}
+
+
+def _table(weights: tuple[int, ...], num_parts: int) -> list[list[int]]:
+    """position[i][j]: DeepSpeed's chosen last split for the first i layers in j parts, j up to >= num_parts."""
+    table = _TABLES.get(weights)
+    if table is not None and len(table[0]) > num_parts:
+        return table
+    n = len(weights)
+    m = min(n, max(num_parts, 2 * (len(table[0]) - 1) if table else 16))
     inf = float("inf")
     dp_max = [[inf] * (m + 1) for _ in range(n + 1)]
     dp_min = [[inf] * (m + 1) for _ in range(n + 1)]
@@ -61,16 +83,19 @@ def partition_balanced(weights: list[int], num_parts: int) -> list[int]:
     dp_max[0][0] = dp_cost[0][0] = 0
     for i in range(1, n + 1):
         for j in range(1, min(i, m) + 1):
-            for k in range(i):
+            best_cost, best = inf, None
+            for k in range(j - 1, i):
                 part = prefix[i] - prefix[k]
                 max_sum, min_sum = max(dp_max[k][j - 1], part), min(dp_min[k][j - 1], part)
                 cost = max_sum - min_sum
-                if dp_cost[i][j] >= cost:  # `>=`: a later k wins a tie, as in DeepSpeed
-                    dp_cost[i][j], dp_max[i][j], dp_min[i][j], position[i][j] = cost, max_sum, min_sum, k
-    parts = [n]
-    for j in reversed(range(1, m + 1)):
-        parts.append(position[parts[-1]][j])
-    return parts[::-1]
+                if best_cost >= cost:  # `>=`: a later k wins a tie, as in DeepSpeed
+                    best_cost, best = cost, (max_sum, min_sum, k)
+            dp_cost[i][j] = best_cost
+            dp_max[i][j], dp_min[i][j], position[i][j] = best
+    if len(_TABLES) > 64:
+        _TABLES.clear()
+    _TABLES[weights] = position
+    return position
 
 
 def layer_specs(count: ParamCount, tp: int = 1) -> list[tuple[str, int]]:

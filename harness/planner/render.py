@@ -88,13 +88,14 @@ def _table(plan: Plan) -> list[str]:
     head = f"  {'#':>2}  {'strategy':<30}{'fits':<5}{'GPU/rank':>10}{'CPU/node':>10}{'NVMe/node':>10}" \
            f"{'wire/step':>11}  why not"
     lines = ["decision order (GB = 10^9 bytes, GiB = 2^30 bytes):", head]
-    last = plan.candidates.index(plan.recommended) if plan.recommended else len(plan.candidates) - 1
+    first = next((r for r in plan.candidates if r["fits"]), None)
+    last = plan.candidates.index(first) if first else len(plan.candidates) - 1
     for i, r in enumerate(plan.candidates[:last + 1], 1):
         mem = r["memory"]
         cells = [gb(mem["gpu_bytes"]), gb(mem["cpu_bytes_per_node"]) if mem["cpu_bytes_per_node"] else "-",
                  gb(mem["nvme_bytes_per_node"]) if mem["nvme_bytes_per_node"] else "-"]
         verdict = "yes" if r["fits"] else ("n/a" if not r["applicable"] else "no")
-        why = r["why_not"] or ("<- recommended" if r is plan.recommended else "")
+        why = r["why_not"] or ("<- recommended" if r is plan.recommended else "<- seeds' first fit")
         lines.append(f"  {i:>2}  {r['label']:<30}{verdict:<5}{cells[0]:>10}{cells[1]:>10}{cells[2]:>10}"
                      f"{gb(r['comm']['wire_bytes']) if r['comm']['wire_bytes'] else '-':>11}  {why}")
     if last + 1 < len(plan.candidates):
@@ -103,14 +104,26 @@ def _table(plan: Plan) -> list[str]:
 
 
 def to_text(plan: Plan) -> str:
-    lines = _header(plan) + [f"note      {n}" for n in plan.notes] + [""]
+    from harness.planner import render_time
+
+    lines = _header(plan) + ([render_time.profile_line(plan)] if plan.profile else [])
+    lines += [f"note      {n}" for n in plan.notes] + [""]
+    if plan.evaluated:
+        return "\n".join(lines + render_time.evaluated(plan) + [""] + _breakdown(plan.evaluated, plan.hardware)
+                         + _comm(plan.evaluated)) + "\n"
     r = plan.recommended
     if r:
         label = f" ({r['label']})" if r["label"] != r["recipe"] else ""
-        lines.append(f"recommended: {r['recipe']}{label}: the first option in the decision order that fits")
+        why = "the first option in the decision order that fits"
+        if "time" in r and not (plan.comparison or {}).get("kept_first_fit"):
+            why = "the fastest predicted layout that fits"
+        elif "time" in r:
+            why += " (and within 5 % of the fastest predicted)"
+        lines.append(f"recommended: {r['recipe']}{label}: {why}")
         lines.append(f"  launch: {r['launch']}")
         lines.append("  overrides: " + ", ".join(f"{k}={v}" for k, v in r["overrides"].items()))
         lines += _breakdown(r, plan.hardware) + _comm(r)
+        lines += [""] + render_time.ranking(plan) if plan.ranked else []
     else:
         lines.append("no strategy fits:")
         lines += [f"  {line}" for line in plan.missing]

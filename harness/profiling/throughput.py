@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from harness.profiling import flops
-from harness.profiling.ranks import logged, median
+from harness.profiling.ranks import gather, logged, median
 
 TIMERS = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")  # DeepSpeed's global (per-step) timers
 WARMUP_STEPS = 1  # left out of the summary medians (first-step allocation, ZeRO-3 tracing)
@@ -73,6 +73,9 @@ class ThroughputHook:
             engine.timers.log = _quiet_log(engine.timers)
         self.rows: list[dict] = []
         self._start = 0.0
+        from harness.profiling import predict_time
+
+        self.predicted = predict_time.for_run(spec, engine, dist.device, self.device_name, _device_memory(dist.device))
 
     def before_step(self, step: int) -> None:
         self._start = time.perf_counter()
@@ -103,5 +106,25 @@ class ThroughputHook:
         if self.mfu_note:
             out["mfu_note"] = self.mfu_note
         window = list(self.window) if self.window else None
+        step_s = [self.tokens_per_step / r["tokens_per_s"] for r in self.rows]
+        per_rank = gather(median(step_s))
+        predicted = self.predicted.get("step_time_s")
+        measured = median(per_rank)
+        out["step_time"] = dict(self.predicted, measured_median_s_per_rank=per_rank,
+                                ratio=measured / predicted if predicted and measured else None)
         return {"throughput": out,
                 "profile": {"window": window, "step_numbering": "logged steps, 1-based (the records' step)"}}
+
+
+def _device_memory(device: str) -> int:
+    """Bytes of one device's memory (on the CPU accelerator: host RAM shared by the local ranks)."""
+    import os
+
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory
+    import psutil
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    return psutil.virtual_memory().total // max(local, 1)

@@ -316,6 +316,9 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
     if timers:
         out += ["", "## Step time breakdown (DeepSpeed timers, median ms, rank 0)", "",
                 _table(list(timers), [[f"{v:.2f}" for v in timers.values()]])]
+    from harness.report.step_time import step_time_section
+
+    out += step_time_section(run)
     out += ["", "## Plots", ""]
     for name, series in plots.items():
         out += [f"![{name}]({name})", f"series: {', '.join(series) or 'none (not recorded)'}", ""]

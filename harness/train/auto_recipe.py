@@ -27,30 +27,43 @@ def detect_hardware(world_size: int, nvme_path: str | None) -> dict:
     else:
         gpu_mem = accel.total_memory(int(os.environ.get("LOCAL_RANK", "0")))
     nvme = shutil.disk_usage(nvme_path).free if nvme_path and os.path.isdir(nvme_path) else None
+    name = "cpu"
+    if accel.device_name() != "cpu":
+        import torch
+
+        name = torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", "0")))
     return {"gpus_per_node": local, "nodes": max(1, world_size // max(local, 1)), "gpu_mem_bytes": gpu_mem,
-            "cpu_mem_bytes": cpu_mem, "nvme_bytes": nvme, "device": accel.device_name()}
+            "cpu_mem_bytes": cpu_mem, "nvme_bytes": nvme, "device": accel.device_name(), "device_name": name}
 
 
 def choose(overrides: list[str], world_size: int) -> tuple[str, list[str], str]:
     """(recipe name, planner overrides, one-line reason). User overrides are applied after these."""
-    from harness.planner import plan
+    from harness.planner import hardware, plan
 
     settings = complete({"description": "auto"}, "--recipe auto", overrides)
     train = settings["train"]
     hw = detect_hardware(world_size, settings["zero"]["nvme_path"])
     micro = settings["batch"]["micro_batch_per_gpu"]
+    profile, source = hardware.for_machine(hw["device"], hw["device_name"], hw["gpu_mem_bytes"])
     result = plan(load_model_config(train["model"]), gpus_per_node=hw["gpus_per_node"], nodes=hw["nodes"],
                   gpu_mem_bytes=hw["gpu_mem_bytes"], cpu_mem_bytes=hw["cpu_mem_bytes"], nvme_bytes=hw["nvme_bytes"],
                   seq_len=train["seq_len"], micro_batch=micro if isinstance(micro, int) else 1,
                   precision=settings["precision"], activation_checkpointing=settings["activation_checkpointing"],
-                  model_name=train["model"])
+                  model_name=train["model"], hardware_profile=profile)
     best = result.recommended
     if best is None:
         raise UsageError(f"--recipe auto: no strategy fits {train['model']} on {hw['nodes']} x {hw['gpus_per_node']} "
                          f"{hw['device']} ranks: " + "; ".join(result.missing))
     planned = [f"{k}={_literal(v)}" for k, v in best["overrides"].items()]
     reason = (f"planner chose {best['recipe']} for {train['model']} on {hw['nodes']} x {hw['gpus_per_node']} "
-              f"{hw['device']} ranks ({hw['gpu_mem_bytes'] / 1e9:.1f} GB each): first fit in the decision order")
+              f"{hw['device']} ranks ({hw['gpu_mem_bytes'] / 1e9:.1f} GB each): ")
+    if "time" not in best:  # no hardware profile: memory alone decides
+        reason += f"first fit in the decision order ({source})"
+    else:
+        cmp = result.comparison or {}
+        reason += (f"{best['label']}, predicted {best['time']['step_time_s']:.3g} s/step on {source}"
+                   + (f", {cmp['speedup']:.2f}x the seeds' first fit ({cmp['first_fit']})"
+                      if cmp and not cmp.get("kept_first_fit") else ", the seeds' first fit (fastest within 5 %)"))
     return best["recipe"], planned, reason
 
 

@@ -1,0 +1,61 @@
+"""The step-time part of a plan as text: the fastest layouts, the seeds' first fit beside them, one evaluated
+layout. Times in seconds per optimizer step; tokens/s per GPU and MFU (model FLOPs, no recompute) over the
+profile's dense peak."""
+
+from __future__ import annotations
+
+from harness.planner.decide import gb
+
+SHORT = {"forward_s": "fwd", "backward_s": "bwd", "recompute_s": "recompute", "tp_comm_s": "tp",
+         "bubble_s": "bubble", "p2p_s": "p2p", "dp_reduce_exposed_s": "dp-reduce", "dp_gather_exposed_s": "dp-gather",
+         "tied_embedding_s": "tied", "optimizer_s": "optimizer", "offload_pcie_s": "pcie", "nvme_s": "nvme"}
+
+
+def breakdown_text(t: dict) -> str:
+    return " ".join(f"{SHORT[k]} {v:.3g}" for k, v in t["breakdown"].items() if v > 0.005 * t["step_time_s"])
+
+
+def layout_line(i: int | str, r: dict) -> str:
+    t = r["time"]
+    ckpt = "full" if r["activation_checkpointing"] else "none"
+    return (f"  {i:>2}  {r['label']:<32}{ckpt:<6}{r['micro_batch']:>5}{r['micro_batches']:>6}"
+            f"{gb(r['memory']['gpu_bytes']):>10}{t['step_time_s']:>9.3g}{t['tokens_per_s_per_gpu']:>10.0f}"
+            f"{t['mfu']:>7.1%}  {breakdown_text(t)}")
+
+
+HEAD = (f"  {'#':>2}  {'layout':<32}{'ckpt':<6}{'micro':>5}{'accum':>6}{'GPU/rank':>10}{'step s':>9}"
+        f"{'tok/s/GPU':>10}{'MFU':>7}  breakdown (s; exposed comm only)")
+
+
+def profile_line(plan) -> str:
+    p, w = plan.profile, plan.workload
+    return (f"time      hardware profile {p['name']} (gemm efficiency {p['gemm_efficiency']:.2f}; --hardware NAME|FILE, "
+            f"`harness calibrate`); global batch {w['global_batch']} x {w['seq_len']} = "
+            f"{w['global_batch'] * w['seq_len']:,} tokens per step")
+
+
+def ranking(plan, top: int = 5) -> list[str]:
+    if not plan.ranked:
+        return []
+    lines = [f"fastest layouts that fit ({len(plan.ranked)} fit; --json lists all):", HEAD]
+    lines += [layout_line(i, r) for i, r in enumerate(plan.ranked[:top], 1)]
+    if plan.first_fit:
+        lines.append(layout_line("ff", plan.first_fit) + "   <- seeds' first fit")
+    cmp = plan.comparison
+    if cmp:
+        if cmp["fastest"] == cmp["first_fit"]:
+            lines.append(f"the seeds' first fit ({cmp['first_fit']}) is also the fastest predicted layout")
+        elif cmp.get("kept_first_fit"):
+            lines.append(f"recommending the seeds' first fit ({cmp['first_fit']}): {cmp['fastest']} is predicted only "
+                         f"{cmp['speedup']:.2f}x faster, inside the model's error ({cmp['why']})")
+        else:
+            lines.append(f"predicted speed-up of {cmp['fastest']} over the seeds' first fit ({cmp['first_fit']}): "
+                         f"{cmp['speedup']:.2f}x ({cmp['why']})")
+    return lines
+
+
+def evaluated(plan) -> list[str]:
+    r = plan.evaluated
+    verdict = "fits" if r["fits"] else f"DOES NOT FIT ({r['why_not']})"
+    return [f"evaluated layout (dp {r['dp']} x tp {r['tp']} x pp {r['pp']}): {verdict}", HEAD, layout_line("", r),
+            f"  launch: {r['launch']}"]

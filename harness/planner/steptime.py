@@ -1,0 +1,214 @@
+"""Step time of one layout on one hardware profile: compute, exposed communication, pipeline bubble, offload.
+
+Pure arithmetic on the model shape and the profile (no torch). Every term, its formula and its source:
+
+Compute (per rank, per micro-batch, on the slowest pipeline stage). With t tokens per micro-batch, a block
+holding P_b matmul parameters on this tensor-parallel rank, d_attn = heads x head_dim, s the sequence:
+    forward  F = t * (2 P_b + 4 s d_attn / tp)   per block     (2 FLOPs per multiply-add; QK^T and AV over
+                                                                 the full s x s, no causal halving: Megatron's
+                                                                 and PaLM's convention, 2104.04473 s5.1)
+             + t * 2 h V / tp_head               LM head on the last stage
+    backward 2 F (the gradients of inputs and of weights); recompute with activation checkpointing: one
+    more forward of the blocks (not the head), as Megatron's and HF's full recomputation do. This is
+    Megatron's hardware-FLOPs count 96 B s l h^2 (1 + s/6h + V/16lh) for a GPT shape, term by term.
+    time = FLOPs / (peak x gemm_efficiency): one efficiency constant per profile (the elementwise work is
+    inside it).
+Model FLOPs (for MFU) leave the recompute out: 72 B s l h^2 (1 + s/6h + V/12lh) for a GPT shape.
+
+Tensor parallel (Megatron f/g, 1909.08053 s3): per block and micro-batch two all-reduces of t x h in
+forward, two in backward, two more when the forward is recomputed; they sit on the critical path (each
+feeds the next matmul), so they add to the compute time.
+
+Pipeline (DeepSpeed's TrainSchedule is 1F1B without interleaving; Narayanan et al. 2104.04473 s2.2.1):
+    step = (m + p - 1) x (t_f + t_b) of the slowest stage, i.e. the bubble (p - 1)/(m + p - 1) of the step;
+    Megatron's interleaved schedule with v model chunks per stage shrinks the bubble term to (p - 1)/v
+    (2104.04473 s2.2.2): `interleave` is for checking published Megatron runs only, DeepSpeed cannot run it.
+    p2p: each of the m + p - 1 slots of the critical path sends one activation forward and one gradient
+    back, t x h (/ tp in 3D, rebuilt by an all-gather over tp) over the stage link, blocking in DeepSpeed.
+
+Data parallel (ZeRO), exposed time. DeepSpeed 0.19.8 (deepspeed-facts.md, planner/comm.py for bytes):
+    ZeRO-0   gradients all-reduced after backward at the boundary (engine.allreduce_gradients): exposed.
+    ZeRO-1/2 reduced in buckets from backward hooks; with overlap_comm on a side stream they overlap the
+             backward (ZeRO-1 only the boundary micro-step's, ZeRO-2 every micro-step's); the last bucket
+             waits for the last gradient, so at least one bucket is exposed. The all-gather of the updated
+             partitions after the step is exposed.
+    ZeRO-3   parameters all-gathered per module in forward and backward with prefetch (overlaps the
+             compute of the module before), gradients reduce-scattered per bucket in backward; exposed =
+             what exceeds the compute it hides behind, plus the first gather and the last bucket.
+    pipeline the pipe engine reduces gradients after the whole schedule: exposed.
+  On a profile with comm_overlap false (DeepSpeed's CPU accelerator: its streams are no-ops, gloo blocks
+  the rank), every collective is exposed.
+
+Optimizer step: on the device, memory bound: 30 B per parameter touched (fp32 param, grad, m, v read;
+param, m, v written; the 16-bit copy), over hbm_gbps (or a measured rate). Offloaded (ZeRO-Offload,
+Ren et al. 2101.06840): DeepSpeedCPUAdam at cpu_adam_params_per_s per node, shared by its ranks; gradients
+go down and updated 16-bit parameters come up over PCIe (pcie_gbps per GPU; the down copy overlaps backward
+where the profile overlaps); ZeRO-3 parameters on the CPU cross PCIe before every gather (forward and
+backward). NVMe (ZeRO-Infinity, Rajbhandari et al. 2104.07857): the fp32 optimizer states of the node's
+ranks are read and written once per step (16 B read, 12 B written per parameter) and parameters on NVMe are
+read twice per micro-step, at nvme_read_gbps / nvme_write_gbps per node.
+"""
+
+from __future__ import annotations
+
+from harness.planner import collectives, hardware
+from harness.planner.memory import PRECISION_BYTES
+
+OPT_STATE_READ_BYTES = 16  # fp32 master, exp_avg, exp_avg_sq, fp32 gradient
+OPT_STATE_WRITE_BYTES = 12  # fp32 master, exp_avg, exp_avg_sq
+
+
+def block_flops_per_token(count, shape: dict, seq_len: int, tp: int) -> float:
+    """Forward FLOPs of one block per token on one tensor-parallel rank."""
+    d_attn = shape["num_attention_heads"] * shape["head_dim"]
+    return 2 * count.block_params(tp) + 4 * seq_len * d_attn / tp
+
+
+def head_flops_per_token(shape: dict) -> float:
+    return 2 * shape["hidden_size"] * shape["vocab_size"]
+
+
+def model_flops_per_step(count, shape: dict, seq_len: int, tokens: int) -> float:
+    """Training model FLOPs per step (forward + backward, no recompute), the whole model."""
+    blocks = count.num_layers * block_flops_per_token(count, shape, seq_len, 1)
+    return 3 * tokens * (blocks + head_flops_per_token(shape))
+
+
+def elementwise_bytes_per_token(shape: dict, work: dict, tp: int) -> float:
+    """Bytes of activations one block writes per token in forward (memory.py's count of what backward keeps;
+    with attention "materialized", Megatron's s x s scores: softmax output, dropout mask and output, 5 a s
+    bytes, Korthikanti et al. 2205.05198 eq. 1)."""
+    from harness.planner.memory import _layer_token_elems
+
+    lp = PRECISION_BYTES[work["precision"]]
+    scores = 5 * shape["num_attention_heads"] * work["seq_len"] / tp if work.get("attention") == "materialized" else 0
+    return lp * _layer_token_elems(shape, tp) + scores
+
+
+def compute_s(count, shape: dict, profile: dict, work: dict, tp: int, blocks: int, head: bool) -> dict:
+    """Forward, backward and recompute seconds of one micro-batch on one rank holding `blocks` blocks: the
+    matmuls at the achieved FLOP/s plus the memory-bound elementwise work (norms, activations, softmax,
+    dropout), which reads and writes every saved activation: written in forward, read and its gradient
+    written and read in backward (3 passes over hbm_gbps), once more when recomputed."""
+    tokens = work["seq_len"] * work["micro_batch"]
+    rate = hardware.achieved_flops(profile, work["precision"])
+    block = tokens * blocks * block_flops_per_token(count, shape, work["seq_len"], tp)
+    fwd = block + (tokens * head_flops_per_token(shape) / tp if head else 0.0)
+    elem = tokens * blocks * elementwise_bytes_per_token(shape, work, tp) / (profile["hbm_gbps"] * 1e9)
+    recompute = block / rate + elem if work["activation_checkpointing"] else 0.0
+    return {"forward": fwd / rate + elem, "backward": 2 * fwd / rate + 2 * elem, "recompute": recompute}
+
+
+def _placement(c, hw: dict) -> dict[str, tuple[int, bool]]:
+    """(stride, spans nodes?) per group name used in the comm rows."""
+    gpn, dp = hw["gpus_per_node"], hw["world"] // (c.tp * c.pp)
+    strides = {"tp": 1, "tp-pipe": 1, "dp": c.tp, "pp": c.tp * dp, "pp-tied": c.tp * dp * max(c.pp - 1, 1)}
+    sizes = {"tp": c.tp, "tp-pipe": c.tp, "dp": dp, "pp": c.pp, "pp-tied": 2}
+    return {g: (strides[g], collectives.spans_nodes(strides[g], sizes[g], gpn)) for g in strides}
+
+
+def _row_s(profile: dict, row: dict, inter: bool, calls: int = 1) -> float:
+    size = 2 if row["collective"] in ("send", "recv") else row["group_size"]
+    return collectives.collective_s(profile, row["collective"], row["logged_bytes"], size, inter=inter,
+                                    calls=calls)
+
+
+def _dp_exposed(c, rows: list[dict], profile: dict, inter: bool, t_mb: dict, m: int, bucket_bytes: float) -> dict:
+    """Exposed seconds per step of the data-parallel collectives."""
+    times = {r["collective"]: _row_s(profile, r, inter) for r in rows}
+    reduce = times.get("all_reduce", 0.0) + times.get("reduce_scatter_tensor", 0.0)
+    gather = times.get("all_gather_into_tensor", 0.0)
+    total = reduce + gather
+    if not profile["comm_overlap"] or c.stage == 0 or c.pp > 1:
+        return {"dp_reduce": reduce, "dp_gather": gather, "dp_total": total}
+    grads = sum(r["logged_bytes"] for r in rows if r["collective"] in ("all_reduce", "reduce_scatter_tensor"))
+    last_bucket = reduce * min(1.0, bucket_bytes / grads) if grads else 0.0
+    window = t_mb["backward"] + t_mb["recompute"]
+    if c.stage in (1, 2):
+        reducing_steps = 1 if c.stage == 1 else m
+        per_step = reduce / reducing_steps
+        exposed = reducing_steps * max(last_bucket / reducing_steps, per_step - window)
+        return {"dp_reduce": exposed, "dp_gather": gather, "dp_total": total}
+    per_step_reduce, per_step_gather = reduce / m, gather / m  # ZeRO-3: gathers split forward / backward
+    exposed = m * (max(0.0, per_step_gather / 2 - t_mb["forward"])
+                   + max(0.0, per_step_reduce + per_step_gather / 2 - window))
+    first = per_step_gather / 2 / max(1, c.pp)  # nothing to hide the first module's gather behind
+    return {"dp_reduce": exposed + last_bucket, "dp_gather": first, "dp_total": total}
+
+
+def _offload_s(c, profile: dict, hw: dict, work: dict, shard: int, m: int, t_mb: dict) -> dict:
+    lp = PRECISION_BYTES[work["precision"]]
+    gpn, pcie = hw["gpus_per_node"], profile["pcie_gbps"] * 1e9
+    out = {"optimizer": 0.0, "pcie": 0.0, "nvme": 0.0}
+    if c.offload_optimizer == "none":
+        out["optimizer"] = shard / hardware.device_adam_params_per_s(profile)
+    else:
+        out["optimizer"] = shard * gpn / profile["cpu_adam_params_per_s"]
+        down = m * lp * shard / pcie  # each micro-step's gradient partition goes to the CPU buffer
+        hidden = m * (t_mb["backward"] + t_mb["recompute"]) if profile["comm_overlap"] else 0.0
+        out["pcie"] = max(0.0, down - hidden) + lp * shard / pcie  # grads down, updated params up
+    if c.offload_param != "none":
+        fetch = 2 * m * lp * shard
+        out["pcie"] += fetch / pcie
+        if c.offload_param == "nvme":
+            out["nvme"] += fetch * gpn / (profile["nvme_read_gbps"] * 1e9)
+    if c.offload_optimizer == "nvme":
+        out["nvme"] += shard * gpn * (OPT_STATE_READ_BYTES / (profile["nvme_read_gbps"] * 1e9)
+                                      + OPT_STATE_WRITE_BYTES / (profile["nvme_write_gbps"] * 1e9))
+    return out
+
+
+def _stage_compute(c, count, shape: dict, profile: dict, work: dict, result: dict, stage_blocks) -> dict:
+    """Compute of one micro-batch on the slowest stage (the last holds the LM head)."""
+    if c.pp == 1:
+        return compute_s(count, shape, profile, work, c.tp, count.num_layers, True)
+    blocks = stage_blocks or [s["blocks"] for s in result["stages"]]
+    times = [compute_s(count, shape, profile, work, c.tp, b, i == len(blocks) - 1) for i, b in enumerate(blocks)]
+    return max(times, key=lambda t: sum(t.values()))
+
+
+def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result: dict, *,
+              interleave: int = 1, stage_blocks: list[int] | None = None) -> dict:
+    """Predicted seconds per optimizer step of layout `c` (a decide.Candidate) with `result` its memory and
+    comm evaluation (decide.evaluate): the total, tokens/s per GPU, MFU and the breakdown."""
+    m, world = result["micro_batches"], hw["world"]
+    t_mb = _stage_compute(c, count, shape, profile, work, result, stage_blocks)
+    place = _placement(c, hw)
+    rows = result["comm"]["rows"]
+    by_group: dict[str, list[dict]] = {}
+    for row in rows:
+        by_group.setdefault(row["group"], []).append(row)
+    tp_calls = (6 if work["activation_checkpointing"] else 4) * m * result.get("blocks_per_rank", count.num_layers)
+    tp_s = sum(_row_s(profile, r, place["tp"][1], tp_calls) for r in by_group.get("tp", []))
+    tp_s += sum(_row_s(profile, r, place["tp-pipe"][1]) for r in by_group.get("tp-pipe", []))
+    slot = sum(t_mb.values()) + tp_s / m
+    slots = m + (c.pp - 1) / interleave
+    p2p_s = 0.0
+    if c.pp > 1:
+        send = next((r for r in by_group.get("pp", []) if r["collective"] == "send"), None)
+        if send:
+            per_message = dict(send, logged_bytes=send["logged_bytes"] / (m * _neighbours(c.pp)))
+            p2p_s = 2 * (m + c.pp - 1) * _row_s(profile, per_message, place["pp"][1])
+    buckets_bytes = PRECISION_BYTES[work["precision"]] * shape["hidden_size"] ** 2  # harness_buckets
+    dp = _dp_exposed(c, by_group.get("dp", []), profile, place["dp"][1], t_mb, m, buckets_bytes)
+    tied_s = sum(_row_s(profile, r, place["pp-tied"][1]) for r in by_group.get("pp-tied", []))
+    shard = result["params_per_rank"] if c.stage == 0 else -(-result["params_per_rank"] // result["dp"])
+    off = _offload_s(c, profile, hw, work, shard, m, t_mb)
+    breakdown = {
+        "forward_s": m * t_mb["forward"], "backward_s": m * t_mb["backward"], "recompute_s": m * t_mb["recompute"],
+        "tp_comm_s": tp_s, "bubble_s": (slots - m) * slot, "p2p_s": p2p_s,
+        "dp_reduce_exposed_s": dp["dp_reduce"], "dp_gather_exposed_s": dp["dp_gather"], "tied_embedding_s": tied_s,
+        "optimizer_s": off["optimizer"], "offload_pcie_s": off["pcie"], "nvme_s": off["nvme"],
+    }
+    step = sum(breakdown.values())
+    tokens = work["global_batch"] * work["seq_len"]
+    peak = hardware.peak_flops(profile, work["precision"])
+    return {"step_time_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,
+            "mfu": model_flops_per_step(count, shape, work["seq_len"], tokens) / (step * world * peak),
+            "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"],
+            "interleave": interleave}
+
+
+def _neighbours(pp: int) -> int:
+    """Neighbours of the stage the comm rows describe (a middle stage when there is one)."""
+    return 2 if pp > 2 else 1

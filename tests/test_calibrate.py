@@ -1,0 +1,47 @@
+"""`harness calibrate` on this machine (2 CPU ranks over gloo), the profile it writes used by `plan`, by a run
+that records its predicted step time beside the measured one, and by `--recipe auto`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from launch import ROOT, env, launch
+from test_planner import run_plan
+
+from harness.planner import hardware
+from harness.report import write_report
+
+
+@pytest.mark.multirank
+def test_calibrate_then_auto_run_records_predicted_and_measured_step_time(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "hw.json"
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "calibrate", "--out", str(out), "--model", "tiny-llama",
+                           "--seq-len", "64", "--ranks", "2", "--nvme-path", str(tmp_path)],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    profile = hardware.load(str(out))  # schema-checked
+    m = profile["measured"]
+    assert profile["device"] == "cpu" and profile["comm_overlap"] is False and m["backend"] == "gloo"
+    assert all(m["bus_gbps"][op]["2"] > 0 for op in ("all_reduce", "all_gather", "reduce_scatter"))
+    assert m["gemm"]["tflops"] > 0 and profile["peak_tflops"]["bf16"] == m["gemm"]["tflops"]
+    assert profile["cpu_adam_params_per_s"] > 0 and "n/a on the CPU accelerator" in m["host_copy"]["note"]
+    assert ("read_gbps" in m["nvme"]) or ("async_io does not load" in m["nvme"]["error"])
+    assert not list(tmp_path.glob("harness-calibrate-*"))  # the NVMe probe file is removed
+
+    code, text = run_plan(["--model", "tiny-llama", "--gpus", "2", "--hardware", str(out), "--zero", "2", "--json"],
+                          capsys)
+    evaluated = json.loads(text)["evaluated"]
+    assert evaluated["time"]["step_time_s"] > 0 and evaluated["time"]["breakdown"]["dp_reduce_exposed_s"] > 0
+
+    monkeypatch.setenv("HARNESS_HARDWARE", str(out))
+    run = tmp_path / "run"
+    proc = launch("--recipe", "auto", "--output-dir", str(run), "--set", "train.steps=4", "--set", "train.eval_every=0")
+    assert "predicted" in proc.stdout and "s/step on $HARNESS_HARDWARE" in proc.stdout
+    st = json.loads((run / "summary.json").read_text())["throughput"]["step_time"]
+    assert st["profile"] == "calibrated" and st["step_time_s"] > 0 and len(st["measured_median_s_per_rank"]) == 2
+    assert st["ratio"] == pytest.approx(max(st["measured_median_s_per_rank"]) / st["step_time_s"], rel=0.5)
+    report = write_report(run).read_text()
+    assert "## Step time (predicted vs measured)" in report and "profile **calibrated**" in report
