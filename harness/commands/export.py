@@ -9,15 +9,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CKPT", help="run folder, its checkpoints/ folder, or global_stepN")
     parser.add_argument("--out", required=True, help="output folder (must be new or empty)")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="LoRA runs: a peft adapter folder (adapter_config.json + adapter_model.safetensors) "
+                             "instead of the merged model")
 
 
 def run(args: argparse.Namespace) -> int:
     from harness.train.export import export
 
-    info = export(args.checkpoint, args.out, args.overwrite)
+    info = export(args.checkpoint, args.out, args.overwrite, adapter_only=args.adapter_only)
     check = ("not verified (no probe.pt in the checkpoint)" if info["max_logit_diff"] is None else
              f"verified against the engine: max |logit diff| {info['max_logit_diff']:.2e} (limit {info['tolerance']})")
     print(f"[export] {info['checkpoint']} (ZeRO-{info['zero_stage']}, tp {info['tp']}, step {info['step']}) -> {info['out']}")
     print(f"[export] {check}")
-    print(f"[export] load with AutoModelForCausalLM.from_pretrained({info['out']!r})")
+    if info.get("adapter_only"):
+        print(f"[export] {info['tensors']} adapter tensors ({info['adapter_params']:,} params); load with "
+              f"PeftModel.from_pretrained(base, {info['out']!r})")
+    else:
+        print(f"[export] load with AutoModelForCausalLM.from_pretrained({info['out']!r})")
     return 0

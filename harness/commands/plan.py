@@ -81,7 +81,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block in backward (keeps only block inputs)")
+    parser.add_argument("--lora-r", type=int,
+                        help="plan LoRA fine-tuning: rank-R adapters on every attention and MLP projection, base "
+                             "frozen (2 B/param in bf16, no gradient or optimizer state)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def lora_count(cfg: dict, lora_r: int | None):
+    """The parameter count with rank-r adapters (None: full fine-tuning, the planner counts itself)."""
+    if not lora_r:
+        return None
+    from harness.planner.params import count_params, with_lora
+
+    return with_lora(count_params(cfg), cfg, lora_r)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     cpu_mem = parse_size(args.cpu_mem, "--cpu-mem") if args.cpu_mem is not None else None
     nvme = parse_size(args.nvme, "--nvme") if args.nvme is not None else None
     for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--seq-len", args.seq_len),
-                        ("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum)):
+                        ("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum),
+                        ("--lora-r", getattr(args, "lora_r", None))):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1")
     cfg = resolve_model(args.model)
@@ -104,8 +117,13 @@ def run(args: argparse.Namespace) -> int:
                       cpu_mem_bytes=cpu_mem, nvme_bytes=nvme, seq_len=seq_len,
                       micro_batch=args.micro_batch, precision=args.precision,
                       activation_checkpointing=args.activation_checkpointing, grad_accum=args.grad_accum,
-                      model_name=args.model)
+                      model_name=args.model, count=lora_count(cfg, getattr(args, "lora_r", None)))
     except ValueError as e:
         raise UsageError(f"plan: {e}") from None
+    if getattr(args, "lora_r", None) and not args.json:
+        count = result.model["params"]
+        sys.stdout.write(f"LoRA r={args.lora_r}: {count['lora_per_layer'] * count['num_layers']:,} trainable / "
+                         f"{count['total'] - count['lora_per_layer'] * count['num_layers']:,} frozen parameters "
+                         "(frozen: 16-bit weights only; gradients, fp32 master and Adam for the adapters)\n")
     sys.stdout.write(to_json(result) + "\n" if args.json else to_text(result))
     return 0 if result.recommended else 1

@@ -121,7 +121,7 @@ def verify(ref: CheckpointRef, model) -> float | None:
     return float((logits - saved["logits"].float()).abs().max())
 
 
-def export(ckpt: str | Path, out: str | Path, overwrite: bool = False) -> dict:
+def export(ckpt: str | Path, out: str | Path, overwrite: bool = False, adapter_only: bool = False) -> dict:
     from transformers import AutoTokenizer
 
     out = Path(out)
@@ -129,6 +129,13 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False) -> dict:
         raise UsageError(f"{out} is not empty\n    fix: choose a new --out folder, or pass --overwrite")
     ref = find_checkpoint(ckpt)
     manifest = ref.manifest()
+    if adapter_only or manifest.get("adapter", {}).get("type") == "lora":  # the checkpoint holds adapters only
+        from harness.train import export_lora
+
+        info = export_lora.export(ref, manifest, out, adapter_only)
+        return {"checkpoint": str(ref.tag_dir), "out": str(out), "step": manifest.get("step"),
+                "zero_stage": manifest["zero_stage"], "tp": manifest.get("tp", 1), "adapter_only": adapter_only,
+                "tolerance": TOLERANCE.get(manifest.get("precision", "fp32"), 1e-4), **info}
     model = build_hf_model(ref, fp32_state_dict(ref, manifest))
     diff = verify(ref, model)
     limit = TOLERANCE.get(manifest.get("precision", "fp32"), 1e-4)

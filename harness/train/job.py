@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from harness.train import checkpoint, checks, ckpt_files, dist as distmod, preempt, resume
+from harness.train import adapters, checkpoint, checks, ckpt_files, dist as distmod, preempt, resume
 from harness import profiling
 from harness.errors import UsageError
 from harness.config.jsonio import dump_json
@@ -82,14 +82,16 @@ def build_engine(spec):
     # Tensor parallel splits whole layers, so the model is built whole (ZeRO-3 then partitions the shards).
     zero3 = spec.zero_stage == 3 and spec.tp == 1
     model = build_model(train["model"], seed=train["seed"], zero3_init_config=spec.ds_config if zero3 else None,
-                        gradient_checkpointing=spec.recipe["activation_checkpointing"])
+                        gradient_checkpointing=spec.recipe["activation_checkpointing"],
+                        **adapters.build_kwargs(spec.recipe))
     mpu = None
     if spec.tp > 1:  # every rank built the same whole model (same seed or checkpoint); each keeps its shard
         from harness.train.parallel.tensor import TensorDataMPU, shard_model
 
         mpu = TensorDataMPU(spec.tp)
         shard_model(model, mpu.tp_group, mpu.tp_rank, spec.tp)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
+    adapters.attach(model, spec, hf_model=model, tp_group=mpu and (mpu.tp_group, mpu.tp_rank, spec.tp))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=adapters.param_groups(model, spec.recipe),
                                       config=spec.ds_config, mpu=mpu)
     return engine, model
 
@@ -102,9 +104,10 @@ def start_step(engine, spec, dist, run_dir: Path) -> int:
         say("ckpt", f"skipped {point.ckpt_dir / tag}: incomplete (no {ckpt_files.MANIFEST}, its save was interrupted)")
     if spec.ds_config.get("checkpoint", {}).get("load_universal"):
         ckpt_dir, tag = resume.universal(point, dist)
-        client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder)
+        client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder,
+                                 strict=not checkpoint.frozen_excluded(spec))
     else:
-        client = checkpoint.load(engine, dist, point.ckpt_dir, point.tag)
+        client = checkpoint.load(engine, dist, point.ckpt_dir, point.tag, strict=not checkpoint.frozen_excluded(spec))
     step = int(client.get("step", point.step))
     later = ckpt_files.later_tags(run_dir / "checkpoints", step)
     if later and not spec.overwrite:
@@ -156,10 +159,22 @@ def quiesce(engine) -> None:
 
 
 def main(spec) -> int:
-    from harness.train.models import load_tokenizer
-
     timeout_min = spec.recipe["train"]["collective_timeout"]
     dist = distmod.init(timeout_min)
+    try:
+        return run(spec, dist)
+    except Exception as e:
+        if distmod.is_timeout(e):
+            raise distmod.CollectiveTimeout(dist.rank, timeout_min, e) from None
+        raise
+    finally:
+        distmod.teardown()
+
+
+def run(spec, dist) -> int:
+    """One job in an existing process group (main's; or a test driver's, running several jobs in one group)."""
+    from harness.train.models import load_tokenizer
+
     log = None
     try:
         run_dir = choose_run_dir(spec, dist)
@@ -185,11 +200,6 @@ def main(spec) -> int:
                 write_summary(spec, run_dir, step0, result)
             quiesce(engine)
         return preempt.EXIT_PREEMPTED if "preempted_at" in result else 0
-    except Exception as e:
-        if distmod.is_timeout(e):
-            raise distmod.CollectiveTimeout(dist.rank, timeout_min, e) from None
-        raise
     finally:
         if log:
             log.close()
-        distmod.teardown()

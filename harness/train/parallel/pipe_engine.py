@@ -14,6 +14,7 @@ import contextlib
 import torch
 
 from harness.errors import UsageError
+from harness.train import adapters
 from harness.train.parallel import pipeline
 
 
@@ -46,7 +47,7 @@ def _check_stages(spec, config) -> None:
                          f"    fix: use at most {layers} stages")
 
 
-def _shard_stage(module, config) -> None:
+def _shard_stage(module, config) -> tuple:
     """3D: split this stage's decoder layers over the topology's model-parallel group."""
     from harness.train.parallel import tensor
 
@@ -56,6 +57,7 @@ def _shard_stage(module, config) -> None:
     tensor.supported(config, size)
     for layer in pipeline.local_decoder_layers(module):
         tensor.shard_decoder_layer(layer, config, group, rank, size)
+    return group, rank, size
 
 
 def build_engine(spec):
@@ -66,6 +68,8 @@ def build_engine(spec):
 
     train = spec.recipe["train"]
     model = build_model(train["model"], seed=train["seed"])
+    if spec.tp == 1:  # peft's layers on the HF modules the stages wrap (3D: tensor LoRA after the split, below)
+        adapters.attach(model, spec, hf_model=model)
     pipeline.supported(model.config)
     _check_stages(spec, model.config)
     ds_pipe = spec.ds_config.get("pipeline", {})
@@ -74,9 +78,10 @@ def build_engine(spec):
                                           int(ds_pipe.get("activation_checkpoint_interval", 0)))
     names = pipeline.hf_names(specs, model)
     if spec.tp > 1:
-        _shard_stage(module, model.config)
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()
-                                                                      if p.requires_grad], config=spec.ds_config)
+        grid = _shard_stage(module, model.config)
+        adapters.attach(module, spec, hf_model=model, tp_group=grid, layers=pipeline.local_decoder_layers(module))
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=adapters.param_groups(module, spec.recipe),
+                                      config=spec.ds_config)
     spec.layout = pipeline.layout(module, specs, names)
     return engine, model
 

@@ -17,6 +17,18 @@ def _layer_files(tag_dir, index: int) -> list:
     return sorted(tag_dir.glob(f"layer_{index:02d}-*model_states.pt"))
 
 
+def hf_name(names: dict[str, str], key: str) -> str:
+    """A pipe layer's key -> HF name. Keys the layout does not list (3D's tensor-parallel LoRA is added to a stage
+    after the layout is recorded) take the prefix of a listed sibling: layer.X -> model.layers.3.X."""
+    if key in names:
+        return names[key]
+    for known, name in names.items():
+        head = known.split(".", 1)[0] + "."
+        if key.startswith(head) and name.endswith(known[len(head):]):
+            return name[: len(name) - len(known) + len(head)] + key[len(head):]
+    raise KeyError(f"pipe layer key {key!r} has no HF name in the checkpoint's partition")
+
+
 def state_dict(ref, manifest: dict) -> dict:
     import torch
 
@@ -37,7 +49,7 @@ def state_dict(ref, manifest: dict) -> dict:
         for rank, path in enumerate(files):
             weights = torch.load(path, map_location="cpu", weights_only=True)
             for key, tensor in weights.items():
-                shards[rank][layer["hf_names"][key]] = tensor.float()
+                shards[rank][hf_name(layer["hf_names"], key)] = tensor.float()
     if tp == 1:
         return shards[0]
     from transformers import AutoConfig

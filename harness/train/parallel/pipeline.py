@@ -175,6 +175,17 @@ def check_partition_method(method: str, specs: list) -> None:
                      f"    fix: --set parallel.partition_method=type:{DECODER} (balance decoder layers) or parameters")
 
 
+def _module_class(base):
+    """PipelineModule whose partition_method "parameters" weighs every parameter: DeepSpeed counts only those that
+    require grad, which with LoRA would balance the stages by adapter size and pile the frozen layers onto one
+    stage. For full fine-tuning the counts are DeepSpeed's own."""
+    class PipelineModuleAllParams(base):
+        def _count_layer_params(self):
+            return [sum(p.numel() for p in (s.build() if hasattr(s, "build") else s).parameters())
+                    if isinstance(s, nn.Module) or hasattr(s, "build") else 0 for s in self._layer_specs]
+    return PipelineModuleAllParams
+
+
 def build_module(model, topology, partition_method: str, checkpoint_interval: int):
     """(PipelineModule over `topology` holding the HF model's weights, its layer specs); this rank builds its
     stage only."""
@@ -185,7 +196,7 @@ def build_module(model, topology, partition_method: str, checkpoint_interval: in
     # its gradients (its input, token ids, needs no grad).
     specs = layer_specs(model)
     check_partition_method(partition_method, specs)
-    module = PipelineModule(layers=specs, topology=topology, loss_fn=causal_lm_loss,
+    module = _module_class(PipelineModule)(layers=specs, topology=topology, loss_fn=causal_lm_loss,
                             partition_method=partition_method, activation_checkpoint_interval=checkpoint_interval,
                             activation_checkpoint_func=non_reentrant_checkpoint, checkpointable_layers=[DECODER])
     return module, specs
