@@ -46,8 +46,10 @@ def comm_bytes_per_step(num_params: int, *, stage: int, dp: int, precision: str,
         return _nonzero({"all_reduce": grads * reduces, "all_gather_into_tensor": shard})
     if stage == 3:
         gathered = lp * -(-(num_params - persistent_params) // dp) if dp > 1 else 0
+        # after every optimizer step ZeRO-3 re-gathers ALL persistent tensors, frozen ones too (stage3 _post_step)
+        persistent = lp * -(-persistent_params // dp) if dp > 1 else 0
         return _nonzero({"reduce_scatter_tensor": grads * grad_accum,
-                         "all_gather_into_tensor": gathered * gathers_per_micro_step * grad_accum})
+                         "all_gather_into_tensor": gathered * gathers_per_micro_step * grad_accum + persistent})
     raise ValueError(f"zero stage {stage}: expected 0, 1, 2 or 3")
 
 
