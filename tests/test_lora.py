@@ -2,9 +2,10 @@
 peft-wrapped model with torch AdamW on the same global batch of 8 sequences (tests/baseline.py), exact resume,
 planner bytes vs the live engine, and both exports checked against the engine's logits.
 
-Two launches: one 2-rank process group runs seven jobs in a row (tests/jobs_driver.py): zero2, zero3 (+ its
-resume from step 3), zero3 with the optimizer on CPU, pipeline 2 (+ resume), tp 2 on a Qwen2-shaped folder; and
-one 8-rank 3D job (pipeline 2 x tensor 2 x data 2).
+Two launches: one 2-rank process group runs eight jobs in a row (tests/jobs_driver.py): zero2, zero2 with LoRA+,
+zero3 (+ its resume from step 3), zero3 with the optimizer on CPU and activation checkpointing (frozen inputs,
+non-reentrant), pipeline 2 (+ resume), tp 2 on a Qwen2-shaped folder; and one 8-rank 3D job (pipeline 2 x
+tensor 2 x data 2). One single-process resume of the 2-rank ZeRO-3 checkpoint (another world size).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.multirank
 STEPS, SEQ_LEN, SEED, LR = 6, 64, 1234, 1e-3
 FP32_RTOL = 1e-5  # issue bound
 LORA = ["--set", "precision=fp32", "--set", "adapter.type=lora", *COMMON]
+LORA_PLUS = 4
 ACCUM2 = ["--set", "batch.grad_accum_steps=2"]  # pipeline and tp: 4 micro x 2 accum x 1 replica = 8 sequences
 
 
@@ -33,20 +35,22 @@ def adapter_block() -> dict:
     return load_recipe("lora_zero2")[0]["adapter"]
 
 
-def reference(model: str = "tiny-llama") -> list[float]:
+def reference(model: str = "tiny-llama", **adapter) -> list[float]:
     return plain_pytorch_losses(model=model, steps=STEPS, seq_len=SEQ_LEN, global_batch=8, lr=LR, betas=(0.9, 0.999),
                                 eps=1e-8, weight_decay=0.01, clip=1.0, seed=SEED, eval_fraction=0.02,
-                                adapter=adapter_block())
+                                adapter={**adapter_block(), **adapter})
 
 
 def _cases(root, qwen: str) -> list[list[str]]:
     step3 = lambda name: str(root / name / "checkpoints" / "global_step3")  # noqa: E731
     return [
         ["--recipe", "lora_zero2", "--output-dir", str(root / "zero2"), *LORA],
+        ["--recipe", "lora_zero2", "--output-dir", str(root / "zero2_lora_plus"), *LORA,
+         "--set", f"adapter.lr_B_ratio={LORA_PLUS}"],
         ["--recipe", "lora_zero3", "--output-dir", str(root / "zero3"), *LORA],
         ["--recipe", "lora_zero3", "--output-dir", str(root / "zero3_resumed"), "--resume", step3("zero3"), *LORA],
         ["--recipe", "lora_zero3", "--output-dir", str(root / "zero3_offload"), *LORA,
-         "--set", "zero.offload_optimizer=cpu"],
+         "--set", "zero.offload_optimizer=cpu", "--set", "activation_checkpointing=true"],  # frozen inputs
         ["--recipe", "pipeline", "--output-dir", str(root / "pipeline"), *LORA, *ACCUM2],
         ["--recipe", "pipeline", "--output-dir", str(root / "pipeline_resumed"), "--resume", step3("pipeline"),
          *LORA, *ACCUM2],
@@ -74,6 +78,14 @@ def test_parity_with_one_peft_process(runs, llama_reference, name):
     worst = assert_close(losses(runs[0] / name), llama_reference, FP32_RTOL)
     print(f"lora {name}: max relative loss difference vs one peft process {worst:.2e}")
     assert losses(runs[0] / name)[STEPS] < losses(runs[0] / name)[1], "the adapters did not learn"
+
+
+def test_lora_plus_param_groups(runs, llama_reference):
+    """adapter.lr_B_ratio: B in its own DeepSpeed param group at lr x 4, as torch AdamW with two groups."""
+    got = losses(runs[0] / "zero2_lora_plus")
+    worst = assert_close(got, reference(lr_B_ratio=LORA_PLUS), FP32_RTOL)
+    assert abs(got[STEPS] - llama_reference[STEPS - 1]) > 1e-5, "the B learning rate changed nothing"
+    print(f"lora+ zero2: max relative loss difference {worst:.2e}")
 
 
 def test_tp_parity_on_a_qwen2_folder(runs):
@@ -153,3 +165,22 @@ def test_pipeline_and_tp_adapters_export_and_match_the_engine(runs, name, tmp_pa
     adapter = export(runs[0] / name, tmp_path / "adapter", adapter_only=True)
     merged = export(runs[0] / name, tmp_path / "merged")
     assert adapter["tensors"] == 28 and adapter["max_logit_diff"] < 1e-4 and merged["max_logit_diff"] < 1e-4
+
+
+def test_resume_on_another_world_size(runs, tmp_path):
+    """The 2-rank ZeRO-3 LoRA checkpoint resumed by ONE process (through DeepSpeed's universal form, which then
+    holds the adapters only): steps 4-6 continue the 2-rank trajectory."""
+    import subprocess
+    import sys
+
+    from launch import ROOT, env
+
+    run = tmp_path / "world1"
+    cmd = [sys.executable, str(ROOT / "harness" / "run.py"), "--recipe", "lora_zero3", "--output-dir", str(run),
+           "--resume", str(runs[0] / "zero3" / "checkpoints" / "global_step3"), *LORA]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "universal checkpoint" in proc.stdout
+    straight, resumed = losses(runs[0] / "zero3"), losses(run)
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(abs(resumed[s] - straight[s]) <= 1e-6 * abs(straight[s]) for s in (4, 5, 6)), f"{resumed} vs {straight}"

@@ -95,8 +95,10 @@ def train_step(engine, batches: list) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _any_shape(engine):
-    """Eval and probe batches may differ in shape from training's: send shapes with every micro-batch, then
-    make training re-announce its shapes (all ranks reset, so both ends of each p2p agree)."""
+    """Eval and probe batches may differ in shape from training's: forget training's shapes (3D caches the
+    partitioned activations' meta), send shapes with every micro-batch, then make training re-announce its shapes
+    (all ranks reset, so both ends of each p2p agree)."""
+    engine.reset_activation_shape()
     engine.dynamic_shape = True
     try:
         yield
