@@ -110,7 +110,20 @@ def check_run(run, want: list[float], pp: int, tp: int, dp: int) -> float:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["last_loss"] == losses(run)[STEPS]
     check_planner(run, summary, manifest)
+    check_owned(summary, manifest)
     return worst
+
+
+def check_owned(summary: dict, manifest: dict) -> None:
+    """Loaded by share: every rank built exactly its stage's (tensor shard of its) parameters, in fp32, and
+    reported its build and engine-setup phases."""
+    assert manifest["train_dtype"] == "float32" and manifest["checkpoint_dtype"] == "float32"
+    startup = summary["startup"]
+    assert len(startup["per_rank"]) == manifest["world_size"]
+    engine_params = [r["params"]["cpu"] for r in summary["memory"]["model_states_per_rank"]]
+    for rank, predicted in enumerate(startup["predicted_per_rank"]):
+        assert predicted["build_terms"]["owned"] == 4 * predicted["owned_params"] == engine_params[rank], rank
+        assert {"build", "engine_setup"} <= set(startup["per_rank"][rank])
 
 
 def check_planner(run, summary: dict, manifest: dict) -> None:

@@ -30,6 +30,9 @@ profiled steps and once at close, so there are no per-rank files and no gathers 
                                devices: cuda, cpu, nvme (swap files)
 
   summary.json:
+    startup      {"per_rank": [{"build"|"engine_setup": {"seconds", "peak_rss_bytes", "peak_rss_anon_bytes",
+                  "rss_anon_before_bytes", "rss_anon_after_bytes", "cuda_peak_allocated_bytes"}}],
+                  "predicted_per_rank": [{"build_bytes", "build_terms", "owned_params"}]}      (startup.py)
     profile      {"window": [A, B] or null, "step_numbering": "..."}
     comm         {"profiled_steps": [...], "measured_per_rank": [{collective: bytes per step}],
                   "count_per_rank": [...], "latency_ms_per_rank": [...],
@@ -59,6 +62,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.errors import UsageError
+
+from harness.profiling.startup import Startup, predict_build, report_startup  # noqa: F401  (job.py's contract)
 
 MONITOR_DIR = "monitor"
 

@@ -24,14 +24,13 @@ files under nvme_path (parameter swap files under params, optimizer swap files u
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
+from harness.profiling.proc import reset_vm_hwm, status_bytes
 from harness.profiling.ranks import gather, in_window
 
 TERMS = ("params", "grads", "fp32_grads", "fp32_master", "optimizer_moments", "reduce_buckets",
          "offload_buffers", "other")
-_HWM_RE = re.compile(r"VmHWM:\s+(\d+) kB")
 _MAX_DEPTH = 4
 BOOKKEEPING_BYTES = 16
 
@@ -155,22 +154,6 @@ def with_nvme(states: dict, swap: dict[str, int]) -> dict:
     return out
 
 
-def _vm_hwm_bytes() -> int | None:
-    try:
-        match = _HWM_RE.search(Path("/proc/self/status").read_text())
-        return int(match.group(1)) * 1024 if match else None
-    except OSError:
-        return None
-
-
-def _reset_vm_hwm() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 class ProcessMemory:
     """Per-step memory of this process on its accelerator, or on the CPU."""
 
@@ -188,7 +171,7 @@ class ProcessMemory:
 
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            self.per_step_peak = _reset_vm_hwm()
+            self.per_step_peak = reset_vm_hwm()
 
     def read(self) -> dict:
         if self.cuda:
@@ -198,7 +181,7 @@ class ProcessMemory:
                     "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
                     "allocated_bytes": torch.cuda.memory_allocated(self.device)}
         rss = self.process.memory_info().rss
-        return {"rss_bytes": rss, "peak_rss_bytes": max(rss, _vm_hwm_bytes() or rss)}
+        return {"rss_bytes": rss, "peak_rss_bytes": max(rss, status_bytes("VmHWM") or rss)}
 
 
 class MemoryHook:
@@ -239,7 +222,8 @@ class MemoryHook:
             self.states, self.states_step = self._states(), None
         per_rank = gather({"peak": self.peak, "model_states": self.states,
                            "nvme": nvme_swap_bytes(self.ds_config, self.dist.rank),
-                           "predicted": self.prediction.get("after_step")})
+                           "predicted": self.prediction.get("after_step"),
+                           "predicted_peak": self.prediction.get("peak_total_bytes")})
         out = {"peak_per_rank": [r["peak"] for r in per_rank],
                "model_states_per_rank": [r["model_states"] for r in per_rank],
                "model_states_step": self.states_step,
@@ -247,7 +231,9 @@ class MemoryHook:
                "device": "cuda" if self.process.cuda else "cpu",
                "predicted": {k: v for k, v in self.prediction.items() if k != "comm"},
                # each rank's own prediction: they differ where the layout does (ZeRO-1/2 partition edges)
-               "predicted_after_step_per_rank": [r["predicted"] for r in per_rank]}
+               "predicted_after_step_per_rank": [r["predicted"] for r in per_rank],
+               # model states at their peak + activations, each rank's own (pipeline stages differ)
+               "predicted_peak_total_per_rank": [r["predicted_peak"] for r in per_rank]}
         if not self.process.cuda and not self.process.per_step_peak:
             out["note"] = "peak_rss_bytes is the process's lifetime peak (/proc/self/clear_refs was refused)"
         return {"memory": out}

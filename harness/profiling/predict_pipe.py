@@ -76,7 +76,13 @@ def predict_rank(cfg: dict, ds: dict, *, stage: int, pp: int, tp: int, dp: int, 
     total: dict = {}
     for part in groups.values():
         _add(total, part)
-    return {"params_per_rank": mine["params"], "dp": dp, "tp": tp, "pp": pp, "stage": zero["stage"],
+    # 1F1B: stage s holds min(pp - s, m) micro-batches' activations; the last stage computes the logits
+    acts = memory.activation_bytes(shape, seq_len=seq_len, micro_batch=micro, precision=precision,
+                                   activation_checkpointing=activation_checkpointing, tp=tp,
+                                   num_layers=mine["blocks"], micro_batches_in_flight=min(pp - stage, m),
+                                   with_logits=stage == pp - 1)
+    return {"activations": acts, "peak_total_bytes": memory.by_device(states["peak"])["gpu"] + acts["total"],
+            "params_per_rank": mine["params"], "dp": dp, "tp": tp, "pp": pp, "stage": zero["stage"],
             "pipe_stage": stage, "partition_method": method,
             "parts_planned": pipeline.partition(count, pp, method, tp, counted_tp),
             "stage_layers": mine["names"], "micro_batches": m,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from harness.errors import UsageError
 from harness.report.pipeline import pipeline_flags, pipeline_rows, pipeline_section
+from harness.report.startup import startup_rows, startup_section
 from harness.train.metrics import read_metrics
 
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.25
@@ -309,6 +310,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
              fmt_ratio(r["ratio"]), r["flag"]] for r in tables["peak"]]))
     else:
         out.append("not recorded")
+    out += startup_section(tables.get("startup", []))
     out += pipeline_section(run, tables.get("pipeline", []))
     timers = run.summary.get("throughput", {}).get("timers_ms_median", {})
     if timers:
@@ -326,7 +328,7 @@ def write_report(run_dir, others: list | None = None) -> Path:
 
     run = load_run(run_dir)
     tables = {"states": state_rows(run), "comm": comm_rows(run), "peak": peak_rows(run),
-              "pipeline": pipeline_rows(run)}
+              "pipeline": pipeline_rows(run), "startup": startup_rows(run)}
     flags = [f"model states, {r['term']}: {r['flag']}" for r in tables["states"] if r["flag"]]
     flags += pipeline_flags(run)
     flags += [f"comm, {r['collective']}: {r['flag']}" for r in tables["comm"] if r["flag"]]

@@ -54,30 +54,32 @@ def init_a(seed: int, name: str, r: int, in_features: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _init_peft_layers(model, seed: int) -> None:
+def _init_peft_layers(model, seed: int, hf_model=None) -> None:
     from peft.tuners.lora import LoraLayer
 
+    hf_names = {id(m): n for n, m in (hf_model if hf_model is not None else model).named_modules()}
     for name, module in model.named_modules():
+        name = hf_names.get(id(module), name)  # a pipeline stage's module, by its name in the whole model
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
             a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
             a.copy_(init_a(seed, name, a.shape[0], a.shape[1]).to(a.dtype))
             b.zero_()
 
 
-def apply(model, recipe: dict, *, seed: int | None = None):
-    """Inject peft LoRA layers into an HF causal LM (whole, or what a stage holds of it), in place; only the
-    adapters (and modules_to_save) stay trainable. Returns the model."""
+def apply(model, recipe: dict, *, seed: int | None = None, hf_model=None):
+    """Inject peft LoRA layers into an HF causal LM, or a pipeline stage holding its modules (hf_model: the whole
+    model, which names them), in place; only the adapters (and modules_to_save) stay trainable. Returns model."""
     from peft import inject_adapter_in_model
 
-    adapter = recipe["adapter"]
+    adapter, hf_model = recipe["adapter"], model if hf_model is None else hf_model
     seed = recipe["train"]["seed"] if seed is None else seed
-    config = lora_config(adapter, model.config.model_type)
+    config = lora_config(adapter, hf_model.config.model_type)
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)
-    _init_peft_layers(model, seed)
+    _init_peft_layers(model, seed, hf_model)
     for name, param in model.named_parameters():
         param.requires_grad_(is_trainable_name(name))
-    if recipe["activation_checkpointing"]:  # recomputed blocks need an input that requires grad
-        model.enable_input_require_grads()
+    if recipe["activation_checkpointing"] and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()  # recomputed HF blocks need an input that requires grad
     return model
 
 
@@ -148,7 +150,7 @@ def attach(target, spec, *, hf_model, tp_group: tuple | None = None, layers=None
 
             prepare_model_for_kbit_training(target, use_gradient_checkpointing=recipe["activation_checkpointing"],
                                             gradient_checkpointing_kwargs={"use_reentrant": False})
-        apply(target, recipe)
+        apply(target, recipe, hf_model=hf_model)
     else:
         from harness.train.parallel import tensor_lora
 
@@ -156,6 +158,8 @@ def attach(target, spec, *, hf_model, tp_group: tuple | None = None, layers=None
         layers = list(hf_model.model.layers) if layers is None else layers
         tensor_lora.apply([(names[id(layer)], layer) for layer in layers], recipe, *tp_group)
         tensor_lora.freeze_all_but_adapters(target)
+        if recipe["activation_checkpointing"] and hasattr(target, "enable_input_require_grads"):
+            target.enable_input_require_grads()
     trainable, frozen = counts(target)
     spec.notes.append(f"lora r={recipe['adapter']['r']} alpha={recipe['adapter']['alpha']}: {trainable:,} trainable "
                       f"/ {frozen:,} frozen parameters on this rank ({100 * trainable / max(1, trainable + frozen):.2f}%)")

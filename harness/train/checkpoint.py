@@ -2,7 +2,8 @@
 
 checkpoints/
   zero_to_fp32.py, global_stepN/...           DeepSpeed (save/load are collective: every rank calls)
-  global_stepN/manifest.json                  world size, stage, tp, pp, dp, batch, precision, versions, recipe
+  global_stepN/manifest.json                  world size, stage, tp, pp, dp, batch, precision, checkpoint_dtype
+                                              (the loaded weights'), train_dtype (the engine's), versions, recipe
   global_stepN/rng_rank{R}.pt                 per-rank RNG states (client_state is rank 0's only)
   latest                                      tag of the newest COMPLETE checkpoint (written by the harness)
   universal/global_stepN/                     DeepSpeed universal form, made once to resume on another layout
@@ -61,7 +62,7 @@ def manifest(spec, step: int) -> dict:
             "model": spec.recipe["train"]["model"], "deepspeed": deepspeed.__version__,
             "adapter": spec.recipe.get("adapter", {"type": "none"}), "seed": spec.recipe["train"]["seed"],
             "torch": torch.__version__, "transformers": transformers.__version__,
-            **({"partition": spec.layout} if spec.layout else {})}
+            **spec.dtypes, **({"partition": spec.layout} if spec.layout else {})}
 
 
 def _offload(ds: dict) -> dict:
@@ -69,12 +70,12 @@ def _offload(ds: dict) -> dict:
     return {k: zero.get(k, {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
 
 
-def save_hf_files(ckpt_dir: Path, model, tokenizer) -> None:
+def save_hf_files(ckpt_dir: Path, config, tokenizer) -> None:
     """Model config + tokenizer once per run (rank 0), so export needs nothing but the checkpoint folder."""
     hf = ckpt_dir / "hf"
     if not (hf / "config.json").exists():
         hf.mkdir(parents=True, exist_ok=True)
-        model.config.save_pretrained(hf)
+        config.save_pretrained(hf)
         tokenizer.save_pretrained(hf)
 
 

@@ -1,22 +1,38 @@
-"""DeepSpeed checkpoint -> Hugging Face model folder (safetensors + config + tokenizer).
+"""DeepSpeed checkpoint -> Hugging Face model folder, streamed: one output shard in memory at a time.
 
-ZeRO-1/2/3 checkpoints are consolidated with DeepSpeed's zero_to_fp32 (fp32 master weights); a ZeRO-0
-checkpoint holds whole weights in its model-states file. A tensor-parallel checkpoint is read one tensor rank
-at a time the same way, and the ranks' weights are merged by parallel.tensor.merge_shards; pipeline and 3D
-checkpoints hold per-layer files (parallel/pipe_export.py). Every checkpoint the harness writes carries
-probe.pt (the engine's logits on a fixed batch), so an export is verified against the trained engine.
+`export` writes what save_pretrained writes (sharded safetensors + model.safetensors.index.json, or one
+model.safetensors; config.json, generation_config.json, tokenizer files) without ever holding the model: the
+output's names, shapes and dtypes come from the model built on the meta device, the shard plan from those
+alone (hf_shards.plan_shards), and each tensor is read from the rank files only when its shard is filled
+(ckpt_tensors: ZeRO-0/1/2/3 partitions per tensor rank; parallel/pipe_export: pipeline and 3D per-layer
+files; tensor-parallel pieces merged tensor by tensor with parallel.tensor.merge_tensor). Peak private memory
+is about one output shard plus the largest tensor. Every checkpoint the harness writes carries probe.pt (the
+engine's logits on a fixed batch); the written folder is loaded (memory-mapped: transformers reads a
+safetensors file in its own dtype without copying it) and its logits are checked against the engine's.
+
+The streaming pieces, for other exports (LoRA adapters, merged models) to reuse:
+    files = MappedFiles(); state = open_state(ref, manifest, files)   # {hf name: Lazy(shape, read)}
+    model = meta_model(ref); names = save_names(model)                # what save_pretrained would write
+    split = plan_shards(specs(state, names, dtype), "5GB")            # hf_shards: names/shapes/dtypes only
+    write_sharded(out, split, iter_state(state, names, dtype), model.num_parameters())
 """
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from harness.errors import UsageError
 
 PROBE = "probe.pt"
-TOLERANCE = {"fp32": 1e-4, "bf16": 0.25, "fp16": 0.05}  # max |logit diff| vs the engine, by training precision
+TOLERANCE = {"fp32": 1e-4, "bf16": 0.25, "fp16": 0.05}  # max |logit diff| vs the engine, by the coarser dtype
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
+DEFAULT_SHARD_SIZE = "5GB"  # save_pretrained's default in transformers 5
 
 
 @dataclass(frozen=True)
@@ -49,102 +65,194 @@ def find_checkpoint(path: str | Path) -> CheckpointRef:
                      "checkpoints/global_stepN)")
 
 
-def _rank_state_dict(ref: CheckpointRef, zero_stage: int, mp_rank: int) -> dict:
-    """fp32 weights of one tensor-parallel rank: ZeRO-1/2/3 through zero_to_fp32 (the fp32 master) over a view
-    of the tag folder holding only that rank's files (zero_to_fp32 expects one model-parallel rank); ZeRO-0 from
-    its mp_rank_XX model-states file."""
-    import os
-    import tempfile
+def train_dtype(manifest: dict) -> str:
+    """The dtype the run trained in: the manifest's train_dtype, else its precision (older manifests)."""
+    name = manifest.get("train_dtype") or manifest.get("precision") or "fp32"
+    short = {v: k for k, v in DTYPES.items()}.get(name, name)
+    if short not in DTYPES:
+        raise UsageError(f"manifest train dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return short
 
+
+def meta_model(ref: CheckpointRef):
+    """The checkpoint's HF model on the meta device: names, shapes, tied weights; no memory."""
     import torch
-
-    if zero_stage == 0:
-        states = torch.load(ref.tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", map_location="cpu",
-                            weights_only=True)
-        return {k: v.float() for k, v in states["module"].items()}
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    with tempfile.TemporaryDirectory() as view:
-        (Path(view) / ref.tag).mkdir()
-        for f in ref.tag_dir.glob(f"*mp_rank_{mp_rank:02d}_*"):
-            os.symlink(f, Path(view) / ref.tag / f.name)
-        return get_fp32_state_dict_from_zero_checkpoint(view, tag=ref.tag)
-
-
-def fp32_state_dict(ref: CheckpointRef, manifest: dict) -> dict:
-    """Whole fp32 weights; a tensor-parallel checkpoint's ranks are merged by parallel.tensor.merge_shards."""
-    if manifest.get("pp", 1) > 1:  # per-layer files (pipeline, 3D)
-        from harness.train.parallel import pipe_export
-
-        return pipe_export.state_dict(ref, manifest)
-    zero_stage, tp = manifest["zero_stage"], manifest.get("tp", 1)
-    if tp == 1 and zero_stage >= 1:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(ref.ckpt_dir), tag=ref.tag)
-    if tp == 1:
-        return _rank_state_dict(ref, zero_stage, 0)
-    from transformers import AutoConfig
-
-    from harness.train.parallel.tensor import merge_shards
-
-    shards = [_rank_state_dict(ref, zero_stage, r) for r in range(tp)]
-    return merge_shards(shards, AutoConfig.from_pretrained(ref.ckpt_dir / "hf"))
-
-
-def build_hf_model(ref: CheckpointRef, state: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = ref.ckpt_dir / "hf"
     if not (hf / "config.json").is_file():
         raise UsageError(f"{hf}: no config.json; this checkpoint folder was not written by harness/run.py")
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {k for k in missing if k.endswith("lm_head.weight") and model.config.tie_word_embeddings}
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(f"checkpoint does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
-                           f"unexpected {sorted(unexpected)[:5]}")
-    model.tie_weights()
-    return model.float().eval()
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf))
 
 
-def verify(ref: CheckpointRef, model) -> float | None:
-    """Max |logit difference| between the exported model and the engine on the saved probe batch."""
+def save_names(model) -> list[str]:
+    """The tensors save_pretrained writes, in its order: the state dict less tied copies and ignored keys."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = model.state_dict()
+    for key in model._keys_to_ignore_on_save or ():
+        state.pop(key, None)
+    return list(remove_tied_weights_from_state_dict(state, model))
+
+
+def open_state(ref: CheckpointRef, manifest: dict, files) -> dict:
+    """Every weight of the checkpoint as {hf name: ckpt_tensors.Lazy}, tensor ranks merged; reads nothing."""
+    from harness.train.ckpt_tensors import zero_source
+
+    if manifest.get("pp", 1) > 1:  # per-layer files (pipeline, 3D)
+        from harness.train.parallel import pipe_export
+
+        ranks = pipe_export.sources(files, ref, manifest)
+    else:
+        ranks = [zero_source(files, ref.tag_dir, manifest["zero_stage"], r) for r in range(manifest.get("tp", 1))]
+    if len(ranks) == 1:
+        return ranks[0]
+    from transformers import AutoConfig
+
+    from harness.train.parallel import tensor
+
+    tensor.supported(AutoConfig.from_pretrained(ref.ckpt_dir / "hf"), len(ranks))
+    return {key: _merged(key, [r[key] for r in ranks], tensor) for key in ranks[0]}
+
+
+def _merged(key: str, parts: list, tensor):
+    from harness.train.ckpt_tensors import Lazy
+
+    return Lazy(tensor.merged_shape(key, [p.shape for p in parts]),
+                lambda: tensor.merge_tensor(key, [p.read() for p in parts]))
+
+
+def check_keys(state: dict, names: list[str], model, where: Path) -> None:
+    """Every tensor to write is in the checkpoint with the model's shape; nothing in it is unknown to the model."""
+    expected = model.state_dict()
+    missing = [n for n in names if n not in state]
+    unexpected = [n for n in state if n not in expected]
+    wrong = [f"{n} {tuple(state[n].shape)} vs {tuple(expected[n].shape)}" for n in names
+             if n in state and tuple(state[n].shape) != tuple(expected[n].shape)]
+    if missing or unexpected or wrong:
+        raise UsageError(f"{where}: checkpoint does not match the model config in {where.parent.parent / 'hf'}: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}, shape {wrong[:5]}\n"
+                         "    fix: export a checkpoint written by this harness with its own hf/ folder")
+
+
+def _out_dtype(tensor_dtype, dtype):
+    return dtype if dtype is not None and tensor_dtype.is_floating_point else tensor_dtype
+
+
+def specs(state: dict, names: list[str], dtype, model) -> list[tuple]:
+    """(name, shape, output dtype) for the shard plan; a tensor's stored dtype is the model's for ints."""
+    expected = model.state_dict()
+    return [(n, tuple(state[n].shape), _out_dtype(expected[n].dtype, dtype)) for n in names]
+
+
+def iter_state(state: dict, names: list[str], dtype=None) -> Iterator[tuple]:
+    """(name, tensor) in `names` order, each read when asked for and cast to `dtype` (floating tensors)."""
+    for name in names:
+        tensor = state[name].read()
+        yield name, tensor.to(_out_dtype(tensor.dtype, dtype))
+
+
+def verify(ref: CheckpointRef, folder: Path, dtype) -> float | None:
+    """Max |logit difference| between the written folder and the engine on the saved probe batch. Loaded in
+    the files' dtype, so transformers maps the safetensors files instead of copying them."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     probe = ref.tag_dir / PROBE
     if not probe.is_file():
         return None
     saved = torch.load(probe, map_location="cpu", weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     with torch.no_grad():
         logits = model(input_ids=saved["input_ids"]).logits.float()
     return float((logits - saved["logits"].float()).abs().max())
 
 
-def export(ckpt: str | Path, out: str | Path, overwrite: bool = False, adapter_only: bool = False) -> dict:
+def _write_folder(ref: CheckpointRef, manifest: dict, folder: Path, dtype, max_shard_size) -> dict:
+    """Weights, config, generation config and tokenizer into `folder`; returns the sizes written."""
     from transformers import AutoTokenizer
+
+    from harness.train.ckpt_tensors import FILE_BUDGET_BYTES, MappedFiles
+    from harness.train.hf_shards import parse_shard_size, plan_shards, write_sharded
+
+    model = meta_model(ref)
+    # maps dropped after each shard's worth of reading: the checkpoint pages touched stay about a shard too
+    files = MappedFiles(min(FILE_BUDGET_BYTES, parse_shard_size(max_shard_size)))
+    state, names = open_state(ref, manifest, files), save_names(model)
+    if is_lora(manifest):  # the checkpoint holds the adapters only: the base streamed through W + s B A
+        from harness.train import export_lora
+
+        state = export_lora.merged_lazy(manifest, state, model)
+    check_keys(state, names, model, ref.tag_dir)
+    plan = specs(state, names, dtype, model)
+    split = plan_shards(plan, max_shard_size)
+    shards = write_sharded(folder, split, iter_state(state, names, dtype), model.num_parameters())
+    model.config.dtype = str(dtype).removeprefix("torch.")  # as save_pretrained records it
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(folder)
+    if model.can_generate():
+        model.generation_config.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(ref.ckpt_dir / "hf").save_pretrained(folder)
+    return {"shards": len(shards), "total_size_bytes": split.metadata["total_size"],
+            "largest_tensor_bytes": max(math.prod(s) * d.itemsize for _, s, d in plan)}
+
+
+def _move_into(staging: Path, out: Path) -> None:
+    """Staged files into `out`; earlier weight files there (another shard count) go, as save_pretrained does."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
+        old.unlink()
+    for path in staging.iterdir():
+        path.replace(out / path.name)
+
+
+def is_lora(manifest: dict) -> bool:
+    return manifest.get("adapter", {}).get("type") == "lora"
+
+
+def export(ckpt: str | Path, out: str | Path, overwrite: bool = False, max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+           dtype: str | None = None, adapter_only: bool = False) -> dict:
+    import torch
+
+    from harness.train.hf_shards import parse_shard_size
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UsageError(f"{out} is not empty\n    fix: choose a new --out folder, or pass --overwrite")
+    parse_shard_size(max_shard_size)
     ref = find_checkpoint(ckpt)
     manifest = ref.manifest()
-    if adapter_only or manifest.get("adapter", {}).get("type") == "lora":  # the checkpoint holds adapters only
+    trained = train_dtype(manifest)
+    name = dtype or trained
+    if name not in DTYPES:
+        raise UsageError(f"--dtype {name!r}: not one of {', '.join(DTYPES)}")
+    torch_dtype = getattr(torch, DTYPES[name])
+    start = time.perf_counter()
+    if adapter_only:  # a peft adapter folder: the adapters alone (LoRA runs)
         from harness.train import export_lora
 
-        info = export_lora.export(ref, manifest, out, adapter_only)
+        info = export_lora.export_adapter(ref, manifest, out, torch_dtype)
         return {"checkpoint": str(ref.tag_dir), "out": str(out), "step": manifest.get("step"),
-                "zero_stage": manifest["zero_stage"], "tp": manifest.get("tp", 1), "adapter_only": adapter_only,
-                "tolerance": TOLERANCE.get(manifest.get("precision", "fp32"), 1e-4), **info}
-    model = build_hf_model(ref, fp32_state_dict(ref, manifest))
-    diff = verify(ref, model)
-    limit = TOLERANCE.get(manifest.get("precision", "fp32"), 1e-4)
-    if diff is not None and diff > limit:
-        raise RuntimeError(f"exported model disagrees with the engine: max |logit diff| {diff:.3g} > {limit} "
-                           f"({manifest.get('precision')} training); not writing {out}")
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(ref.ckpt_dir / "hf").save_pretrained(out)
+                "zero_stage": manifest["zero_stage"], "tp": manifest.get("tp", 1), "pp": manifest.get("pp", 1),
+                "dtype": name, "tolerance": TOLERANCE[trained], "seconds": time.perf_counter() - start,
+                "adapter_only": True, **info}
+    staging = out.parent / f".{out.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        sizes = _write_folder(ref, manifest, staging, torch_dtype, max_shard_size)
+        diff = verify(ref, staging, torch_dtype)
+        limit = max(TOLERANCE[trained], TOLERANCE[name])
+        if diff is not None and diff > limit:
+            raise UsageError(f"{ref.tag_dir}: the exported model disagrees with the engine: max |logit diff| "
+                             f"{diff:.3g} > tolerance {limit} ({trained} training, {name} export); not writing "
+                             f"{out}\n    fix: export in the training dtype (--dtype {trained}); if that fails too, "
+                             "the saved weights are not the ones the engine trained (check the manifest's dtypes)")
+        _move_into(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return {"checkpoint": str(ref.tag_dir), "out": str(out), "step": manifest.get("step"),
-            "zero_stage": manifest["zero_stage"], "tp": manifest.get("tp", 1), "max_logit_diff": diff,
-            "tolerance": limit}
+            "zero_stage": manifest["zero_stage"], "tp": manifest.get("tp", 1), "pp": manifest.get("pp", 1),
+            "dtype": name, "max_logit_diff": diff, "tolerance": limit, "seconds": time.perf_counter() - start,
+            **sizes}

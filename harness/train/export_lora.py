@@ -1,15 +1,15 @@
 """LoRA checkpoints -> a peft adapter folder (--adapter-only) or a merged Hugging Face model folder.
 
 A LoRA checkpoint holds the trainable tensors only (exclude_frozen_parameters): under ZeRO-1/2/3 the fp32
-partitions of the adapters (zero_to_fp32 reassembles just those, so nothing of the frozen base is gathered),
-a pipeline's per-layer files, a tensor-parallel rank's split adapters (merged by tensor.merge_shards, which knows
-that a column-parallel B and a row-parallel A are the split halves). The frozen base is the run's train.model,
-rebuilt from the manifest (a preset from its seed, a folder or hub id from its weights).
+partitions of the adapters (so nothing of the frozen base is ever gathered), a pipeline's per-layer files, a
+tensor-parallel rank's split adapters (tensor.merge_tensor knows a column-parallel B and a row-parallel A are the
+split halves); export.open_state reads them all. The frozen base is the run's train.model (the manifest's model
+and seed: a folder's safetensors, or a preset's seeded weights).
 
     adapter folder:  adapter_config.json (peft.LoraConfig) + adapter_model.safetensors, keys
                      base_model.model.<module>.lora_A.weight: what PeftModel.from_pretrained(base, DIR) loads
-    merged folder:   every base tensor, where an adapter sits W + scale * B @ A (transposed for GPT-2's Conv1D),
-                     a per-tensor transform (merge_tensor) over the base's (name, tensor) stream
+    merged folder:   export.py's sharded stream, each base tensor read when written and passed through
+                     merge_tensor: W + scale * B @ A where an adapter sits (transposed for GPT-2's Conv1D)
 Both are checked against the probe logits the engine saved with the checkpoint.
 """
 
@@ -26,10 +26,13 @@ BASE_LAYER = ".base_layer"
 
 
 def adapter_state(ref, manifest: dict) -> dict[str, torch.Tensor]:
-    """The checkpoint's trainable tensors under their training names (<module>.lora_A.default.weight, ...)."""
-    from harness.train.export import fp32_state_dict
+    """The checkpoint's trainable tensors under their training names (<module>.lora_A.default.weight, ...), read
+    through export's own per-layout sources (ZeRO partitions, pipeline layer files, TP ranks merged)."""
+    from harness.train.ckpt_tensors import MappedFiles
+    from harness.train.export import open_state
 
-    state = {k: v for k, v in fp32_state_dict(ref, manifest).items() if adapters.is_trainable_name(k)}
+    state = {k: v.read().float() for k, v in open_state(ref, manifest, MappedFiles()).items()
+             if adapters.is_trainable_name(k)}
     empty = [k for k, v in state.items() if v.numel() == 0]
     if empty or not state:  # a ZeRO-3 partition saved without gathering (peft#2500) must never be written
         raise RuntimeError(f"{ref.tag_dir}: adapter tensors missing or empty ({empty[:3] or 'none found'})")
@@ -57,66 +60,73 @@ def merge_tensor(hf_name: str, tensor: torch.Tensor, lora: dict, scale: float, f
 
 
 def base_model(manifest: dict):
-    """The frozen base the run trained on, as the run built it (fp32)."""
+    """The frozen base the run trained on, as the run built it (fp32): what the adapter folder is checked on."""
     from harness.train.models import build_model
 
     return build_model(manifest["model"], seed=int(manifest.get("seed", 0))).float().eval()
 
 
-def merged_state(base_state: dict, state: dict, adapter: dict, model_type: str) -> dict:
-    """The merged model's state dict: the base streamed through merge_tensor, modules_to_save replaced."""
-    lora, scale = _lora_modules(state), adapters.scaling(adapter)
-    saved = {k.replace(f".modules_to_save.{adapters.ADAPTER}", ""): v for k, v in state.items()
+def merged_lazy(manifest: dict, state: dict, model) -> dict:
+    """export's {hf name: Lazy} for the merged model: each base tensor read from train.model when the writer asks
+    for it (a folder's safetensors, or a preset's seeded weights) and passed through merge_tensor; the adapters
+    (small) are read once. `model`: the meta model, for names and shapes."""
+    from harness.train.ckpt_tensors import Lazy
+    from harness.train.load.build import open_source
+    from harness.train.load.slices import Request
+
+    trained = {k: v.read().float() for k, v in state.items() if adapters.is_trainable_name(k)}
+    lora, scale = _lora_modules(trained), adapters.scaling(manifest["adapter"])
+    saved = {k.replace(f".modules_to_save.{adapters.ADAPTER}", ""): v for k, v in trained.items()
              if ".modules_to_save." in k}
-    return {name: saved.get(name, merge_tensor(name, t, lora, scale, model_type == "gpt2"))
-            for name, t in base_state.items()}
+    source = open_source(manifest["model"], int(manifest.get("seed", 0)))
+    fan_in_fan_out = model.config.model_type == "gpt2"  # Conv1D stores W transposed
+
+    def read(name: str) -> torch.Tensor:
+        if name in saved:
+            return saved[name]
+        base = source.read({name: Request()}, torch.float32)[name]
+        return merge_tensor(name, base, lora, scale, fan_in_fan_out)
+
+    keys = source.keys()
+    return {name: Lazy(tuple(t.shape), lambda n=name: read(n)) for name, t in model.state_dict().items()
+            if name in keys or name in saved}
 
 
 def _check(ref, manifest: dict, model, what: str) -> float | None:
-    from harness.train.export import TOLERANCE, verify
+    """Max |logit difference| of `model` vs the engine's probe logits; refuses beyond the training dtype's bound."""
+    from harness.train.export import PROBE, TOLERANCE, train_dtype
 
-    diff = verify(ref, model)
-    limit = TOLERANCE.get(manifest.get("precision", "fp32"), 1e-4)
-    if diff is not None and diff > limit:
-        raise RuntimeError(f"exported {what} disagrees with the engine: max |logit diff| {diff:.3g} > {limit}")
+    probe = ref.tag_dir / PROBE
+    if not probe.is_file():
+        return None
+    saved = torch.load(probe, map_location="cpu", weights_only=True)
+    with torch.no_grad():
+        diff = float((model(input_ids=saved["input_ids"]).logits.float() - saved["logits"].float()).abs().max())
+    limit = TOLERANCE[train_dtype(manifest)]
+    if diff > limit:
+        raise UsageError(f"{ref.tag_dir}: the exported {what} disagrees with the engine: max |logit diff| {diff:.3g} "
+                         f"> {limit}\n    fix: check that train.model still holds the base this run trained on")
     return diff
 
 
-def export_adapter(ref, manifest: dict, out: Path) -> dict:
-    """adapter_config.json + adapter_model.safetensors, verified by loading them with plain peft."""
+def export_adapter(ref, manifest: dict, out: Path, dtype: torch.dtype) -> dict:
+    """adapter_config.json + adapter_model.safetensors (+ tokenizer), verified by loading them with plain peft."""
     from peft import PeftModel
     from safetensors.torch import save_file
-
-    adapter, state = manifest["adapter"], adapter_state(ref, manifest)
-    base = base_model(manifest)
-    config = adapters.lora_config(adapter, base.config.model_type, base=manifest["model"])
-    out.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(out)
-    save_file({adapters.peft_key(k): v.contiguous() for k, v in state.items()}, out / "adapter_model.safetensors",
-              metadata={"format": "pt"})
-    model = PeftModel.from_pretrained(base, out).eval()
-    return {"max_logit_diff": _check(ref, manifest, model, "adapter"), "tensors": len(state),
-            "adapter_params": sum(v.numel() for v in state.values())}
-
-
-def export_merged(ref, manifest: dict, out: Path) -> dict:
-    """The merged HF folder (base + scale * B @ A), verified against the engine's logits."""
-    base = base_model(manifest)
-    model_type = base.config.model_type
-    merged = merged_state(base.state_dict(), adapter_state(ref, manifest), manifest["adapter"], model_type)
-    base.load_state_dict(merged)
-    diff = _check(ref, manifest, base, "merged model")
-    out.mkdir(parents=True, exist_ok=True)
-    base.save_pretrained(out, safe_serialization=True)
-    return {"max_logit_diff": diff}
-
-
-def export(ref, manifest: dict, out: Path, adapter_only: bool) -> dict:
     from transformers import AutoTokenizer
 
     if manifest.get("adapter", {}).get("type") != "lora":
         raise UsageError(f"{ref.tag_dir}: --adapter-only needs a LoRA run (adapter.type lora); this checkpoint "
                          "trained every weight\n    fix: export without --adapter-only")
-    info = export_adapter(ref, manifest, out) if adapter_only else export_merged(ref, manifest, out)
+    adapter, state = manifest["adapter"], adapter_state(ref, manifest)
+    base = base_model(manifest)
+    config = adapters.lora_config(adapter, base.config.model_type, base=manifest["model"])
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    tensors = {adapters.peft_key(k): v.to(dtype).contiguous() for k, v in state.items()}
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
     AutoTokenizer.from_pretrained(ref.ckpt_dir / "hf").save_pretrained(out)
-    return info
+    model = PeftModel.from_pretrained(base, out).eval()
+    return {"max_logit_diff": _check(ref, manifest, model, "adapter"), "tensors": len(state), "shards": 1,
+            "adapter_params": sum(v.numel() for v in state.values()),
+            "total_size_bytes": sum(v.numel() * v.element_size() for v in tensors.values())}

@@ -69,31 +69,25 @@ def load_data(spec, dist, tokenizer) -> Data:
     return Data(train=train_rows, eval=eval_rows)
 
 
-def build_engine(spec):
+def build_engine(spec, startup):
+    """(engine, ModelInfo): the model built for this rank (harness/train/load), then the engine, each phase timed
+    and its peak memory recorded by `startup` (harness/profiling/startup.py). The HF model object is not kept."""
     import deepspeed
 
-    from harness.train.models import build_model
+    from harness.train.load.build import build
 
-    if spec.pp > 1:
-        from harness.train.parallel import pipe_engine
-
-        return pipe_engine.build_engine(spec)
-    train = spec.recipe["train"]
-    # Tensor parallel splits whole layers, so the model is built whole (ZeRO-3 then partitions the shards).
-    zero3 = spec.zero_stage == 3 and spec.tp == 1
-    model = build_model(train["model"], seed=train["seed"], zero3_init_config=spec.ds_config if zero3 else None,
-                        gradient_checkpointing=spec.recipe["activation_checkpointing"],
-                        **adapters.build_kwargs(spec.recipe))
-    mpu = None
-    if spec.tp > 1:  # every rank built the same whole model (same seed or checkpoint); each keeps its shard
-        from harness.train.parallel.tensor import TensorDataMPU, shard_model
-
-        mpu = TensorDataMPU(spec.tp)
-        shard_model(model, mpu.tp_group, mpu.tp_rank, spec.tp)
-    adapters.attach(model, spec, hf_model=model, tp_group=mpu and (mpu.tp_group, mpu.tp_rank, spec.tp))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=adapters.param_groups(model, spec.recipe),
-                                      config=spec.ds_config, mpu=mpu)
-    return engine, model
+    with startup.phase("build"):
+        built = build(spec)
+        if spec.pp == 1:  # pipeline stages get theirs in pipe_engine.build_stage, once each stage is materialised
+            mpu = built.mpu
+            adapters.attach(built.module, spec, hf_model=built.module,
+                            tp_group=mpu and (mpu.tp_group, mpu.tp_rank, spec.tp))
+    startup.predicted = profiling.predict_build(spec, built)
+    with startup.phase("engine_setup"):
+        engine, *_ = deepspeed.initialize(model=built.module, model_parameters=adapters.param_groups(built.module,
+                                                                                                   spec.recipe),
+                                          config=spec.ds_config, mpu=built.mpu)
+    return engine, built.info
 
 
 def start_step(engine, spec, dist, run_dir: Path) -> int:
@@ -118,15 +112,14 @@ def start_step(engine, spec, dist, run_dir: Path) -> int:
     return step
 
 
-def announce(spec, dist, run_dir: Path, model, data: Data) -> None:
+def announce(spec, dist, run_dir: Path, info, data: Data) -> None:
     if not dist.is_main:
         return
     ds = spec.ds_config
-    # The whole model's size: a tensor-parallel shard counts once per tensor rank.
-    n_params = sum(getattr(p, "ds_numel", p.numel()) * (spec.tp if getattr(p, "tensor_model_parallel", False) else 1)
-                   for p in model.parameters())
+    n_params = info.num_params  # the whole model's, counted before any split
     say("config", f"recipe {spec.recipe_name} | world {spec.world_size} ({dist.backend}) | zero {spec.zero_stage}"
-                  f" | tp {spec.tp} pp {spec.pp} dp {spec.dp} | {spec.recipe['precision']}")
+                  f" | tp {spec.tp} pp {spec.pp} dp {spec.dp} | {spec.recipe['precision']}"
+                  f" ({info.train_dtype} weights, checkpoint {info.checkpoint_dtype or 'dtype unknown'})")
     say("batch", f"{ds['train_micro_batch_size_per_gpu']} micro x {ds['gradient_accumulation_steps']} accum x "
                  f"{spec.dp} dp = {ds['train_micro_batch_size_per_gpu'] * ds['gradient_accumulation_steps'] * spec.dp}"
                  f" sequences x {data.train.shape[1]} tokens per step")
@@ -185,15 +178,21 @@ def run(spec, dist) -> int:
         tokenizer = load_tokenizer(spec.recipe["train"]["model"])
         data = load_data(spec, dist, tokenizer)
         checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
-        engine, model = build_engine(spec)
+        startup = profiling.Startup(dist.device)
+        engine, info = build_engine(spec, startup)
+        spec.dtypes = {"checkpoint_dtype": info.checkpoint_dtype, "train_dtype": info.train_dtype}
         log = MetricsLog(run_dir, enabled=dist.is_main)
-        announce(spec, dist, run_dir, model, data)
+        announce(spec, dist, run_dir, info, data)
+        lines, startup_summary = profiling.report_startup(startup)
+        for line in lines if dist.is_main else ():
+            say("memory", line)
         step0 = start_step(engine, spec, dist, run_dir)
         if dist.is_main:
-            checkpoint.save_hf_files(run_dir / "checkpoints", model, tokenizer)
+            checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer)
         hooks = profiling.make_hooks(spec, engine, dist, run_dir, log)
         with preempt.Preemption() as stop:  # until the end: a later signal (the launcher's) must not cut the exit
             result = Trainer(engine, spec, dist, data, run_dir, log, hooks, preempt=stop).run(step0)
+            result.update(startup_summary)
             for hook in hooks:
                 result.update(hook.close() or {})
             if dist.is_main:

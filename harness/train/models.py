@@ -204,11 +204,11 @@ def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | N
                                        "model.save_pretrained") from None
                 raise _hub_error("model", spec, err) from None
     if gradient_checkpointing:
-        _enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model)
     return model
 
 
-def _enable_activation_checkpointing(model) -> None:
+def enable_activation_checkpointing(model) -> None:
     """Recompute layer activations in backward; non-reentrant, which works with ZeRO-3 and frozen inputs.
 
     transformers 5 renamed gradient_checkpointing_enable (now a deprecated alias) to

@@ -37,6 +37,7 @@ class RunSpec:
     notes: list[str] = field(default_factory=list)
     layout: dict = field(default_factory=dict)  # pipeline partition, filled at engine build; checkpoint manifests
     resume_point: object = None  # harness.train.resume.ResumePoint when resuming
+    dtypes: dict = field(default_factory=dict)  # checkpoint_dtype, train_dtype: filled at model build; manifests
 
     @property
     def dp(self) -> int:

@@ -47,8 +47,9 @@ def _check_stages(spec, config) -> None:
                          f"    fix: use at most {layers} stages")
 
 
-def _shard_stage(module, config) -> tuple:
-    """3D: split this stage's decoder layers over the topology's model-parallel group."""
+def _shard_stage(module, config) -> tuple[int, int]:
+    """3D: split this stage's decoder layers over the topology's model-parallel group (on meta, before they are
+    materialised); (tensor rank, tensor size)."""
     from harness.train.parallel import tensor
 
     grid = module.mpu()
@@ -57,33 +58,35 @@ def _shard_stage(module, config) -> tuple:
     tensor.supported(config, size)
     for layer in pipeline.local_decoder_layers(module):
         tensor.shard_decoder_layer(layer, config, group, rank, size)
-    return group, rank, size
+    return rank, size
 
 
-def build_engine(spec):
-    """(PipelineEngine, the HF model it was built from). Records the partition in spec.layout."""
-    import deepspeed
+def build_stage(spec):
+    """This rank's PipelineModule stage, loaded by share (harness/train/load): the HF model on meta -> the
+    PipelineModule builds this stage's layers -> (3D) split on meta -> this rank's tensors read, cast -> moved to
+    the device and the tied embedding synchronised by DeepSpeed. Records the partition in spec.layout."""
+    from harness.train.load import build, meta, share
 
-    from harness.train.models import build_model
-
-    train = spec.recipe["train"]
-    model = build_model(train["model"], seed=train["seed"])
-    if spec.tp == 1:  # peft's layers on the HF modules the stages wrap (3D: tensor LoRA after the split, below)
-        adapters.attach(model, spec, hf_model=model)
+    model, source, info = build.open_model(spec)
     pipeline.supported(model.config)
     _check_stages(spec, model.config)
+    paths, dtype = share.hf_paths(model), meta.train_dtype(spec.recipe["precision"])
+
+    def on_stage(module):
+        rank, size = _shard_stage(module, model.config) if spec.tp > 1 else (0, 1)
+        share.materialise(module, paths, source, dtype, rank, size)
+        build.check_materialised(module)
+        # LoRA on this stage's own layers (peft's, or 3D's split ones), named by the whole model's modules
+        group = module.mpu().get_slice_parallel_group() if spec.tp > 1 else None
+        adapters.attach(module, spec, hf_model=model, tp_group=(group, rank, size) if spec.tp > 1 else None,
+                        layers=pipeline.local_decoder_layers(module))
+
     ds_pipe = spec.ds_config.get("pipeline", {})
     method = ds_pipe.get("partition", spec.recipe["parallel"]["partition_method"])
     module, specs = pipeline.build_module(model, topology(spec), method,
-                                          int(ds_pipe.get("activation_checkpoint_interval", 0)))
-    names = pipeline.hf_names(specs, model)
-    if spec.tp > 1:
-        grid = _shard_stage(module, model.config)
-        adapters.attach(module, spec, hf_model=model, tp_group=grid, layers=pipeline.local_decoder_layers(module))
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=adapters.param_groups(module, spec.recipe),
-                                      config=spec.ds_config)
-    spec.layout = pipeline.layout(module, specs, names)
-    return engine, model
+                                          int(ds_pipe.get("activation_checkpoint_interval", 0)), on_stage=on_stage)
+    spec.layout = pipeline.layout(module, specs, pipeline.hf_names(specs, model))
+    return build.Built(module, info)
 
 
 def train_step(engine, batches: list) -> torch.Tensor:

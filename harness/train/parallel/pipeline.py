@@ -175,30 +175,45 @@ def check_partition_method(method: str, specs: list) -> None:
                      f"    fix: --set parallel.partition_method=type:{DECODER} (balance decoder layers) or parameters")
 
 
-def _module_class(base):
-    """PipelineModule whose partition_method "parameters" weighs every parameter: DeepSpeed counts only those that
-    require grad, which with LoRA would balance the stages by adapter size and pile the frozen layers onto one
-    stage. For full fine-tuning the counts are DeepSpeed's own."""
-    class PipelineModuleAllParams(base):
+def _stage_module_class():
+    """PipelineModule that calls `on_stage(self)` once DeepSpeed has built this rank's layers and before its
+    __init__ moves them to the device (`self.to(device)` cannot copy a meta tensor): the one moment a stage
+    built on meta can be split and materialised with the partition DeepSpeed chose."""
+    from deepspeed.pipe import PipelineModule
+
+    class StagePipelineModule(PipelineModule):
+        def __init__(self, *args, on_stage=None, **kwargs):
+            object.__setattr__(self, "_on_stage", on_stage)
+            super().__init__(*args, **kwargs)
+
+        def _build(self):
+            super()._build()
+            if self._on_stage is not None:
+                self._on_stage(self)
+
         def _count_layer_params(self):
+            """partition_method "parameters" weighs every parameter: DeepSpeed counts only those that require grad,
+            which with LoRA frozen early would balance the stages by adapter size. Full fine-tuning: its counts."""
             return [sum(p.numel() for p in (s.build() if hasattr(s, "build") else s).parameters())
                     if isinstance(s, nn.Module) or hasattr(s, "build") else 0 for s in self._layer_specs]
-    return PipelineModuleAllParams
+
+    return StagePipelineModule
 
 
-def build_module(model, topology, partition_method: str, checkpoint_interval: int):
+def build_module(model, topology, partition_method: str, checkpoint_interval: int, on_stage=None):
     """(PipelineModule over `topology` holding the HF model's weights, its layer specs); this rank builds its
-    stage only."""
-    from deepspeed.pipe import PipelineModule
+    stage only. `model` may be on meta: `on_stage(module)` then splits and materialises the stage's layers."""
     from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
 
     # Non-reentrant recomputation of decoder layers only: reentrant checkpointing of the embedding would drop
     # its gradients (its input, token ids, needs no grad).
     specs = layer_specs(model)
     check_partition_method(partition_method, specs)
-    module = _module_class(PipelineModule)(layers=specs, topology=topology, loss_fn=causal_lm_loss,
-                            partition_method=partition_method, activation_checkpoint_interval=checkpoint_interval,
-                            activation_checkpoint_func=non_reentrant_checkpoint, checkpointable_layers=[DECODER])
+    module = _stage_module_class()(layers=specs, topology=topology, loss_fn=causal_lm_loss,
+                                   partition_method=partition_method,
+                                   activation_checkpoint_interval=checkpoint_interval,
+                                   activation_checkpoint_func=non_reentrant_checkpoint,
+                                   checkpointable_layers=[DECODER], on_stage=on_stage)
     return module, specs
 
 

@@ -176,14 +176,24 @@ def _split_dim(key: str) -> int | None:
     return None
 
 
+def merged_shape(key: str, shapes: list) -> tuple[int, ...]:
+    """The whole tensor's shape from its TP-rank shapes (rank order), without reading any of them."""
+    dim, whole = _split_dim(key), list(shapes[0])
+    if dim is not None:
+        whole[dim] = sum(shape[dim] for shape in shapes)
+    return tuple(whole)
+
+
+def merge_tensor(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor's TP-rank pieces (rank order) -> the whole tensor: export streams tensor by tensor."""
+    dim = _split_dim(key)
+    return parts[0] if dim is None else torch.cat(parts, dim=dim)
+
+
 def merge_shards(state_dicts: list[dict], config) -> dict:
     """TP-rank state dicts (HF names, any prefix kept), in rank order -> the full state dict."""
     supported(config, len(state_dicts))
-    merged = {}
-    for key, first in state_dicts[0].items():
-        dim = _split_dim(key)
-        merged[key] = first if dim is None else torch.cat([sd[key] for sd in state_dicts], dim=dim)
-    return merged
+    return {key: merge_tensor(key, [sd[key] for sd in state_dicts]) for key in state_dicts[0]}
 
 
 class TensorDataMPU:
@@ -235,3 +245,6 @@ class TensorDataMPU:
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return self.dp_ranks
+
+
+split_dim = _split_dim  # the loader (harness/train/load) reads a shard's slice through the same table

@@ -1,0 +1,57 @@
+"""Step 1 of a build by share: the whole HF model on the meta device, and what callers keep of it (ModelInfo)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness.train.models import ATTN_IMPLEMENTATION
+
+TRAIN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def train_dtype(precision: str) -> torch.dtype:
+    """The dtype the engine's weights have: fp32 runs fp32 weights; bf16/fp16 runs 16-bit weights, to which
+    DeepSpeed adds its own fp32 master copy."""
+    return TRAIN_DTYPES[precision]
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class ModelInfo:
+    """What the job needs of the HF model once the engine exists: its config (saved beside checkpoints), its
+    whole-model parameter count (announced), the checkpoint's dtype and the dtype it trains in (manifest)."""
+
+    config: object
+    num_params: int
+    checkpoint_dtype: str | None
+    train_dtype: str
+
+
+def build_on_meta(config):
+    """AutoModelForCausalLM for `config` with every parameter on meta (accelerate's init_empty_weights).
+
+    Buffers are left real (include_buffers=False): they are tiny and computed from the config at construction
+    (rotary inv_freq), so no buffer has to be recomputed after materialising and none is left on meta."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    # init_empty_weights re-registers every parameter as a new meta Parameter, so the tie made during
+    # construction (lm_head.weight = embed.weight) is lost; tie again now, outside its patch
+    model.tie_weights()
+    return model
+
+
+def num_params(model) -> int:
+    """Distinct parameters of the whole model (a tied weight once); works on meta."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def left_on_meta(module) -> list[str]:
+    return [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.device.type == "meta"]
