@@ -57,3 +57,4 @@ def test_harness_plan_lora_r(capsys):
     assert "recommended: ddp" in out  # frozen 16-bit weights + adapters fit one 80 GB GPU; full FT needs ZeRO
     cfg = dict(KNOWN["llama-3-8b"])
     assert count_params(cfg).total + 41_943_040 == with_lora(count_params(cfg), cfg, 16).total
+

@@ -114,8 +114,12 @@ def counts(module) -> tuple[int, int]:
 
 
 def peft_key(hf_name: str) -> str:
-    """A training state-dict key -> its key in adapter_model.safetensors (PeftModel.from_pretrained's format)."""
-    return PEFT_PREFIX + hf_name.replace(f".{ADAPTER}.", ".").replace(f".{ADAPTER}", "")
+    """A training state-dict key -> its key in adapter_model.safetensors (get_peft_model_state_dict's format, what
+    PeftModel.from_pretrained loads): the adapter name dropped, DoRA's magnitude without .weight, a module to save
+    under its own name."""
+    key = hf_name.replace(f".lora_magnitude_vector.{ADAPTER}.weight", ".lora_magnitude_vector")
+    key = key.replace(f".modules_to_save.{ADAPTER}.", ".").replace(f".{ADAPTER}.", ".")
+    return PEFT_PREFIX + key
 
 
 def quantization_config(recipe: dict):

@@ -78,11 +78,11 @@ def build_engine(spec, startup):
 
     with startup.phase("build"):
         built = build(spec)
-        if spec.pp == 1:  # pipeline stages get theirs in pipe_engine.build_stage, once each stage is materialised
-            mpu = built.mpu
-            adapters.attach(built.module, spec, hf_model=built.module,
-                            tp_group=mpu and (mpu.tp_group, mpu.tp_rank, spec.tp))
-    startup.predicted = profiling.predict_build(spec, built)
+    startup.predicted = profiling.predict_build(spec, built)  # the base as built (ZeRO-3: partitioned)
+    if spec.pp == 1:  # LoRA; pipeline stages get theirs in pipe_engine.build_stage, once each is materialised
+        mpu = built.mpu
+        adapters.attach(built.module, spec, hf_model=built.module,
+                        tp_group=mpu and (mpu.tp_group, mpu.tp_rank, spec.tp))
     with startup.phase("engine_setup"):
         engine, *_ = deepspeed.initialize(model=built.module, model_parameters=adapters.param_groups(built.module,
                                                                                                    spec.recipe),
