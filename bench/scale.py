@@ -129,21 +129,29 @@ def _ranks_of(proc) -> dict[int, int]:
     return out
 
 
-def _watch(cmd: list[str], env: dict, log: Path, first_step_file: Path | None = None,
+def _steps_logged(metrics: Path | None) -> int:
+    if metrics is None or not metrics.is_file():
+        return 0
+    return metrics.read_text().count('"kind": "train"')
+
+
+def _watch(cmd: list[str], env: dict, log: Path, metrics: Path | None = None, last_step: int = 0,
            by_rank: bool = True) -> dict:
-    """Run cmd; sample RssAnon of its ranks (or of the process) every 0.2 s; seconds to the first train record."""
+    """Run cmd; sample RssAnon of its ranks (or of the process) every 0.2 s until the last step is logged (the
+    end-of-run eval and checkpoint save are not training); seconds to the first logged step."""
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     peaks: dict[int, int] = {}
     first = None
     while proc.poll() is None:
-        pids = _ranks_of(proc) if by_rank else {0: proc.pid}
-        for rank, pid in pids.items():
-            peaks[rank] = max(peaks.get(rank, 0), _rss_anon(pid))
-        if first is None and first_step_file is not None and first_step_file.is_file():
-            if '"kind": "train"' in first_step_file.read_text():
-                first = time.perf_counter() - start
+        logged = _steps_logged(metrics)
+        if first is None and logged:
+            first = time.perf_counter() - start
+        if not last_step or logged < last_step:
+            pids = _ranks_of(proc) if by_rank else {0: proc.pid}
+            for rank, pid in pids.items():
+                peaks[rank] = max(peaks.get(rank, 0), _rss_anon(pid))
         time.sleep(0.2)
     return {"rc": proc.returncode, "seconds": time.perf_counter() - start, "first_step_s": first,
             "peak_rss_anon_per_rank": [peaks.get(r, 0) for r in sorted(peaks)]}
@@ -186,7 +194,7 @@ def run_case(size: str, recipe: str, precision: str, folder: Path, params: int, 
     waited = _wait_for_memory(params * per_param + ranks * 700 * MIB)
     run = out / f"run-{size}-{recipe}-{precision}"
     watch = _watch(_train_cmd(recipe, precision, folder, run, steps), _env(), out / f"{run.name}.log",
-                   run / "metrics.jsonl")
+                   run / "metrics.jsonl", last_step=steps)
     case = {"size": size, "recipe": recipe, "precision": precision, "ranks": ranks, "params": params,
             "model_bytes": train_bytes, "waited_for_memory_s": round(waited, 1), **watch}
     if watch["rc"] != 0:

@@ -93,6 +93,30 @@ def test_preset_by_share_equals_the_seeded_model_and_keeps_its_tie():
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_tied_folder_shard_reads_the_stored_name(tmp_path):
+    """A tied folder stores only the embedding (no lm_head.weight); the TP shard reads it once for both names."""
+    from transformers import AutoModelForCausalLM
+
+    from harness.train.load import meta, share
+    from harness.train.load.source import CheckpointFiles, check_keys
+    from harness.train.models import load_model_config
+    from harness.train.parallel.tensor import shard_model
+
+    config = load_model_config("tiny-llama")
+    config.tie_word_embeddings = True
+    torch.manual_seed(SEED)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    source = CheckpointFiles(tmp_path)
+    assert "lm_head.weight" not in source.keys()
+    model = meta.build_on_meta(load_model_config(str(tmp_path)))
+    check_keys(source, model)
+    shard_model(model, None, 1, 2)
+    share.materialise(model, share.hf_paths(model), source, torch.float32, 1, 2)
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, whole.model.embed_tokens.weight)
+
+
 def test_missing_and_unexpected_keys_name_the_key_and_the_file(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -16,7 +16,8 @@ from harness.train.parallel.tensor import split_dim
 
 
 def hf_paths(model) -> dict[int, str]:
-    """id(module) -> its HF path, for every module of the (meta) HF model ("" for the model itself)."""
+    """id(module) -> its HF path, for every module of the (meta) HF model ("" for the model itself). Take it
+    after the split and use it at once: ids of modules the split replaced and freed are reused by new ones."""
     return {id(module): name for name, module in model.named_modules()}
 
 
@@ -57,10 +58,12 @@ def materialise(root: nn.Module, paths: dict[int, str], source, dtype, tp_rank: 
     materialised."""
     slots: dict[int, list] = {}
     keys: dict[int, tuple[str, object]] = {}
+    stored = source.keys()
     for module, attr, kind, key in _holders(root, paths):
         tensor = getattr(module, attr)
         slots.setdefault(id(tensor), []).append((module, attr, kind))
-        keys.setdefault(id(tensor), (key, tensor))
+        if id(tensor) not in keys or (key in stored and keys[id(tensor)][0] not in stored):
+            keys[id(tensor)] = (key, tensor)  # a tied weight is read under the name the checkpoint stores
     requests = {key: _request(key, t, tp_rank, tp_size) for key, t in keys.values()}
     values = source.read(requests, dtype)
     total = 0

@@ -70,11 +70,12 @@ def build_stage(spec):
     model, source, info = build.open_model(spec)
     pipeline.supported(model.config)
     _check_stages(spec, model.config)
-    paths, dtype = share.hf_paths(model), meta.train_dtype(spec.recipe["precision"])
+    dtype = meta.train_dtype(spec.recipe["precision"])
 
     def on_stage(module):
         rank, size = _shard_stage(module, model.config) if spec.tp > 1 else (0, 1)
-        share.materialise(module, paths, source, dtype, rank, size)
+        # paths after the split: it replaced the row-parallel linears, and a new module may reuse a freed id
+        share.materialise(module, share.hf_paths(model), source, dtype, rank, size)
         build.check_materialised(module)
         # LoRA on this stage's own layers (peft's, or 3D's split ones), named by the whole model's modules
         group = module.mpu().get_slice_parallel_group() if spec.tp > 1 else None
