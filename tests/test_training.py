@@ -14,6 +14,7 @@ import torch
 
 from baseline import plain_pytorch_losses
 from corpora import chat_model_dir, write_chat, write_instruction
+from export_checks import assert_export_equals_engine
 from harness.train.data import DataSpec
 from launch import launch, losses, records
 
@@ -99,6 +100,9 @@ def test_fp32_parity_and_exact_resume(recipe, reference, tmp_path):
     print(f"{recipe}: max relative loss difference vs plain PyTorch {worst:.2e}")
     print(f"{recipe}: measured / planner", assert_planner_matches_engine(straight))
     assert (straight / "checkpoints" / "global_step3" / "manifest.json").is_file()
+    if recipe in ("ddp", "zero1", "zero2"):  # ZeRO-3 export: test_export_round_trip and tests/test_export.py
+        info = assert_export_equals_engine(straight, tmp_path / "hf")
+        print(f"{recipe}: export in {info['shards']} shards equals the engine's weights")
     if recipe in ("zero2_offload", "zero3_offload"):
         return  # resume is covered per ZeRO stage; offload adds no resume state of its own
     resumed = tmp_path / "resumed"

@@ -10,11 +10,15 @@ is about one output shard plus the largest tensor. Every checkpoint the harness 
 engine's logits on a fixed batch); the written folder is loaded (memory-mapped: transformers reads a
 safetensors file in its own dtype without copying it) and its logits are checked against the engine's.
 
-The streaming pieces, for other exports (LoRA adapters, merged models) to reuse:
-    files = MappedFiles(); state = open_state(ref, manifest, files)   # {hf name: Lazy(shape, read)}
-    model = meta_model(ref); names = save_names(model)                # what save_pretrained would write
-    split = plan_shards(specs(state, names, dtype), "5GB")            # hf_shards: names/shapes/dtypes only
+The streaming pieces, for other exports (LoRA adapters, merged models) to reuse or wrap:
+    files = MappedFiles(shard_bytes)                        # ckpt_tensors: mapped rank files, dropped as read
+    state = open_state(ref, manifest, files)                # {hf name: Lazy(shape, read)}; reads no weights
+    model = meta_model(ref); names = save_names(model)      # what save_pretrained would write, in its order
+    check_keys(state, names, model, ref.tag_dir)            # missing / unexpected / wrong shape: UsageError
+    split = plan_shards(specs(state, names, dtype, model), "5GB")       # hf_shards: shapes and dtypes only
     write_sharded(out, split, iter_state(state, names, dtype), model.num_parameters())
+iter_state yields (name, tensor) one at a time; any generator of such pairs (a merged LoRA weight computed
+from its base tensor and factors, say) can stand in for it, with plan_shards given the same names.
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ def check_keys(state: dict, names: list[str], model, where: Path) -> None:
     wrong = [f"{n} {tuple(state[n].shape)} vs {tuple(expected[n].shape)}" for n in names
              if n in state and tuple(state[n].shape) != tuple(expected[n].shape)]
     if missing or unexpected or wrong:
-        raise UsageError(f"{where}: checkpoint does not match the model config in {where.parent.parent / 'hf'}: "
+        raise UsageError(f"{where}: checkpoint does not match the model config in {where.parent / 'hf'}: "
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}, shape {wrong[:5]}\n"
                          "    fix: export a checkpoint written by this harness with its own hf/ folder")
 
