@@ -112,16 +112,18 @@ def test_export_weights_sharded_and_bf16(zero3_run, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness.cli", "export", *args], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=300)
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    """`harness export ...` through the CLI's own error handling (exit code, stderr), in this process."""
+    from harness.cli import main
+
+    code = main(["export", *args])
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.multirank
-def test_export_refusals_are_clear_and_write_nothing(zero3_run, tmp_path):
-    proc = _cli(str(zero3_run), "--out", str(tmp_path / "a"), "--max-shard-size", "12XB")
-    assert proc.returncode == 2 and "--max-shard-size '12XB'" in proc.stderr and "fix:" in proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "a").exists()
+def test_export_refusals_are_clear_and_write_nothing(zero3_run, tmp_path, capsys):
+    code, err = _cli(capsys, str(zero3_run), "--out", str(tmp_path / "a"), "--max-shard-size", "12XB")
+    assert code == 2 and "--max-shard-size '12XB'" in err and "fix:" in err and not (tmp_path / "a").exists()
     # A checkpoint whose probe disagrees with its weights: the logits check fails, the folder is not written.
     tag = tmp_path / "ckpt" / "global_step1"
     tag.mkdir(parents=True)
@@ -131,8 +133,16 @@ def test_export_refusals_are_clear_and_write_nothing(zero3_run, tmp_path):
     (tmp_path / "ckpt" / "hf").symlink_to(zero3_run / "checkpoints" / "hf")
     probe = torch.load(zero3_run / "checkpoints" / "global_step1" / "probe.pt", weights_only=True)
     torch.save({**probe, "logits": probe["logits"] + 0.5}, tag / "probe.pt")
-    proc = _cli(str(tag), "--out", str(tmp_path / "b"))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "max |logit diff| 0.5 > tolerance 0.0001" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    code, err = _cli(capsys, str(tag), "--out", str(tmp_path / "b"))
+    assert code == 2 and "max |logit diff| 0.5 > tolerance 0.0001" in err and "fix: export in the training" in err, err
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b*"))
+    # The same weights under a config with one layer fewer: refused before anything is read, naming the keys.
+    (tmp_path / "ckpt" / "hf").unlink()
+    shutil.copytree(zero3_run / "checkpoints" / "hf", tmp_path / "ckpt" / "hf")
+    config = json.loads((tmp_path / "ckpt" / "hf" / "config.json").read_text())
+    config["num_hidden_layers"] -= 1
+    (tmp_path / "ckpt" / "hf" / "config.json").write_text(json.dumps(config))
+    code, err = _cli(capsys, str(tag), "--out", str(tmp_path / "c"))
+    assert code == 2 and "checkpoint does not match the model config" in err and "model.layers.7." in err, err
+    assert not (tmp_path / "c").exists()
     shutil.rmtree(tmp_path / "ckpt")

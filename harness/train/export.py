@@ -117,7 +117,10 @@ def open_state(ref: CheckpointRef, manifest: dict, files) -> dict:
     from harness.train.parallel import tensor
 
     tensor.supported(AutoConfig.from_pretrained(ref.ckpt_dir / "hf"), len(ranks))
-    return {key: _merged(key, [r[key] for r in ranks], tensor) for key in ranks[0]}
+    # A name on some ranks only (a tied head recorded as shared by one rank's file) is left out: check_keys
+    # then names it if the model needs it.
+    common = [key for key in ranks[0] if all(key in r for r in ranks[1:])]
+    return {key: _merged(key, [r[key] for r in ranks], tensor) for key in common}
 
 
 def _merged(key: str, parts: list, tensor):
