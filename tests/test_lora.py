@@ -2,10 +2,11 @@
 peft-wrapped model with torch AdamW on the same global batch of 8 sequences (tests/baseline.py), exact resume,
 planner bytes vs the live engine, and both exports checked against the engine's logits.
 
-Two launches: one 2-rank process group runs eight jobs in a row (tests/jobs_driver.py): zero2, zero2 with LoRA+,
-zero3 (+ its resume from step 3), zero3 with the optimizer on CPU and activation checkpointing (frozen inputs,
-non-reentrant), pipeline 2 (+ resume), tp 2 on a Qwen2-shaped folder; and one 8-rank 3D job (pipeline 2 x
-tensor 2 x data 2). One single-process resume of the 2-rank ZeRO-3 checkpoint (another world size).
+Two launches: one 2-rank process group runs nine jobs in a row (tests/jobs_driver.py): zero2, zero2 with LoRA+,
+zero2 with DoRA and lm_head in modules_to_save, zero3 (+ its resume from step 3), zero3 with the optimizer on
+CPU and activation checkpointing (frozen inputs, non-reentrant), pipeline 2 (+ resume), tp 2 on a Qwen2-shaped
+folder; and one 8-rank 3D job (pipeline 2 x tensor 2 x data 2). One single-process resume of the 2-rank ZeRO-3
+checkpoint (another world size).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ STEPS, SEQ_LEN, SEED, LR = 6, 64, 1234, 1e-3
 FP32_RTOL = 1e-5  # issue bound
 LORA = ["--set", "precision=fp32", "--set", "adapter.type=lora", *COMMON]
 LORA_PLUS = 4
+DORA = ["--set", "adapter.use_dora=true", "--set", 'adapter.modules_to_save=["lm_head"]']
 ACCUM2 = ["--set", "batch.grad_accum_steps=2"]  # pipeline and tp: 4 micro x 2 accum x 1 replica = 8 sequences
 
 
@@ -47,6 +49,7 @@ def _cases(root, qwen: str) -> list[list[str]]:
         ["--recipe", "lora_zero2", "--output-dir", str(root / "zero2"), *LORA],
         ["--recipe", "lora_zero2", "--output-dir", str(root / "zero2_lora_plus"), *LORA,
          "--set", f"adapter.lr_B_ratio={LORA_PLUS}"],
+        ["--recipe", "lora_zero2", "--output-dir", str(root / "zero2_dora"), *LORA, *DORA],
         ["--recipe", "lora_zero3", "--output-dir", str(root / "zero3"), *LORA],
         ["--recipe", "lora_zero3", "--output-dir", str(root / "zero3_resumed"), "--resume", step3("zero3"), *LORA],
         ["--recipe", "lora_zero3", "--output-dir", str(root / "zero3_offload"), *LORA,
@@ -86,6 +89,20 @@ def test_lora_plus_param_groups(runs, llama_reference):
     worst = assert_close(got, reference(lr_B_ratio=LORA_PLUS), FP32_RTOL)
     assert abs(got[STEPS] - llama_reference[STEPS - 1]) > 1e-5, "the B learning rate changed nothing"
     print(f"lora+ zero2: max relative loss difference {worst:.2e}")
+
+
+def test_dora_with_a_module_to_save(runs, tmp_path):
+    """DoRA magnitudes and a fully trained lm_head beside the adapters: parity, and the adapter folder (their keys
+    as peft writes them) loads with plain peft and reproduces the engine."""
+    from harness.train.export import export
+
+    run = runs[0] / "zero2_dora"
+    worst = assert_close(losses(run), reference(use_dora=True, modules_to_save=["lm_head"]), FP32_RTOL)
+    info = export(run, tmp_path / "adapter", adapter_only=True)
+    assert info["tensors"] == 28 + 14 + 1 and info["max_logit_diff"] < 1e-4  # A, B; magnitudes; lm_head
+    merged = export(run, tmp_path / "merged")
+    assert merged["max_logit_diff"] < 1e-4
+    print(f"lora dora + modules_to_save zero2: max relative loss difference {worst:.2e}")
 
 
 def test_tp_parity_on_a_qwen2_folder(runs):

@@ -78,6 +78,9 @@ def merged_lazy(manifest: dict, state: dict, model) -> dict:
     lora, scale = _lora_modules(trained), adapters.scaling(manifest["adapter"])
     saved = {k.replace(f".modules_to_save.{adapters.ADAPTER}", ""): v for k, v in trained.items()
              if ".modules_to_save." in k}
+    if saved and getattr(model.config, "tie_word_embeddings", False):
+        raise UsageError(f"modules_to_save {sorted(saved)} on a model with tied embeddings: the merged folder would "
+                         "tie the trained copy back to the frozen embedding\n    fix: export with --adapter-only")
     source = open_source(manifest["model"], int(manifest.get("seed", 0)))
     fan_in_fan_out = model.config.model_type == "gpt2"  # Conv1D stores W transposed
 
