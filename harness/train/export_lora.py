@@ -39,24 +39,29 @@ def adapter_state(ref, manifest: dict) -> dict[str, torch.Tensor]:
     return state
 
 
-def _lora_modules(state: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """module name -> (A, B)."""
+def _lora_modules(state: dict) -> dict[str, tuple]:
+    """module name -> (A, B, DoRA magnitude or None)."""
     out = {}
     for key, a in state.items():
         if key.endswith(f".lora_A.{adapters.ADAPTER}.weight"):
             name = key[: -len(f".lora_A.{adapters.ADAPTER}.weight")]
-            out[name] = (a, state[f"{name}.lora_B.{adapters.ADAPTER}.weight"])
+            out[name] = (a, state[f"{name}.lora_B.{adapters.ADAPTER}.weight"],
+                         state.get(f"{name}.lora_magnitude_vector.{adapters.ADAPTER}.weight"))
     return out
 
 
 def merge_tensor(hf_name: str, tensor: torch.Tensor, lora: dict, scale: float, fan_in_fan_out: bool) -> torch.Tensor:
-    """One base tensor of the merged model: W + scale * B @ A where a LoRA sits on its module, else unchanged."""
+    """One base tensor of the merged model: W + scale * B @ A where a LoRA sits on its module, else unchanged.
+    DoRA (a magnitude m per output feature): m * (W + s B A) / ||W + s B A|| row-wise, as peft merges it."""
     module = hf_name.rsplit(".", 1)[0]
     if not hf_name.endswith(".weight") or module not in lora:
         return tensor
-    a, b = lora[module]
-    delta = (b.float() @ a.float()) * scale
-    return (tensor.float() + (delta.T if fan_in_fan_out else delta)).to(tensor.dtype)
+    a, b, magnitude = lora[module]
+    delta = (b.float() @ a.float()) * scale  # (out, in)
+    weight = (tensor.float().T if fan_in_fan_out else tensor.float()) + delta
+    if magnitude is not None:
+        weight = weight * (magnitude.float() / weight.norm(p=2, dim=1)).unsqueeze(1)
+    return (weight.T if fan_in_fan_out else weight).contiguous().to(tensor.dtype)
 
 
 def base_model(manifest: dict):
