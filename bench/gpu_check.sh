@@ -4,6 +4,8 @@
 # predicted peak memory next to the measured one; leaves metrics.jsonl, summary.json and report.md in OUT_DIR.
 # On a node with >= 2 GPUs also a pipeline case (2 stages), with >= 4 a 3D case (pipeline 2 x tensor 2):
 # per-stage model states, p2p / TP bytes and the bubble vs the planner, reports in OUT_DIR/pipeline, OUT_DIR/3d.
+# Also a QLoRA case (one GPU): a 4-bit NF4 base (bitsandbytes, bnb_4bit_quant_storage = bf16 under ZeRO-3) with
+# LoRA adapters, recipe lora_zero3, on a ~1B folder model written first (random weights); OUT_DIR/qlora.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -28,10 +30,10 @@ DEPS=(hjson py-cpuinfo msgpack einops ninja psutil pydantic)
 if [[ "${1:-}" == "--prepare" ]]; then
     target=${2:-$($PY -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}
     mkdir -p "$WHEELS"
-    $PY -m pip wheel --no-deps --wheel-dir "$WHEELS" "deepspeed==$DEEPSPEED_VERSION"
+    $PY -m pip wheel --no-deps --wheel-dir "$WHEELS" "deepspeed==$DEEPSPEED_VERSION" "peft==0.21.2" "accelerate==1.15.0"
     $PY -m pip download --only-binary=:all: --python-version "$target" --implementation cp \
         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-        --dest "$WHEELS" "${DEPS[@]}"
+        --dest "$WHEELS" "${DEPS[@]}" bitsandbytes
     echo "[prepare] wheels for Python $target in $WHEELS; copy them to the GPU machine (or carry bench/wheels)"
     exit 0
 fi
@@ -48,7 +50,7 @@ if ! $PY -c "import deepspeed" 2>/dev/null; then
         exit 2
     fi
     if $PY -m pip --version >/dev/null 2>&1; then
-        $PY -m pip install --quiet --no-index --find-links "$WHEELS" "deepspeed==$DEEPSPEED_VERSION"
+        $PY -m pip install --quiet --no-index --find-links "$WHEELS" "deepspeed==$DEEPSPEED_VERSION" peft bitsandbytes
     else  # no pip in the image: wheels are zip files, unpack them onto the path
         $PY - "$WHEELS" "$OUT/site" <<'EOF'
 import sys, zipfile, pathlib
@@ -69,7 +71,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -86,7 +88,23 @@ for case in $CASES; do
                 --out "$OUT/$case" --shape tinyllama-1.1b --pp 2 --tp $tp --precision bf16 --seq-len 2048 \
                 --micro-batch 2 --accum 8 --steps 12 --profile-steps 10-11
             echo "[$case]  report: $OUT/$case/report.md" ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d)" >&2; exit 2 ;;
+        qlora)
+            $PY - "$OUT/qlora/model" <<'EOF'
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from harness.train.models import _shipped_eos_id, load_tokenizer
+eos = _shipped_eos_id()
+cfg = LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                  num_attention_heads=32, num_key_value_heads=4, bos_token_id=eos, eos_token_id=eos)
+torch.manual_seed(0)
+LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
+load_tokenizer("tiny-llama").save_pretrained(sys.argv[1])
+EOF
+            timeout 300 $PY -m deepspeed.launcher.runner --num_gpus 1 "$ROOT/harness/run.py" --recipe lora_zero3 \
+                --set adapter.load_in_4bit=true --set "train.model=$OUT/qlora/model" --set train.steps=20 \
+                --set train.seq_len=1024 --set train.eval_every=0 --output-dir "$OUT/qlora/run" --overwrite
+            echo "[qlora]   run: $OUT/qlora/run (summary.json: loss, memory)" ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

@@ -21,13 +21,23 @@ def train_rows(model: str, seq_len: int, eval_fraction: float, seed: int, data: 
 def plain_pytorch_losses(*, model: str, steps: int, seq_len: int, global_batch: int, lr: float, betas, eps: float,
                          weight_decay: float, clip: float, seed: int, eval_fraction: float,
                          data: DataSpec = DataSpec(), store_dir: str | None = None,
-                         micro_batches: int = 1) -> list[float]:
-    """AdamW + clip_grad_norm_ on all global_batch rows of each step. The step's loss is the mean of the losses
+                         micro_batches: int = 1, adapter: dict | None = None) -> list[float]:
+    """AdamW + clip_grad_norm_ (on the trainable parameters: all, or the adapters) on all global_batch rows of each
+    step. The step's loss is the mean of the losses
     of its `micro_batches` equal chunks (in rank order), as DeepSpeed averages rank and accumulation means: with
     masked labels the chunks hold different numbers of target tokens, so this is not the mean over all targets."""
     torch.manual_seed(seed)
     net = build_model(model, seed=seed).float().train()
-    opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    if adapter is not None:  # the same peft-wrapped model the launch trains (train/adapters.py)
+        from harness.train import adapters
+
+        adapters.apply(net, {"adapter": adapter, "train": {"seed": seed}, "activation_checkpointing": False})
+    trainable = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+    ratio = (adapter or {}).get("lr_B_ratio")  # LoRA+: B learns at lr x ratio
+    groups = ([{"params": [p for n, p in trainable if ".lora_B." not in n]},
+               {"params": [p for n, p in trainable if ".lora_B." in n], "lr": lr * ratio}] if ratio
+              else [p for _, p in trainable])
+    opt = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     rows = train_rows(model, seq_len, eval_fraction, seed, data, store_dir)
     plan = BatchPlan(num_rows=rows.shape[0], global_batch=global_batch, micro_batch=global_batch, grad_accum=1,
                      seed=seed)
@@ -39,7 +49,7 @@ def plain_pytorch_losses(*, model: str, steps: int, seq_len: int, global_batch: 
         loss = torch.stack(losses).mean()
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], clip)
         opt.step()
         out.append(loss.item())
     return out

@@ -16,12 +16,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"largest safetensors file, e.g. 5GB, 200MB (default {DEFAULT_SHARD_SIZE}, as HF)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="weights' dtype in the folder (default: the dtype the run trained in)")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="LoRA runs: a peft adapter folder (adapter_config.json + adapter_model.safetensors) "
+                             "instead of the merged model")
 
 
 def run(args: argparse.Namespace) -> int:
     from harness.train.export import export
 
-    info = export(args.checkpoint, args.out, args.overwrite, max_shard_size=args.max_shard_size, dtype=args.dtype)
+    info = export(args.checkpoint, args.out, args.overwrite, max_shard_size=args.max_shard_size, dtype=args.dtype,
+                  adapter_only=args.adapter_only)
     check = ("not verified (no probe.pt in the checkpoint)" if info["max_logit_diff"] is None else
              f"verified against the engine: max |logit diff| {info['max_logit_diff']:.2e} (limit {info['tolerance']})")
     layout = f"ZeRO-{info['zero_stage']}, tp {info['tp']}, pp {info['pp']}, step {info['step']}"
@@ -29,5 +33,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"[export] {info['shards']} safetensors file(s), {info['total_size_bytes'] / 1e6:.1f} MB in "
           f"{info['dtype']}, {info['seconds']:.1f} s")
     print(f"[export] {check}")
-    print(f"[export] load with AutoModelForCausalLM.from_pretrained({info['out']!r})")
+    if info.get("adapter_only"):
+        print(f"[export] {info['tensors']} adapter tensors ({info['adapter_params']:,} params); load with "
+              f"PeftModel.from_pretrained(base, {info['out']!r})")
+    else:
+        print(f"[export] load with AutoModelForCausalLM.from_pretrained({info['out']!r})")
     return 0

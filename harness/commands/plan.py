@@ -95,7 +95,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layout.add_argument("--offload", choices=("none", "cpu", "nvme"), help="optimizer (ZeRO-3: and parameters) offload")
     parser.add_argument("--scaling", metavar="PNG", help="also draw predicted tokens/s per GPU against node count "
                                                          "for the recommended layout into this PNG")
+    parser.add_argument("--lora-r", type=int,
+                        help="plan LoRA fine-tuning: rank-R adapters on every attention and MLP projection, base "
+                             "frozen (2 B/param in bf16, no gradient or optimizer state)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def lora_count(cfg: dict, lora_r: int | None):
+    """The parameter count with rank-r adapters (None: full fine-tuning, the planner counts itself)."""
+    if not lora_r:
+        return None
+    from harness.planner.params import count_params, with_lora
+
+    return with_lora(count_params(cfg), cfg, lora_r)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     nvme = parse_size(args.nvme, "--nvme") if args.nvme is not None else None
     for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--seq-len", args.seq_len),
                         ("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum),
-                        ("--global-batch", args.global_batch), ("--tp", args.tp), ("--pp", args.pp)):
+                        ("--global-batch", args.global_batch), ("--tp", args.tp), ("--pp", args.pp),
+                        ("--lora-r", args.lora_r)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1")
     cfg = resolve_model(args.model)
@@ -127,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
                       micro_batch=args.micro_batch, precision=args.precision,
                       activation_checkpointing=args.activation_checkpointing == "full", grad_accum=args.grad_accum,
                       model_name=args.model, hardware_profile=profile, global_batch=args.global_batch,
-                      layout=_layout(args))
+                      layout=_layout(args), count=lora_count(cfg, args.lora_r))
     except ValueError as e:
         raise UsageError(f"plan: {e}") from None
     if not args.hardware:
@@ -139,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
 
         result.scaling = curve(result, cfg, profile)
         result.scaling["png"] = draw(result.scaling, args.scaling)
+    if args.lora_r and not args.json:
+        count = result.model["params"]
+        sys.stdout.write(f"LoRA r={args.lora_r}: {count['lora_per_layer'] * count['num_layers']:,} trainable / "
+                         f"{count['total'] - count['lora_per_layer'] * count['num_layers']:,} frozen parameters "
+                         "(frozen: 16-bit weights only; gradients, fp32 master and Adam for the adapters)\n")
     sys.stdout.write(to_json(result) + "\n" if args.json else to_text(result))
     return 0 if result.recommended or result.evaluated else 1
 

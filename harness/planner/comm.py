@@ -21,7 +21,8 @@ from harness.planner.memory import PRECISION_BYTES
 
 
 def comm_bytes_per_step(num_params: int, *, stage: int, dp: int, precision: str, grad_accum: int = 1,
-                        persistent_params: int = 0, gathers_per_micro_step: int = 2) -> dict[str, int]:
+                        persistent_params: int = 0, gathers_per_micro_step: int = 2,
+                        trainable_params: int | None = None) -> dict[str, int]:
     """Logged bytes per rank per optimizer step of the data-parallel (ZeRO) group.
 
     num_params: parameters this rank's ZeRO group shards. persistent_params: ZeRO-3 tensors kept whole
@@ -29,12 +30,15 @@ def comm_bytes_per_step(num_params: int, *, stage: int, dp: int, precision: str,
     backward: 2; a model small enough to stay live: 1). A group of one rank sends nothing on the wire
     (wire_bytes), but DeepSpeed still calls, and the comms logger logs, its gradient reductions (measured on
     one rank: all_reduce for ZeRO-0/1/2, reduce_scatter_tensor for ZeRO-3; no all-gather).
+    trainable_params (LoRA; None = all): gradients and the updated ZeRO-1/2 partitions cover only these, while
+    ZeRO-3 still all-gathers every parameter, frozen ones included.
     """
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISION_BYTES)}")
     lp = PRECISION_BYTES[precision]
-    grads = lp * num_params
-    shard = lp * -(-num_params // dp) if dp > 1 else 0
+    trainable = num_params if trainable_params is None else trainable_params
+    grads = lp * trainable
+    shard = lp * -(-trainable // dp) if dp > 1 else 0
     if stage == 0:
         return {"all_reduce": grads}
     if stage in (1, 2):
@@ -42,8 +46,10 @@ def comm_bytes_per_step(num_params: int, *, stage: int, dp: int, precision: str,
         return _nonzero({"all_reduce": grads * reduces, "all_gather_into_tensor": shard})
     if stage == 3:
         gathered = lp * -(-(num_params - persistent_params) // dp) if dp > 1 else 0
+        # after every optimizer step ZeRO-3 re-gathers ALL persistent tensors, frozen ones too (stage3 _post_step)
+        persistent = lp * -(-persistent_params // dp) if dp > 1 else 0
         return _nonzero({"reduce_scatter_tensor": grads * grad_accum,
-                         "all_gather_into_tensor": gathered * gathers_per_micro_step * grad_accum})
+                         "all_gather_into_tensor": gathered * gathers_per_micro_step * grad_accum + persistent})
     raise ValueError(f"zero stage {stage}: expected 0, 1, 2 or 3")
 
 

@@ -104,7 +104,7 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
     if c.tp > 1:  # block matrices are split; the embedding and head are not
         largest_layer = max(count.largest_layer // c.tp, shape["vocab_size"] * shape["hidden_size"])
     common = dict(stage=c.stage, dp=dp, precision=work["precision"], offload_optimizer=c.offload_optimizer,
-                  offload_param=c.offload_param)
+                  offload_param=c.offload_param, **lora_terms(count, layers, c.tp))
     states = memory.model_state_bytes(params, **common, largest_layer_params=largest_layer,
                                       largest_tensor_params=count.largest_tensor,
                                       persistent_params=persistent, buckets=buckets, grad_accum=m)
@@ -134,11 +134,21 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
     return result
 
 
+def lora_terms(count: ParamCount, blocks: int, tp: int) -> dict:
+    """model_state_bytes arguments for a count with LoRA adapters (params.with_lora); none for full fine-tuning."""
+    trainable = count.trainable_params(blocks, tp)
+    if trainable is None:
+        return {}
+    return {"trainable_params": trainable, "largest_trainable_tensor": count.lora_largest_tensor,
+            "largest_trainable_layer": count.lora_largest_tensor}
+
+
 def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m: int, persistent: int,
           shape: dict, work: dict) -> dict:
     prec, seq, mb = work["precision"], work["seq_len"], work["micro_batch"]
     groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, dp=dp, precision=prec, grad_accum=m,
-                                              persistent_params=persistent), dp)}
+                                              persistent_params=persistent,
+                                              trainable_params=count.trainable_params(layers, c.tp)), dp)}
     if c.tp > 1:
         groups["tp"] = ({"all_reduce": pipeline.tp_allreduce_bytes(
             shape, tp=c.tp, blocks=layers, seq_len=seq, micro_batch=mb, micro_batches=m, precision=prec,

@@ -65,27 +65,30 @@ def _check(precision: str, stage: int, dp: int, offload_optimizer: str, offload_
         raise ValueError(f"offload_param={offload_param} needs ZeRO stage 3 (got stage {stage})")
 
 
-def _seed_entries(p: int, stage: int, dp: int, lp: int, opt_dev: str, param_dev: str) -> list:
+def _seed_entries(p: int, stage: int, dp: int, lp: int, opt_dev: str, param_dev: str, t: int) -> list:
     def shard(nbytes: int, from_stage: int) -> int:
         return -(-nbytes // dp) if stage >= from_stage else nbytes
 
-    master = 0 if lp == FP32_BYTES else FP32_BYTES * p
-    return [("params", param_dev, shard(lp * p, 3), True), ("grads", "gpu", shard(lp * p, 2), True),
+    master = 0 if lp == FP32_BYTES else FP32_BYTES * t
+    return [("params", param_dev, shard(lp * p, 3), True), ("grads", "gpu", shard(lp * t, 2), True),
             ("fp32_master", opt_dev, shard(master, 1), True),
-            ("optimizer_moments", opt_dev, shard(ADAM_MOMENTS * FP32_BYTES * p, 1), True)]
+            ("optimizer_moments", opt_dev, shard(ADAM_MOMENTS * FP32_BYTES * t, 1), True)]
 
 
-def _stage0_entries(p: int, lp: int) -> list:
-    master = 0 if lp == FP32_BYTES else FP32_BYTES * p
-    return [("params", "gpu", lp * p, True), ("grads", "gpu", lp * p, False),
+def _stage0_entries(p: int, lp: int, t: int) -> list:
+    master = 0 if lp == FP32_BYTES else FP32_BYTES * t
+    return [("params", "gpu", lp * p, True), ("grads", "gpu", lp * t, False),
             ("fp32_master", "gpu", master, True),
-            ("optimizer_moments", "gpu", ADAM_MOMENTS * FP32_BYTES * p, True),
+            ("optimizer_moments", "gpu", ADAM_MOMENTS * FP32_BYTES * t, True),
             ("fp32_grads", "gpu", master, False),  # the 16-bit optimizer wrapper steps on fp32 grads
-            ("reduce_buckets", "gpu", lp * min(p, ZERO0_ALLREDUCE_BUCKET_ELEMS), False)]
+            ("reduce_buckets", "gpu", lp * min(t, ZERO0_ALLREDUCE_BUCKET_ELEMS), False)]
 
 
 def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, largest_tensor: int,
-                     b: ZeroBuckets, grad_accum: int = 1, accum_elems: int | None = None) -> list:
+                     b: ZeroBuckets, grad_accum: int = 1, accum_elems: int | None = None, t: int | None = None) -> list:
+    """p: parameters (16-bit copies, replicated); t: the trainable ones (gradients, partitions, optimizer)."""
+    t = p if t is None else t
+    frozen, p = p - t, t
     shard = -(-p // dp)
     opt_dev = "cpu" if offload else "gpu"  # stage 1/2 treat nvme as cpu (deepspeed-facts.md)
     buckets = 2 if b.overlap_comm else 1
@@ -93,7 +96,7 @@ def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, larges
         grads = lp * p
     else:
         grads = (0 if offload else lp * shard) + lp * largest_tensor
-    out = [("params", "gpu", lp * p, True), ("grads", "gpu", grads, False),
+    out = [("params", "gpu", lp * (p + frozen), True), ("grads", "gpu", grads, False),
            ("fp32_master", opt_dev, FP32_BYTES * shard, True),
            ("optimizer_moments", opt_dev, ADAM_MOMENTS * FP32_BYTES * shard, True),
            ("fp32_grads", opt_dev, FP32_BYTES * shard, offload),  # pinned and kept when offloaded
@@ -112,15 +115,20 @@ def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, larges
 
 
 def _stage3_entries(p: int, dp: int, lp: int, opt_dev: str, param_dev: str, largest_layer: int,
-                    largest_tensor: int, persistent: int, b: ZeroBuckets) -> list:
-    shard = -(-p // dp)
+                    largest_tensor: int, persistent: int, b: ZeroBuckets, t: int | None = None,
+                    largest_trainable_layer: int | None = None) -> list:
+    """p: every parameter (all partitioned and gathered, frozen ones too); t: the trainable ones (gradient
+    partitions, fp32 master, optimizer state)."""
+    t = p if t is None else t
+    shard, p_shard = -(-t // dp), -(-p // dp)
+    grad_layer = largest_layer if largest_trainable_layer is None else largest_trainable_layer
     grad_dev = "gpu" if opt_dev == "none" else "cpu"  # the flat grad partition follows the optimizer
     opt_dev = "gpu" if opt_dev == "none" else opt_dev
     sub_group = min(shard, b.sub_group_elems)
-    out = [("params", "gpu" if param_dev == "none" else param_dev, lp * shard, True),
+    out = [("params", "gpu" if param_dev == "none" else param_dev, lp * p_shard, True),
            ("params", "gpu", lp * persistent, True),  # whole copies of small tensors on every rank
            ("grads", grad_dev, lp * shard, True),  # grad_partitions_flat_buffer
-           ("grads", "gpu", lp * largest_layer, False),  # one module's full grads before reduce-scatter
+           ("grads", "gpu", lp * grad_layer, False),  # one module's full grads before reduce-scatter
            ("fp32_master", opt_dev, FP32_BYTES * shard, True),
            ("optimizer_moments", opt_dev, ADAM_MOMENTS * FP32_BYTES * shard, True),
            ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems, True),
@@ -142,7 +150,9 @@ def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
                       convention: str = "deepspeed", phase: str = "peak", largest_layer_params: int = 0,
                       largest_tensor_params: int | None = None, persistent_params: int = 0,
                       buckets: ZeroBuckets | None = None, grad_accum: int = 1,
-                      accum_elems: int | None = None) -> dict[str, dict[str, int]]:
+                      accum_elems: int | None = None, trainable_params: int | None = None,
+                      largest_trainable_tensor: int | None = None,
+                      largest_trainable_layer: int | None = None) -> dict[str, dict[str, int]]:
     """Bytes per rank: {term: {"gpu": n, "cpu": n, "nvme": n}} for every term in TERMS.
 
     num_params: parameters this rank's ZeRO group shards (after tensor/pipeline splits).
@@ -152,6 +162,9 @@ def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
     grad_accum: gradient accumulation steps (ZeRO-1/2 with offload keep CPU accumulation buffers when > 1).
     accum_elems: elements of the tensors overlapping this rank's ZeRO-1/2 partition, when the layout is known
     (a live engine); else bounded by the shard plus one largest tensor.
+    trainable_params: of num_params, those with gradients and optimizer state (LoRA adapters); None = all. A
+    frozen parameter costs its 16-bit copy only (sharded under ZeRO-3, which still gathers it per layer).
+    largest_trainable_tensor / _layer: the same for the gradient staging buffers (default: the largest ones).
     """
     _check(precision, stage, dp, offload_optimizer, offload_param)
     if convention not in ("seed", "deepspeed") or phase not in ("peak", "after_step"):
@@ -161,18 +174,23 @@ def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
     if b.overlap_comm is None:
         b = ZeroBuckets(**{**b.__dict__, "overlap_comm": stage == 3})
     largest_tensor = largest_layer_params if largest_tensor_params is None else largest_tensor_params
+    trainable = num_params if trainable_params is None else trainable_params
+    if trainable > num_params:
+        raise ValueError(f"trainable_params {trainable} > num_params {num_params}")
+    grad_tensor = largest_tensor if largest_trainable_tensor is None else largest_trainable_tensor
     if convention == "seed":
         opt = "gpu" if offload_optimizer == "none" else offload_optimizer
         par = "gpu" if offload_param == "none" else offload_param
-        entries = _seed_entries(num_params, stage, dp, lp, opt, par)
+        entries = _seed_entries(num_params, stage, dp, lp, opt, par, trainable)
     elif stage == 0:
-        entries = _stage0_entries(num_params, lp)
+        entries = _stage0_entries(num_params, lp, trainable)
     elif stage in (1, 2):
-        entries = _stage12_entries(num_params, stage, dp, lp, offload_optimizer != "none", largest_tensor, b,
-                                   grad_accum, accum_elems)
+        entries = _stage12_entries(num_params, stage, dp, lp, offload_optimizer != "none", grad_tensor, b,
+                                   grad_accum, accum_elems, trainable)
     else:
         entries = _stage3_entries(num_params, dp, lp, offload_optimizer, offload_param,
-                                  largest_layer_params, largest_tensor, persistent_params, b)
+                                  largest_layer_params, largest_tensor, persistent_params, b, trainable,
+                                  largest_trainable_layer)
     out = {term: dict.fromkeys(DEVICES, 0) for term in TERMS}
     for term, device, nbytes, persistent in entries:
         if persistent or phase == "peak":
@@ -180,10 +198,12 @@ def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
     return out
 
 
-def checkpoint_bytes(num_params: int, precision: str) -> int:
+def checkpoint_bytes(num_params: int, precision: str, trainable_params: int | None = None) -> int:
     """Bytes of one DeepSpeed checkpoint summed over ranks: weights in the training precision (model states) plus
-    the fp32 master copy and both Adam moments (optimizer states; ZeRO splits them across ranks, the sum stays)."""
-    return num_params * (PRECISION_BYTES[precision] + FP32_BYTES * (1 + ADAM_MOMENTS))
+    the fp32 master copy and both Adam moments (optimizer states; ZeRO splits them across ranks, the sum stays).
+    With LoRA (trainable_params) the frozen weights are not saved (exclude_frozen_parameters)."""
+    saved = num_params if trainable_params is None else trainable_params
+    return saved * (PRECISION_BYTES[precision] + FP32_BYTES * (1 + ADAM_MOMENTS))
 
 
 def by_device(terms: dict[str, dict[str, int]]) -> dict[str, int]:

@@ -35,6 +35,17 @@ class ParamCount:
     # weights); the rest (norms, row-parallel biases) stays whole on every tensor-parallel rank
     per_layer_split: int = 0
     positions: int = 0  # learned position embeddings (GPT-2's wpe), part of `embedding`
+    # LoRA (with_lora): the adapters' parameters per block, part of per_layer, the only trainable ones; of
+    # them, what tensor parallelism splits (column-parallel B, row-parallel A); the largest adapter tensor
+    lora_per_layer: int = 0
+    lora_per_layer_split: int = 0
+    lora_largest_tensor: int = 0
+
+    def trainable_params(self, blocks: int, tp: int = 1) -> int | None:
+        """Trainable parameters on a rank holding `blocks` blocks: None for full fine-tuning (all of them)."""
+        if not self.lora_per_layer:
+            return None
+        return blocks * (self.lora_per_layer - self.lora_per_layer_split + self.lora_per_layer_split // tp)
 
     def block_params(self, tp: int = 1) -> int:
         """One block's parameters on one tensor-parallel rank."""
@@ -47,7 +58,7 @@ class ParamCount:
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in (
             "total", "num_layers", "per_layer", "embedding", "lm_head", "other",
-            "largest_layer", "largest_tensor", "method", "per_layer_split", "positions")}
+            "largest_layer", "largest_tensor", "method", "per_layer_split", "positions", "lora_per_layer")}
 
 
 def _sizes(*groups: tuple[int, int]) -> dict[int, int]:
@@ -122,6 +133,47 @@ def _gpt2_count(cfg: dict) -> ParamCount:
         embedding=wte + wpe, lm_head=lm_head, other=2 * h, largest_layer=max(modules + [wte, wpe]),
         largest_tensor=max(hist), tensor_sizes=hist, positions=wpe,
         per_layer_split=per_layer - 4 * h - 2 * h)  # ln_1, ln_2 and the two c_proj biases stay whole
+
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "c_attn",
+                        "c_proj", "c_fc")  # the recipe schema's adapter.target_modules default
+
+
+def _projections(cfg: dict) -> list[tuple[str, int, int, bool]]:
+    """(name, in_features, out_features, column-parallel?) of one block's projections."""
+    if cfg.get("model_type") == "gpt2":
+        h = cfg.get("n_embd", 768)
+        inter = cfg.get("n_inner") or 4 * h
+        return [("c_attn", h, 3 * h, True), ("c_proj", h, h, False), ("c_fc", h, inter, True),
+                ("c_proj", inter, h, False)]
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv, hd = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or h // heads
+    inter = cfg["intermediate_size"]
+    return [("q_proj", h, heads * hd, True), ("k_proj", h, kv * hd, True), ("v_proj", h, kv * hd, True),
+            ("o_proj", heads * hd, h, False), ("gate_proj", h, inter, True), ("up_proj", h, inter, True),
+            ("down_proj", inter, h, False)]
+
+
+def with_lora(count: ParamCount, cfg: dict, r: int, targets=DEFAULT_LORA_TARGETS) -> ParamCount:
+    """The count of the same model with rank-r LoRA adapters (A: r x in, B: out x r) on the target projections
+    of every block; the base weights are then frozen and the adapters are all that trains."""
+    from dataclasses import replace
+
+    if cfg.get("model_type") not in CLOSED_FORM_FAMILIES:
+        raise ValueError(f"LoRA counts need a known family ({', '.join(CLOSED_FORM_FAMILIES)}), "
+                         f"got {cfg.get('model_type')!r}")
+    chosen = [(n, i, o, col) for n, i, o, col in _projections(cfg) if n in targets]
+    if not chosen:
+        raise ValueError(f"no projection of {cfg.get('model_type')} matches target modules {list(targets)}")
+    per_layer = sum(r * (i + o) for _, i, o, _ in chosen)
+    split = sum(r * o if col else r * i for _, i, o, col in chosen)
+    hist = dict(count.tensor_sizes)
+    for _, i, o, _ in chosen:
+        for numel in (r * i, r * o):
+            hist[numel] = hist.get(numel, 0) + count.num_layers
+    return replace(count, total=count.total + count.num_layers * per_layer, per_layer=count.per_layer + per_layer,
+                   per_layer_split=count.per_layer_split + split, tensor_sizes=hist, lora_per_layer=per_layer,
+                   lora_per_layer_split=split, lora_largest_tensor=max(r * max(i, o) for _, i, o, _ in chosen))
 
 
 def closed_form_count(cfg: dict) -> ParamCount | None:

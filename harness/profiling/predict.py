@@ -21,9 +21,16 @@ def live_count(module, optimizer=None) -> dict:
     numel = [getattr(p, "ds_numel", p.numel()) for p in params]
     own = [sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False)) for m in module.modules()]
     in_partition = getattr(optimizer, "params_in_partition", None)
+    trainable = [n for p, n in zip(params, numel) if p.requires_grad]
+    own_trainable = [sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False) if p.requires_grad)
+                     for m in module.modules()]
+    frozen = len(trainable) < len(params)  # LoRA: only the adapters have gradients and optimizer state
     return {"total": sum(numel), "largest_layer": max(own, default=0), "largest_tensor": max(numel, default=0),
             "persistent": sum(n for p, n in zip(params, numel) if getattr(p, "ds_persist", False)),
-            "partition_whole": sum(p.numel() for group in in_partition for p in group) if in_partition else None}
+            "partition_whole": sum(p.numel() for group in in_partition for p in group) if in_partition else None,
+            "trainable": sum(trainable) if frozen else None,
+            "largest_trainable_tensor": max(trainable, default=0) if frozen else None,
+            "largest_trainable_layer": max(own_trainable, default=0) if frozen else None}
 
 
 def _zero_settings(ds: dict) -> dict:
@@ -72,7 +79,9 @@ def predict(count: dict, ds: dict, *, dp: int, precision: str, shape: dict | Non
     notes = []
     common = dict(dp=dp, precision=precision, offload_optimizer=z["offload_optimizer"],
                   largest_layer_params=count["largest_layer"], largest_tensor_params=count["largest_tensor"],
-                  buckets=z["buckets"], grad_accum=grad_accum, accum_elems=count.get("partition_whole"))
+                  buckets=z["buckets"], grad_accum=grad_accum, accum_elems=count.get("partition_whole"),
+                  trainable_params=count.get("trainable"), largest_trainable_tensor=count.get("largest_trainable_tensor"),
+                  largest_trainable_layer=count.get("largest_trainable_layer"))
 
     def states(stage: int, phase: str) -> dict:
         return memory.model_state_bytes(
@@ -85,7 +94,7 @@ def predict(count: dict, ds: dict, *, dp: int, precision: str, shape: dict | Non
     gathers = gathers_per_micro_step(z["stage"], count["total"] - count["persistent"], z["max_live"])
     out["comm"] = comm.comm_bytes_per_step(count["total"], stage=z["stage"], dp=dp, precision=precision,
                                            grad_accum=grad_accum, persistent_params=count["persistent"],
-                                           gathers_per_micro_step=gathers)
+                                           gathers_per_micro_step=gathers, trainable_params=count.get("trainable"))
     if z["stage"] == 3:
         notes.append(f"ZeRO-3 all-gathers parameters {gathers}x per micro-step "
                      f"({count['total'] - count['persistent']:,} gathered params vs "

@@ -10,7 +10,7 @@ DeepSpeed config, the ZeRO buckets, and the engine's own partition (recorded bes
 from __future__ import annotations
 
 from harness.planner import comm, memory, pipeline
-from harness.planner.params import count_params, model_shape
+from harness.planner.params import count_params, model_shape, with_lora
 
 
 def _hf_config(module, spec) -> dict:
@@ -22,11 +22,20 @@ def _hf_config(module, spec) -> dict:
     return load_model_config(spec.recipe["train"]["model"])
 
 
-def dp_comm(stage_params: int, *, zero_stage: int, dp: int, precision: str, grad_accum: int) -> dict:
+def dp_comm(stage_params: int, *, zero_stage: int, dp: int, precision: str, grad_accum: int,
+            trainable_params: int | None = None) -> dict:
     """The data-parallel gradient traffic of one stage (logged bytes: a group of one included). A pipeline
     reduces at the step boundary only."""
     return comm.comm_bytes_per_step(stage_params, stage=zero_stage, dp=dp, precision=precision,
-                                    grad_accum=1 if zero_stage <= 1 else grad_accum)
+                                    grad_accum=1 if zero_stage <= 1 else grad_accum, trainable_params=trainable_params)
+
+
+def _count(cfg: dict, adapter: dict | None):
+    """The model's count, with the recipe's LoRA adapters when it has them."""
+    count = count_params(cfg)
+    if adapter and adapter.get("type") == "lora":
+        count = with_lora(count, cfg, adapter["r"], adapter["target_modules"])
+    return count
 
 
 def _add(total: dict, part: dict) -> None:
@@ -37,28 +46,33 @@ def _add(total: dict, part: dict) -> None:
 
 def predict_rank(cfg: dict, ds: dict, *, stage: int, pp: int, tp: int, dp: int, precision: str, seq_len: int,
                  zero: dict, largest_tensor: int, activation_checkpointing: bool = False,
-                 bf16_optimizer: bool = False, counted_tp: int | None = None) -> dict:
-    """Model states (no activations) and logged comm bytes per step for one rank of `stage`."""
-    count = count_params(cfg)
+                 bf16_optimizer: bool = False, counted_tp: int | None = None, adapter: dict | None = None) -> dict:
+    """Model states (no activations) and logged comm bytes per step for one rank of `stage` (adapter: the recipe's
+    LoRA block, whose adapters are then all that trains)."""
+    count = _count(cfg, adapter)
     shape = model_shape(cfg)
     pipe = ds.get("pipeline") or {}
     method = pipe.get("partition", "parameters")
     micro, m = int(ds.get("train_micro_batch_size_per_gpu", 1)), int(ds.get("gradient_accumulation_steps", 1))
     plan = pipeline.stages(count, pp, method, tp, counted_tp)
     mine = plan[stage]
+    trainable = count.trainable_params(mine["blocks"], tp)
+    lora = {} if trainable is None else {"trainable_params": trainable,
+                                         "largest_trainable_tensor": count.lora_largest_tensor}
     states = {phase: memory.model_state_bytes(
         mine["params"], stage=zero["stage"], dp=dp, precision=precision, offload_optimizer=zero["offload_optimizer"],
-        largest_tensor_params=largest_tensor, buckets=zero["buckets"], grad_accum=m, phase=phase)
+        largest_tensor_params=largest_tensor, buckets=zero["buckets"], grad_accum=m, phase=phase, **lora)
         for phase in ("after_step", "peak")}
-    groups = {"dp": dp_comm(mine["params"], zero_stage=zero["stage"], dp=dp, precision=precision, grad_accum=m),
+    groups = {"dp": dp_comm(mine["params"], zero_stage=zero["stage"], dp=dp, precision=precision, grad_accum=m,
+                            trainable_params=trainable),
               "pp": pipeline.p2p_bytes(shape, stage=stage, pp=pp, seq_len=seq_len, micro_batch=micro,
                                        micro_batches=m, precision=precision, tp=tp,
                                        partitioned=bool(pipe.get("pipe_partitioned", True))),
               "tp": {"all_reduce": pipeline.tp_allreduce_bytes(
                   shape, tp=tp, blocks=mine["blocks"], seq_len=seq_len, micro_batch=micro, micro_batches=m,
                   precision=precision, activation_checkpointing=activation_checkpointing)},
-              "tied": {"all_reduce": pipeline.tied_allreduce_bytes(count, stage=stage, pp=pp, precision=precision,
-                                                                    bf16_optimizer=bf16_optimizer)}}
+              "tied": {"all_reduce": 0 if trainable is not None else pipeline.tied_allreduce_bytes(
+                  count, stage=stage, pp=pp, precision=precision, bf16_optimizer=bf16_optimizer)}}  # frozen: no grad
     total: dict = {}
     for part in groups.values():
         _add(total, part)
@@ -79,12 +93,12 @@ def predict_rank(cfg: dict, ds: dict, *, stage: int, pp: int, tp: int, dp: int, 
                       f"({', '.join(mine['names'])}) by partition_method {method}"]}
 
 
-def _counted_tp(cfg: dict, ds: dict, pp: int, tp: int, parts: list[int]) -> int:
+def _counted_tp(cfg: dict, ds: dict, pp: int, tp: int, parts: list[int], adapter: dict | None = None) -> int:
     """Which block split DeepSpeed weighed when it partitioned (split after the build: 1, the harness; split
     as built: tp), told by the engine's own partition; 1 when both agree or neither matches (notes say so)."""
     if tp <= 1 or not parts:
         return 1
-    count = count_params(cfg)
+    count = _count(cfg, adapter)
     method = (ds.get("pipeline") or {}).get("partition", "parameters")
     if pipeline.partition(count, pp, method, tp, 1) != parts and pipeline.partition(count, pp, method, tp, tp) == parts:
         return tp
@@ -100,7 +114,8 @@ def for_pipeline(spec, engine, zero: dict, live: dict) -> dict:
                        largest_tensor=live["largest_tensor"],
                        activation_checkpointing=bool(spec.recipe.get("activation_checkpointing")),
                        bf16_optimizer=type(engine.optimizer).__name__ == "BF16_Optimizer",
-                       counted_tp=_counted_tp(cfg, spec.ds_config, spec.pp, spec.tp, parts))
+                       counted_tp=_counted_tp(cfg, spec.ds_config, spec.pp, spec.tp, parts, spec.recipe.get("adapter")),
+                       adapter=spec.recipe.get("adapter"))
     out["parts_engine"] = parts
     if parts and parts != out["parts_planned"]:
         out["notes"].append(f"the engine split the layers {parts}, the planner {out['parts_planned']}: "

@@ -60,6 +60,7 @@ def manifest(spec, step: int) -> dict:
             "grad_accum_steps": ds["gradient_accumulation_steps"], "offload": _offload(ds),
             "precision": spec.recipe["precision"], "recipe": spec.recipe_name,
             "model": spec.recipe["train"]["model"], "deepspeed": deepspeed.__version__,
+            "adapter": spec.recipe.get("adapter", {"type": "none"}), "seed": spec.recipe["train"]["seed"],
             "torch": torch.__version__, "transformers": transformers.__version__,
             **spec.dtypes, **({"partition": spec.layout} if spec.layout else {})}
 
@@ -103,7 +104,9 @@ def save(engine, spec, dist: DistInfo, ckpt_dir: Path, step: int, client_state: 
         shutil.rmtree(folder)
     barrier()
     _declare_universal_info(engine.module)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    # LoRA: the frozen base is rebuilt from train.model at resume and export; only adapters are state
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False,
+                           exclude_frozen_parameters=frozen_excluded(spec))
     torch.save(_rng_state(), folder / f"rng_rank{dist.rank}.pt")
     if probe_ids is not None:  # lets `harness export` verify the exported weights against this engine
         logits = probe_logits(engine, probe_ids)
@@ -128,10 +131,16 @@ def _declare_universal_info(module) -> None:
         setattr(module, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
 
 
-def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str, rng_dir: Path | None = None) -> dict:
+def frozen_excluded(spec) -> bool:
+    return spec.recipe.get("adapter", {}).get("type", "none") == "lora"
+
+
+def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str, rng_dir: Path | None = None,
+         strict: bool = True) -> dict:
     """Load a checkpoint into the engine; returns the client state (step, ...). rng_dir: where the per-rank RNG
-    files are when the weights come from elsewhere (a universal conversion)."""
-    path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    files are when the weights come from elsewhere (a universal conversion). strict=False: a LoRA checkpoint
+    holds no frozen weights (the engine already has them from the build)."""
+    path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=strict)
     if path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint {ckpt_dir / tag}")
     client = client or {}

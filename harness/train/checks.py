@@ -36,10 +36,33 @@ def before_init(spec, ds_json: str | None = None) -> None:
 
     cfg = model_config(spec.recipe["train"]["model"])  # found by inputs() already: a config file read
     problems = op_problems(spec.ds_config) + model_problems(spec.recipe["train"], cfg)
-    problems += path_problems(spec, cfg)
+    problems += path_problems(spec, cfg) + qlora_problems(spec.recipe)
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
     raise_if_errors(problems, f"{ds_json or spec.recipe_name} on this machine")
+
+
+def qlora_problems(recipe: dict) -> list[Problem]:
+    """A 4-bit base needs bitsandbytes' CUDA kernels and pretrained weights to quantize."""
+    import importlib.util
+
+    import torch
+
+    adapter = recipe.get("adapter", {})
+    if adapter.get("type") != "lora" or not adapter.get("load_in_4bit"):
+        return []
+    out = []
+    if not torch.cuda.is_available():
+        out.append(Problem("adapter.load_in_4bit", "QLoRA's 4-bit base needs bitsandbytes on a CUDA GPU; this machine "
+                           f"has none (torch {torch.__version__})", "run on a GPU node, or set adapter.load_in_4bit=false "
+                           "(plain LoRA trains on CPU)"))
+    elif importlib.util.find_spec("bitsandbytes") is None:
+        out.append(Problem("adapter.load_in_4bit", "QLoRA needs the bitsandbytes package, which is not installed",
+                           "pip install bitsandbytes (the GPU image has it), or set adapter.load_in_4bit=false"))
+    if model_shapes.is_preset(recipe["train"]["model"]):
+        out.append(Problem("adapter.load_in_4bit", f"preset {recipe['train']['model']!r} has random weights, nothing "
+                           "to quantize", "use a pretrained model folder or hub id"))
+    return out
 
 
 def op_problems(ds: dict) -> list[Problem]:

@@ -187,6 +187,10 @@ def _write_folder(ref: CheckpointRef, manifest: dict, folder: Path, dtype, max_s
     # maps dropped after each shard's worth of reading: the checkpoint pages touched stay about a shard too
     files = MappedFiles(min(FILE_BUDGET_BYTES, parse_shard_size(max_shard_size)))
     state, names = open_state(ref, manifest, files), save_names(model)
+    if is_lora(manifest):  # the checkpoint holds the adapters only: the base streamed through W + s B A
+        from harness.train import export_lora
+
+        state = export_lora.merged_lazy(manifest, state, model)
     check_keys(state, names, model, ref.tag_dir)
     plan = specs(state, names, dtype, model)
     split = plan_shards(plan, max_shard_size)
@@ -210,8 +214,12 @@ def _move_into(staging: Path, out: Path) -> None:
         path.replace(out / path.name)
 
 
+def is_lora(manifest: dict) -> bool:
+    return manifest.get("adapter", {}).get("type") == "lora"
+
+
 def export(ckpt: str | Path, out: str | Path, overwrite: bool = False, max_shard_size: str | int = DEFAULT_SHARD_SIZE,
-           dtype: str | None = None) -> dict:
+           dtype: str | None = None, adapter_only: bool = False) -> dict:
     import torch
 
     from harness.train.hf_shards import parse_shard_size
@@ -228,6 +236,14 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False, max_shard
         raise UsageError(f"--dtype {name!r}: not one of {', '.join(DTYPES)}")
     torch_dtype = getattr(torch, DTYPES[name])
     start = time.perf_counter()
+    if adapter_only:  # a peft adapter folder: the adapters alone (LoRA runs)
+        from harness.train import export_lora
+
+        info = export_lora.export_adapter(ref, manifest, out, torch_dtype)
+        return {"checkpoint": str(ref.tag_dir), "out": str(out), "step": manifest.get("step"),
+                "zero_stage": manifest["zero_stage"], "tp": manifest.get("tp", 1), "pp": manifest.get("pp", 1),
+                "dtype": name, "tolerance": TOLERANCE[trained], "seconds": time.perf_counter() - start,
+                "adapter_only": True, **info}
     staging = out.parent / f".{out.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from harness.train import checkpoint, checks, ckpt_files, dist as distmod, preempt, resume
+from harness.train import adapters, checkpoint, checks, ckpt_files, dist as distmod, preempt, resume
 from harness import profiling
 from harness.errors import UsageError
 from harness.config.jsonio import dump_json
@@ -78,11 +78,15 @@ def build_engine(spec, startup):
 
     with startup.phase("build"):
         built = build(spec)
-    startup.predicted = profiling.predict_build(spec, built)
+    startup.predicted = profiling.predict_build(spec, built)  # the base as built (ZeRO-3: partitioned)
+    if spec.pp == 1:  # LoRA; pipeline stages get theirs in pipe_engine.build_stage, once each is materialised
+        mpu = built.mpu
+        adapters.attach(built.module, spec, hf_model=built.module,
+                        tp_group=mpu and (mpu.tp_group, mpu.tp_rank, spec.tp))
     with startup.phase("engine_setup"):
-        params = [p for p in built.module.parameters() if p.requires_grad]
-        engine, *_ = deepspeed.initialize(model=built.module, model_parameters=params, config=spec.ds_config,
-                                          mpu=built.mpu)
+        engine, *_ = deepspeed.initialize(model=built.module, model_parameters=adapters.param_groups(built.module,
+                                                                                                   spec.recipe),
+                                          config=spec.ds_config, mpu=built.mpu)
     return engine, built.info
 
 
@@ -94,9 +98,10 @@ def start_step(engine, spec, dist, run_dir: Path) -> int:
         say("ckpt", f"skipped {point.ckpt_dir / tag}: incomplete (no {ckpt_files.MANIFEST}, its save was interrupted)")
     if spec.ds_config.get("checkpoint", {}).get("load_universal"):
         ckpt_dir, tag = resume.universal(point, dist)
-        client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder)
+        client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder,
+                                 strict=not checkpoint.frozen_excluded(spec))
     else:
-        client = checkpoint.load(engine, dist, point.ckpt_dir, point.tag)
+        client = checkpoint.load(engine, dist, point.ckpt_dir, point.tag, strict=not checkpoint.frozen_excluded(spec))
     step = int(client.get("step", point.step))
     later = ckpt_files.later_tags(run_dir / "checkpoints", step)
     if later and not spec.overwrite:
@@ -147,10 +152,22 @@ def quiesce(engine) -> None:
 
 
 def main(spec) -> int:
-    from harness.train.models import load_tokenizer
-
     timeout_min = spec.recipe["train"]["collective_timeout"]
     dist = distmod.init(timeout_min)
+    try:
+        return run(spec, dist)
+    except Exception as e:
+        if distmod.is_timeout(e):
+            raise distmod.CollectiveTimeout(dist.rank, timeout_min, e) from None
+        raise
+    finally:
+        distmod.teardown()
+
+
+def run(spec, dist) -> int:
+    """One job in an existing process group (main's; or a test driver's, running several jobs in one group)."""
+    from harness.train.models import load_tokenizer
+
     log = None
     try:
         run_dir = choose_run_dir(spec, dist)
@@ -182,11 +199,6 @@ def main(spec) -> int:
                 write_summary(spec, run_dir, step0, result)
             quiesce(engine)
         return preempt.EXIT_PREEMPTED if "preempted_at" in result else 0
-    except Exception as e:
-        if distmod.is_timeout(e):
-            raise distmod.CollectiveTimeout(dist.rank, timeout_min, e) from None
-        raise
     finally:
         if log:
             log.close()
-        distmod.teardown()

@@ -172,7 +172,7 @@ def _init_preset_weights(model, seed: int, zero3: bool) -> None:
 
 
 def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | None = None,
-                gradient_checkpointing: bool = False):
+                gradient_checkpointing: bool = False, quantization_config=None):
     """AutoModelForCausalLM for a spec: presets get seeded random weights, others their checkpoint.
 
     `zero3_init_config` (a DeepSpeed config dict with zero_optimization.stage 3) makes transformers build
@@ -185,6 +185,10 @@ def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | N
     kwargs = {"attn_implementation": ATTN_IMPLEMENTATION}
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if quantization_config is not None:  # QLoRA (train/adapters.py): a pretrained base, 4-bit on its GPU;
+        kwargs["quantization_config"] = quantization_config  # under ZeRO-3 zero.Init places it (no device_map)
+        if zero3_init_config is None:
+            kwargs["device_map"] = {"": torch.cuda.current_device()}
     with _zero3_context(zero3_init_config) as zero3:
         if model_shapes.is_preset(spec):
             torch.manual_seed(seed)

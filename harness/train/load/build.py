@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import model_shapes
+from harness.train import adapters
 from harness.train.load import meta, share, source as sources
 
 
@@ -82,7 +83,8 @@ def build_whole(spec) -> Built:
     dtype = None if preset else meta.train_dtype(spec.recipe["precision"])
     model = build_model(train["model"], seed=train["seed"], dtype=dtype,
                         zero3_init_config=spec.ds_config if spec.zero_stage == 3 else None,
-                        gradient_checkpointing=spec.recipe["activation_checkpointing"])
+                        gradient_checkpointing=spec.recipe["activation_checkpointing"],
+                        **adapters.build_kwargs(spec.recipe))  # QLoRA: the 4-bit base
     info = meta.ModelInfo(config=model.config, num_params=sum(getattr(p, "ds_numel", p.numel())
                                                               for p in model.parameters()),
                           checkpoint_dtype="float32" if preset else _checkpoint_dtype(train["model"]),

@@ -14,6 +14,7 @@ import contextlib
 import torch
 
 from harness.errors import UsageError
+from harness.train import adapters
 from harness.train.parallel import pipeline
 
 
@@ -76,6 +77,10 @@ def build_stage(spec):
         # paths after the split: it replaced the row-parallel linears, and a new module may reuse a freed id
         share.materialise(module, share.hf_paths(model), source, dtype, rank, size)
         build.check_materialised(module)
+        # LoRA on this stage's own layers (peft's, or 3D's split ones), named by the whole model's modules
+        group = module.mpu().get_slice_parallel_group() if spec.tp > 1 else None
+        adapters.attach(module, spec, hf_model=model, tp_group=(group, rank, size) if spec.tp > 1 else None,
+                        layers=pipeline.local_decoder_layers(module))
 
     ds_pipe = spec.ds_config.get("pipeline", {})
     method = ds_pipe.get("partition", spec.recipe["parallel"]["partition_method"])
@@ -94,8 +99,10 @@ def train_step(engine, batches: list) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _any_shape(engine):
-    """Eval and probe batches may differ in shape from training's: send shapes with every micro-batch, then
-    make training re-announce its shapes (all ranks reset, so both ends of each p2p agree)."""
+    """Eval and probe batches may differ in shape from training's: forget training's shapes (3D caches the
+    partitioned activations' meta), send shapes with every micro-batch, then make training re-announce its shapes
+    (all ranks reset, so both ends of each p2p agree)."""
+    engine.reset_activation_shape()
     engine.dynamic_shape = True
     try:
         yield

@@ -19,6 +19,18 @@ def _layer_files(tag_dir, index: int) -> list:
     return sorted(tag_dir.glob(f"layer_{index:02d}-*model_states.pt"))
 
 
+def hf_name(names: dict[str, str], key: str) -> str:
+    """A pipe layer's key -> HF name. Keys the layout does not list (3D's tensor-parallel LoRA is added to a stage
+    after the layout is recorded) take the prefix of a listed sibling: layer.X -> model.layers.3.X."""
+    if key in names:
+        return names[key]
+    for known, name in names.items():
+        head = known.split(".", 1)[0] + "."
+        if key.startswith(head) and name.endswith(known[len(head):]):
+            return name[: len(name) - len(known) + len(head)] + key[len(head):]
+    raise KeyError(f"pipe layer key {key!r} has no HF name in the checkpoint's partition")
+
+
 def sources(files: MappedFiles, ref, manifest: dict) -> list[dict[str, Lazy]]:
     """[tp rank] -> {hf name: Lazy}."""
     layout = manifest.get("partition")
@@ -37,5 +49,5 @@ def sources(files: MappedFiles, ref, manifest: dict) -> list[dict[str, Lazy]]:
             raise UsageError(f"{ref.tag_dir}: layer {layer['index']} has {len(paths)} files for tp={tp}")
         for rank, path in enumerate(paths):
             for key, tensor in files[path].items():
-                out[rank][layer["hf_names"][key]] = lazy(files, tensor.shape, lambda p=path, k=key: files[p][k])
+                out[rank][hf_name(layer["hf_names"], key)] = lazy(files, tensor.shape, lambda p=path, k=key: files[p][k])
     return out

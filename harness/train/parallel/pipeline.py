@@ -191,6 +191,12 @@ def _stage_module_class():
             if self._on_stage is not None:
                 self._on_stage(self)
 
+        def _count_layer_params(self):
+            """partition_method "parameters" weighs every parameter: DeepSpeed counts only those that require grad,
+            which with LoRA frozen early would balance the stages by adapter size. Full fine-tuning: its counts."""
+            return [sum(p.numel() for p in (s.build() if hasattr(s, "build") else s).parameters())
+                    if isinstance(s, nn.Module) or hasattr(s, "build") else 0 for s in self._layer_specs]
+
     return StagePipelineModule
 
 

@@ -157,8 +157,15 @@ def shard_model(model: nn.Module, group, rank: int, size: int) -> None:
 
 
 def _split_dim(key: str) -> int | None:
-    """0 for column-parallel weights/biases, 1 for row-parallel weights, None for replicated tensors."""
-    parts = key.split(".")
+    """0 for column-parallel weights/biases, 1 for row-parallel weights, None for replicated tensors. LoRA on a
+    split projection (parallel/tensor_lora.py, peft's names): a column-parallel B by rows, a row-parallel A by
+    columns, the other half whole."""
+    parts = key.replace(".base_layer.", ".").split(".")
+    if len(parts) >= 5 and parts[-2] == "default" and parts[-3] in ("lora_A", "lora_B") and parts[-5] in COLUMN:
+        block, name, half = parts[-5], parts[-4], parts[-3]
+        if name in COLUMN[block]:
+            return 0 if half == "lora_B" else None
+        return 1 if name == ROW[block] and half == "lora_A" else None
     if len(parts) < 3 or parts[-3] not in COLUMN:
         return None
     block, name, kind = parts[-3:]

@@ -1,0 +1,51 @@
+"""Rules for the recipe's `adapter` block (LoRA): combinations that cannot work, or are not implemented, are
+refused before launch with the reason. Pure: reads the recipe and the DeepSpeed dict only.
+"""
+
+from __future__ import annotations
+
+from harness.errors import Problem
+from harness.config.resolve import Context, degrees
+
+# The harness's own tensor-parallel layers (train/parallel/tensor.py): the projections a TP LoRA can wrap.
+TP_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GPT2_PROJECTIONS = ("c_attn", "c_proj", "c_fc")  # in the default list; tensor parallel never meets GPT-2
+
+
+def lora_on(recipe: dict) -> bool:
+    return recipe.get("adapter", {}).get("type", "none") == "lora"
+
+
+def check_adapter(ds: dict, ctx: Context) -> list[Problem]:
+    adapter = ctx.recipe.get("adapter", {})
+    if not lora_on(ctx.recipe):
+        return []
+    pp, tp = degrees(ds, ctx.recipe)
+    out = []
+    layout = "tensor parallel" if tp > 1 else "a pipeline" if pp > 1 else None
+    if layout and adapter.get("use_dora"):
+        out.append(Problem("adapter.use_dora", f"DoRA with {layout} (pipeline {pp}, tensor {tp}) is not "
+                           "implemented: its magnitude vector needs the whole weight's column norms",
+                           "use plain LoRA (adapter.use_dora=false), or a ZeRO recipe"))
+    if layout and adapter.get("modules_to_save"):
+        out.append(Problem("adapter.modules_to_save", f"modules_to_save {adapter['modules_to_save']} with {layout} "
+                           f"(pipeline {pp}, tensor {tp}) is not implemented (embedding and head live in the "
+                           "pipe's own wrappers, tied across stages)", "leave modules_to_save empty, or use a ZeRO recipe"))
+    if tp > 1 and adapter.get("dropout"):
+        out.append(Problem("adapter.dropout", f"LoRA dropout {adapter['dropout']} with tensor parallel {tp} is not "
+                           "implemented: each rank of a tensor group would draw its own mask on the shared input",
+                           "set adapter.dropout=0 with tensor parallel"))
+    if tp > 1:
+        outside = [m for m in adapter.get("target_modules", []) if m not in TP_PROJECTIONS + GPT2_PROJECTIONS]
+        if outside:
+            out.append(Problem("adapter.target_modules", f"{outside} with tensor parallel {tp}: the tensor-parallel "
+                               f"LoRA wraps only the split projections ({', '.join(TP_PROJECTIONS)})",
+                               "target those projections only"))
+    if adapter.get("load_in_4bit"):
+        if layout:
+            out.append(Problem("adapter.load_in_4bit", f"a 4-bit (QLoRA) base with {layout} (pipeline {pp}, tensor "
+                               f"{tp}) is not implemented", "use QLoRA with a ZeRO-0..3 recipe"))
+        if ctx.recipe.get("precision") == "fp32":
+            out.append(Problem("adapter.load_in_4bit", "a 4-bit base computes in bf16 or fp16, not fp32",
+                               "set precision to bf16 (or fp16)"))
+    return out

@@ -1,0 +1,38 @@
+"""Run several harness jobs in ONE DeepSpeed process group: deepspeed --num_gpus N tests/jobs_driver.py CASES.json.
+
+CASES.json is a list of harness/run.py argument lists, run in order by every rank (a resume case after the run it
+resumes). Each launch costs ~20 s of start-up and process-group set-up on a loaded 2-core machine; the jobs
+themselves take seconds. Every case goes through the same session.prepare -> job.run as harness/run.py, only the
+process group is shared (job.main would tear it down after each job). A failing case raises: the launcher then
+ends every rank and the test reports the launch's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness.run import exit_now  # noqa: E402
+
+
+def main(cases_path: str) -> int:
+    from harness.train import dist as distmod, job, run_args, session
+
+    cases = json.loads(open(cases_path).read())
+    dist = distmod.init(10)
+    try:
+        for argv in cases:
+            code = job.run(session.prepare(run_args.parse(argv)), dist)
+            if code != 0:
+                raise SystemExit(f"case {argv} exited {code}")
+            distmod.barrier()
+    finally:
+        distmod.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    exit_now(main(next(a for a in sys.argv[1:] if not a.startswith("--local_rank"))))
