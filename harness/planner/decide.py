@@ -117,7 +117,8 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
     result = {
         "recipe": c.recipe, "label": c.label, "zero_stage": c.stage, "offload_optimizer": c.offload_optimizer,
         "offload_param": c.offload_param, "tp": c.tp, "pp": c.pp, "dp": dp, "micro_batches": m,
-        "params_per_rank": params, "blocks_per_rank": layers, "bubble_fraction": pipeline.bubble_fraction(c.pp, m),
+        "params_per_rank": params, "trainable_per_rank": count.trainable_params(layers, c.tp) or params,
+        "blocks_per_rank": layers, "bubble_fraction": pipeline.bubble_fraction(c.pp, m),
         "memory": {
             "model_states": states, "activations": acts,
             "gpu_bytes": device["gpu"] + acts["total"],

@@ -192,7 +192,8 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
     buckets_bytes = PRECISION_BYTES[work["precision"]] * shape["hidden_size"] ** 2  # harness_buckets
     dp = _dp_exposed(c, by_group.get("dp", []), profile, place["dp"][1], t_mb, m, buckets_bytes)
     tied_s = sum(_row_s(profile, r, place["pp-tied"][1]) for r in by_group.get("pp-tied", []))
-    shard = result["params_per_rank"] if c.stage == 0 else -(-result["params_per_rank"] // result["dp"])
+    trainable = result.get("trainable_per_rank", result["params_per_rank"])  # LoRA: only adapters are stepped
+    shard = trainable if c.stage == 0 else -(-trainable // result["dp"])
     off = _offload_s(c, profile, hw, work, shard, m, t_mb)
     breakdown = {
         "forward_s": m * t_mb["forward"], "backward_s": m * t_mb["backward"], "recompute_s": m * t_mb["recompute"],
