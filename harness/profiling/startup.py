@@ -102,6 +102,7 @@ def predict_build(spec, built) -> dict:
     owns come from the model's shape through the planner's own stage split (so the engine's count tests it);
     ZeRO-3's partition and the largest tensor are read off the built module."""
     from harness import model_shapes
+    from harness.train.load.build import zero3_by_module
     from harness.planner.load import build_bytes, owned_params
     from harness.planner.params import count_params
 
@@ -121,6 +122,7 @@ def predict_build(spec, built) -> dict:
     terms = build_bytes(owned_params=owned, train_dtype=info.train_dtype,
                         checkpoint_dtype="float32" if preset else info.checkpoint_dtype,
                         largest_tensor_params=largest_tensor, gathered_params=largest_layer if zero3 else 0,
+                        zero3_fill=zero3 and zero3_by_module(spec),
                         source_params=info.num_params if preset and (spec.pp > 1 or spec.tp > 1) else 0)
     return {"build_bytes": terms["total"], "build_terms": terms, "owned_params": owned}
 

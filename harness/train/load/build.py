@@ -72,10 +72,36 @@ def build_tp(spec) -> Built:
     return Built(model, info, mpu)  # the model object now holds this rank's shard only
 
 
+def build_zero3(spec) -> Built:
+    """ZeRO-3 from a safetensors folder or hub snapshot: the key check on meta, then partitioned at
+    construction and filled module by module (zero3.py), so a rank holds its 1/N share plus one module."""
+    from harness.train.load import zero3
+    from harness.train.models import enable_activation_checkpointing
+
+    checked, source, info = open_model(spec)
+    config = checked.config
+    del checked  # the meta model served the key check; zero.Init builds the real one
+    with zero3.large_tensors_mapped():
+        model = zero3.construct(config, meta.train_dtype(spec.recipe["precision"]), spec.ds_config)
+        zero3.fill(model, source)
+    if spec.recipe["activation_checkpointing"]:
+        enable_activation_checkpointing(model)
+    return Built(model, info)
+
+
+def zero3_by_module(spec) -> bool:
+    """ZeRO-3 of a checkpoint with safetensors (a .bin-only folder keeps from_pretrained)."""
+    name = spec.recipe["train"]["model"]
+    if spec.zero_stage != 3 or model_shapes.is_preset(name):
+        return False
+    folder = Path(name)
+    return not folder.is_dir() or (folder / sources.INDEX).is_file() or (folder / sources.SINGLE).is_file()
+
+
 def build_whole(spec) -> Built:
-    """Data parallel and ZeRO: transformers' from_pretrained in the training dtype (under zero.Init for ZeRO-3,
-    so a rank holds 1/N of the weights plus the layer being loaded). Presets are initialised in fp32 from the
-    seed and cast by the engine, as a one-process run is."""
+    """Data parallel and ZeRO-1/2: transformers' from_pretrained in the training dtype; ZeRO-3 of a preset or
+    a .bin folder under zero.Init too (a .bin folder then reads whole files per rank). Presets are initialised in
+    fp32 from the seed and cast by the engine, as a one-process run is."""
     from harness.train.models import build_model
 
     train = spec.recipe["train"]
@@ -110,4 +136,6 @@ def build(spec) -> Built:
         from harness.train.parallel import pipe_engine
 
         return pipe_engine.build_stage(spec)
-    return build_tp(spec) if spec.tp > 1 else build_whole(spec)
+    if spec.tp > 1:
+        return build_tp(spec)
+    return build_zero3(spec) if zero3_by_module(spec) else build_whole(spec)

@@ -60,8 +60,9 @@ class CheckpointFiles:
                         return names[kind]
         return None
 
-    def read(self, requests: dict[str, Request], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The owned part of each requested key, cast to `dtype` as it is read (one tensor converted at a time)."""
+    def read(self, requests: dict[str, Request], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """The owned part of each requested key, cast to `dtype` as it is read (one tensor converted at a time;
+        None: as stored, for a caller that copies it into a tensor of the training dtype)."""
         from safetensors import safe_open
 
         by_file: dict[str, list[str]] = {}
@@ -71,7 +72,8 @@ class CheckpointFiles:
         for name, keys in sorted(by_file.items()):
             with safe_open(self.folder / name, framework="pt") as f:
                 for key in keys:
-                    out[key] = owned(f.get_slice(key), requests[key]).to(dtype).contiguous()
+                    value = owned(f.get_slice(key), requests[key])
+                    out[key] = (value if dtype is None else value.to(dtype)).contiguous()
         return out
 
 
