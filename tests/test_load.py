@@ -5,7 +5,9 @@ through the index equal the slices of the whole model, cast to fp32 as read; a m
 UsageError naming the key and the file; ddp/ZeRO-1/2 load a bf16 folder in the training dtype; the planner's
 build bytes. On 2 real ranks each: the bf16 folder trains fp32 on a 2-stage pipeline (first-step loss equals the
 HF model's loss on the same batch; saved layer states fp32; manifest dtypes; each rank's reported build memory and
-the planner's count of the tensors it owns, exactly) and bf16 on tp (16-bit weights + DeepSpeed's fp32 master).
+the planner's count of the tensors it owns, exactly), fp32 on ZeRO-3 (partitioned at construction and filled module
+by module: the same loss check, fp32 partitions of exactly the planner's share) and bf16 on tp (16-bit weights +
+DeepSpeed's fp32 master).
 """
 
 from __future__ import annotations
@@ -197,19 +199,29 @@ def _check_startup(summary: dict, owned_per_rank: list[int], train_bytes: int) -
         assert startup["predicted_per_rank"][rank]["build_terms"]["owned"] == owned_per_rank[rank] * train_bytes
 
 
-@pytest.mark.multirank
-def test_pipeline_trains_a_bf16_folder_in_fp32_from_its_own_weights(folder, tmp_path):
-    from launch import launch, losses
+def _check_fp32_from_bf16_folder(folder: str, run, stdout: str):
+    """A run of 2 steps of 8 sequences trained fp32 on the bf16 folder: its dtypes announced and in the manifest,
+    its first-step loss the HF model's on the same batch (fp32, 1e-5). Returns the saved step's folder."""
+    from launch import losses
 
-    run = tmp_path / "pipe"
-    proc = launch(*_args(folder, "pipeline", "fp32", run, micro=4, accum=2), ranks=2)
-    assert "fp32 (float32 weights, checkpoint bfloat16)" in proc.stdout
+    assert "fp32 (float32 weights, checkpoint bfloat16)" in stdout
     first = losses(run)[1]
     want = _hf_first_loss(folder, global_batch=8, micro_batches=2)
     assert abs(first - want) <= 1e-5 * want, (first, want)
     step = run / "checkpoints" / "global_step2"
     manifest = json.loads((step / "manifest.json").read_text())
     assert (manifest["checkpoint_dtype"], manifest["train_dtype"]) == ("bfloat16", "float32")
+    return step
+
+
+@pytest.mark.multirank
+def test_pipeline_trains_a_bf16_folder_in_fp32_from_its_own_weights(folder, tmp_path):
+    from launch import launch
+
+    run = tmp_path / "pipe"
+    proc = launch(*_args(folder, "pipeline", "fp32", run, micro=4, accum=2), ranks=2)
+    step = _check_fp32_from_bf16_folder(folder, run, proc.stdout)
+    manifest = json.loads((step / "manifest.json").read_text())
     owned = [0, 0]
     for layer in manifest["partition"]["layers"]:
         states = torch.load(step / f"layer_{layer['index']:02d}-model_states.pt", weights_only=True)
@@ -248,18 +260,12 @@ def test_tp_trains_a_bf16_folder_in_bf16_with_an_fp32_master(folder, tmp_path):
 def test_zero3_trains_a_bf16_folder_in_fp32_partitioned_at_load(folder, tmp_path):
     """ZeRO-3 of a folder is partitioned at construction and filled module by module (load/zero3.py): the
     first-step loss is the HF model's, the saved partitions are fp32 and hold exactly the planner's share, and
-    each rank's build stays within the planner's prediction (its share + one module + one tensor as read)."""
-    from launch import launch, losses
+    each rank's build terms are the planner's (its share + twice the largest module)."""
+    from launch import launch
 
     run = tmp_path / "zero3"
     proc = launch(*_args(folder, "zero3", "fp32", run, micro=2, accum=2), ranks=2)
-    assert "fp32 (float32 weights, checkpoint bfloat16)" in proc.stdout
-    first = losses(run)[1]
-    want = _hf_first_loss(folder, global_batch=8, micro_batches=2)
-    assert abs(first - want) <= 1e-5 * want, (first, want)
-    step = run / "checkpoints" / "global_step2"
-    manifest = json.loads((step / "manifest.json").read_text())
-    assert (manifest["checkpoint_dtype"], manifest["train_dtype"]) == ("bfloat16", "float32")
+    step = _check_fp32_from_bf16_folder(folder, run, proc.stdout)
     owned = []
     for rank in (0, 1):
         optim = torch.load(step / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=False)
