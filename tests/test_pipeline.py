@@ -76,7 +76,7 @@ def check_export(run, out, micro: int | None = None) -> float:
     eval loss the pipe logged at the last step."""
     from transformers import AutoModelForCausalLM
 
-    from harness.train.export import export
+    from harness.train.export.folder import export
 
     info = export(run, out)
     assert info["step"] == STEPS

@@ -82,7 +82,7 @@ def runs(tmp_path_factory) -> dict:
 def test_tp_matches_one_process_and_exports(name, runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from harness.train.export import export
+    from harness.train.export.folder import export
 
     r = runs[name]
     worst = _worst(losses(r["run"]), _reference(r["model"]))

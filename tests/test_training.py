@@ -146,7 +146,7 @@ def test_bf16_within_documented_tolerance_and_eval(reference, tmp_path):
 def test_export_round_trip(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from harness.train.export import export
+    from harness.train.export.folder import export
 
     run = tmp_path / "z3"
     launch("--recipe", "zero3", "--set", "precision=fp32", "--output-dir", str(run), *COMMON)

@@ -4,7 +4,7 @@
 model.safetensors; config.json, generation_config.json, tokenizer files) without ever holding the model: the
 output's names, shapes and dtypes come from the model built on the meta device, the shard plan from those
 alone (hf_shards.plan_shards), and each tensor is read from the rank files only when its shard is filled
-(ckpt_tensors: ZeRO-0/1/2/3 partitions per tensor rank; parallel/pipe_export: pipeline and 3D per-layer
+(ckpt_tensors: ZeRO-0/1/2/3 partitions per tensor rank; export/pipeline.py: pipeline and 3D per-layer
 files; tensor-parallel pieces merged tensor by tensor with parallel.tensor.merge_tensor). Peak private memory
 is about one output shard plus the largest tensor. Every checkpoint the harness writes carries probe.pt (the
 engine's logits on a fixed batch); the written folder is loaded (memory-mapped: transformers reads a
@@ -102,10 +102,10 @@ def save_names(model) -> list[str]:
 
 def open_state(ref: CheckpointRef, manifest: dict, files) -> dict:
     """Every weight of the checkpoint as {hf name: ckpt_tensors.Lazy}, tensor ranks merged; reads nothing."""
-    from harness.train.ckpt_tensors import zero_source
+    from harness.train.export.ckpt_tensors import zero_source
 
     if manifest.get("pp", 1) > 1:  # per-layer files (pipeline, 3D)
-        from harness.train.parallel import pipe_export
+        from harness.train.export import pipeline as pipe_export
 
         ranks = pipe_export.sources(files, ref, manifest)
     else:
@@ -124,7 +124,7 @@ def open_state(ref: CheckpointRef, manifest: dict, files) -> dict:
 
 
 def _merged(key: str, parts: list, tensor):
-    from harness.train.ckpt_tensors import Lazy
+    from harness.train.export.ckpt_tensors import Lazy
 
     return Lazy(tensor.merged_shape(key, [p.shape for p in parts]),
                 lambda: tensor.merge_tensor(key, [p.read() for p in parts]))
@@ -180,15 +180,15 @@ def _write_folder(ref: CheckpointRef, manifest: dict, folder: Path, dtype, max_s
     """Weights, config, generation config and tokenizer into `folder`; returns the sizes written."""
     from transformers import AutoTokenizer
 
-    from harness.train.ckpt_tensors import FILE_BUDGET_BYTES, MappedFiles
-    from harness.train.hf_shards import parse_shard_size, plan_shards, write_sharded
+    from harness.train.export.ckpt_tensors import FILE_BUDGET_BYTES, MappedFiles
+    from harness.train.export.hf_shards import parse_shard_size, plan_shards, write_sharded
 
     model = meta_model(ref)
     # maps dropped after each shard's worth of reading: the checkpoint pages touched stay about a shard too
     files = MappedFiles(min(FILE_BUDGET_BYTES, parse_shard_size(max_shard_size)))
     state, names = open_state(ref, manifest, files), save_names(model)
     if is_lora(manifest):  # the checkpoint holds the adapters only: the base streamed through W + s B A
-        from harness.train import export_lora
+        from harness.train.export import lora as export_lora
 
         state = export_lora.merged_lazy(manifest, state, model)
     check_keys(state, names, model, ref.tag_dir)
@@ -222,7 +222,7 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False, max_shard
            dtype: str | None = None, adapter_only: bool = False) -> dict:
     import torch
 
-    from harness.train.hf_shards import parse_shard_size
+    from harness.train.export.hf_shards import parse_shard_size
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -237,7 +237,7 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False, max_shard
     torch_dtype = getattr(torch, DTYPES[name])
     start = time.perf_counter()
     if adapter_only:  # a peft adapter folder: the adapters alone (LoRA runs)
-        from harness.train import export_lora
+        from harness.train.export import lora as export_lora
 
         info = export_lora.export_adapter(ref, manifest, out, torch_dtype)
         return {"checkpoint": str(ref.tag_dir), "out": str(out), "step": manifest.get("step"),

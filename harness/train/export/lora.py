@@ -28,8 +28,8 @@ BASE_LAYER = ".base_layer"
 def adapter_state(ref, manifest: dict) -> dict[str, torch.Tensor]:
     """The checkpoint's trainable tensors under their training names (<module>.lora_A.default.weight, ...), read
     through export's own per-layout sources (ZeRO partitions, pipeline layer files, TP ranks merged)."""
-    from harness.train.ckpt_tensors import MappedFiles
-    from harness.train.export import open_state
+    from harness.train.export.ckpt_tensors import MappedFiles
+    from harness.train.export.folder import open_state
 
     state = {k: v.read().float() for k, v in open_state(ref, manifest, MappedFiles()).items()
              if adapters.is_trainable_name(k)}
@@ -75,7 +75,7 @@ def merged_lazy(manifest: dict, state: dict, model) -> dict:
     """export's {hf name: Lazy} for the merged model: each base tensor read from train.model when the writer asks
     for it (a folder's safetensors, or a preset's seeded weights) and passed through merge_tensor; the adapters
     (small) are read once. `model`: the meta model, for names and shapes."""
-    from harness.train.ckpt_tensors import Lazy
+    from harness.train.export.ckpt_tensors import Lazy
     from harness.train.load.build import open_source
     from harness.train.load.slices import Request
 
@@ -102,7 +102,7 @@ def merged_lazy(manifest: dict, state: dict, model) -> dict:
 
 def _check(ref, manifest: dict, model, what: str) -> float | None:
     """Max |logit difference| of `model` vs the engine's probe logits; refuses beyond the training dtype's bound."""
-    from harness.train.export import PROBE, TOLERANCE, train_dtype
+    from harness.train.export.folder import PROBE, TOLERANCE, train_dtype
 
     probe = ref.tag_dir / PROBE
     if not probe.is_file():

@@ -11,7 +11,7 @@ Files are memory-mapped (ckpt_tensors.MappedFiles): a tensor is read when it is 
 from __future__ import annotations
 
 from harness.errors import UsageError
-from harness.train.ckpt_tensors import Lazy, MappedFiles, lazy
+from harness.train.export.ckpt_tensors import Lazy, MappedFiles, lazy
 
 
 def _layer_files(tag_dir, index: int) -> list:
