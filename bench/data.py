@@ -45,6 +45,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from harness.profiling.proc import status_bytes  # noqa: E402
 from harness.train.dist import free_port  # noqa: E402
 from overhead import BIN, env  # noqa: E402  (bench/ is on sys.path when this runs as a script)
 
@@ -136,12 +137,7 @@ def uss_bytes(pid: int) -> int | None:
 
 
 def rss_anon_bytes(pid: int) -> int | None:
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    line = next((l for l in text.splitlines() if l.startswith("RssAnon:")), None)
-    return int(line.split()[1]) * 1024 if line else None
+    return status_bytes("RssAnon", pid)
 
 
 def training(run_dir: Path) -> bool:

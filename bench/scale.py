@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.profiling.proc import status_bytes  # noqa: E402
+
 SHARD_BYTES = 200 * 10**6
 SIZES = {  # Llama-shaped: ~0.21B and ~0.51B parameters (0.02: a smoke test of the bench itself)
     "0.02": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4),
@@ -100,12 +102,7 @@ def write_folder(size: str, path: Path) -> int:
 
 
 def _rss_anon(pid: int) -> int:
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0
-    match = re.search(r"RssAnon:\s+(\d+) kB", text)
-    return int(match.group(1)) * 1024 if match else 0
+    return status_bytes("RssAnon", pid) or 0
 
 
 def _mem_available() -> int:

@@ -14,37 +14,28 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
-import threading
 import time
 from pathlib import Path
 
+from harness.profiling.proc import RssAnonPeak, reset_vm_hwm, status_bytes
+
 
 def _status(field: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{field}:\s+(\d+) kB", text).group(1)) * 1024
+    return status_bytes(field)
 
 
 class Peak:
     def __enter__(self):
-        Path("/proc/self/clear_refs").write_text("5")
+        reset_vm_hwm()
         self.rss_start, self.anon_start = _status("VmRSS"), _status("RssAnon")
-        self.anon_peak, self.running = self.anon_start, True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
+        self.sampler = RssAnonPeak(0.001)
+        self.sampler.start()
         self.start_s = time.perf_counter()
         return self
 
-    def _sample(self) -> None:
-        while self.running:
-            self.anon_peak = max(self.anon_peak, _status("RssAnon"))
-            time.sleep(0.001)
-
     def __exit__(self, *exc):
-        self.running = False
-        self.thread.join()
-        self.anon_peak = max(self.anon_peak, _status("RssAnon"))
+        self.anon_peak = self.sampler.stop()
         self.result = {"vm_hwm_growth_bytes": _status("VmHWM") - self.rss_start,
                        "rss_anon_peak_growth_bytes": self.anon_peak - self.anon_start,
                        "seconds": round(time.perf_counter() - self.start_s, 2)}
@@ -55,7 +46,7 @@ def measure(ckpt: str, out: str, shard: str, dtype: str | None) -> dict:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    from harness.train import export as ex
+    from harness.train.export import folder as ex
 
     result: dict = {"baseline_rss_anon_bytes": _status("RssAnon")}
     if os.environ.get("WHOLE"):
@@ -73,7 +64,7 @@ def measure(ckpt: str, out: str, shard: str, dtype: str | None) -> dict:
     # whatever the model's size); measured apart as "imports".
     from transformers import AutoTokenizer
 
-    from harness.train.ckpt_tensors import MappedFiles
+    from harness.train.export.ckpt_tensors import MappedFiles
 
     with Peak() as imports:
         ex.open_state(ref, manifest, MappedFiles()), ex.meta_model(ref), AutoTokenizer.from_pretrained(ref.ckpt_dir / "hf")

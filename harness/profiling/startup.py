@@ -15,26 +15,13 @@ planner's prediction of each rank's build bytes beside it (harness/planner/load.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 
-from harness.profiling.proc import reset_vm_hwm, status_bytes
+from harness.profiling.proc import RssAnonPeak, reset_vm_hwm, status_bytes
 from harness.profiling.ranks import gather
 
 SAMPLE_S = 0.005
 PHASES = ("build", "engine_setup")
-
-
-class _Sampler(threading.Thread):
-    """Peak of RssAnon, polled: the kernel keeps no high-water mark of private memory alone."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.stop, self.peak = threading.Event(), status_bytes("RssAnon") or 0
-
-    def run(self) -> None:
-        while not self.stop.wait(SAMPLE_S):
-            self.peak = max(self.peak, status_bytes("RssAnon") or 0)
 
 
 class Startup:
@@ -51,18 +38,17 @@ class Startup:
             torch.cuda.reset_peak_memory_stats(self.device)
         reset = reset_vm_hwm()
         before = status_bytes("RssAnon")
-        sampler = _Sampler()
+        sampler = RssAnonPeak(SAMPLE_S)
         sampler.start()
         start = time.perf_counter()
         try:
             yield
         finally:
             seconds = time.perf_counter() - start
-            sampler.stop.set()
-            sampler.join()
+            peak = sampler.stop()
             after = status_bytes("RssAnon")
             record = {"seconds": round(seconds, 3), "peak_rss_bytes": status_bytes("VmHWM"),
-                      "peak_rss_anon_bytes": max(sampler.peak, after or 0), "rss_anon_before_bytes": before,
+                      "peak_rss_anon_bytes": max(peak, after or 0), "rss_anon_before_bytes": before,
                       "rss_anon_after_bytes": after, "hwm_reset": reset}
             if self.cuda:
                 record["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
