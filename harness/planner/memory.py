@@ -40,6 +40,7 @@ class ZeroBuckets:
     optimizer_swap_buffer_count: int = 4  # offload_optimizer.buffer_count
     param_swap_buffer_count: int = 5  # offload_param.buffer_count
     param_swap_buffer_elems: int = 100_000_000  # offload_param.buffer_size
+    max_reuse_distance_elems: int = 1_000_000_000  # stage3_max_reuse_distance
 
 
 def harness_buckets(hidden_size: int) -> ZeroBuckets:
@@ -114,6 +115,20 @@ def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, larges
     return out
 
 
+def zero3_gathered_elems(gathered: int, largest_layer: int, b: ZeroBuckets) -> int:
+    """Elements ZeRO-3 holds gathered at once, at the turn from forward to backward.
+
+    DeepSpeed 0.19.8 (partitioned_param_coordinator.__params_to_release) does not release a module's
+    gathered parameters after its forward when the module is used again within stage3_max_reuse_distance
+    elements of the trace. In the trace the last blocks' forward is followed by their backward, so a block whose
+    later modules hold fewer than max_reuse_distance / 2 elements (forward, then again backward) stays gathered
+    until its backward: the model's tail of max_reuse_distance / 2 elements (all of a model under 0.5B
+    parameters with the default 1e9), plus the module being gathered and the prefetch bucket beyond it.
+    Measured: this is also why a small model is all-gathered once per micro-step, not twice (predict.py)."""
+    retained = min(gathered, b.max_reuse_distance_elems // 2)
+    return min(gathered, retained + largest_layer + b.prefetch_bucket_elems)
+
+
 def _stage3_entries(p: int, dp: int, lp: int, opt_dev: str, param_dev: str, largest_layer: int,
                     largest_tensor: int, persistent: int, b: ZeroBuckets, t: int | None = None,
                     largest_trainable_layer: int | None = None) -> list:
@@ -132,7 +147,7 @@ def _stage3_entries(p: int, dp: int, lp: int, opt_dev: str, param_dev: str, larg
            ("fp32_master", opt_dev, FP32_BYTES * shard, True),
            ("optimizer_moments", opt_dev, ADAM_MOMENTS * FP32_BYTES * shard, True),
            ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems, True),
-           ("gathered_params", "gpu", lp * (largest_layer + b.prefetch_bucket_elems), False)]
+           ("gathered_params", "gpu", lp * zero3_gathered_elems(p - persistent, largest_layer, b), False)]
     if opt_dev == "gpu":
         out.append(("fp32_grads", "gpu", FP32_BYTES * sub_group, False))
     else:  # subgroup_gradient_buffer, pinned; swapped with the optimizer states on nvme

@@ -49,7 +49,8 @@ def _zero_settings(ds: dict) -> dict:
         overlap_comm=zo.get("overlap_comm"),
         optimizer_swap_buffer_count=int(opt_block.get("buffer_count", defaults.optimizer_swap_buffer_count)),
         param_swap_buffer_count=int(param_block.get("buffer_count", defaults.param_swap_buffer_count)),
-        param_swap_buffer_elems=int(param_block.get("buffer_size", defaults.param_swap_buffer_elems)))
+        param_swap_buffer_elems=int(param_block.get("buffer_size", defaults.param_swap_buffer_elems)),
+        max_reuse_distance_elems=int(zo.get("stage3_max_reuse_distance", defaults.max_reuse_distance_elems)))
     return {"stage": stage, "offload_optimizer": opt_dev, "offload_param": param_dev, "buckets": buckets,
             "max_live": int(zo.get("stage3_max_live_parameters", STAGE3_DEFAULT_MAX_LIVE))}
 
