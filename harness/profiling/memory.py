@@ -4,7 +4,9 @@ Process memory, every step, this rank:
   CUDA: peak_allocated_bytes / peak_reserved_bytes since the step began (peaks reset in before_step),
         allocated_bytes at the end of the step.
   CPU:  rss_bytes at the end of the step and peak_rss_bytes during it (Linux VmHWM, reset each step by
-        writing 5 to /proc/self/clear_refs; where that is refused, the process's lifetime peak).
+        writing 5 to /proc/self/clear_refs; where that is refused, the process's lifetime peak), and
+        peak_rss_anon_bytes: private memory (tensors, not mapped file pages) sampled every 20 ms during the
+        step, what the planner's per-rank training peak predicts; eval and checkpoint saves are outside it.
 Model states, on profiled steps and the run's last step (right after the optimizer step), counted from the
 tensors the engine holds, each storage once (by untyped_storage data_ptr; a view into a flat buffer counts
 the whole buffer once), classified by where it was first found:
@@ -26,13 +28,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harness.profiling.proc import reset_vm_hwm, status_bytes
+from harness.profiling.proc import RssAnonPeak, reset_vm_hwm, status_bytes
 from harness.profiling.ranks import gather, in_window
 
 TERMS = ("params", "grads", "fp32_grads", "fp32_master", "optimizer_moments", "reduce_buckets",
          "offload_buffers", "other")
 _MAX_DEPTH = 4
 BOOKKEEPING_BYTES = 16
+ANON_SAMPLE_S = 0.02
 
 
 class _Counter:
@@ -164,6 +167,7 @@ class ProcessMemory:
         self.device = device
         self.process = psutil.Process()
         self.per_step_peak = True
+        self.anon: RssAnonPeak | None = None  # started on the first step, polls until close()
 
     def reset(self) -> None:
         if self.cuda:
@@ -172,6 +176,14 @@ class ProcessMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self.per_step_peak = reset_vm_hwm()
+            if self.anon is None:
+                self.anon = RssAnonPeak(ANON_SAMPLE_S)
+                self.anon.start()
+            self.anon.peak = status_bytes("RssAnon") or 0
+
+    def close(self) -> None:
+        if self.anon is not None:
+            self.anon.stop()
 
     def read(self) -> dict:
         if self.cuda:
@@ -181,7 +193,10 @@ class ProcessMemory:
                     "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
                     "allocated_bytes": torch.cuda.memory_allocated(self.device)}
         rss = self.process.memory_info().rss
-        return {"rss_bytes": rss, "peak_rss_bytes": max(rss, status_bytes("VmHWM") or rss)}
+        out = {"rss_bytes": rss, "peak_rss_bytes": max(rss, status_bytes("VmHWM") or rss)}
+        if self.anon is not None:
+            out["peak_rss_anon_bytes"] = max(self.anon.peak, status_bytes("RssAnon") or 0)
+        return out
 
 
 class MemoryHook:
@@ -218,6 +233,7 @@ class MemoryHook:
         return record
 
     def close(self) -> dict:
+        self.process.close()
         if self.states is None:  # resumed past the last step: count now
             self.states, self.states_step = self._states(), None
         per_rank = gather({"peak": self.peak, "model_states": self.states,
