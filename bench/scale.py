@@ -1,12 +1,13 @@
 """Real-size models: each rank's memory at build, in training and at export, against the planner and the model.
 
     python bench/scale.py [--sizes 0.2,0.5] [--precisions bf16,fp32] [--recipes ddp,zero2,zero3,tp,pipeline,3d]
-                          [--out /tmp/scale] [--steps 2] [--no-export]
+                          [--out /tmp/scale] [--steps 2] [--no-export] [--every-size]
 
 Writes Llama-shaped folders (vocabulary 32000, GQA 16/8 heads, untied head; random bf16 weights in 200 MB
 safetensors files + index, written one file at a time) of about 0.2B and 0.5B parameters, then trains each
-(recipe, precision) for --steps steps on CPU ranks: ddp and zero2 on the 0.2B folder only (16 B per parameter
-twice does not fit 24 GB at 0.5B), zero3, tp (2 ranks), pipeline (2 stages) and 3d (2 x 2 on 4 ranks). Per rank:
+(recipe, precision) for --steps steps on CPU ranks: ddp and zero2 on the 0.2B folder (16 B per parameter twice
+does not fit 24 GB at 0.5B), zero3, tp (2 ranks), pipeline (2 stages) and 3d (2 x 2 on 4 ranks) on the 0.5B one;
+--every-size also runs the sharded recipes on the 0.2B folder (about twice the time). Per rank:
   build     the build phase's private peak (summary.json startup: RssAnon sampled in the rank) vs the planner's
             build bytes above the rank's own baseline, and vs the model's bytes in the training dtype
   train     the training steps' private peak (RssAnon, sampled in the rank every 20 ms during each step and
@@ -45,7 +46,7 @@ SIZES = {  # Llama-shaped: ~0.21B and ~0.51B parameters (0.02: a smoke test of t
     "0.5": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16),
 }
 RANKS = {"ddp": 2, "zero2": 2, "zero3": 2, "tp": 2, "pipeline": 2, "3d": 4}
-SMALL_ONLY = ("ddp", "zero2")
+SMALL_ONLY = ("ddp", "zero2")  # and the others on the largest size only, unless --every-size
 EXPORTED = ("zero3", "pipeline", "3d")
 BY_SHARE = ("tp", "pipeline", "3d")
 MIB = 2**20
@@ -285,16 +286,21 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--no-export", action="store_true")
     p.add_argument("--keep-folders", action="store_true")
+    p.add_argument("--every-size", action="store_true", help="the sharded recipes on every size, not the largest only")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for size in args.sizes.split(","):
+    sizes = args.sizes.split(",")
+    start = time.perf_counter()
+    for size in sizes:
         folder = args.out / f"llama-{size}b"
         params = write_folder(size, folder)
         print(f"[folder] {folder}: {params / 1e9:.3f}B params, bf16, "
               f"{len(list(folder.glob('*.safetensors')))} files", flush=True)
         for recipe in args.recipes.split(","):
             if size != "0.2" and recipe in SMALL_ONLY:
+                continue
+            if not args.every_size and recipe not in SMALL_ONLY and size != sizes[-1]:
                 continue
             for precision in args.precisions.split(","):
                 case = run_case(size, recipe, precision, folder, params, args.out, args.steps, not args.no_export)
@@ -303,6 +309,7 @@ def main(argv=None) -> int:
                 (args.out / "results.json").write_text(json.dumps(results, indent=1))
         if not args.keep_folders:
             shutil.rmtree(folder, ignore_errors=True)
+    print(f"[bench] {len(results)} cases in {(time.perf_counter() - start) / 60:.1f} min", flush=True)
     return 0
 
 
