@@ -162,3 +162,30 @@ def test_scaling_png_for_the_recommended_layout(tmp_path, capsys):
     nodes = [p["nodes"] for p in scaling["points"]]
     assert nodes[0] == 1 and nodes[-1] >= 64 and nodes == sorted(nodes)
     assert all(p["tokens_per_s_per_gpu"] > 0 for p in scaling["points"])
+
+
+def test_lora_backward_skips_the_frozen_weight_gradients():
+    from harness.planner import steptime
+    from harness.planner.params import count_params, model_shape, with_lora
+
+    cfg = KNOWN["llama-2-7b"]
+    count, shape = count_params(cfg), model_shape(cfg)
+    lora = with_lora(count, cfg, 16)
+    prof = hardware.load("a100-80gb-sxm")
+    work = {"seq_len": 4096, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False}
+    full = steptime.compute_s(count, shape, prof, work, 1, count.num_layers, True)
+    adapted = steptime.compute_s(lora, shape, prof, work, 1, count.num_layers, True)
+    assert adapted["forward"] == pytest.approx(full["forward"], rel=0.01)  # the adapters add ~0.3 % FLOPs
+    # input gradients and attention's backward stay; the weight-gradient GEMMs of frozen weights go
+    assert 0.45 * full["backward"] < adapted["backward"] < 0.65 * full["backward"]
+
+
+def test_pipeline_step_time_has_a_row_per_stage(capsys):
+    code, out = run_plan(["--model", "llama-2-7b", "--gpus", "8", "--gpu-mem", "80GB", "--tp", "1", "--pp", "4",
+                          "--zero", "1", "--micro-batch", "1", "--global-batch", "64", "--json"], capsys)
+    t = json.loads(out)["evaluated"]["time"]
+    stages = t["per_stage"]
+    assert [s["stage"] for s in stages] == [0, 1, 2, 3]
+    assert all(0 < s["busy"] <= 1 and s["compute_s"] + s["idle_s"] == pytest.approx(t["step_time_s"]) for s in stages)
+    assert max(s["compute_s"] for s in stages) == pytest.approx(
+        t["breakdown"]["forward_s"] + t["breakdown"]["backward_s"] + t["breakdown"]["recompute_s"])

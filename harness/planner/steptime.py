@@ -8,7 +8,8 @@ holding P_b matmul parameters on this tensor-parallel rank, d_attn = heads x hea
                                                                  the full s x s, no causal halving: Megatron's
                                                                  and PaLM's convention, 2104.04473 s5.1)
              + t * 2 h V / tp_head               LM head on the last stage
-    backward 2 F (the gradients of inputs and of weights); recompute with activation checkpointing: one
+    backward 2 F (the gradients of inputs and of weights; with LoRA the frozen weights' gradient GEMMs, 2 t P
+    of the frozen matmuls and the head, are skipped); recompute with activation checkpointing: one
     more forward of the blocks (not the head), as Megatron's and HF's full recomputation do. This is
     Megatron's hardware-FLOPs count 96 B s l h^2 (1 + s/6h + V/16lh) for a GPT shape, term by term.
     time = FLOPs / (peak x gemm_efficiency): one efficiency constant per profile (the elementwise work is
@@ -108,7 +109,16 @@ def compute_s(count, shape: dict, profile: dict, work: dict, tp: int, blocks: in
     fwd = block + (tokens * head_flops_per_token(shape) / tp if head else 0.0)
     elem = tokens * blocks * elementwise_bytes_per_token(shape, work, tp) / (profile["hbm_gbps"] * 1e9)
     recompute = block / rate + elem if work["activation_checkpointing"] else 0.0
-    return {"forward": fwd / rate + elem, "backward": 2 * fwd / rate + 2 * elem, "recompute": recompute}
+    # frozen weights (LoRA) get no weight gradient: backward skips those GEMMs (2 FLOPs per weight per token)
+    frozen = 0.0
+    if count.lora_per_layer:
+        lora = count.lora_per_layer - count.lora_per_layer_split + count.lora_per_layer_split // tp
+        frozen = 2 * tokens * (blocks * (count.block_params(tp) - lora) + (head_params(shape, tp) if head else 0))
+    return {"forward": fwd / rate + elem, "backward": (2 * fwd - frozen) / rate + 2 * elem, "recompute": recompute}
+
+
+def head_params(shape: dict, tp: int) -> float:
+    return shape["hidden_size"] * shape["vocab_size"] / tp
 
 
 def _placement(c, hw: dict) -> dict[str, tuple[int, bool]]:
@@ -216,9 +226,13 @@ def _stage_compute(c, count, shape: dict, profile: dict, work: dict, result: dic
     """Compute of one micro-batch on the slowest stage (the last holds the LM head)."""
     if c.pp == 1:
         return compute_s(count, shape, profile, work, c.tp, count.num_layers, True)
+    return max(stage_computes(c, count, shape, profile, work, result, stage_blocks), key=lambda t: sum(t.values()))
+
+
+def stage_computes(c, count, shape: dict, profile: dict, work: dict, result: dict, stage_blocks=None) -> list[dict]:
+    """Compute of one micro-batch on every pipeline stage."""
     blocks = stage_blocks or [s["blocks"] for s in result["stages"]]
-    times = [compute_s(count, shape, profile, work, c.tp, b, i == len(blocks) - 1) for i, b in enumerate(blocks)]
-    return max(times, key=lambda t: sum(t.values()))
+    return [compute_s(count, shape, profile, work, c.tp, b, i == len(blocks) - 1) for i, b in enumerate(blocks)]
 
 
 def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result: dict, *,
@@ -251,6 +265,7 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
     dp = _dp_exposed(c, by_group.get("dp", []), profile, place["dp"][1], t_mb, m, buckets_bytes, calls)
     hooks = (profile.get("measured") or {}).get("zero_overhead_s_per_tensor", {}).get(str(c.stage), 0.0)
     hooks_s = m * len(rank_tensors(count, blocks, c.tp)) * hooks if c.stage and c.pp == 1 else 0.0
+    hooks_s = max(hooks_s, -(dp["dp_reduce"] + dp["dp_gather"]))  # a correction never below no traffic at all
     tied_s = sum(_row_s(profile, r, place["pp-tied"][1]) for r in by_group.get("pp-tied", []))
     trainable = result.get("trainable_per_rank", result["params_per_rank"])  # LoRA: only adapters are stepped
     shard = trainable if c.stage == 0 else -(-trainable // result["dp"])
@@ -262,11 +277,16 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
         "optimizer_s": off["optimizer"], "offload_pcie_s": off["pcie"], "nvme_s": off["nvme"], "zero_hooks_s": hooks_s,
     }
     step = sum(breakdown.values())
+    per_stage = []
+    if c.pp > 1:  # what each stage computes per step; the rest of the step it waits (bubble, its neighbours)
+        for i, t in enumerate(stage_computes(c, count, shape, profile, work, result, stage_blocks)):
+            busy = m * sum(t.values())
+            per_stage.append({"stage": i, "compute_s": busy, "idle_s": max(0.0, step - busy), "busy": busy / step})
     tokens = work["global_batch"] * work["seq_len"]
     peak = hardware.peak_flops(profile, work["precision"])
     return {"step_time_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,
             "mfu": model_flops_per_step(count, shape, work["seq_len"], tokens) / (step * world * peak),
-            "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"],
+            "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"], "per_stage": per_stage,
             "interleave": interleave}
 
 

@@ -8,6 +8,8 @@ What it measures, each with the real code path training uses:
 - Forward + backward of the model cut to two blocks, at the same shapes: gemm_efficiency is the share of the
   GEMM peak at which the time model's compute term (planner/steptime.py) reproduces that measured time, so
   the profile carries what a real step achieves here (autograd, elementwise kernels, attention), not a guess.
+  When the ranks run (two or more), the same is taken from a DeepSpeed engine's ZeRO-0 forward + backward on
+  every rank at once, less its all-reduce (calibrate_engine.py): ranks share memory bandwidth and caches.
 - all_reduce, all_gather_into_tensor and reduce_scatter_tensor bus bandwidth per group size, over the
   backend DeepSpeed picks for this accelerator (NCCL on CUDA, gloo on CPU): calibrate_comm.py.
 - host <-> device copies from pinned memory (CUDA). On the CPU accelerator device memory IS host memory, so
@@ -270,7 +272,14 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
     m["seconds_by_bytes"] = comm.get("seconds_by_bytes", {})
     if "engine" in comm:
         m["engine"] = comm["engine"]
-        m.update(engine_rates(cfg, comm["engine"], profile, precision, ranks))
+        rates = engine_rates(cfg, comm["engine"], profile, precision, ranks)
+        m.update(rates)
+        # the efficiency from the engine's ZeRO-0 forward + backward on all ranks at once (less its all-reduce):
+        # the single-process cut model above does not share the memory bandwidth and caches as training does
+        engine_block = dict(block, seconds=rates["zero0_math_s"], layers=comm["engine"]["layers"])
+        profile["gemm_efficiency"] = block_efficiency(cfg, engine_block, peak, hbm, precision)
+        log(f"  efficiency with every rank computing at once (DeepSpeed engine, ZeRO-0): "
+            f"{profile['gemm_efficiency']:.2f} of {peak:.3g} TFLOP/s")
         log("  DeepSpeed step per ZeRO stage: " + ", ".join(
             f"ZeRO-{s} {r / 1e6:.0f} M params/s" for s, r in m["optimizer_params_per_s"].items())
             + "; ZeRO hooks " + ", ".join(f"ZeRO-{s} {v * 1e3:.2f} ms" for s, v in m["zero_overhead_s_per_tensor"].items())
@@ -282,7 +291,8 @@ def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: 
     """From calibrate_engine's times on the cut model: the optimizer step rate per ZeRO stage (parameters
     stepped per second, the ZeRO-1/2 all-gather after the step taken out) and what ZeRO's hooks add to
     forward + backward per parameter tensor (stage s minus stage 0, each less its collectives as the time model
-    prices them on this profile's curves)."""
+    prices them on this profile's curves: the residual also corrects what the curves misprice for this stage's
+    call pattern, so it can be negative)."""
     from harness.planner import collectives, steptime
     from harness.planner.memory import PRECISION_BYTES, harness_buckets
     from harness.planner.params import count_params
@@ -310,9 +320,9 @@ def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: 
     for s, t in stages.items():
         seconds = t["step_s"] - step_comm.get(s, 0.0)
         rates[s] = (total if s == "0" else shard) / max(seconds, 0.05 * t["step_s"])
-        if s != "0":
-            hooks[s] = max(0.0, t["fwd_bwd_s"] - comm_fb[s] - base) / len(tensors)
-    return {"optimizer_params_per_s": rates, "zero_overhead_s_per_tensor": hooks}
+        if s != "0":  # may be negative: where the collectives run faster in the engine than the curves price them
+            hooks[s] = (t["fwd_bwd_s"] - comm_fb[s] - base) / len(tensors)
+    return {"optimizer_params_per_s": rates, "zero_overhead_s_per_tensor": hooks, "zero0_math_s": max(base, 1e-6)}
 
 
 def tempfile_dir() -> str:

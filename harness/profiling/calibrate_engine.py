@@ -46,7 +46,7 @@ def ds_config(stage: int, precision: str, micro_batch: int, world: int, hidden: 
 
 
 def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micro_batch: int, precision: str,
-            layers: int = 2, steps: int = 3) -> dict:
+            layers: int = 2, steps: int = 8) -> dict:
     """{"layers", "params", "stages": {stage: {"fwd_bwd_s", "step_s"}}}: the slowest rank's medians."""
     import deepspeed
     import torch
