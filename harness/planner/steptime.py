@@ -53,7 +53,8 @@ Data parallel (ZeRO), exposed time. DeepSpeed 0.19.8 (deepspeed-facts.md, planne
 Optimizer step: on the device, memory bound: 30 B per parameter touched (fp32 param, grad, m, v read;
 param, m, v written; the 16-bit copy), over hbm_gbps; on a calibrated profile the rate `harness calibrate`
 measured for a real engine's step at this ZeRO stage (optimizer_params_per_s: gradient clipping, the mixed
-precision wrapper's copies and the fused Adam kernel, all ranks stepping at once). Offloaded (ZeRO-Offload,
+precision wrapper's copies and the fused Adam kernel, all ranks stepping at once; offloaded: a ZeRO-2 engine
+with DeepSpeedCPUAdam, its copies included). Offloaded (ZeRO-Offload,
 Ren et al. 2101.06840): DeepSpeedCPUAdam at cpu_adam_params_per_s per node, shared by its ranks; gradients
 go down and updated 16-bit parameters come up over PCIe (pcie_gbps per GPU; the down copy overlaps backward
 where the profile overlaps); ZeRO-3 parameters on the CPU cross PCIe before every gather (forward and
@@ -207,7 +208,8 @@ def _offload_s(c, profile: dict, hw: dict, work: dict, shard: int, m: int, t_mb:
         measured = (profile.get("measured") or {}).get("optimizer_params_per_s", {}).get(str(c.stage))
         out["optimizer"] = shard / (measured or hardware.device_adam_params_per_s(profile))
     else:
-        out["optimizer"] = shard * gpn / profile["cpu_adam_params_per_s"]
+        measured = (profile.get("measured") or {}).get("optimizer_params_per_s", {}).get("2-offload")
+        out["optimizer"] = shard / measured if measured else shard * gpn / profile["cpu_adam_params_per_s"]
         down = m * lp * shard / pcie  # each micro-step's gradient partition goes to the CPU buffer
         hidden = m * (t_mb["backward"] + t_mb["recompute"]) if profile["comm_overlap"] else 0.0
         out["pcie"] = max(0.0, down - hidden) + lp * shard / pcie  # grads down, updated params up

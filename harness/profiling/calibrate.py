@@ -282,7 +282,7 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
             f"{profile['gemm_efficiency']:.2f} of {peak:.3g} TFLOP/s")
         log("  DeepSpeed step per ZeRO stage: " + ", ".join(
             f"ZeRO-{s} {r / 1e6:.0f} M params/s" for s, r in m["optimizer_params_per_s"].items())
-            + "; ZeRO hooks " + ", ".join(f"ZeRO-{s} {v * 1e3:.2f} ms" for s, v in m["zero_overhead_s_per_tensor"].items())
+            + " per rank; ZeRO hooks " + ", ".join(f"ZeRO-{s} {v * 1e3:.2f} ms" for s, v in m["zero_overhead_s_per_tensor"].items())
             + " per tensor and micro-step")
     return profile
 
@@ -313,14 +313,15 @@ def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: 
                "2": cs("all_reduce", lp * total, calls),
                "3": cs("reduce_scatter_tensor", lp * total, calls)
                + cs("all_gather_into_tensor", lp * sum(gathered) / ranks, len(gathered))}
-    step_comm = {"1": cs("all_gather_into_tensor", lp * shard, 1), "2": cs("all_gather_into_tensor", lp * shard, 1)}
+    gather = cs("all_gather_into_tensor", lp * shard, 1)
+    step_comm = {"1": gather, "2": gather, "2-offload": gather}
     stages = engine["stages"]
     base = stages["0"]["fwd_bwd_s"] - comm_fb["0"]
     rates, hooks = {}, {}
     for s, t in stages.items():
         seconds = t["step_s"] - step_comm.get(s, 0.0)
         rates[s] = (total if s == "0" else shard) / max(seconds, 0.05 * t["step_s"])
-        if s != "0":  # may be negative: where the collectives run faster in the engine than the curves price them
+        if s in comm_fb and s != "0":  # may be negative: where the collectives run faster in the engine than the curves price them
             hooks[s] = (t["fwd_bwd_s"] - comm_fb[s] - base) / len(tensors)
     return {"optimizer_params_per_s": rates, "zero_overhead_s_per_tensor": hooks, "zero0_math_s": max(base, 1e-6)}
 

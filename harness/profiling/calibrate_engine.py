@@ -5,7 +5,7 @@ not: the optimizer step (gradient clipping, the mixed-precision wrapper's fp32 c
 DeepSpeed picks on this accelerator) and ZeRO's hooks (per-parameter gradient copies into buckets, ZeRO-3's
 per-module fetch and release). Each rank builds the model cut to `layers` blocks, wraps it with
 deepspeed.initialize at ZeRO stage 0, 1, 2 and 3 in the training precision with the recipes' optimizer
-(AdamW, clipping 1.0), and times forward + backward and engine.step() over a few steps, all ranks together as
+(AdamW, clipping 1.0), and times forward + backward and engine.step() over a few steps (and ZeRO-2 with the optimizer offloaded: DeepSpeedCPUAdam and its copies), all ranks together as
 in training (memory bandwidth is shared). The slowest rank's medians are kept. calibrate.py turns them into
 optimizer_params_per_s and zero_overhead_s_per_tensor, taking out the collectives the time model prices
 separately.
@@ -17,7 +17,7 @@ import gc
 import statistics
 import time
 
-STAGES = (0, 1, 2, 3)
+STAGES = ("0", "1", "2", "3", "2-offload")  # ZeRO stage; "2-offload": ZeRO-2 with DeepSpeedCPUAdam on the host
 
 
 def _model(cfg: dict, layers: int):
@@ -29,12 +29,15 @@ def _model(cfg: dict, layers: int):
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def ds_config(stage: int, precision: str, micro_batch: int, world: int, hidden: int) -> dict:
+def ds_config(case: str, precision: str, micro_batch: int, world: int, hidden: int) -> dict:
     from harness.planner.memory import harness_buckets
 
     b = harness_buckets(hidden)
+    stage = int(case.split("-")[0])
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": b.reduce_bucket_elems, "allgather_bucket_size": 200_000_000}
+    if case.endswith("offload"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if stage == 3:
         zero.update(stage3_prefetch_bucket_size=b.prefetch_bucket_elems,
                     stage3_param_persistence_threshold=b.param_persistence_threshold)
@@ -79,7 +82,7 @@ def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micr
         times = torch.tensor([statistics.median(fwd_bwd), statistics.median(step)], dtype=torch.float64,
                              device=engine.device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        out["stages"][str(stage)] = {"fwd_bwd_s": float(times[0]), "step_s": float(times[1])}
+        out["stages"][stage] = {"fwd_bwd_s": float(times[0]), "step_s": float(times[1])}
         engine.destroy()
         del engine, model
         gc.collect()
