@@ -8,8 +8,8 @@ What it measures, each with the real code path training uses:
 - Forward + backward of the model cut to two blocks, at the same shapes: gemm_efficiency is the share of the
   GEMM peak at which the time model's compute term (planner/steptime.py) reproduces that measured time, so
   the profile carries what a real step achieves here (autograd, elementwise kernels, attention), not a guess.
-  When the ranks run (two or more), the same is taken from a DeepSpeed engine's ZeRO-0 forward + backward on
-  every rank at once, less its all-reduce (calibrate_engine.py): ranks share memory bandwidth and caches.
+  (Taken from one process: the same from the engine's ZeRO-0 step on every rank at once swung 0.64-0.75
+  between calibrations here, the single process 0.61-0.67.)
 - all_reduce, all_gather_into_tensor and reduce_scatter_tensor bus bandwidth per group size, over the
   backend DeepSpeed picks for this accelerator (NCCL on CUDA, gloo on CPU): calibrate_comm.py.
 - host <-> device copies from pinned memory (CUDA). On the CPU accelerator device memory IS host memory, so
@@ -274,12 +274,6 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
         m["engine"] = comm["engine"]
         rates = engine_rates(cfg, comm["engine"], profile, precision, ranks)
         m.update(rates)
-        # the efficiency from the engine's ZeRO-0 forward + backward on all ranks at once (less its all-reduce):
-        # the single-process cut model above does not share the memory bandwidth and caches as training does
-        engine_block = dict(block, seconds=rates["zero0_math_s"], layers=comm["engine"]["layers"])
-        profile["gemm_efficiency"] = block_efficiency(cfg, engine_block, peak, hbm, precision)
-        log(f"  efficiency with every rank computing at once (DeepSpeed engine, ZeRO-0): "
-            f"{profile['gemm_efficiency']:.2f} of {peak:.3g} TFLOP/s")
         log("  DeepSpeed step per ZeRO stage: " + ", ".join(
             f"ZeRO-{s} {r / 1e6:.0f} M params/s" for s, r in m["optimizer_params_per_s"].items())
             + " per rank; ZeRO hooks " + ", ".join(f"ZeRO-{s} {v * 1e3:.2f} ms" for s, v in m["zero_overhead_s_per_tensor"].items())
@@ -323,7 +317,7 @@ def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: 
         rates[s] = (total if s == "0" else shard) / max(seconds, 0.05 * t["step_s"])
         if s in comm_fb and s != "0":  # may be negative: where the collectives run faster in the engine than the curves price them
             hooks[s] = (t["fwd_bwd_s"] - comm_fb[s] - base) / len(tensors)
-    return {"optimizer_params_per_s": rates, "zero_overhead_s_per_tensor": hooks, "zero0_math_s": max(base, 1e-6)}
+    return {"optimizer_params_per_s": rates, "zero_overhead_s_per_tensor": hooks}
 
 
 def tempfile_dir() -> str:
