@@ -288,7 +288,8 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
     peak = hardware.peak_flops(profile, work["precision"])
     return {"step_time_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,
             "mfu": model_flops_per_step(count, shape, work["seq_len"], tokens) / (step * world * peak),
-            "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"], "per_stage": per_stage,
+            "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"],
+            "per_stage": per_stage,
             "interleave": interleave}
 
 

@@ -9,7 +9,9 @@ What it measures, each with the real code path training uses:
   GEMM peak at which the time model's compute term (planner/steptime.py) reproduces that measured time, so
   the profile carries what a real step achieves here (autograd, elementwise kernels, attention), not a guess.
   (Taken from one process: the same from the engine's ZeRO-0 step on every rank at once swung 0.64-0.75
-  between calibrations here, the single process 0.61-0.67.)
+  between calibrations here, the single process 0.61-0.67.) The engine's times give the optimizer rate per
+  stage and the ZeRO residual (calibrate_engine.py); those vary between calibrations on a shared machine by
+  more than the model's other terms do.
 - all_reduce, all_gather_into_tensor and reduce_scatter_tensor bus bandwidth per group size, over the
   backend DeepSpeed picks for this accelerator (NCCL on CUDA, gloo on CPU): calibrate_comm.py.
 - host <-> device copies from pinned memory (CUDA). On the CPU accelerator device memory IS host memory, so
@@ -276,7 +278,8 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
         m.update(rates)
         log("  DeepSpeed step per ZeRO stage: " + ", ".join(
             f"ZeRO-{s} {r / 1e6:.0f} M params/s" for s, r in m["optimizer_params_per_s"].items())
-            + " per rank; ZeRO hooks " + ", ".join(f"ZeRO-{s} {v * 1e3:.2f} ms" for s, v in m["zero_overhead_s_per_tensor"].items())
+            + " per rank; ZeRO hooks "
+            + ", ".join(f"ZeRO-{s} {v * 1e3:.2f} ms" for s, v in m["zero_overhead_s_per_tensor"].items())
             + " per tensor and micro-step")
     return profile
 
@@ -315,7 +318,7 @@ def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: 
     for s, t in stages.items():
         seconds = t["step_s"] - step_comm.get(s, 0.0)
         rates[s] = (total if s == "0" else shard) / max(seconds, 0.05 * t["step_s"])
-        if s in comm_fb and s != "0":  # may be negative: where the collectives run faster in the engine than the curves price them
+        if s in comm_fb and s != "0":  # negative where the engine's collectives beat the curves' price
             hooks[s] = (t["fwd_bwd_s"] - comm_fb[s] - base) / len(tensors)
     return {"optimizer_params_per_s": rates, "zero_overhead_s_per_tensor": hooks}
 

@@ -5,8 +5,9 @@ not: the optimizer step (gradient clipping, the mixed-precision wrapper's fp32 c
 DeepSpeed picks on this accelerator) and ZeRO's hooks (per-parameter gradient copies into buckets, ZeRO-3's
 per-module fetch and release). Each rank builds the model cut to `layers` blocks, wraps it with
 deepspeed.initialize at ZeRO stage 0, 1, 2 and 3 in the training precision with the recipes' optimizer
-(AdamW, clipping 1.0), and times forward + backward and engine.step() over a few steps (and ZeRO-2 with the optimizer offloaded: DeepSpeedCPUAdam and its copies), all ranks together as
-in training (memory bandwidth is shared). The slowest rank's fastest step is kept (and its medians beside). calibrate.py turns them into
+(AdamW, clipping 1.0), and ZeRO-2 with the optimizer offloaded (DeepSpeedCPUAdam and its copies), and times
+forward + backward and engine.step() over a few steps, all ranks together as in training (memory bandwidth is
+shared). The slowest rank's medians are kept (and its fastest step beside). calibrate.py turns them into
 optimizer_params_per_s and zero_overhead_s_per_tensor, taking out the collectives the time model prices
 separately.
 """
@@ -50,7 +51,7 @@ def ds_config(case: str, precision: str, micro_batch: int, world: int, hidden: i
 
 def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micro_batch: int, precision: str,
             layers: int = 2, steps: int = 8) -> dict:
-    """{"layers", "params", "stages": {stage: {"fwd_bwd_s", "step_s", ...}}}: the slowest rank's fastest step."""
+    """{"layers", "params", "stages": {stage: {"fwd_bwd_s", "step_s", ...}}}: the slowest rank's medians."""
     import deepspeed
     import torch
     from deepspeed import comm as dist
@@ -79,13 +80,12 @@ def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micr
             if i:  # the first step warms up (ZeRO-3 traces the module order)
                 fwd_bwd.append(middle - start)
                 step.append(time.perf_counter() - middle)
-        # the fastest of the timed steps: differences between stages are what is derived from these, and the
-        # minimum is what repeats between calibrations on a shared machine (medians swung 2x there)
-        times = torch.tensor([min(fwd_bwd), min(step), statistics.median(fwd_bwd), statistics.median(step)],
+        # medians, as training's step times are compared by their median; the fastest step beside them
+        times = torch.tensor([statistics.median(fwd_bwd), statistics.median(step), min(fwd_bwd), min(step)],
                              dtype=torch.float64, device=engine.device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         out["stages"][stage] = {"fwd_bwd_s": float(times[0]), "step_s": float(times[1]),
-                                "fwd_bwd_median_s": float(times[2]), "step_median_s": float(times[3])}
+                                "fwd_bwd_min_s": float(times[2]), "step_min_s": float(times[3])}
         engine.destroy()
         del engine, model
         gc.collect()
