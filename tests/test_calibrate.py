@@ -26,6 +26,14 @@ def test_calibrate_then_auto_run_records_predicted_and_measured_step_time(tmp_pa
     m = profile["measured"]
     assert profile["device"] == "cpu" and profile["comm_overlap"] is False and m["backend"] == "gloo"
     assert all(m["bus_gbps"][op]["2"] > 0 for op in ("all_reduce", "all_gather", "reduce_scatter"))
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):  # seconds per call against the message size
+        curve = {int(b): t for b, t in m["seconds_by_bytes"][op]["2"].items()}
+        assert len(curve) >= 4 and all(t > 0 for t in curve.values()) and curve[max(curve)] > curve[min(curve)]
+    # a real DeepSpeed engine stepped at every ZeRO stage on both ranks at once
+    assert set(m["engine"]["stages"]) == {"0", "1", "2", "3", "2-offload"} and m["engine"]["params"] > 0
+    assert all(t["fwd_bwd_s"] > 0 and t["step_s"] > 0 for t in m["engine"]["stages"].values())
+    assert set(m["optimizer_params_per_s"]) == {"0", "1", "2", "3", "2-offload"} and min(m["optimizer_params_per_s"].values()) > 0
+    assert set(m["zero_overhead_s_per_tensor"]) == {"1", "2", "3"}
     assert m["gemm"]["tflops"] > 0 and profile["peak_tflops"]["bf16"] == m["gemm"]["tflops"]
     assert profile["cpu_adam_params_per_s"] > 0 and "n/a on the CPU accelerator" in m["host_copy"]["note"]
     assert ("read_gbps" in m["nvme"]) or ("async_io does not load" in m["nvme"]["error"])

@@ -113,6 +113,36 @@ def test_collective_times_follow_the_ring_formulas():
         2 * 7 / 8 * 8 / 230e9 + 6 * 10e-6)  # tree: 2 log2(8) steps beat the ring's 14
 
 
+def test_calibrated_curve_prices_each_call_at_its_own_size():
+    """A calibrated profile's seconds-per-call curve: interpolated log-log inside, the largest message's
+    bandwidth above it, the latency floor below; N small calls cost more than one call of the same bytes."""
+    curve = {"8192": 1e-3, "1048576": 4e-3, "33554432": 40e-3}  # gloo-like: far from flat in the size
+    prof = dict(hardware.load("a100-80gb-sxm"), measured={"seconds_by_bytes": {"all_reduce": {"2": curve}}})
+    assert collectives.collective_s(prof, "all_reduce", 2**20, 2, inter=False) == pytest.approx(4e-3)
+    assert collectives.collective_s(prof, "all_reduce", 2**26, 2, inter=False) == pytest.approx(80e-3)
+    assert collectives.collective_s(prof, "all_reduce", 100, 2, inter=False) == pytest.approx(1e-3)
+    between = collectives.collective_s(prof, "all_reduce", 2**22, 2, inter=False)
+    assert 4e-3 < between < 40e-3
+    assert collectives.collective_s(prof, "all_reduce", 2**25, 2, inter=False, calls=32) == pytest.approx(32 * 4e-3)
+    # across nodes (no curve measured there) and for ops without a curve: the profile's alpha-beta
+    assert collectives.collective_s(prof, "all_reduce", 2**26, 2, inter=True) != pytest.approx(80e-3)
+
+
+def test_zero_reduce_calls_follow_deepspeeds_bucket_flushes():
+    """Buckets flush when the next gradient would overflow them, in backward order: the 24M Llama of
+    bench/time_model.py (8 blocks, hidden 512, bucket 512^2) logged 69 reduce calls per step on 2 ranks."""
+    from harness.planner import steptime
+    from harness.planner.params import count_params
+
+    cfg = {"model_type": "llama", "vocab_size": 512, "hidden_size": 512, "intermediate_size": 1408,
+           "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4}
+    count = count_params(cfg)
+    tensors = steptime.rank_tensors(count, 8, 1)
+    assert sum(tensors) == count.total
+    assert steptime.reduce_calls(tensors, 512 * 512) == pytest.approx(69, abs=3)
+    assert steptime.reduce_calls([10, 10, 10], 25) == 2 and steptime.reduce_calls([30, 5], 25) == 2
+
+
 def test_1024_nodes_plans_in_well_under_5_s():
     # CPU time of this process, not wall time: other tenants of a loaded machine do not make it fail. ~0.7 s
     # cold on an idle core (the pipeline partitions of every depth come from one dynamic-programming table).
@@ -132,3 +162,30 @@ def test_scaling_png_for_the_recommended_layout(tmp_path, capsys):
     nodes = [p["nodes"] for p in scaling["points"]]
     assert nodes[0] == 1 and nodes[-1] >= 64 and nodes == sorted(nodes)
     assert all(p["tokens_per_s_per_gpu"] > 0 for p in scaling["points"])
+
+
+def test_lora_backward_skips_the_frozen_weight_gradients():
+    from harness.planner import steptime
+    from harness.planner.params import count_params, model_shape, with_lora
+
+    cfg = KNOWN["llama-2-7b"]
+    count, shape = count_params(cfg), model_shape(cfg)
+    lora = with_lora(count, cfg, 16)
+    prof = hardware.load("a100-80gb-sxm")
+    work = {"seq_len": 4096, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False}
+    full = steptime.compute_s(count, shape, prof, work, 1, count.num_layers, True)
+    adapted = steptime.compute_s(lora, shape, prof, work, 1, count.num_layers, True)
+    assert adapted["forward"] == pytest.approx(full["forward"], rel=0.01)  # the adapters add ~0.3 % FLOPs
+    # input gradients and attention's backward stay; the weight-gradient GEMMs of frozen weights go
+    assert 0.45 * full["backward"] < adapted["backward"] < 0.65 * full["backward"]
+
+
+def test_pipeline_step_time_has_a_row_per_stage(capsys):
+    code, out = run_plan(["--model", "llama-2-7b", "--gpus", "8", "--gpu-mem", "80GB", "--tp", "1", "--pp", "4",
+                          "--zero", "1", "--micro-batch", "1", "--global-batch", "64", "--json"], capsys)
+    t = json.loads(out)["evaluated"]["time"]
+    stages = t["per_stage"]
+    assert [s["stage"] for s in stages] == [0, 1, 2, 3]
+    assert all(0 < s["busy"] <= 1 and s["compute_s"] + s["idle_s"] == pytest.approx(t["step_time_s"]) for s in stages)
+    assert max(s["compute_s"] for s in stages) == pytest.approx(
+        t["breakdown"]["forward_s"] + t["breakdown"]["backward_s"] + t["breakdown"]["recompute_s"])

@@ -15,6 +15,12 @@ intra-node bus bandwidth (NVLink/NVSwitch, or PCIe); any group spanning nodes is
 share of the node's NICs (inter_node_gbps): NCCL builds one ring per NIC, so every GPU of the ring sends
 at most its NIC's rate. `harness calibrate` measures B per collective and group size on the real backend;
 those measurements replace the profile's single figure when present (measured.bus_gbps).
+
+Message size: a calibrated profile also holds the time of one call against its size (measured.seconds_by_bytes,
+a curve from a few KB to tens of MB). Inside a node the time per call is read off that curve, interpolated
+log-log between the measured sizes, beyond the largest at its bandwidth, below the smallest at its latency:
+what bucketed traffic (ZeRO's hidden^2 buckets, per-module gathers, per-block TP all-reduces) really costs
+over a backend whose bandwidth is far from flat in the size (gloo). Without a curve: the alpha-beta above.
 """
 
 from __future__ import annotations
@@ -34,13 +40,34 @@ def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
 def bus_gbps(profile: dict, collective: str, size: int, inter: bool) -> float:
     """Bus bandwidth for this collective: a calibrated figure for the nearest measured group size inside a
     node when there is one, else the profile's intra/inter-node figure."""
-    measured = (profile.get("measured") or {}).get("bus_gbps", {}).get(collective.removesuffix("_tensor")
-                                                                       .removesuffix("_into"))
+    measured = (profile.get("measured") or {}).get("bus_gbps", {}).get(_op_key(collective))
     if measured and not inter:
         sizes = sorted(int(k) for k in measured)
         nearest = min(sizes, key=lambda k: (abs(k - size), -k))
         return measured[str(nearest)]
     return profile["inter_node_gbps" if inter else "intra_node_gbps"]
+
+
+def _op_key(collective: str) -> str:
+    return collective.removesuffix("_tensor").removesuffix("_into")
+
+
+def curve_s(profile: dict, collective: str, size: int, full: float) -> float | None:
+    """Seconds of one call of `full` bytes from the calibrated curve of the nearest group size; None without."""
+    by_size = (profile.get("measured") or {}).get("seconds_by_bytes", {}).get(_op_key(collective))
+    if not by_size:
+        return None
+    nearest = min((int(k) for k in by_size), key=lambda k: (abs(k - size), -k))
+    points = sorted((int(b), t) for b, t in by_size[str(nearest)].items())
+    if full <= points[0][0]:
+        return points[0][1]
+    if full >= points[-1][0]:
+        return points[-1][1] * full / points[-1][0]
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if b0 <= full <= b1:
+            w = math.log(full / b0) / math.log(b1 / b0)
+            return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+    return None
 
 
 def full_bytes(collective: str, logged_bytes: float, size: int) -> float:
@@ -53,10 +80,15 @@ def collective_s(profile: dict, collective: str, logged_bytes: float, size: int,
     """Seconds for `calls` collectives moving `logged_bytes` in total (comms-logger sizes) over `size` ranks."""
     if size <= 1 or logged_bytes <= 0:
         return 0.0
+    calls = max(calls, 1)
+    if not inter and collective not in ("send", "recv"):
+        per_call = curve_s(profile, collective, size, full_bytes(collective, logged_bytes, size) / calls)
+        if per_call is not None:
+            return calls * per_call
     bandwidth = bus_gbps(profile, collective, size, inter) * 1e9
     beta = BUS_FACTOR[collective](size) * full_bytes(collective, logged_bytes, size) / bandwidth
     steps = RING_STEPS[collective](size)
     if collective == "all_reduce":
         steps = min(steps, 2 * math.ceil(math.log2(size)))
     alpha = profile["inter_latency_us" if inter else "intra_latency_us"] * 1e-6
-    return beta + max(calls, 1) * steps * alpha
+    return beta + calls * steps * alpha

@@ -40,6 +40,9 @@ class ParamCount:
     lora_per_layer: int = 0
     lora_per_layer_split: int = 0
     lora_largest_tensor: int = 0
+    # one block's weight tensors in the order the forward uses them, (numel, split by tensor parallelism?):
+    # the order backward hooks see them in reverse, which is how ZeRO fills its reduce buckets (known families)
+    block_tensors: tuple[tuple[int, bool], ...] = ()
 
     def trainable_params(self, blocks: int, tp: int = 1) -> int | None:
         """Trainable parameters on a rank holding `blocks` blocks: None for full fine-tuning (all of them)."""
@@ -91,19 +94,21 @@ def _llama_block(cfg: dict) -> tuple[list[tuple[int, int]], list[int]]:
         h, h,  # input_layernorm, post_attention_layernorm
     ]
     tensors = [(q, 1), (k, 2), (heads * hd * h, 1), (h * inter, 3), (h, 2)]
+    order = ((h, False), (q, True), (k, True), (k, True), (heads * hd * h, True), (h, False), (h * inter, True),
+             (h * inter, True), (inter * h, True))
     if qkv_bias:
         tensors += [(heads * hd, 1), (kv * hd, 2)]
     if o_bias:
         tensors += [(h, 1)]
     if mlp_bias:
         tensors += [(inter, 2), (h, 1)]
-    return tensors, modules
+    return tensors, modules, order
 
 
 def _llama_count(cfg: dict) -> ParamCount:
     h, vocab, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     tied = cfg.get("tie_word_embeddings", False)
-    tensors, modules = _llama_block(cfg)
+    tensors, modules, order = _llama_block(cfg)
     per_layer = sum(modules)
     embedding = vocab * h
     lm_head = 0 if tied else vocab * h
@@ -113,7 +118,8 @@ def _llama_count(cfg: dict) -> ParamCount:
     return ParamCount(
         total=embedding + lm_head + h + layers * per_layer, num_layers=layers, per_layer=per_layer,
         embedding=embedding, lm_head=lm_head, other=h, largest_layer=max(modules + [embedding]),
-        largest_tensor=max(hist), tensor_sizes=hist, per_layer_split=sum(modules[:7]) - o_bias - down_bias)
+        largest_tensor=max(hist), tensor_sizes=hist, per_layer_split=sum(modules[:7]) - o_bias - down_bias,
+        block_tensors=order)
 
 
 def _gpt2_count(cfg: dict) -> ParamCount:
@@ -132,7 +138,9 @@ def _gpt2_count(cfg: dict) -> ParamCount:
         total=wte + wpe + lm_head + 2 * h + layers * per_layer, num_layers=layers, per_layer=per_layer,
         embedding=wte + wpe, lm_head=lm_head, other=2 * h, largest_layer=max(modules + [wte, wpe]),
         largest_tensor=max(hist), tensor_sizes=hist, positions=wpe,
-        per_layer_split=per_layer - 4 * h - 2 * h)  # ln_1, ln_2 and the two c_proj biases stay whole
+        per_layer_split=per_layer - 4 * h - 2 * h,
+        block_tensors=((h, False), (h, False), (3 * h * h, True), (3 * h, True), (h * h, True), (h, False),
+                       (h, False), (h, False), (h * inter, True), (inter, True), (inter * h, True), (h, False)))  # ln_1, ln_2 and the two c_proj biases stay whole
 
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "c_attn",

@@ -8,7 +8,7 @@ from harness.planner.decide import gb
 
 SHORT = {"forward_s": "fwd", "backward_s": "bwd", "recompute_s": "recompute", "tp_comm_s": "tp",
          "bubble_s": "bubble", "p2p_s": "p2p", "dp_reduce_exposed_s": "dp-reduce", "dp_gather_exposed_s": "dp-gather",
-         "tied_embedding_s": "tied", "optimizer_s": "optimizer", "offload_pcie_s": "pcie", "nvme_s": "nvme"}
+         "tied_embedding_s": "tied", "optimizer_s": "optimizer", "zero_hooks_s": "zero-hooks", "offload_pcie_s": "pcie", "nvme_s": "nvme"}
 
 
 def breakdown_text(t: dict) -> str:

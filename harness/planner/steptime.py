@@ -8,7 +8,8 @@ holding P_b matmul parameters on this tensor-parallel rank, d_attn = heads x hea
                                                                  the full s x s, no causal halving: Megatron's
                                                                  and PaLM's convention, 2104.04473 s5.1)
              + t * 2 h V / tp_head               LM head on the last stage
-    backward 2 F (the gradients of inputs and of weights); recompute with activation checkpointing: one
+    backward 2 F (the gradients of inputs and of weights; with LoRA the frozen weights' gradient GEMMs, 2 t P
+    of the frozen matmuls and the head, are skipped); recompute with activation checkpointing: one
     more forward of the blocks (not the head), as Megatron's and HF's full recomputation do. This is
     Megatron's hardware-FLOPs count 96 B s l h^2 (1 + s/6h + V/16lh) for a GPT shape, term by term.
     time = FLOPs / (peak x gemm_efficiency): one efficiency constant per profile (the elementwise work is
@@ -38,9 +39,22 @@ Data parallel (ZeRO), exposed time. DeepSpeed 0.19.8 (deepspeed-facts.md, planne
     pipeline the pipe engine reduces gradients after the whole schedule: exposed.
   On a profile with comm_overlap false (DeepSpeed's CPU accelerator: its streams are no-ops, gloo blocks
   the rank), every collective is exposed.
+  Calls: ZeRO-0 reduces in 500M-element buckets (one call for most models); ZeRO-1/2/3 flush a reduce bucket
+  (reduce_bucket_size) whenever the next gradient would overflow it, filled in backward order (reduce_calls:
+  DeepSpeed's stage_1_and_2 / stage3 reduce_independent_p_g_buckets_and_remove_grads logic over the block's
+  tensors); ZeRO-3 gathers once per module holding non-persistent parameters; the ZeRO-1/2 all-gather after
+  the step runs in allgather_bucket_size (2e8) pieces. The number of calls and their size price each call on a
+  calibrated curve (collectives.py). Measured on 2 gloo ranks (24M Llama, bucket 512^2): 69 reduce calls per
+  step, 67 ZeRO-3 gathers; this model: 68 and 58.
+  ZeRO hooks (calibrated profiles only): what ZeRO's per-parameter gradient hooks and ZeRO-3's per-module
+  fetch/release cost beyond their collectives, per parameter tensor and micro-step, as `harness calibrate`
+  measured on a real engine (zero_overhead_s_per_tensor); named GPU profiles carry none.
 
 Optimizer step: on the device, memory bound: 30 B per parameter touched (fp32 param, grad, m, v read;
-param, m, v written; the 16-bit copy), over hbm_gbps (or a measured rate). Offloaded (ZeRO-Offload,
+param, m, v written; the 16-bit copy), over hbm_gbps; on a calibrated profile the rate `harness calibrate`
+measured for a real engine's step at this ZeRO stage (optimizer_params_per_s: gradient clipping, the mixed
+precision wrapper's copies and the fused Adam kernel, all ranks stepping at once; offloaded: a ZeRO-2 engine
+with DeepSpeedCPUAdam, its copies included). Offloaded (ZeRO-Offload,
 Ren et al. 2101.06840): DeepSpeedCPUAdam at cpu_adam_params_per_s per node, shared by its ranks; gradients
 go down and updated 16-bit parameters come up over PCIe (pcie_gbps per GPU; the down copy overlaps backward
 where the profile overlaps); ZeRO-3 parameters on the CPU cross PCIe before every gather (forward and
@@ -51,7 +65,7 @@ read twice per micro-step, at nvme_read_gbps / nvme_write_gbps per node.
 
 from __future__ import annotations
 
-from harness.planner import collectives, hardware
+from harness.planner import collectives, hardware, memory
 from harness.planner.memory import PRECISION_BYTES
 
 OPT_STATE_READ_BYTES = 16  # fp32 master, exp_avg, exp_avg_sq, fp32 gradient
@@ -96,7 +110,16 @@ def compute_s(count, shape: dict, profile: dict, work: dict, tp: int, blocks: in
     fwd = block + (tokens * head_flops_per_token(shape) / tp if head else 0.0)
     elem = tokens * blocks * elementwise_bytes_per_token(shape, work, tp) / (profile["hbm_gbps"] * 1e9)
     recompute = block / rate + elem if work["activation_checkpointing"] else 0.0
-    return {"forward": fwd / rate + elem, "backward": 2 * fwd / rate + 2 * elem, "recompute": recompute}
+    # frozen weights (LoRA) get no weight gradient: backward skips those GEMMs (2 FLOPs per weight per token)
+    frozen = 0.0
+    if count.lora_per_layer:
+        lora = count.lora_per_layer - count.lora_per_layer_split + count.lora_per_layer_split // tp
+        frozen = 2 * tokens * (blocks * (count.block_params(tp) - lora) + (head_params(shape, tp) if head else 0))
+    return {"forward": fwd / rate + elem, "backward": (2 * fwd - frozen) / rate + 2 * elem, "recompute": recompute}
+
+
+def head_params(shape: dict, tp: int) -> float:
+    return shape["hidden_size"] * shape["vocab_size"] / tp
 
 
 def _placement(c, hw: dict) -> dict[str, tuple[int, bool]]:
@@ -113,9 +136,50 @@ def _row_s(profile: dict, row: dict, inter: bool, calls: int = 1) -> float:
                                     calls=calls)
 
 
-def _dp_exposed(c, rows: list[dict], profile: dict, inter: bool, t_mb: dict, m: int, bucket_bytes: float) -> dict:
+ZERO0_BUCKET_ELEMS = 500_000_000  # deepspeed.runtime.engine MEMORY_OPT_ALLREDUCE_SIZE
+ALLGATHER_BUCKET_ELEMS = 200_000_000  # the recipes' allgather_bucket_size
+STAGE3_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters: above it ZeRO-3 gathers twice per micro-step
+
+
+def rank_tensors(count, blocks: int, tp: int, head: bool = True) -> list[int]:
+    """Numel of the weight tensors a rank holding `blocks` blocks steps, in the order backward reaches them."""
+    if count.block_tensors:
+        block = [n // tp if split else n for n, split in count.block_tensors]
+    else:  # a meta-device count: the histogram's tensors spread evenly over the blocks
+        per = max(1, sum(count.tensor_sizes.values()) // max(count.num_layers, 1))
+        block = [max(1, count.per_layer // per)] * per
+    outer = ([count.lm_head] if head and count.lm_head else []) + [count.other]
+    return [n for n in outer + list(reversed(block)) * blocks + [count.embedding] if n]
+
+
+def reduce_calls(tensors: list[int], bucket_elems: int) -> int:
+    """Reduce calls of one backward: a bucket is flushed when the next gradient would overflow it."""
+    calls, filled = 0, 0
+    for n in tensors:
+        if filled and filled + n > bucket_elems:
+            calls, filled = calls + 1, 0
+        filled += n
+    return calls + (1 if filled else 0)
+
+
+def dp_calls(c, count, blocks: int, m: int, buckets, threshold: int, gathers: int = 1) -> dict[str, int]:
+    """Calls per step of each data-parallel collective of layout `c` (the rows' logged bytes are per step)."""
+    tensors = rank_tensors(count, blocks, c.tp)
+    if c.stage == 0 or c.pp > 1:
+        return {"all_reduce": max(1, -(-sum(tensors) // ZERO0_BUCKET_ELEMS))}
+    reduce = reduce_calls(tensors, buckets.reduce_bucket_elems) * (1 if c.stage == 1 else m)
+    if c.stage in (1, 2):
+        return {"all_reduce": reduce, "reduce_scatter_tensor": reduce,
+                "all_gather_into_tensor": max(1, -(-sum(tensors) // (ALLGATHER_BUCKET_ELEMS * max(1, c.tp))))}
+    gathered = sum(1 for n in tensors if n > threshold)
+    return {"reduce_scatter_tensor": reduce, "all_reduce": reduce, "all_gather_into_tensor": gathered * gathers * m}
+
+
+def _dp_exposed(c, rows: list[dict], profile: dict, inter: bool, t_mb: dict, m: int, bucket_bytes: float,
+                calls: dict[str, int] | None = None) -> dict:
     """Exposed seconds per step of the data-parallel collectives."""
-    times = {r["collective"]: _row_s(profile, r, inter) for r in rows}
+    calls = calls or {}
+    times = {r["collective"]: _row_s(profile, r, inter, calls.get(r["collective"], 1)) for r in rows}
     reduce = times.get("all_reduce", 0.0) + times.get("reduce_scatter_tensor", 0.0)
     gather = times.get("all_gather_into_tensor", 0.0)
     total = reduce + gather
@@ -141,9 +205,11 @@ def _offload_s(c, profile: dict, hw: dict, work: dict, shard: int, m: int, t_mb:
     gpn, pcie = hw["gpus_per_node"], profile["pcie_gbps"] * 1e9
     out = {"optimizer": 0.0, "pcie": 0.0, "nvme": 0.0}
     if c.offload_optimizer == "none":
-        out["optimizer"] = shard / hardware.device_adam_params_per_s(profile)
+        measured = (profile.get("measured") or {}).get("optimizer_params_per_s", {}).get(str(c.stage))
+        out["optimizer"] = shard / (measured or hardware.device_adam_params_per_s(profile))
     else:
-        out["optimizer"] = shard * gpn / profile["cpu_adam_params_per_s"]
+        measured = (profile.get("measured") or {}).get("optimizer_params_per_s", {}).get("2-offload")
+        out["optimizer"] = shard / measured if measured else shard * gpn / profile["cpu_adam_params_per_s"]
         down = m * lp * shard / pcie  # each micro-step's gradient partition goes to the CPU buffer
         hidden = m * (t_mb["backward"] + t_mb["recompute"]) if profile["comm_overlap"] else 0.0
         out["pcie"] = max(0.0, down - hidden) + lp * shard / pcie  # grads down, updated params up
@@ -162,9 +228,13 @@ def _stage_compute(c, count, shape: dict, profile: dict, work: dict, result: dic
     """Compute of one micro-batch on the slowest stage (the last holds the LM head)."""
     if c.pp == 1:
         return compute_s(count, shape, profile, work, c.tp, count.num_layers, True)
+    return max(stage_computes(c, count, shape, profile, work, result, stage_blocks), key=lambda t: sum(t.values()))
+
+
+def stage_computes(c, count, shape: dict, profile: dict, work: dict, result: dict, stage_blocks=None) -> list[dict]:
+    """Compute of one micro-batch on every pipeline stage."""
     blocks = stage_blocks or [s["blocks"] for s in result["stages"]]
-    times = [compute_s(count, shape, profile, work, c.tp, b, i == len(blocks) - 1) for i, b in enumerate(blocks)]
-    return max(times, key=lambda t: sum(t.values()))
+    return [compute_s(count, shape, profile, work, c.tp, b, i == len(blocks) - 1) for i, b in enumerate(blocks)]
 
 
 def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result: dict, *,
@@ -189,8 +259,15 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
         if send:
             per_message = dict(send, logged_bytes=send["logged_bytes"] / (m * _neighbours(c.pp)))
             p2p_s = 2 * (m + c.pp - 1) * _row_s(profile, per_message, place["pp"][1])
-    buckets_bytes = PRECISION_BYTES[work["precision"]] * shape["hidden_size"] ** 2  # harness_buckets
-    dp = _dp_exposed(c, by_group.get("dp", []), profile, place["dp"][1], t_mb, m, buckets_bytes)
+    buckets = memory.harness_buckets(shape["hidden_size"])
+    buckets_bytes = PRECISION_BYTES[work["precision"]] * buckets.reduce_bucket_elems
+    blocks = result.get("blocks_per_rank", count.num_layers)
+    gathers = 1 if result["params_per_rank"] <= STAGE3_MAX_LIVE else 2  # profiling/predict.gathers_per_micro_step
+    calls = dp_calls(c, count, blocks, m, buckets, buckets.param_persistence_threshold, gathers)
+    dp = _dp_exposed(c, by_group.get("dp", []), profile, place["dp"][1], t_mb, m, buckets_bytes, calls)
+    hooks = (profile.get("measured") or {}).get("zero_overhead_s_per_tensor", {}).get(str(c.stage), 0.0)
+    hooks_s = m * len(rank_tensors(count, blocks, c.tp)) * hooks if c.stage and c.pp == 1 else 0.0
+    hooks_s = max(hooks_s, -(dp["dp_reduce"] + dp["dp_gather"]))  # a correction never below no traffic at all
     tied_s = sum(_row_s(profile, r, place["pp-tied"][1]) for r in by_group.get("pp-tied", []))
     trainable = result.get("trainable_per_rank", result["params_per_rank"])  # LoRA: only adapters are stepped
     shard = trainable if c.stage == 0 else -(-trainable // result["dp"])
@@ -199,14 +276,20 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
         "forward_s": m * t_mb["forward"], "backward_s": m * t_mb["backward"], "recompute_s": m * t_mb["recompute"],
         "tp_comm_s": tp_s, "bubble_s": (slots - m) * slot, "p2p_s": p2p_s,
         "dp_reduce_exposed_s": dp["dp_reduce"], "dp_gather_exposed_s": dp["dp_gather"], "tied_embedding_s": tied_s,
-        "optimizer_s": off["optimizer"], "offload_pcie_s": off["pcie"], "nvme_s": off["nvme"],
+        "optimizer_s": off["optimizer"], "offload_pcie_s": off["pcie"], "nvme_s": off["nvme"], "zero_hooks_s": hooks_s,
     }
     step = sum(breakdown.values())
+    per_stage = []
+    if c.pp > 1:  # what each stage computes per step; the rest of the step it waits (bubble, its neighbours)
+        for i, t in enumerate(stage_computes(c, count, shape, profile, work, result, stage_blocks)):
+            busy = m * sum(t.values())
+            per_stage.append({"stage": i, "compute_s": busy, "idle_s": max(0.0, step - busy), "busy": busy / step})
     tokens = work["global_batch"] * work["seq_len"]
     peak = hardware.peak_flops(profile, work["precision"])
     return {"step_time_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,
             "mfu": model_flops_per_step(count, shape, work["seq_len"], tokens) / (step * world * peak),
             "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"],
+            "per_stage": per_stage,
             "interleave": interleave}
 
 

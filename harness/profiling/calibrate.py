@@ -8,6 +8,10 @@ What it measures, each with the real code path training uses:
 - Forward + backward of the model cut to two blocks, at the same shapes: gemm_efficiency is the share of the
   GEMM peak at which the time model's compute term (planner/steptime.py) reproduces that measured time, so
   the profile carries what a real step achieves here (autograd, elementwise kernels, attention), not a guess.
+  (Taken from one process: the same from the engine's ZeRO-0 step on every rank at once swung 0.64-0.75
+  between calibrations here, the single process 0.61-0.67.) The engine's times give the optimizer rate per
+  stage and the ZeRO residual (calibrate_engine.py); those vary between calibrations on a shared machine by
+  more than the model's other terms do.
 - all_reduce, all_gather_into_tensor and reduce_scatter_tensor bus bandwidth per group size, over the
   backend DeepSpeed picks for this accelerator (NCCL on CUDA, gloo on CPU): calibrate_comm.py.
 - host <-> device copies from pinned memory (CUDA). On the CPU accelerator device memory IS host memory, so
@@ -233,7 +237,8 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
         f"{per_node / 1e6:.1f} M/s per node")
     from harness.profiling import calibrate_comm
 
-    comm = calibrate_comm.measure(ranks)
+    engine_args = {"cfg": cfg, "seq_len": seq_len, "micro_batch": micro_batch, "precision": precision}
+    comm = calibrate_comm.measure(ranks, precision=precision, engine_args=engine_args)
     if "error" in comm:  # one GPU: nothing to time; keep the links of this GPU's named profile, and say so
         comm = _named_links(device, device_name, comm["error"])
     for op, by_size in comm["bus_gbps"].items():
@@ -248,7 +253,7 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
     latency = statistics.median(v for by in comm["latency_us"].values() for v in by.values())
     read, write = (DEFAULT_NVME_GBPS if "error" in nvme else (nvme["read_gbps"], nvme["write_gbps"]))
     gpu_mem = host["ram_bytes"] // ranks if device == "cpu" else _total_memory()
-    return {
+    profile = {
         "name": name, "description": f"measured by `harness calibrate` on {host['hostname']} ({device_name})",
         "device": "cpu" if device == "cpu" else "gpu", "gpu_mem_bytes": int(gpu_mem), "gpus_per_node": ranks,
         "peak_tflops": {precision: peak}, "gemm_efficiency": eff, "hbm_gbps": hbm,
@@ -265,6 +270,57 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
                   "compute (its streams are no-ops); NVMe " + ("not measured (" + nvme["error"] + "), a default"
                                                                if "error" in nvme else "via async_io"),
     }
+    m = profile["measured"]
+    m["seconds_by_bytes"] = comm.get("seconds_by_bytes", {})
+    if "engine" in comm:
+        m["engine"] = comm["engine"]
+        rates = engine_rates(cfg, comm["engine"], profile, precision, ranks)
+        m.update(rates)
+        log("  DeepSpeed step per ZeRO stage: " + ", ".join(
+            f"ZeRO-{s} {r / 1e6:.0f} M params/s" for s, r in m["optimizer_params_per_s"].items())
+            + " per rank; ZeRO hooks "
+            + ", ".join(f"ZeRO-{s} {v * 1e3:.2f} ms" for s, v in m["zero_overhead_s_per_tensor"].items())
+            + " per tensor and micro-step")
+    return profile
+
+
+def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: int) -> dict:
+    """From calibrate_engine's times on the cut model: the optimizer step rate per ZeRO stage (parameters
+    stepped per second, the ZeRO-1/2 all-gather after the step taken out) and what ZeRO's hooks add to
+    forward + backward per parameter tensor (stage s minus stage 0, each less its collectives as the time model
+    prices them on this profile's curves: the residual also corrects what the curves misprice for this stage's
+    call pattern, so it can be negative)."""
+    from harness.planner import collectives, steptime
+    from harness.planner.memory import PRECISION_BYTES, harness_buckets
+    from harness.planner.params import count_params
+
+    key = "n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"
+    count = count_params(dict(cfg, **{key: engine["layers"]}))
+    lp, total = PRECISION_BYTES[precision], engine["params"]
+    shard = -(-total // ranks)
+    b = harness_buckets(cfg.get("hidden_size") or cfg.get("n_embd"))
+    tensors = steptime.rank_tensors(count, engine["layers"], 1)
+    calls = steptime.reduce_calls(tensors, b.reduce_bucket_elems)
+    gathered = [n for n in tensors if n > b.param_persistence_threshold]
+
+    def cs(op: str, nbytes: float, n_calls: int) -> float:
+        return collectives.collective_s(profile, op, nbytes, ranks, inter=False, calls=n_calls)
+
+    comm_fb = {"0": cs("all_reduce", lp * total, 1), "1": cs("all_reduce", lp * total, calls),
+               "2": cs("all_reduce", lp * total, calls),
+               "3": cs("reduce_scatter_tensor", lp * total, calls)
+               + cs("all_gather_into_tensor", lp * sum(gathered) / ranks, len(gathered))}
+    gather = cs("all_gather_into_tensor", lp * shard, 1)
+    step_comm = {"1": gather, "2": gather, "2-offload": gather}
+    stages = engine["stages"]
+    base = stages["0"]["fwd_bwd_s"] - comm_fb["0"]
+    rates, hooks = {}, {}
+    for s, t in stages.items():
+        seconds = t["step_s"] - step_comm.get(s, 0.0)
+        rates[s] = (total if s == "0" else shard) / max(seconds, 0.05 * t["step_s"])
+        if s in comm_fb and s != "0":  # negative where the engine's collectives beat the curves' price
+            hooks[s] = (t["fwd_bwd_s"] - comm_fb[s] - base) / len(tensors)
+    return {"optimizer_params_per_s": rates, "zero_overhead_s_per_tensor": hooks}
 
 
 def tempfile_dir() -> str:

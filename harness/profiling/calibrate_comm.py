@@ -2,9 +2,17 @@
 
 Starts `ranks` local processes (one per GPU on CUDA, NCCL; on the CPU accelerator the backend DeepSpeed picks
 there, gloo), initialises deepspeed.comm as training does, and times all_reduce, all_gather_into_tensor and
-reduce_scatter_tensor for each group size (2, 4, ... up to `ranks`, sub-groups of the first ranks). Bus
-bandwidth follows nccl-tests (doc/PERFORMANCE.md): busbw = S / t x 2(n-1)/n for all-reduce and S / t x (n-1)/n
-for the others, S the full buffer. A small message gives the latency per ring step.
+reduce_scatter_tensor for each group size (2, 4, ... up to `ranks`, sub-groups of the first ranks), in the
+training dtype, at several message sizes: training sends messages of very different sizes (a ZeRO-1/2 bucket
+of hidden^2 elements, one module's ZeRO-3 gather, a tensor-parallel activation, the whole gradient at once
+under ZeRO-0), and bandwidth is far from flat in the size, over gloo most of all (measured here: a 0.7 MB
+all-reduce runs at a third of a 48 MB one's bus bandwidth). `seconds_by_bytes` keeps the curve, t per call
+against the full buffer S; planner/collectives.py reads its time per call from it. Bus bandwidth follows
+nccl-tests (doc/PERFORMANCE.md): busbw = S / t x 2(n-1)/n for all-reduce and S / t x (n-1)/n for the others;
+`bus_gbps` is the largest message's. A small message gives the latency per ring step.
+
+After the collectives, when given the model, each rank also times a real DeepSpeed engine step
+(calibrate_engine.py): all ranks at once, as training runs them.
 """
 
 from __future__ import annotations
@@ -36,12 +44,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _time_op(dist, op: str, nbytes: int, group, n: int, device: str, repeat: int) -> tuple[float, int]:
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def message_sizes(nbytes: int) -> list[int]:
+    """Full-buffer sizes of the curve: from 1/256 of the largest up, x8 apart (64 KB .. 32 MB over gloo)."""
+    sizes, size = [], nbytes
+    while size >= nbytes // 256 and len(sizes) < 4:
+        sizes.append(size)
+        size //= 8
+    return sorted(sizes)
+
+
+def _time_op(dist, op: str, nbytes: int, group, n: int, device: str, repeat: int,
+             dtype: str = "float32") -> tuple[float, int]:
     import torch
 
-    numel = max(n, nbytes // 4 // n * n)
-    full = torch.ones(numel, dtype=torch.float32, device=device)
-    shard = torch.ones(numel // n, dtype=torch.float32, device=device)
+    dt = getattr(torch, dtype)
+    itemsize = torch.empty(0, dtype=dt).element_size()
+    numel = max(n, nbytes // itemsize // n * n)
+    full = torch.ones(numel, dtype=dt, device=device)
+    shard = torch.ones(numel // n, dtype=dt, device=device)
     run = {"all_reduce": lambda: dist.all_reduce(full, group=group),
            "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=group),
            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group)}[op]
@@ -54,10 +77,11 @@ def _time_op(dist, op: str, nbytes: int, group, n: int, device: str, repeat: int
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times), numel * 4
+    return statistics.median(times), numel * itemsize
 
 
-def _worker(rank: int, ranks: int, port: int, out_path: str, nbytes: int, repeat: int) -> None:
+def _worker(rank: int, ranks: int, port: int, out_path: str, nbytes: int, repeat: int, precision: str = "fp32",
+            engine_args: dict | None = None) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
                        "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import deepspeed
@@ -69,35 +93,50 @@ def _worker(rank: int, ranks: int, port: int, out_path: str, nbytes: int, repeat
     if device != "cpu":
         accel.set_device(rank)
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
-    result = {"backend": accel.communication_backend_name(), "bus_gbps": {}, "latency_us": {}}
+    dtype = DTYPES[precision]
+    result = {"backend": accel.communication_backend_name(), "dtype": dtype, "bus_gbps": {}, "latency_us": {},
+              "seconds_by_bytes": {}}
     for n in group_sizes(ranks):
         group = dist.new_group(list(range(n)))
         if rank >= n:
             continue
         for op in COLLECTIVES:
-            t, full = _time_op(dist, op, nbytes, group, n, device, repeat)
-            small, _ = _time_op(dist, op, 4096 * n, group, n, device, repeat)
-            result["bus_gbps"].setdefault(op, {})[str(n)] = full * FACTOR[op](n) / t / 1e9
+            curve = {}
+            for size in message_sizes(nbytes):
+                t, full = _time_op(dist, op, size, group, n, device, repeat, dtype)
+                curve[full] = t
+            small, small_full = _time_op(dist, op, 4096 * n, group, n, device, repeat, dtype)
+            curve[small_full] = small
+            full = max(curve)
+            result["bus_gbps"].setdefault(op, {})[str(n)] = full * FACTOR[op](n) / curve[full] / 1e9
             result["latency_us"].setdefault(op, {})[str(n)] = small / STEPS[op](n) * 1e6
+            result["seconds_by_bytes"].setdefault(op, {})[str(n)] = {str(b): curve[b] for b in sorted(curve)}
     dist.barrier()
+    if engine_args:
+        from harness.profiling import calibrate_engine
+
+        result["engine"] = calibrate_engine.measure(rank, device, result, **engine_args)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
 
 
-def measure(ranks: int, nbytes: int | None = None, repeat: int = 5) -> dict:
-    """{"backend", "bus_gbps": {op: {n: GB/s}}, "latency_us": {op: {n: us per step}}} over `ranks` processes."""
+def measure(ranks: int, nbytes: int | None = None, repeat: int = 5, precision: str = "fp32",
+            engine_args: dict | None = None) -> dict:
+    """{"backend", "bus_gbps": {op: {n: GB/s}}, "latency_us": {op: {n: us per step}}, "seconds_by_bytes":
+    {op: {n: {bytes: s}}}} over `ranks` processes; with engine_args also "engine" (calibrate_engine.measure)."""
     import torch.multiprocessing as mp
 
     if ranks < 2:
         return {"error": "one rank: no collective to time (give --ranks 2 or more)"}
-    if nbytes is None:  # big enough to be bandwidth bound: 256 MB on GPUs, 8 MB over gloo (~0.2 GB/s here)
+    if nbytes is None:  # the largest message: 256 MB on GPUs, 32 MB over gloo (~0.7 GB/s here)
         from deepspeed.accelerator import get_accelerator
 
-        nbytes = 8 * 2**20 if get_accelerator().device_name() == "cpu" else 256 * 2**20
+        nbytes = 32 * 2**20 if get_accelerator().device_name() == "cpu" else 256 * 2**20
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "comm.json")
-        mp.spawn(_worker, args=(ranks, _free_port(), out, nbytes, repeat), nprocs=ranks, join=True)
+        mp.spawn(_worker, args=(ranks, _free_port(), out, nbytes, repeat, precision, engine_args), nprocs=ranks,
+                 join=True)
         with open(out) as f:
             return json.load(f)

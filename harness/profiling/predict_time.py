@@ -52,6 +52,7 @@ def for_run(spec, engine, device: str, device_name: str, device_mem_bytes: int) 
         result = decide.evaluate(c, count, shape, hw, work)
         t = steptime.step_time(c, count, shape, profile, hw, work, result)
         return {"step_time_s": t["step_time_s"], "breakdown": t["breakdown"], "tokens_per_s": t["tokens_per_s"],
+                "per_stage": t["per_stage"],
                 "mfu": t["mfu"], "profile": profile["name"], "profile_source": source,
                 "layout": {"zero": c.stage, "offload_optimizer": c.offload_optimizer, "offload_param": c.offload_param,
                            "tp": c.tp, "pp": c.pp, "dp": spec.dp, "micro_batch": micro, "grad_accum": accum}}

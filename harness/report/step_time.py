@@ -23,4 +23,12 @@ def step_time_section(run) -> list[str]:
     terms = {k.removesuffix("_s"): v for k, v in st["breakdown"].items() if v}
     out += ["", "predicted breakdown (s per step; communication: the exposed part only):", "",
             _table(list(terms), [[f"{v:.4f}" for v in terms.values()]])]
+    stages = st.get("per_stage") or []
+    if stages:
+        pp = len(stages)
+        out += ["", "per pipeline stage (ranks are laid out tensor fastest, then data, then pipeline: stage = rank // "
+                f"{max(1, len(measured) // pp)}), predicted s per step:", "",
+                _table(["stage", "compute s", "waiting s", "busy"],
+                       [[str(s["stage"]), f"{s['compute_s']:.3f}", f"{s['idle_s']:.3f}", f"{s['busy']:.0%}"]
+                        for s in stages])]
     return out

@@ -1,0 +1,92 @@
+"""A real DeepSpeed engine per ZeRO stage on every rank at once, for `harness calibrate`.
+
+The time model's compute term comes from the math (calibrate.py); what a DeepSpeed step adds around it does
+not: the optimizer step (gradient clipping, the mixed-precision wrapper's fp32 copies, the fused Adam kernel
+DeepSpeed picks on this accelerator) and ZeRO's hooks (per-parameter gradient copies into buckets, ZeRO-3's
+per-module fetch and release). Each rank builds the model cut to `layers` blocks, wraps it with
+deepspeed.initialize at ZeRO stage 0, 1, 2 and 3 in the training precision with the recipes' optimizer
+(AdamW, clipping 1.0), and ZeRO-2 with the optimizer offloaded (DeepSpeedCPUAdam and its copies), and times
+forward + backward and engine.step() over a few steps, all ranks together as in training (memory bandwidth is
+shared). The slowest rank's medians are kept (and its fastest step beside). calibrate.py turns them into
+optimizer_params_per_s and zero_overhead_s_per_tensor, taking out the collectives the time model prices
+separately.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+STAGES = ("0", "1", "2", "3", "2-offload")  # ZeRO stage; "2-offload": ZeRO-2 with DeepSpeedCPUAdam on the host
+
+
+def _model(cfg: dict, layers: int):
+    import transformers
+
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    fields["n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"] = layers
+    config = transformers.AutoConfig.for_model(cfg["model_type"], **fields)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def ds_config(case: str, precision: str, micro_batch: int, world: int, hidden: int) -> dict:
+    from harness.planner.memory import harness_buckets
+
+    b = harness_buckets(hidden)
+    stage = int(case.split("-")[0])
+    zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+            "reduce_bucket_size": b.reduce_bucket_elems, "allgather_bucket_size": 200_000_000}
+    if case.endswith("offload"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size=b.prefetch_bucket_elems,
+                    stage3_param_persistence_threshold=b.param_persistence_threshold)
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+            "train_batch_size": micro_batch * world, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+            "bf16": {"enabled": precision == "bf16"}, "fp16": {"enabled": precision == "fp16"},
+            "zero_optimization": zero, "wall_clock_breakdown": False}
+
+
+def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micro_batch: int, precision: str,
+            layers: int = 2, steps: int = 8) -> dict:
+    """{"layers", "params", "stages": {stage: {"fwd_bwd_s", "step_s", ...}}}: the slowest rank's medians."""
+    import deepspeed
+    import torch
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    world = dist.get_world_size()
+    hidden = cfg.get("hidden_size") or cfg.get("n_embd")
+    out: dict = {"layers": layers, "stages": {}}
+    for stage in STAGES:
+        torch.manual_seed(0)
+        model = _model(cfg, layers)
+        out["params"] = sum(p.numel() for p in model.parameters())
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(stage, precision, micro_batch, world, hidden))
+        ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len), device=engine.device)
+        fwd_bwd, step = [], []
+        for i in range(steps + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            accel.synchronize()
+            middle = time.perf_counter()
+            engine.step()
+            accel.synchronize()
+            if i:  # the first step warms up (ZeRO-3 traces the module order)
+                fwd_bwd.append(middle - start)
+                step.append(time.perf_counter() - middle)
+        # medians, as training's step times are compared by their median; the fastest step beside them
+        times = torch.tensor([statistics.median(fwd_bwd), statistics.median(step), min(fwd_bwd), min(step)],
+                             dtype=torch.float64, device=engine.device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        out["stages"][stage] = {"fwd_bwd_s": float(times[0]), "step_s": float(times[1]),
+                                "fwd_bwd_min_s": float(times[2]), "step_min_s": float(times[3])}
+        engine.destroy()
+        del engine, model
+        gc.collect()
+    return out
