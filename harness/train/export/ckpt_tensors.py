@@ -35,6 +35,9 @@ FILE_BUDGET_BYTES = 256 << 20  # after this much is read, maps are dropped so to
 class Lazy:
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]  # the whole tensor, as stored (a view of a mapped file where it can be)
+    # the whole tensor cast to a dtype, assembled in that dtype: a gathered fp32 tensor exported as bf16 is then
+    # never held in fp32 as well (ZeRO-3's per-rank slices); None: read() then cast
+    read_as: Callable[[torch.dtype], torch.Tensor] | None = None
 
 
 def _safe_globals() -> list:
@@ -171,14 +174,27 @@ def zero3_source(files: MappedFiles, tag_dir: Path, mp_rank: int) -> dict[str, L
     def gathered(shape, slices) -> torch.Tensor:
         return torch.cat(slices).narrow(0, 0, _numel(shape)).view(shape)
 
+    def gathered_as(shape, slices, dtype) -> torch.Tensor:
+        out, offset, numel = torch.empty(_numel(shape), dtype=dtype), 0, _numel(shape)
+        for piece in slices:
+            take = min(piece.numel(), numel - offset)
+            if take > 0:
+                out.narrow(0, offset, take).copy_(piece.narrow(0, 0, take))
+                files.count(take * piece.element_size())
+            offset += take
+        return out.view(shape)
+
     for name, shape in (states.get("frozen_param_shapes") or {}).items():
         out[name] = lazy(files, shape, lambda n=name, s=tuple(shape): gathered(
             s, [files[m]["frozen_param_fragments"][n].reshape(-1) for m in models]))
     offset = 0
     for name, shape in ((n, s) for group in states["param_shapes"] for n, s in group.items()):
         per_rank = math.ceil(_numel(shape) / world)
-        out[name] = lazy(files, shape, lambda start=offset, s=tuple(shape), k=per_rank: gathered(
-            s, [_read_range(files[p]["optimizer_state_dict"]["fp32_flat_groups"], start, k) for p in paths]))
+        def slices(start=offset, k=per_rank):
+            return [_read_range(files[p]["optimizer_state_dict"]["fp32_flat_groups"], start, k) for p in paths]
+
+        out[name] = Lazy(tuple(shape), partial(_counted, files, lambda s=tuple(shape), sl=slices: gathered(s, sl())),
+                         lambda dtype, s=tuple(shape), sl=slices: gathered_as(s, sl(), dtype))
         offset += per_rank
     _extras(files, models[0], out)
     return out

@@ -156,7 +156,11 @@ def specs(state: dict, names: list[str], dtype, model) -> list[tuple]:
 def iter_state(state: dict, names: list[str], dtype=None) -> Iterator[tuple]:
     """(name, tensor) in `names` order, each read when asked for and cast to `dtype` (floating tensors)."""
     for name in names:
-        tensor = state[name].read()
+        entry = state[name]
+        if entry.read_as is not None and dtype is not None:
+            yield name, entry.read_as(dtype)
+            continue
+        tensor = entry.read()
         yield name, tensor.to(_out_dtype(tensor.dtype, dtype))
 
 
