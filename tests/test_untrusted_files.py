@@ -74,3 +74,29 @@ def test_errors_never_print_a_secret_from_the_environment(monkeypatch, capsys):
     assert main(["--ds-config", f"/no/such/dir/{secret}.json"]) == 2
     err = capsys.readouterr().err
     assert secret not in err and "/no/such/dir/<$HF_TOKEN>.json: no such file" in err
+
+
+class _ByGetattr:
+    """Pickles as getattr(target, name), as Python 3.11.0-3.11.4 pickle enum members (ZeroStageEnum)."""
+
+    def __init__(self, target, name):
+        self.target, self.name = target, name
+
+    def __reduce__(self):
+        return getattr, (self.target, self.name)
+
+
+def test_optimizer_states_with_enums_pickled_by_getattr_load_and_nothing_else_does(tmp_path):
+    import pytest
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from harness.errors import UsageError
+
+    from harness.train.export.ckpt_tensors import MappedFiles
+
+    good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
+    torch.save({"zero_stage": _ByGetattr(ZeroStageEnum, "gradients"), "t": torch.ones(2)}, good)
+    assert MappedFiles()[good]["zero_stage"] is ZeroStageEnum.gradients
+    torch.save({"escape": _ByGetattr(ZeroStageEnum, "__class__")}, bad)
+    with pytest.raises(UsageError, match="only ZeroStageEnum members"):
+        MappedFiles()[bad]

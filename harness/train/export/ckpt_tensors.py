@@ -40,13 +40,25 @@ class Lazy:
     read_as: Callable[[torch.dtype], torch.Tensor] | None = None
 
 
+def _enum_member(cls, name: str):
+    """What pickle's `getattr(cls, name)` may do in a checkpoint: name a member of an allowed enum, nothing else.
+    Python 3.11.0-3.11.4 pickle enum members (ZeroStageEnum in DeepSpeed's optimizer states) as a call to the
+    builtin getattr; allowing the builtin itself would let a file reach any attribute."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    if cls is ZeroStageEnum and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise UsageError(f"a checkpoint file asks for getattr({cls!r}, {name!r}): only ZeroStageEnum members are "
+                     "allowed\n    fix: export only checkpoints written by DeepSpeed through this harness")
+
+
 def _safe_globals() -> list:
     """The non-tensor types DeepSpeed pickles into optimizer states, allowed for a weights_only load."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address, (_enum_member, "builtins.getattr")]
 
 
 class MappedFiles:
