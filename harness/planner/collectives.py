@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import math
 
+from harness.planner import hardware
+
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter_tensor": lambda n: n - 1,
               "all_gather_into_tensor": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 1}
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter_tensor": lambda n: (n - 1) / n,
@@ -40,7 +42,7 @@ def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
 def bus_gbps(profile: dict, collective: str, size: int, inter: bool) -> float:
     """Bus bandwidth for this collective: a calibrated figure for the nearest measured group size inside a
     node when there is one, else the profile's intra/inter-node figure."""
-    measured = (profile.get("measured") or {}).get("bus_gbps", {}).get(_op_key(collective))
+    measured = hardware.measured(profile, "bus_gbps").get(_op_key(collective))
     if measured and not inter:
         sizes = sorted(int(k) for k in measured)
         nearest = min(sizes, key=lambda k: (abs(k - size), -k))
@@ -54,7 +56,7 @@ def _op_key(collective: str) -> str:
 
 def curve_s(profile: dict, collective: str, size: int, full: float) -> float | None:
     """Seconds of one call of `full` bytes from the calibrated curve of the nearest group size; None without."""
-    by_size = (profile.get("measured") or {}).get("seconds_by_bytes", {}).get(_op_key(collective))
+    by_size = hardware.measured(profile, "seconds_by_bytes").get(_op_key(collective))
     if not by_size:
         return None
     nearest = min((int(k) for k in by_size), key=lambda k: (abs(k - size), -k))

@@ -77,6 +77,11 @@ def achieved_flops(profile: dict, precision: str) -> float:
     return peak_flops(profile, precision) * profile["gemm_efficiency"]
 
 
+def measured(profile: dict, key: str) -> dict:
+    """One table of what `harness calibrate` measured ({} on a named profile, which has none)."""
+    return (profile.get("measured") or {}).get(key, {})
+
+
 def device_adam_params_per_s(profile: dict) -> float:
     return profile.get("device_adam_params_per_s") or profile["hbm_gbps"] * 1e9 / ADAM_BYTES_PER_PARAM
 

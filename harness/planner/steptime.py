@@ -205,10 +205,10 @@ def _offload_s(c, profile: dict, hw: dict, work: dict, shard: int, m: int, t_mb:
     gpn, pcie = hw["gpus_per_node"], profile["pcie_gbps"] * 1e9
     out = {"optimizer": 0.0, "pcie": 0.0, "nvme": 0.0}
     if c.offload_optimizer == "none":
-        measured = (profile.get("measured") or {}).get("optimizer_params_per_s", {}).get(str(c.stage))
+        measured = hardware.measured(profile, "optimizer_params_per_s").get(str(c.stage))
         out["optimizer"] = shard / (measured or hardware.device_adam_params_per_s(profile))
     else:
-        measured = (profile.get("measured") or {}).get("optimizer_params_per_s", {}).get("2-offload")
+        measured = hardware.measured(profile, "optimizer_params_per_s").get("2-offload")
         out["optimizer"] = shard / measured if measured else shard * gpn / profile["cpu_adam_params_per_s"]
         down = m * lp * shard / pcie  # each micro-step's gradient partition goes to the CPU buffer
         hidden = m * (t_mb["backward"] + t_mb["recompute"]) if profile["comm_overlap"] else 0.0
@@ -265,7 +265,7 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
     gathers = 1 if result["params_per_rank"] <= STAGE3_MAX_LIVE else 2  # profiling/predict.gathers_per_micro_step
     calls = dp_calls(c, count, blocks, m, buckets, buckets.param_persistence_threshold, gathers)
     dp = _dp_exposed(c, by_group.get("dp", []), profile, place["dp"][1], t_mb, m, buckets_bytes, calls)
-    hooks = (profile.get("measured") or {}).get("zero_overhead_s_per_tensor", {}).get(str(c.stage), 0.0)
+    hooks = hardware.measured(profile, "zero_overhead_s_per_tensor").get(str(c.stage), 0.0)
     hooks_s = m * len(rank_tensors(count, blocks, c.tp)) * hooks if c.stage and c.pp == 1 else 0.0
     hooks_s = max(hooks_s, -(dp["dp_reduce"] + dp["dp_gather"]))  # a correction never below no traffic at all
     tied_s = sum(_row_s(profile, r, place["pp-tied"][1]) for r in by_group.get("pp-tied", []))

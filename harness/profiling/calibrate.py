@@ -85,15 +85,12 @@ def measure_block_step(cfg: dict, seq_len: int, micro_batch: int, precision: str
     """Forward + backward of the model cut to `layers` blocks (embedding, blocks, head, loss) at `tokens` per
     micro-batch: what a training step's math really achieves here, elementwise work and autograd included."""
     import torch
-    import transformers
+
+    from harness.profiling.calibrate_engine import cut_model
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-    fields = {k: v for k, v in cfg.items() if k != "model_type"}
-    key = "n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"
-    fields[key] = layers
-    config = transformers.AutoConfig.for_model(cfg["model_type"], **fields)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype)
-    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=device)
+    model = cut_model(cfg, layers).to(device=device, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len), device=device)
 
     def step():
         model(input_ids=ids, labels=ids).loss.backward()
@@ -107,8 +104,9 @@ def block_efficiency(cfg: dict, block: dict, peak_tflops: float, hbm_gbps: float
     from harness.planner import steptime
     from harness.planner.params import count_params, model_shape
 
-    key = "n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"
-    small = dict(cfg, **{key: block["layers"]})
+    from harness.profiling.calibrate_engine import cut_config
+
+    small = cut_config(cfg, block["layers"])
     count, shape = count_params(small), model_shape(small)
     work = {"seq_len": block["seq_len"], "precision": precision, "micro_batch": block["tokens"] // block["seq_len"]}
     flops = 3 * block["tokens"] * (block["layers"] * steptime.block_flops_per_token(count, shape, block["seq_len"], 1)
@@ -294,8 +292,9 @@ def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: 
     from harness.planner.memory import PRECISION_BYTES, harness_buckets
     from harness.planner.params import count_params
 
-    key = "n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"
-    count = count_params(dict(cfg, **{key: engine["layers"]}))
+    from harness.profiling.calibrate_engine import cut_config
+
+    count = count_params(cut_config(cfg, engine["layers"]))
     lp, total = PRECISION_BYTES[precision], engine["params"]
     shard = -(-total // ranks)
     b = harness_buckets(cfg.get("hidden_size") or cfg.get("n_embd"))

@@ -21,13 +21,16 @@ import time
 STAGES = ("0", "1", "2", "3", "2-offload")  # ZeRO stage; "2-offload": ZeRO-2 with DeepSpeedCPUAdam on the host
 
 
-def _model(cfg: dict, layers: int):
+def cut_config(cfg: dict, layers: int) -> dict:
+    """The model config cut to `layers` blocks (what calibrate times: embedding, blocks, head, loss)."""
+    return dict(cfg, **{"n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers": layers})
+
+
+def cut_model(cfg: dict, layers: int):
     import transformers
 
-    fields = {k: v for k, v in cfg.items() if k != "model_type"}
-    fields["n_layer" if cfg.get("model_type") == "gpt2" else "num_hidden_layers"] = layers
-    config = transformers.AutoConfig.for_model(cfg["model_type"], **fields)
-    return transformers.AutoModelForCausalLM.from_config(config)
+    fields = {k: v for k, v in cut_config(cfg, layers).items() if k != "model_type"}
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(cfg["model_type"], **fields))
 
 
 def ds_config(case: str, precision: str, micro_batch: int, world: int, hidden: int) -> dict:
@@ -63,7 +66,7 @@ def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micr
     out: dict = {"layers": layers, "stages": {}}
     for stage in STAGES:
         torch.manual_seed(0)
-        model = _model(cfg, layers)
+        model = cut_model(cfg, layers)
         out["params"] = sum(p.numel() for p in model.parameters())
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(stage, precision, micro_batch, world, hidden))
