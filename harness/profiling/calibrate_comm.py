@@ -120,6 +120,9 @@ def _worker(rank: int, ranks: int, port: int, out_path: str, nbytes: int, repeat
         with open(out_path, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
+    from harness.run import exit_now
+
+    exit_now(0)  # no interpreter finalization after gloo (it can abort a finished rank, see exit_now)
 
 
 def measure(ranks: int, nbytes: int | None = None, repeat: int = 5, precision: str = "fp32",
