@@ -12,8 +12,8 @@ from harness.model_shapes import KNOWN, PRESETS
 from harness.planner import plan
 from harness.planner.comm import comm_bytes_per_step, wire_bytes
 from harness.planner.pipeline import bubble_fraction
-from harness.planner.memory import (ZeroBuckets, activation_bytes, by_device, harness_buckets,
-                                    model_state_bytes)
+from harness.planner.memory import (ZeroBuckets, activation_bytes, by_device, harness_buckets, model_state_bytes,
+                                    training_peak)
 from harness.planner.params import closed_form_count, count_params, meta_count, model_shape
 from harness.planner.render import to_json, to_text
 
@@ -120,12 +120,34 @@ def test_zero3_after_step_includes_its_fixed_bucket(reduce_bucket, per_param):
     assert terms["reduce_buckets"]["gpu"] == 2 * reduce_bucket
 
 
-def test_zero2_peak_matches_deepspeeds_estimator_for_llama2_7b_on_8():
-    """DeepSpeed: 2P + 18P/N = 26.67 GiB; ours adds one parameter's gradient and two small buckets."""
+def test_zero2_step_matches_deepspeeds_estimator_for_llama2_7b_on_8_plus_its_flat_copy():
+    """DeepSpeed's estimator: 2P + 18P/N = 26.67 GiB. Inside the step ZeRO also holds the 16-bit flat copy of the
+    gradient partition it upcasts (2P/N, measured on CPU ranks: bench/scale.py) and one parameter's gradient;
+    the reduce buckets are backward's only."""
     count = count_params(KNOWN["llama-2-7b"])
-    terms = model_state_bytes(count.total, stage=2, dp=8, precision="bf16",
-                              largest_tensor_params=count.largest_tensor, buckets=harness_buckets(4096))
-    assert gpu_total(terms) / GIB == pytest.approx(26.67, rel=0.02)
+    common = dict(stage=2, dp=8, precision="bf16", largest_tensor_params=count.largest_tensor,
+                  buckets=harness_buckets(4096))
+    step = model_state_bytes(count.total, phase="step", **common)
+    flat, one_grad = 2 * count.total / 8, 2 * count.largest_tensor
+    assert gpu_total(step) == pytest.approx(26.67 * GIB + flat + one_grad, rel=0.005)
+    backward = model_state_bytes(count.total, phase="backward", **common)
+    assert gpu_total(step) - gpu_total(backward) == pytest.approx(
+        (4 + 2) * count.total / 8 - 2 * 2 * 4096**2, rel=1e-6)  # fp32 + flat partition, less the two buckets
+
+
+def test_training_peak_is_backward_with_activations_or_the_step_whichever_is_larger():
+    count = count_params(KNOWN["llama-2-7b"])
+
+    def states(phase):
+        return model_state_bytes(count.total, stage=1, dp=8, precision="bf16", phase=phase,
+                                 largest_tensor_params=count.largest_tensor, buckets=harness_buckets(4096))
+
+    backward, step = gpu_total(states("backward")), gpu_total(states("step"))
+    assert step > backward  # the fp32 and 16-bit flat gradient partitions
+    assert training_peak(states, 0) == step
+    big = step - backward + GIB
+    assert training_peak(states, big) == backward + big
+    assert training_peak(states, 0) < gpu_total(states("peak"))  # every term at its peak overcounts
 
 
 def test_offload_moves_optimizer_terms_to_cpu_and_nvme():

@@ -153,3 +153,29 @@ def test_pipeline_run_compares_each_rank_with_its_own_stage(tmp_path):
     assert "31.0%" in text and "20.0% predicted" in text
     assert any(f.startswith("pipeline: the planner split the layers [0, 3, 6], the engine [0, 4, 6]")
                for f in report["flags"])
+
+
+def test_cpu_peak_is_the_memory_in_use_above_each_ranks_baseline_against_its_own_prediction(tmp_path):
+    """CPU ranks: peak_in_use_bytes (RssAnon less malloc's free bytes) less the rank's RssAnon before the build,
+    beside that rank's own predicted peak; a prediction too small to tell from the process's drift is not
+    compared."""
+    run_dir = fake_run(tmp_path / "cpu")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    base = 250 * MB
+    summary["memory"].update(device="cpu", predicted_peak_total_per_rank=[1000 * MB, 1000 * MB],
+                             peak_per_rank=[{"peak_in_use_bytes": base + 1000 * MB, "peak_rss_anon_bytes": 9 * base},
+                                            {"peak_in_use_bytes": base + 1400 * MB}])
+    summary["startup"] = {"per_rank": [{"build": {"rss_anon_before_bytes": base}}] * 2}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    write_report(run_dir)
+    report = json.loads((run_dir / "report.json").read_text())
+    rows = report["tables"]["peak"]
+    assert [r["ratio"] for r in rows] == [1.0, 1.4] and rows[0]["measured"] == 1000 * MB
+    assert "peak memory, rank 1: off by +40.0%" in report["flags"], report["flags"]
+    summary["memory"]["predicted_peak_total_per_rank"] = [100 * MB, 100 * MB]
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    write_report(run_dir)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert [r["ratio"] for r in report["tables"]["peak"]] == [None, None]
+    assert "process's own drift" in report["tables"]["peak"][0]["flag"] and not any(
+        f.startswith("peak memory") for f in report["flags"])

@@ -105,9 +105,12 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
         largest_layer = max(count.largest_layer // c.tp, shape["vocab_size"] * shape["hidden_size"])
     common = dict(stage=c.stage, dp=dp, precision=work["precision"], offload_optimizer=c.offload_optimizer,
                   offload_param=c.offload_param, **lora_terms(count, layers, c.tp))
-    states = memory.model_state_bytes(params, **common, largest_layer_params=largest_layer,
-                                      largest_tensor_params=count.largest_tensor,
-                                      persistent_params=persistent, buckets=buckets, grad_accum=m)
+    def states_at(phase: str) -> dict:
+        return memory.model_state_bytes(params, **common, largest_layer_params=largest_layer,
+                                        largest_tensor_params=count.largest_tensor, persistent_params=persistent,
+                                        buckets=buckets, grad_accum=m, phase=phase)
+
+    states = states_at("peak")
     seed = memory.model_state_bytes(params, **common, convention="seed")
     acts = memory.activation_bytes(
         shape, seq_len=work["seq_len"], micro_batch=work["micro_batch"], precision=work["precision"],
@@ -121,7 +124,9 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
         "blocks_per_rank": layers, "bubble_fraction": pipeline.bubble_fraction(c.pp, m),
         "memory": {
             "model_states": states, "activations": acts,
-            "gpu_bytes": device["gpu"] + acts["total"],
+            "gpu_bytes": memory.training_peak(states_at, acts["total"]),
+            "gpu_backward_bytes": memory.by_device(states_at("backward"))["gpu"] + acts["total"],
+            "gpu_step_bytes": memory.by_device(states_at("step"))["gpu"],
             "cpu_bytes_per_rank": device["cpu"], "cpu_bytes_per_node": device["cpu"] * hw["gpus_per_node"],
             "nvme_bytes_per_node": device["nvme"] * hw["gpus_per_node"],
             "seed_model_states": memory.by_device(seed),
@@ -177,9 +182,10 @@ def _verdict(c: Candidate, mem: dict, shape: dict, hw: dict) -> dict:
         return {"applicable": False, "fits": False, "why_not": reason}
     usable_gpu = hw["usable_gpu_bytes"]
     if mem["gpu_bytes"] > usable_gpu:
-        states = memory.by_device(mem["model_states"])["gpu"]
-        reasons.append(f"GPU: needs {gb(mem['gpu_bytes'])} > {gb(usable_gpu)} usable "
-                       f"(model states {gb(states)} + activations {gb(mem['activations']['total'])})")
+        acts = mem["activations"]["total"]
+        reasons.append(f"GPU: needs {gb(mem['gpu_bytes'])} > {gb(usable_gpu)} usable (backward: model states "
+                       f"{gb(mem['gpu_backward_bytes'] - acts)} + activations {gb(acts)}; optimizer step "
+                       f"{gb(mem['gpu_step_bytes'])})")
     cpu = mem["cpu_bytes_per_node"]
     if cpu and hw["usable_cpu_bytes"] is not None and cpu > hw["usable_cpu_bytes"]:
         reasons.append(f"CPU RAM: needs {gb(cpu)}/node for offload > {gb(hw['usable_cpu_bytes'])} usable")

@@ -11,7 +11,10 @@ Two conventions for model states:
 
 phase="after_step" keeps what is alive between optimizer steps (what a live tensor count after a step
 sees); phase="peak" adds what exists only during backward/step (gradients, fp32 gradient partitions,
-buckets, gathered ZeRO-3 parameters). Planning uses the peak.
+buckets, gathered ZeRO-3 parameters), each term at its own peak. Not all of them are alive at once:
+phase="backward" is what backward holds (with the activations), phase="step" what the optimizer step holds
+(activations freed: the 16-bit flat gradient partition ZeRO copies and upcasts to its fp32 gradient partition).
+`training_peak` is the larger of the two: the per-rank peak the planner fits and the profiler compares.
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ TERMS = ("params", "grads", "fp32_master", "optimizer_moments", "fp32_grads", "r
          "gathered_params", "offload_buffers")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ZERO0_ALLREDUCE_BUCKET_ELEMS = 500_000_000  # deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE
+PHASES = ("after_step", "peak", "backward", "step")
+# When an entry's bytes are alive (the 4th field of the entries below): between steps too, while backward
+# produces gradients, inside the optimizer step, or from backward through the step.
+ALWAYS, BACKWARD, STEP, BOTH = "always", "backward", "step", "both"
+_ALIVE = {"after_step": {ALWAYS}, "peak": {ALWAYS, BACKWARD, STEP, BOTH}, "backward": {ALWAYS, BACKWARD, BOTH},
+          "step": {ALWAYS, STEP, BOTH}}
 
 
 @dataclass(frozen=True)
@@ -71,18 +80,18 @@ def _seed_entries(p: int, stage: int, dp: int, lp: int, opt_dev: str, param_dev:
         return -(-nbytes // dp) if stage >= from_stage else nbytes
 
     master = 0 if lp == FP32_BYTES else FP32_BYTES * t
-    return [("params", param_dev, shard(lp * p, 3), True), ("grads", "gpu", shard(lp * t, 2), True),
-            ("fp32_master", opt_dev, shard(master, 1), True),
-            ("optimizer_moments", opt_dev, shard(ADAM_MOMENTS * FP32_BYTES * t, 1), True)]
+    return [("params", param_dev, shard(lp * p, 3), ALWAYS), ("grads", "gpu", shard(lp * t, 2), ALWAYS),
+            ("fp32_master", opt_dev, shard(master, 1), ALWAYS),
+            ("optimizer_moments", opt_dev, shard(ADAM_MOMENTS * FP32_BYTES * t, 1), ALWAYS)]
 
 
 def _stage0_entries(p: int, lp: int, t: int) -> list:
     master = 0 if lp == FP32_BYTES else FP32_BYTES * t
-    return [("params", "gpu", lp * p, True), ("grads", "gpu", lp * t, False),
-            ("fp32_master", "gpu", master, True),
-            ("optimizer_moments", "gpu", ADAM_MOMENTS * FP32_BYTES * t, True),
-            ("fp32_grads", "gpu", master, False),  # the 16-bit optimizer wrapper steps on fp32 grads
-            ("reduce_buckets", "gpu", lp * min(t, ZERO0_ALLREDUCE_BUCKET_ELEMS), False)]
+    return [("params", "gpu", lp * p, ALWAYS), ("grads", "gpu", lp * t, BOTH),
+            ("fp32_master", "gpu", master, ALWAYS),
+            ("optimizer_moments", "gpu", ADAM_MOMENTS * FP32_BYTES * t, ALWAYS),
+            ("fp32_grads", "gpu", master, BOTH),  # the 16-bit optimizer wrapper steps on fp32 grads
+            ("reduce_buckets", "gpu", lp * min(t, ZERO0_ALLREDUCE_BUCKET_ELEMS), BACKWARD)]
 
 
 def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, largest_tensor: int,
@@ -97,21 +106,24 @@ def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, larges
         grads = lp * p
     else:
         grads = (0 if offload else lp * shard) + lp * largest_tensor
-    out = [("params", "gpu", lp * (p + frozen), True), ("grads", "gpu", grads, False),
-           ("fp32_master", opt_dev, FP32_BYTES * shard, True),
-           ("optimizer_moments", opt_dev, ADAM_MOMENTS * FP32_BYTES * shard, True),
-           ("fp32_grads", opt_dev, FP32_BYTES * shard, offload),  # pinned and kept when offloaded
-           ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems * buckets, False)]
+    out = [("params", "gpu", lp * (p + frozen), ALWAYS), ("grads", "gpu", grads, BOTH),
+           ("fp32_master", opt_dev, FP32_BYTES * shard, ALWAYS),
+           ("optimizer_moments", opt_dev, ADAM_MOMENTS * FP32_BYTES * shard, ALWAYS),
+           ("fp32_grads", opt_dev, FP32_BYTES * shard, ALWAYS if offload else STEP),  # pinned and kept offloaded
+           ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems * buckets, BACKWARD)]
+    if not offload and lp != FP32_BYTES:  # step(): flatten(averaged_gradients) makes a 16-bit flat copy of the
+        # partition, then .to(fp32) the fp32 one, while the gradients are still held (freed after)
+        out.append(("grads", "gpu", lp * shard, STEP))
     if offload:  # temp_grad_buffer_for_{gpu,cpu}_offload (largest parameter) and the pinned 16-bit copy of
         # the partition that CPU Adam writes before it is copied back (param_buffer_of_bit16_for_cpu_offload)
-        out += [("offload_buffers", "gpu", lp * largest_tensor, True),
-                ("offload_buffers", "cpu", lp * largest_tensor + lp * shard, True)]
+        out += [("offload_buffers", "gpu", lp * largest_tensor, ALWAYS),
+                ("offload_buffers", "cpu", lp * largest_tensor + lp * shard, ALWAYS)]
     if offload and grad_accum > 1:
         # accumulated_grads_in_cpu: a pinned 16-bit buffer of the WHOLE tensor for every parameter that overlaps
         # this rank's partition, kept between steps. A tensor straddling a partition boundary is held whole by
         # both neighbours, so without the layout: at most one largest tensor over the shard.
         elems = accum_elems if accum_elems is not None else shard + (largest_tensor if dp > 1 else 0)
-        out.append(("grads", "cpu", lp * elems, True))
+        out.append(("grads", "cpu", lp * elems, ALWAYS))
     return out
 
 
@@ -140,23 +152,25 @@ def _stage3_entries(p: int, dp: int, lp: int, opt_dev: str, param_dev: str, larg
     grad_dev = "gpu" if opt_dev == "none" else "cpu"  # the flat grad partition follows the optimizer
     opt_dev = "gpu" if opt_dev == "none" else opt_dev
     sub_group = min(shard, b.sub_group_elems)
-    out = [("params", "gpu" if param_dev == "none" else param_dev, lp * p_shard, True),
-           ("params", "gpu", lp * persistent, True),  # whole copies of small tensors on every rank
-           ("grads", grad_dev, lp * shard, True),  # grad_partitions_flat_buffer
-           ("grads", "gpu", lp * grad_layer, False),  # one module's full grads before reduce-scatter
-           ("fp32_master", opt_dev, FP32_BYTES * shard, True),
-           ("optimizer_moments", opt_dev, ADAM_MOMENTS * FP32_BYTES * shard, True),
-           ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems, True),
-           ("gathered_params", "gpu", lp * zero3_gathered_elems(p - persistent, largest_layer, b), False)]
-    if opt_dev == "gpu":
-        out.append(("fp32_grads", "gpu", FP32_BYTES * sub_group, False))
+    out = [("params", "gpu" if param_dev == "none" else param_dev, lp * p_shard, ALWAYS),
+           ("params", "gpu", lp * persistent, ALWAYS),  # whole copies of small tensors on every rank
+           ("grads", grad_dev, lp * shard, ALWAYS),  # grad_partitions_flat_buffer
+           ("grads", "gpu", lp * grad_layer, BACKWARD),  # one module's full grads before reduce-scatter
+           ("fp32_master", opt_dev, FP32_BYTES * shard, ALWAYS),
+           ("optimizer_moments", opt_dev, ADAM_MOMENTS * FP32_BYTES * shard, ALWAYS),
+           ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems, ALWAYS),
+           ("gathered_params", "gpu", lp * zero3_gathered_elems(p - persistent, largest_layer, b), BACKWARD)]
+    if opt_dev == "gpu":  # _prepare_fp32_grad_for_sub_group: flatten (16-bit copy) then .to(fp32), per sub-group
+        out.append(("fp32_grads", "gpu", FP32_BYTES * sub_group, STEP))
+        if lp != FP32_BYTES:
+            out.append(("grads", "gpu", lp * sub_group, STEP))
     else:  # subgroup_gradient_buffer, pinned; swapped with the optimizer states on nvme
-        out.append(("fp32_grads", opt_dev, FP32_BYTES * shard, True))
+        out.append(("fp32_grads", opt_dev, FP32_BYTES * shard, ALWAYS))
     if opt_dev == "nvme":
-        out.append(("offload_buffers", "cpu", b.optimizer_swap_buffer_count * FP32_BYTES * sub_group, True))
+        out.append(("offload_buffers", "cpu", b.optimizer_swap_buffer_count * FP32_BYTES * sub_group, ALWAYS))
     if param_dev == "nvme":
         elems = max(b.param_swap_buffer_elems, largest_tensor)
-        out.append(("offload_buffers", "cpu", b.param_swap_buffer_count * lp * elems, True))
+        out.append(("offload_buffers", "cpu", b.param_swap_buffer_count * lp * elems, ALWAYS))
     return out
 
 
@@ -182,8 +196,8 @@ def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
     largest_trainable_tensor / _layer: the same for the gradient staging buffers (default: the largest ones).
     """
     _check(precision, stage, dp, offload_optimizer, offload_param)
-    if convention not in ("seed", "deepspeed") or phase not in ("peak", "after_step"):
-        raise ValueError(f"convention {convention!r} / phase {phase!r}: expected seed|deepspeed, peak|after_step")
+    if convention not in ("seed", "deepspeed") or phase not in PHASES:
+        raise ValueError(f"convention {convention!r} / phase {phase!r}: expected seed|deepspeed, {'|'.join(PHASES)}")
     lp = PRECISION_BYTES[precision]
     b = buckets or ZeroBuckets()
     if b.overlap_comm is None:
@@ -207,10 +221,17 @@ def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
                                   largest_layer_params, largest_tensor, persistent_params, b, trainable,
                                   largest_trainable_layer)
     out = {term: dict.fromkeys(DEVICES, 0) for term in TERMS}
-    for term, device, nbytes, persistent in entries:
-        if persistent or phase == "peak":
+    for term, device, nbytes, alive in entries:
+        if alive in _ALIVE[phase]:
             out[term][device] += int(nbytes)
     return out
+
+
+def training_peak(model_states, activations: int, device: str = "gpu") -> int:
+    """Peak bytes on `device` per rank in training: backward's model states with the activations, or the optimizer
+    step's, whichever is larger. model_states(phase) -> {term: {device: bytes}} (model_state_bytes with the
+    run's arguments)."""
+    return max(by_device(model_states("backward"))[device] + activations, by_device(model_states("step"))[device])
 
 
 def checkpoint_bytes(num_params: int, precision: str, trainable_params: int | None = None) -> int:

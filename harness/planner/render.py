@@ -49,14 +49,17 @@ def _header(plan: Plan) -> list[str]:
 
 def _breakdown(r: dict, hw: dict) -> list[str]:
     mem = r["memory"]
-    lines = ["  per GPU, peak (what DeepSpeed 0.19.8 allocates)"]
+    lines = ["  per GPU, each term at its peak (what DeepSpeed 0.19.8 allocates)"]
     for term in TERMS:
         nbytes = mem["model_states"][term]["gpu"]
         if nbytes:
             lines.append(f"    {term:<18} {TERM_NOTES[term]:<34}{gb_gib(nbytes)}")
     acts = mem["activations"]
     lines.append(f"    {'activations':<18} {'blocks + recompute + logits':<34}{gb_gib(acts['total'])}")
-    lines.append(f"    {'total':<18} {'of ' + gb(hw['usable_gpu_bytes']) + ' usable':<34}{gb_gib(mem['gpu_bytes'])}")
+    lines.append(f"    {'in backward':<18} {'model states + activations':<34}{gb_gib(mem['gpu_backward_bytes'])}")
+    lines.append(f"    {'in the step':<18} {'model states (activations freed)':<34}{gb_gib(mem['gpu_step_bytes'])}")
+    lines.append(f"    {'peak':<18} {'the larger, of ' + gb(hw['usable_gpu_bytes']) + ' usable':<34}"
+                 f"{gb_gib(mem['gpu_bytes'])}")
     seed = mem["seed_model_states"]
     lines.append(f"    {'(seed rule)':<18} {'16 B/param model states':<34}{gb_gib(seed['gpu'])}")
     for device, key in (("cpu", "cpu_bytes_per_node"), ("nvme", "nvme_bytes_per_node")):

@@ -43,11 +43,14 @@ profiled steps and once at close, so there are no per-rank files and no gathers 
     pipeline     (pp > 1) {"pp", "micro_batches", "predicted_bubble": (p-1)/(m+p-1), "parts_planned",
                   "parts_engine", "stage_per_rank", "measured_bubble_per_rank", "instruction_ms_per_rank"}
                   (pipe.py: schedule instructions timed on the profiled steps)
-    memory       {"device": "cuda"|"cpu", "peak_per_rank": [{peak_...: bytes}], "model_states_per_rank":
+    memory       {"device": "cuda"|"cpu", "peak_per_rank": [{peak_...: bytes}] (CPU: peak_in_use_bytes, the
+                  RssAnon samples less malloc's free bytes, beside peak_rss_anon_bytes), "model_states_per_rank":
                   [...], "model_states_step": the step they were counted after (the last profiled step,
                   else the last step), "nvme_swap_bytes_per_rank": [...], "predicted": {"after_step",
-                  "peak" ({term: {gpu, cpu, nvme}}), "activations", "peak_total_bytes",
-                  "after_step_by_stage", "params_per_rank", "notes"}}                       (profile.memory)
+                  "peak" ({term: {gpu, cpu, nvme}}), "activations", "peak_total_bytes" (the larger of
+                  backward's model states + activations and the optimizer step's: memory.training_peak),
+                  "after_step_by_stage", "params_per_rank", "notes"},
+                  "predicted_peak_total_per_rank": [...] (each rank's own)}                 (profile.memory)
     throughput   {"flops_per_token", "tokens_per_step", "tokens_per_s_median", "tflops_per_gpu", "mfu",
                   "peak_tflops", "device_name", "precision", "mfu_note", "timers_ms_median": {...}}
   Predictions come from the planner (predict.py) with inputs read off the live engine.

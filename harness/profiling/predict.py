@@ -104,7 +104,7 @@ def predict(count: dict, ds: dict, *, dp: int, precision: str, shape: dict | Non
         acts = memory.activation_bytes(shape, seq_len=seq_len, micro_batch=micro, precision=precision,
                                        activation_checkpointing=activation_checkpointing, tp=tp)
         out["activations"] = acts
-        out["peak_total_bytes"] = memory.by_device(out["peak"])["gpu"] + acts["total"]
+        out["peak_total_bytes"] = memory.training_peak(lambda phase: states(z["stage"], phase), acts["total"])
         if tp > 1:
             tp_comm = pipeline.tp_allreduce_bytes(shape, tp=tp, blocks=shape["num_hidden_layers"], seq_len=seq_len,
                                                   micro_batch=micro, micro_batches=grad_accum, precision=precision,

@@ -62,7 +62,7 @@ def predict_rank(cfg: dict, ds: dict, *, stage: int, pp: int, tp: int, dp: int, 
     states = {phase: memory.model_state_bytes(
         mine["params"], stage=zero["stage"], dp=dp, precision=precision, offload_optimizer=zero["offload_optimizer"],
         largest_tensor_params=largest_tensor, buckets=zero["buckets"], grad_accum=m, phase=phase, **lora)
-        for phase in ("after_step", "peak")}
+        for phase in memory.PHASES}
     groups = {"dp": dp_comm(mine["params"], zero_stage=zero["stage"], dp=dp, precision=precision, grad_accum=m,
                             trainable_params=trainable),
               "pp": pipeline.p2p_bytes(shape, stage=stage, pp=pp, seq_len=seq_len, micro_batch=micro,
@@ -81,7 +81,7 @@ def predict_rank(cfg: dict, ds: dict, *, stage: int, pp: int, tp: int, dp: int, 
                                    activation_checkpointing=activation_checkpointing, tp=tp,
                                    num_layers=mine["blocks"], micro_batches_in_flight=min(pp - stage, m),
                                    with_logits=stage == pp - 1)
-    return {"activations": acts, "peak_total_bytes": memory.by_device(states["peak"])["gpu"] + acts["total"],
+    return {"activations": acts, "peak_total_bytes": memory.training_peak(states.get, acts["total"]),
             "params_per_rank": mine["params"], "dp": dp, "tp": tp, "pp": pp, "stage": zero["stage"],
             "pipe_stage": stage, "partition_method": method,
             "parts_planned": pipeline.partition(count, pp, method, tp, counted_tp),

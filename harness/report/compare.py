@@ -22,6 +22,7 @@ from harness.report.startup import startup_rows, startup_section
 from harness.train.metrics import read_metrics
 
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.25
+CPU_PEAK_MIN_BYTES = 512 * 2**20  # CPU ranks: below this the process's own growth after the build decides
 STATE_TERMS = ("params", "grads", "fp32_grads", "fp32_master", "optimizer_moments", "reduce_buckets",
                "gathered_params", "offload_buffers", "other")
 SMALL_BYTES = 1024  # measured-only bytes below this (bookkeeping scalars) are not flagged
@@ -163,17 +164,33 @@ def comm_rows(run: Run) -> list[dict]:
 
 
 def peak_rows(run: Run) -> list[dict]:
+    """Each rank's training peak beside its own prediction. CUDA: max_memory_allocated. CPU: the memory in use
+    (RssAnon less what malloc holds free) above the rank's own before the model was built (the interpreter and
+    libraries), compared once the prediction is large enough for that baseline's drift not to decide it."""
     memory = run.summary.get("memory", {})
     cuda = memory.get("device") == "cuda"
-    key = "peak_allocated_bytes" if cuda else "peak_rss_bytes"
-    predicted = memory.get("predicted", {}).get("peak_total_bytes")
+    predicted_all = memory.get("predicted", {}).get("peak_total_bytes")
+    own = memory.get("predicted_peak_total_per_rank") or []
+    startup = run.summary.get("startup", {}).get("per_rank") or []
     rows = []
     for rank, peaks in enumerate(memory.get("peak_per_rank", [])):
-        measured = peaks.get(key)
-        r = ratio(measured, predicted) if cuda else None
+        predicted = (own[rank] if rank < len(own) else None) or predicted_all
+        if cuda:
+            key, measured, flag = "peak_allocated_bytes", peaks.get("peak_allocated_bytes"), None
+        else:
+            key, flag = "peak_in_use_bytes" if "peak_in_use_bytes" in peaks else "peak_rss_anon_bytes", None
+            baseline = (startup[rank].get("build") or {}).get("rss_anon_before_bytes") if rank < len(startup) else None
+            measured = peaks.get(key)
+            if measured is None or baseline is None:
+                flag = "CPU run: no private-memory peak or baseline recorded, compare model states instead"
+            else:
+                measured, key = measured - baseline, f"{key} above the rank's baseline {fmt_bytes(baseline)}"
+                if not predicted or predicted < CPU_PEAK_MIN_BYTES:
+                    flag = (f"CPU run: a prediction under {fmt_bytes(CPU_PEAK_MIN_BYTES)} is within the process's "
+                            "own drift (data, engine objects); compare model states instead")
+        r = ratio(measured, predicted) if flag is None else None
         rows.append({"rank": rank, "measured_key": key, "measured": measured, "predicted": predicted, "ratio": r,
-                     "flag": _flag(r, PEAK_TOL) if cuda else
-                     "CPU run: RSS includes the interpreter and libraries, compare model states instead"})
+                     "flag": _flag(r, PEAK_TOL) if flag is None else flag})
     return rows
 
 
@@ -305,7 +322,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
         out.append("not measured (no profile window)")
     out += ["", "## Peak memory per rank", ""]
     if tables["peak"]:
-        out.append(_table(["rank", "measured", "predicted (model states + activations)", "ratio", "flag"], [
+        out.append(_table(["rank", "measured", "predicted (backward + activations, or the step)", "ratio", "flag"], [
             [str(r["rank"]), f"{fmt_bytes(r['measured'])} ({r['measured_key']})", fmt_bytes(r["predicted"]),
              fmt_ratio(r["ratio"]), r["flag"]] for r in tables["peak"]]))
     else:
