@@ -104,7 +104,7 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
     if c.tp > 1:  # block matrices are split; the embedding and head are not
         largest_layer = max(count.largest_layer // c.tp, shape["vocab_size"] * shape["hidden_size"])
     common = dict(stage=c.stage, dp=dp, precision=work["precision"], offload_optimizer=c.offload_optimizer,
-                  offload_param=c.offload_param, **lora_terms(count, layers, c.tp))
+                  offload_param=c.offload_param, **count.lora_state_args(layers, c.tp))
     def states_at(phase: str) -> dict:
         return memory.model_state_bytes(params, **common, largest_layer_params=largest_layer,
                                         largest_tensor_params=count.largest_tensor, persistent_params=persistent,
@@ -138,15 +138,6 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
                             for s in pipeline.stages(count, c.pp, "parameters", c.tp)]
     result.update(_verdict(c, result["memory"], shape, hw))
     return result
-
-
-def lora_terms(count: ParamCount, blocks: int, tp: int) -> dict:
-    """model_state_bytes arguments for a count with LoRA adapters (params.with_lora); none for full fine-tuning."""
-    trainable = count.trainable_params(blocks, tp)
-    if trainable is None:
-        return {}
-    return {"trainable_params": trainable, "largest_trainable_tensor": count.lora_largest_tensor,
-            "largest_trainable_layer": count.lora_largest_tensor}
 
 
 def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m: int, persistent: int,

@@ -50,6 +50,15 @@ class ParamCount:
             return None
         return blocks * (self.lora_per_layer - self.lora_per_layer_split + self.lora_per_layer_split // tp)
 
+    def lora_state_args(self, blocks: int, tp: int = 1) -> dict:
+        """memory.model_state_bytes arguments for a rank holding `blocks` blocks of a count with LoRA adapters
+        (with_lora); none for full fine-tuning."""
+        trainable = self.trainable_params(blocks, tp)
+        if trainable is None:
+            return {}
+        return {"trainable_params": trainable, "largest_trainable_tensor": self.lora_largest_tensor,
+                "largest_trainable_layer": self.lora_largest_tensor}
+
     def block_params(self, tp: int = 1) -> int:
         """One block's parameters on one tensor-parallel rank."""
         return self.per_layer - self.per_layer_split + self.per_layer_split // tp
