@@ -5,7 +5,10 @@ Builds a Llama-shaped model of ~24M parameters (random weights, the built-in tok
 with that profile ($HARNESS_HARDWARE) and reads what the run recorded (summary.json throughput.step_time):
 the prediction and each rank's measured median step time. Every recipe trains the same global batch.
 
-    python bench/time_model.py [--steps 8] [--hardware FILE] [--recipes ddp,zero1,...]
+    python bench/time_model.py [--steps 8] [--hardware FILE] [--recipes ddp,zero1,...] [--precision fp32]
+
+fp32 by default: on a CPU without bf16 instructions (AVX2-only, as this machine) torch's bf16 GEMM is emulated,
+~1 GFLOP/s against ~21 GFLOP/s in fp32 on one core, so a bf16 step is all compute and every layout times alike.
 
 Every recipe runs twice, in the order given and then reversed (A B .. G G .. B A), so drift of the machine
 over the minutes of the bench falls on all recipes alike; the measured time is the mean of the two medians.
@@ -57,13 +60,13 @@ def make_model(folder: Path) -> None:
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params in {folder}")
 
 
-def calibrate(model: Path, out: Path) -> None:
+def calibrate(model: Path, out: Path, precision: str) -> None:
     cmd = [sys.executable, "-m", "harness.cli", "calibrate", "--model", str(model), "--seq-len", str(SEQ_LEN),
-           "--micro-batch", "4", "--ranks", "2", "--out", str(out)]
+           "--micro-batch", "4", "--ranks", "2", "--precision", precision, "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
-def run_recipe(recipe: str, model: Path, work: Path, steps: int, hardware: Path) -> dict:
+def run_recipe(recipe: str, model: Path, work: Path, steps: int, hardware: Path, precision: str) -> dict:
     micro, accum = BATCH[recipe]
     out = work / recipe
     shutil.rmtree(out, ignore_errors=True)
@@ -71,7 +74,7 @@ def run_recipe(recipe: str, model: Path, work: Path, steps: int, hardware: Path)
     launch("--recipe", recipe, "--model", str(model), "--output-dir", str(out), "--set", f"train.steps={steps}",
            "--set", f"train.seq_len={SEQ_LEN}", "--set", f"batch.micro_batch_per_gpu={micro}",
            "--set", f"batch.grad_accum_steps={accum}", "--set", "batch.train_batch_size=auto",
-           "--set", "train.eval_every=0", "--set", "profile.steps=", timeout_s=1800)
+           "--set", "train.eval_every=0", "--set", "profile.steps=", "--set", f"precision={precision}", timeout_s=1800)
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tokens = GLOBAL_BATCH * SEQ_LEN
@@ -102,6 +105,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hardware", help="a calibrated profile (default: calibrate now)")
     parser.add_argument("--recipes", default=",".join(BATCH))
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--work", default="/tmp/dsharness-time-model")
     args = parser.parse_args()
     work = Path(args.work)
@@ -110,12 +114,12 @@ def main() -> int:
     print("uptime before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     hardware = Path(args.hardware) if args.hardware else work / "hardware.json"
     if not args.hardware:
-        calibrate(model, hardware)
+        calibrate(model, hardware, args.precision)
     recipes = args.recipes.split(",")
     runs: dict[str, list[dict]] = {}
     for recipe in recipes + recipes[::-1]:
         start = time.time()
-        r = run_recipe(recipe, model, work, args.steps, hardware)
+        r = run_recipe(recipe, model, work, args.steps, hardware, args.precision)
         runs.setdefault(recipe, []).append(r)
         print(f"{recipe:<14} run {len(runs[recipe])}: measured {r['measured_s']:7.3f} s (spread +-{r['spread']:.0%})"
               f"  [{time.time() - start:.0f} s]", flush=True)
