@@ -50,14 +50,6 @@ def malloc_free_bytes() -> int | None:
     return None if _MALLINFO2 is None else int(_MALLINFO2().fordblks)
 
 
-def in_use_bytes() -> int | None:
-    """Private memory in use: RssAnon less what malloc holds free (never below zero)."""
-    anon = status_bytes("RssAnon")
-    if anon is None:
-        return None
-    return max(anon - (malloc_free_bytes() or 0), 0)
-
-
 def reset_vm_hwm() -> bool:
     try:
         Path("/proc/self/clear_refs").write_text("5")
