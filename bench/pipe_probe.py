@@ -172,6 +172,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from harness.run import exit_now
+    from harness.train.dist import exit_now
 
     exit_now(main())  # as harness/run.py ends: no interpreter finalization after the process group (see exit_now)

@@ -87,7 +87,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from harness.run import exit_now
+    from harness.train.dist import exit_now
 
     main()
     exit_now(0)  # as harness/run.py ends: no interpreter finalization after gloo (it can abort a finished rank)

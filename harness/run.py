@@ -48,21 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def exit_now(code: int) -> None:
-    """End the process without interpreter finalization. With gloo, a worker thread of torch's process group can
-    drop the last reference to a Python-owned tensor while the interpreter finalizes; taking the GIL then ends
-    that thread by forced unwind and std::terminate aborts a rank whose run has finished and saved everything
-    (seen intermittently under load: "terminate called without an active exception", exit -6). Everything the
-    run writes is closed by now; flush the standard streams and logging, then _exit."""
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
+    from harness.train.dist import exit_now
     from harness.train.preempt import report_exit
 
     code = 1  # an exception escaping main(): Python prints it and exits 1

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness.run import exit_now  # noqa: E402
+from harness.train.dist import exit_now  # noqa: E402
 
 
 def main(cases_path: str) -> int:

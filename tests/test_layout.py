@@ -87,7 +87,7 @@ def test_top_level_keeps_only_entry_points_and_ground_floor_helpers():
 def test_every_rank_script_ends_without_interpreter_finalization():
     """A script that starts a process group and ends through sys.exit can abort a rank that has finished everything
     (gloo worker thread at finalization: "terminate called without an active exception", exit -6; CI saw it on
-    bench/pipe_probe.py). Every such script ends through harness.run.exit_now."""
+    bench/pipe_probe.py). Every such script ends through harness.train.dist.exit_now."""
     starts_group = ("distmod.init()", "init_process_group(", "deepspeed.init_distributed(")
     scripts = [p for folder in ("harness", "bench", "tests") for p in (PKG.parent / folder).rglob("*.py")
                if p != Path(__file__).resolve()]
@@ -95,4 +95,4 @@ def test_every_rank_script_ends_without_interpreter_finalization():
     bad = [str(p.relative_to(PKG.parent)) for p in scripts
            if any(s in (text := p.read_text()) for s in starts_group) and any(e in text for e in entry)
            and "exit_now(" not in text]
-    assert not bad, f"scripts that start a process group but do not end through harness.run.exit_now: {bad}"
+    assert not bad, f"scripts that start a process group but do not end through harness.train.dist.exit_now: {bad}"

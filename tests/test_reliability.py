@@ -178,7 +178,7 @@ def test_zero3_kill9_during_save_then_resumed_on_1_and_2_ranks(tmp_path):
 
 HANG = """
 import time
-from harness.run import exit_now
+from harness.train.dist import exit_now
 from harness.train import dist as distmod
 info = distmod.init(timeout_min=0.05)  # 3 s
 if info.rank == 1:

@@ -89,7 +89,7 @@ def _worker(rank: int, port: int, results) -> None:
             results.put(found)
     finally:
         dist.destroy_process_group()
-    from harness.run import exit_now
+    from harness.train.dist import exit_now
 
     exit_now(0)  # no interpreter finalization after gloo (it can abort a finished rank, see exit_now)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 
@@ -122,3 +123,17 @@ def teardown() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_now(code: int) -> None:
+    """End the process without interpreter finalization. With gloo, a worker thread of torch's process group can
+    drop the last reference to a Python-owned tensor while the interpreter finalizes; taking the GIL then ends
+    that thread by forced unwind and std::terminate aborts a rank whose run has finished and saved everything
+    (seen intermittently under load: "terminate called without an active exception", exit -6). Everything the
+    run writes is closed by now; flush the standard streams and logging, then _exit."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
