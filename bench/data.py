@@ -21,7 +21,7 @@ the shipped tokenizer, generated once into --work.
            Goal: peak USS at 40M within 50 MB of 1M.
            And, for both launches, RssAnon (/proc/PID/status: private anonymous memory, what a rank allocated)
            of every rank while training (from the first train record on), the peak per rank. The launch without
-           a store prepares it in a child process of local rank 0 (harness/train/store.py prepare_in_child), so
+           a store prepares it in a child process of local rank 0 (harness/data/store.py prepare_in_child), so
            Goal: without a store, peak RssAnon while training at 40M within 50 MB of 1M (issue #18: it was 565
            vs 456 MB when rank 0 tokenized in the training process).
            Measured 2026-12-01 (2 cores shared, load average 13-18; ddp, 2 ranks, 20 steps), without a store:
@@ -46,7 +46,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from harness.profiling.proc import status_bytes  # noqa: E402
-from harness.train.dist import free_port  # noqa: E402
+from harness.dist import free_port  # noqa: E402
 from overhead import BIN, env  # noqa: E402  (bench/ is on sys.path when this runs as a script)
 
 TOKENS_PER_DOC = 250
@@ -80,8 +80,8 @@ def bench_prep(corpus: Path, work: Path, tok) -> dict:
     "1 thread" pins the fast tokenizer to one thread (TOKENIZERS_PARALLELISM=false), the one-core baseline; left
     alone, one process already spreads a batch over the cores with the tokenizer's own threads. With 2 processes
     the harness gives each worker one thread."""
-    from harness.train.data import DataSpec, load_dataset_for
-    from harness.train.store import prepare
+    from harness.data.corpus import DataSpec, load_dataset_for
+    from harness.data.store import prepare
 
     spec = DataSpec(str(corpus))
     load_dataset_for(spec)  # JSON -> Arrow once, outside the timings
@@ -208,7 +208,7 @@ def main() -> int:
     p.add_argument("--skip-prep", action="store_true")
     p.add_argument("--skip-launch", action="store_true")
     args = p.parse_args()
-    from harness.train.models import load_tokenizer
+    from harness.model.hf import load_tokenizer
 
     tok = load_tokenizer("tiny-llama")
     args.work.mkdir(parents=True, exist_ok=True)

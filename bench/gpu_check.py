@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
     import torch
 
-    from harness.train import dist as distmod
+    from harness import dist as distmod
     from harness import profiling
     from harness.train.metrics import MetricsLog
 
@@ -171,6 +171,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from harness.train.dist import exit_now
+    from harness.dist import exit_now
 
     exit_now(main())  # as harness/run.py ends: no interpreter finalization after the process group (see exit_now)

@@ -92,7 +92,7 @@ for case in $CASES; do
             $PY - "$OUT/qlora/model" <<'EOF'
 import sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from harness.train.models import _shipped_eos_id, load_tokenizer
+from harness.model.hf import _shipped_eos_id, load_tokenizer
 eos = _shipped_eos_id()
 cfg = LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                   num_attention_heads=32, num_key_value_heads=4, bos_token_id=eos, eos_token_id=eos)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from harness.train.dist import free_port  # noqa: E402
+from harness.dist import free_port  # noqa: E402
 
 OPTIMIZER_TERMS = ("fp32_master", "optimizer_moments")
 
@@ -33,7 +33,7 @@ def write_model(folder: Path) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from harness.train.models import _shipped_eos_id, load_tokenizer
+    from harness.model.hf import _shipped_eos_id, load_tokenizer
 
     eos = _shipped_eos_id()
     config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,

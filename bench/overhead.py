@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from harness.train.dist import free_port  # noqa: E402
+from harness.dist import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 GOAL = 0.98
@@ -51,7 +51,7 @@ def env() -> dict:
 
 
 def deepspeed(ranks: int, script: str, *args: str) -> subprocess.CompletedProcess:
-    """Both scripts unlink DeepSpeed's /dev/shm all-reduce buffers themselves (harness.train.dist.unlink_shm_buffer)."""
+    """Both scripts unlink DeepSpeed's /dev/shm all-reduce buffers themselves (harness.dist.unlink_shm_buffer)."""
     cmd = [str(BIN / "deepspeed"), "--master_port", str(free_port()), "--num_gpus", str(ranks), script, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1800)
 

@@ -66,7 +66,7 @@ def pipeline_module(cfg: dict, pp: int, partition: str, topology=None):
     module.config = config  # the planner's shape source (profiling/predict.py reads module.config)
     tp = module._grid.get_slice_parallel_world_size()
     if tp > 1:  # 3D: split this stage's blocks over the topology's model-parallel group, after the build
-        from harness.train.parallel.tensor import shard_decoder_layer
+        from harness.model.parallel.tensor import shard_decoder_layer
 
         group, rank = module._grid.get_slice_parallel_group(), module._grid.get_slice_parallel_rank()
         for layer in module.forward_funcs:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from harness import profiling
     from harness.model_shapes import load_model_config
-    from harness.train import dist as distmod
+    from harness import dist as distmod
     from harness.train.metrics import MetricsLog
 
     dist = distmod.init()
@@ -172,6 +172,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from harness.train.dist import exit_now
+    from harness.dist import exit_now
 
     exit_now(main())  # as harness/run.py ends: no interpreter finalization after the process group (see exit_now)

@@ -3,7 +3,7 @@
     deepspeed --num_gpus 2 bench/raw_deepspeed.py --run-dir RUN [--steps 30] [--warmup-steps 2]
 
 Reads RUN/recipe.json and RUN/ds_config.json (what a harness run wrote), builds the same model and packed
-rows with harness.train.models / harness.train.data / harness.train.batches, calls deepspeed.initialize with that config
+rows with harness.model.hf / harness.data.corpus / harness.data.batches, calls deepspeed.initialize with that config
 and runs forward / backward / step. No loss reduction, grad-norm read, logging or hooks per step: the
 losses are averaged over ranks once, after timing, so they can be checked against the harness's.
 Prints one JSON line on rank 0: tokens/s over the steps after the warm-up steps.
@@ -33,16 +33,16 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from harness.train.batches import BatchPlan
-    from harness.train.data import DataSpec
-    from harness.train.rows import Rows, split_rows
-    from harness.train.store import prepare
-    from harness.train.dist import unlink_shm_buffer
-    from harness.train.models import build_model, load_tokenizer
+    from harness.data.batches import BatchPlan
+    from harness.data.corpus import DataSpec
+    from harness.data.rows import Rows, split_rows
+    from harness.data.store import prepare
+    from harness.dist import unlink_shm_buffer
+    from harness.model.hf import build_model, load_tokenizer
 
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    unlink_shm_buffer(dist)  # as harness/train/dist.py does: DeepSpeed leaks it otherwise
+    unlink_shm_buffer(dist)  # as harness/dist.py does: DeepSpeed leaks it otherwise
     recipe = json.loads((args.run_dir / "recipe.json").read_text())
     ds_config = json.loads((args.run_dir / "ds_config.json").read_text())
     if not args.keep_profiling:  # the keys the harness adds when profiling is on
@@ -87,7 +87,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from harness.train.dist import exit_now
+    from harness.dist import exit_now
 
     main()
     exit_now(0)  # as harness/run.py ends: no interpreter finalization after gloo (it can abort a finished rank)

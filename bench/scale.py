@@ -57,7 +57,7 @@ MIB = 2**20
 def _config(size: str):
     from transformers import LlamaConfig
 
-    from harness.train.models import _shipped_eos_id
+    from harness.model.hf import _shipped_eos_id
 
     eos = _shipped_eos_id()
     return LlamaConfig(vocab_size=32000, num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048,
@@ -70,8 +70,8 @@ def write_folder(size: str, path: Path) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from harness.train.load.meta import build_on_meta
-    from harness.train.models import load_tokenizer
+    from harness.model.load.meta import build_on_meta
+    from harness.model.hf import load_tokenizer
 
     config = _config(size)
     model = build_on_meta(config)
@@ -167,7 +167,7 @@ def _env() -> dict:
 
 
 def _train_cmd(recipe: str, precision: str, folder: Path, run: Path, steps: int) -> list[str]:
-    from harness.train.dist import free_port
+    from harness.dist import free_port
 
     sets = {"precision": precision, "train.steps": steps, "train.seq_len": 128, "train.eval_every": 0,
             "train.eval_batches": 1, "train.keep_last": 1, "batch.micro_batch_per_gpu": 1,

@@ -89,7 +89,7 @@ KNOWN: dict[str, dict] = {
 }
 
 
-# Model types the harness turns into pipeline stages (harness/train/parallel/pipeline.py), by layer family:
+# Model types the harness turns into pipeline stages (harness/model/parallel/pipeline.py), by layer family:
 # "llama" = RMSNorm decoder layers with rotary position embeddings (GQA), "gpt2" = learned positions.
 PIPELINE_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
 
@@ -138,7 +138,7 @@ def shape_summary(cfg: dict) -> dict:
     }
 
 
-# Families whose decoder layers harness/train/parallel/tensor.py splits (q/k/v/o + gate/up/down, RMSNorm).
+# Families whose decoder layers harness/model/parallel/tensor.py splits (q/k/v/o + gate/up/down, RMSNorm).
 TP_FAMILIES = ("llama", "mistral", "qwen2")
 
 

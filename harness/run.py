@@ -23,7 +23,7 @@ from harness.errors import ConfigError, UsageError, without_secrets  # noqa: E40
 
 def main(argv: list[str] | None = None) -> int:
     from harness.train import run_args, session
-    from harness.train.dist import CollectiveTimeout
+    from harness.dist import CollectiveTimeout
 
     rank = int(os.environ.get("RANK", "0"))
     # Each node's first rank speaks too: a problem of one machine (no libaio, a full disk) on a node other than
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from harness.train.dist import exit_now
+    from harness.dist import exit_now
     from harness.train.preempt import report_exit
 
     code = 1  # an exception escaping main(): Python prints it and exits 1

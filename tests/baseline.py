@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from harness.train.batches import BatchPlan
-from harness.train.data import DataSpec
-from harness.train.models import build_model, load_tokenizer
-from harness.train.rows import Rows, split_rows
-from harness.train.store import prepare
+from harness.data.batches import BatchPlan
+from harness.data.corpus import DataSpec
+from harness.model.hf import build_model, load_tokenizer
+from harness.data.rows import Rows, split_rows
+from harness.data.store import prepare
 
 
 def train_rows(model: str, seq_len: int, eval_fraction: float, seed: int, data: DataSpec = DataSpec(),
@@ -29,7 +29,7 @@ def plain_pytorch_losses(*, model: str, steps: int, seq_len: int, global_batch: 
     torch.manual_seed(seed)
     net = build_model(model, seed=seed).float().train()
     if adapter is not None:  # the same peft-wrapped model the launch trains (train/adapters.py)
-        from harness.train import adapters
+        from harness.model import adapters
 
         adapters.apply(net, {"adapter": adapter, "train": {"seed": seed}, "activation_checkpointing": False})
     trainable = [(n, p) for n, p in net.named_parameters() if p.requires_grad]

@@ -39,7 +39,7 @@ def write_chat(path: Path, num: int, seed: int = 0) -> Path:
 
 def chat_tokenizer(template: str | None = CHAT_TEMPLATE):
     """The shipped tokenizer with a simple chat template (as a model folder's tokenizer would carry it)."""
-    from harness.train.models import load_tokenizer
+    from harness.model.hf import load_tokenizer
 
     tok = load_tokenizer("tiny-llama")
     tok.chat_template = template
@@ -48,7 +48,7 @@ def chat_tokenizer(template: str | None = CHAT_TEMPLATE):
 
 def chat_model_dir(folder: Path, seed: int) -> Path:
     """A tiny-llama model folder (weights from seed) whose tokenizer has CHAT_TEMPLATE."""
-    from harness.train.models import build_model
+    from harness.model.hf import build_model
 
     build_model("tiny-llama", seed=seed).save_pretrained(folder)
     chat_tokenizer().save_pretrained(folder)

@@ -11,7 +11,7 @@ import torch
 def engine_weights(run) -> dict:
     """The engine's weights as DeepSpeed itself reads them back: zero_to_fp32 for ZeRO-1/2/3 (the fp32
     masters), the model-states module for ZeRO-0. Whole-model, for tiny test checkpoints only."""
-    from harness.train.export.folder import find_checkpoint
+    from harness.checkpoint.export.state import find_checkpoint
 
     ref = find_checkpoint(run)
     if ref.manifest()["zero_stage"] == 0:
@@ -27,8 +27,8 @@ def assert_export_equals_engine(run, out: Path, max_shard_size: str = "64KB") ->
     tensor to a file that holds it; the folder loads."""
     from transformers import AutoModelForCausalLM
 
-    from harness.train.export.folder import export
-    from harness.train.export.hf_shards import SAFE_INDEX, read_sharded
+    from harness.checkpoint.export.folder import export
+    from harness.checkpoint.export.hf_shards import SAFE_INDEX, read_sharded
 
     info = export(run, out, max_shard_size=max_shard_size)
     assert info["shards"] > 1, info

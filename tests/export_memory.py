@@ -46,7 +46,7 @@ def measure(ckpt: str, out: str, shard: str, dtype: str | None) -> dict:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    from harness.train.export import folder as ex
+    from harness.checkpoint.export import folder as ex
 
     result: dict = {"baseline_rss_anon_bytes": _status("RssAnon")}
     if os.environ.get("WHOLE"):
@@ -64,7 +64,7 @@ def measure(ckpt: str, out: str, shard: str, dtype: str | None) -> dict:
     # whatever the model's size); measured apart as "imports".
     from transformers import AutoTokenizer
 
-    from harness.train.export.ckpt_tensors import MappedFiles
+    from harness.checkpoint.export.ckpt_tensors import MappedFiles
 
     with Peak() as imports:
         ex.open_state(ref, manifest, MappedFiles()), ex.meta_model(ref), AutoTokenizer.from_pretrained(ref.ckpt_dir / "hf")

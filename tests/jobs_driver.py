@@ -15,11 +15,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness.train.dist import exit_now  # noqa: E402
+from harness.dist import exit_now  # noqa: E402
 
 
 def main(cases_path: str) -> int:
-    from harness.train import dist as distmod, job, run_args, session
+    from harness.train import job, run_args, session
+    from harness import dist as distmod
 
     cases = json.loads(open(cases_path).read())
     dist = distmod.init(10)

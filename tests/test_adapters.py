@@ -8,8 +8,8 @@ def test_adapter_file_keys_are_peft_own():
     from peft import get_peft_model, get_peft_model_state_dict
 
     from harness.config.recipes import load_recipe
-    from harness.train import adapters
-    from harness.train.models import build_model
+    from harness.model import adapters
+    from harness.model.hf import build_model
 
     recipe = load_recipe("lora_zero2", ['adapter.modules_to_save=["lm_head"]', "adapter.use_dora=true"])[0]
     ours = adapters.apply(build_model("tiny-llama", seed=0), recipe)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from harness.train.batches import BatchPlan
+from harness.data.batches import BatchPlan
 
 
 def plans(num_rows=100, micro=2, gas=3, dp=2, seed=5):

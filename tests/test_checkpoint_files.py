@@ -10,7 +10,8 @@ import pytest
 
 from harness.config.recipes import load_recipe
 from harness.errors import UsageError
-from harness.train import ckpt_files, resume
+from harness.checkpoint import files as ckpt_files
+from harness.checkpoint import resume
 
 
 def make(ckpt: Path, step: int, complete: bool = True, world: int = 2, batch: int = 8, shards: bool = True) -> Path:

@@ -10,13 +10,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from harness.train import data  # noqa: E402
-from harness.train.batches import BatchPlan  # noqa: E402
+from harness.data import corpus as data  # noqa: E402
+from harness.data.batches import BatchPlan  # noqa: E402
 from harness.errors import UsageError  # noqa: E402
 from harness.model_shapes import TINY_VOCAB_SIZE  # noqa: E402
-from harness.train.models import load_tokenizer  # noqa: E402
-from harness.train.rows import Rows, split_rows  # noqa: E402
-from harness.train.store import prepare  # noqa: E402
+from harness.model.hf import load_tokenizer  # noqa: E402
+from harness.data.rows import Rows, split_rows  # noqa: E402
+from harness.data.store import prepare  # noqa: E402
 
 DOCS = ["The cat eats fish.", "A dog barks at the gate.", "Monday, Tuesday, Wednesday."]
 

@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from harness.errors import UsageError
-from harness.train.data import DataSpec
-from harness.train.datafiles import HEAD_RECORDS, check_local
+from harness.data.corpus import DataSpec
+from harness.data.files import HEAD_RECORDS, check_local
 
 from launch import ROOT, env
 
@@ -105,8 +105,8 @@ def test_valid_files_of_every_format_pass_the_check(tmp_path):
 
 
 def test_a_bad_line_past_the_checked_head_is_named_when_the_store_is_prepared(tmp_path):
-    from harness.train.models import load_tokenizer
-    from harness.train.store import prepare
+    from harness.model.hf import load_tokenizer
+    from harness.data.store import prepare
 
     good = "".join(json.dumps({"text": f"document number {i}"}) + "\n" for i in range(HEAD_RECORDS + 40))
     path = write(tmp_path / "late_bad.jsonl", good + '{"text": oops}\n')

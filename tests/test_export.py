@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from export_checks import assert_export_equals_engine
-from harness.train import models
+from harness.model import hf as models
 from launch import ROOT, env, launch
 
 SHARD = "1MB"
@@ -25,8 +25,8 @@ SHARD = "1MB"
 
 def _save_pretrained_twin(model, folder: Path, max_shard_size: str) -> None:
     """Our writer on a live model's tensors (what export feeds it from the rank files)."""
-    from harness.train.export.folder import save_names
-    from harness.train.export.hf_shards import plan_shards, write_sharded
+    from harness.checkpoint.export.folder import save_names
+    from harness.checkpoint.export.hf_shards import plan_shards, write_sharded
 
     state = model.state_dict()
     names = save_names(model)
@@ -37,7 +37,7 @@ def _save_pretrained_twin(model, folder: Path, max_shard_size: str) -> None:
 
 @pytest.mark.parametrize("preset,size", [("tiny-llama", "40KB"), ("tiny-gpt2", "60KB"), ("tiny-llama", "5GB")])
 def test_shards_and_index_are_save_pretrained_s(preset, size, tmp_path):
-    from harness.train.export.hf_shards import read_sharded
+    from harness.checkpoint.export.hf_shards import read_sharded
 
     model = models.build_model(preset, seed=3)
     model.save_pretrained(tmp_path / "hf", max_shard_size=size)
@@ -98,8 +98,8 @@ def test_export_memory_is_one_shard_not_the_model(zero3_run, tmp_path):
 def test_export_weights_sharded_and_bf16(zero3_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from harness.train.export.folder import export
-    from harness.train.export.hf_shards import read_sharded
+    from harness.checkpoint.export.folder import export
+    from harness.checkpoint.export.hf_shards import read_sharded
 
     fp32 = assert_export_equals_engine(zero3_run, tmp_path / "fp32", max_shard_size=SHARD)
     assert fp32["dtype"] == "fp32" and fp32["max_logit_diff"] <= 1e-5  # the training dtype by default

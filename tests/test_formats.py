@@ -12,10 +12,10 @@ import torch  # noqa: E402
 
 from corpora import chat_tokenizer, write_chat, write_instruction  # noqa: E402
 from harness.errors import UsageError  # noqa: E402
-from harness.train.data import DataSpec  # noqa: E402
-from harness.train.models import build_model, load_tokenizer  # noqa: E402
-from harness.train.rows import IGNORE_INDEX, Rows  # noqa: E402
-from harness.train.store import prepare  # noqa: E402
+from harness.data.corpus import DataSpec  # noqa: E402
+from harness.model.hf import build_model, load_tokenizer  # noqa: E402
+from harness.data.rows import IGNORE_INDEX, Rows  # noqa: E402
+from harness.data.store import prepare  # noqa: E402
 
 
 def _spans(store) -> tuple[str, str]:
@@ -86,8 +86,8 @@ def test_rows_without_targets_are_counted_and_train_with_loss_zero_not_nan(tmp_p
     """A prompt longer than seq_len packs into rows with no target token: the store counts them (and the user
     is told), and the trainer's loss on such a micro-batch is 0 with zero gradients instead of 0/0 = NaN, while
     on any other micro-batch it equals HF's own mean loss bit for bit; so does the pipeline's loss."""
-    from harness.train.parallel.pipeline import causal_lm_loss
-    from harness.train.store import empty_rows_note
+    from harness.model.parallel.pipeline import causal_lm_loss
+    from harness.data.store import empty_rows_note
     from harness.train.trainer import _loss
 
     path = tmp_path / "i.jsonl"

@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from harness.commands.launch import ranks_code
-from harness.train.dist import free_port
+from harness.dist import free_port
 from harness.train.preempt import EXIT_DIR_ENV, report_exit
 from launch import ROOT, env, records
 from test_reliability import latest_is_complete, train_steps_logged, tree, wait_for

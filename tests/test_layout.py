@@ -1,17 +1,26 @@
-"""The package layout holds: imports only go downward, config/ and planner/ stay pure, no cycles, small modules."""
+"""The package layout holds: rooms in one order with imports only downward, no two modules importing each other,
+no room over 30 % of the package, config/ and planner/ pure, small modules, docstrings that say what each room
+owns and may import."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "harness"
+# The rooms, lowest first. A module may import from its own room or any room before it, never after it.
+GROUND = ("errors", "log", "dist", "ops", "model_shapes")  # top-level modules every room may use
+ROOMS = ("ground", "config", "planner", "data", "model", "checkpoint", "profiling", "train", "report", "commands",
+         "entry")
+ENTRY = ("run", "cli", "__init__")  # harness/run.py, harness/cli.py, harness/__init__.py
 PURE = ("config", "planner")
-ENGINE_SIDE = ("harness.train", "harness.profiling", "harness.report", "harness.commands", "harness.run",
-               "harness.cli", "deepspeed", "torch.distributed")
+ENGINE_SIDE = tuple(f"harness.{r}" for r in ROOMS[3:-1]) + ("harness.dist", "harness.run", "harness.cli",
+                                                            "deepspeed", "torch.distributed")
 MAX_LINES = 400
+MAX_ROOM_SHARE = 0.30
 
 
 MODULES: dict[str, Path] = {}
@@ -23,6 +32,16 @@ def module_name(path: Path) -> str:
 
 
 MODULES.update({module_name(p): p for p in PKG.rglob("*.py") if "assets" not in p.parts})
+
+
+def room_of(module: str) -> str:
+    """harness.model.load.share -> model; harness.errors -> ground; harness.run -> entry."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in ENTRY:
+        return "entry"
+    if parts[1] in GROUND:
+        return "ground"
+    return parts[1]
 
 
 def imports_of(path: Path) -> list[tuple[str, bool]]:
@@ -41,34 +60,84 @@ def imports_of(path: Path) -> list[tuple[str, bool]]:
     return found
 
 
-@pytest.mark.parametrize("folder", PURE)
-def test_pure_folders_never_import_the_engine_side(folder):
-    bad = [(name, imported) for name, path in MODULES.items() if name.startswith(f"harness.{folder}")
-           for imported, _ in imports_of(path) if imported.startswith(ENGINE_SIDE)]
-    assert not bad, f"harness/{folder} must stay pure (no torch.distributed, deepspeed, train/...): {bad}"
+def harness_imports(name: str) -> set[str]:
+    """The package's modules that `name` imports, lazy imports included."""
+    return {imp for imp, _ in imports_of(MODULES[name]) if imp in MODULES and imp != name}
 
 
-def test_no_import_cycles_at_module_level():
-    graph = {name: {imp for imp, top in imports_of(path) if top and imp in MODULES and imp != name}
-             for name, path in MODULES.items()}
+def test_every_module_sits_in_a_named_room():
+    assert set(map(room_of, MODULES)) <= set(ROOMS), set(map(room_of, MODULES)) - set(ROOMS)
+    loose = {p.stem for p in PKG.glob("*.py")}
+    assert loose == set(GROUND) | set(ENTRY), f"top-level modules beyond the ground floor and entry points: {loose}"
+
+
+def test_imports_run_only_downward():
+    up = [f"{name} ({room_of(name)}) imports {imp} ({room_of(imp)})" for name in MODULES
+          for imp in sorted(harness_imports(name)) if ROOMS.index(room_of(imp)) > ROOMS.index(room_of(name))]
+    assert not up, f"imports from a lower room to a higher one (rooms, lowest first: {', '.join(ROOMS)}):\n" + \
+        "\n".join(up)
+
+
+def test_no_two_modules_import_each_other():
+    """Lazy imports included: a lazy import hides a circle from Python, not from a reader."""
+    pairs = sorted({tuple(sorted((a, b))) for a in MODULES for b in harness_imports(a) if a in harness_imports(b)})
+    assert not pairs, f"modules that import each other (a third module holds what they share, or merge them): {pairs}"
+
+
+def test_no_import_cycles():
+    graph = {name: harness_imports(name) for name in MODULES}
     state: dict[str, int] = {}
 
     def visit(node, stack):
         state[node] = 1
-        for nxt in graph[node]:
+        for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
                 raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
             if nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = 2
 
-    for name in graph:
+    for name in sorted(graph):
         if name not in state:
             visit(name, [name])
 
 
-def test_every_folder_says_what_it_owns():
-    for init in PKG.glob("*/__init__.py"):
+def test_no_room_holds_more_than_its_share_of_the_package():
+    lines: dict[str, int] = {}
+    for name, path in MODULES.items():
+        lines[room_of(name)] = lines.get(room_of(name), 0) + len(path.read_text().splitlines())
+    total = sum(lines.values())
+    big = {room: f"{n / total:.0%}" for room, n in lines.items() if n > MAX_ROOM_SHARE * total}
+    assert not big, f"rooms over {MAX_ROOM_SHARE:.0%} of the package's {total} lines (split by concern): {big}"
+
+
+@pytest.mark.parametrize("folder", PURE)
+def test_pure_folders_never_import_the_engine_side(folder):
+    def engine_side(imported: str) -> bool:
+        return any(imported == e or imported.startswith(e + ".") for e in ENGINE_SIDE)
+
+    bad = [(name, imported) for name, path in MODULES.items() if name.startswith(f"harness.{folder}")
+           for imported, _ in imports_of(path) if engine_side(imported)]
+    assert not bad, f"harness/{folder} must stay pure (no torch.distributed, deepspeed, train/...): {bad}"
+
+
+@pytest.mark.parametrize("room", [r for r in ROOMS if r not in ("ground", "entry")])
+def test_every_room_says_what_it_owns_and_may_import(room):
+    """Each room's __init__ docstring: what it owns, then `May import: ...` naming the rooms below it that it uses;
+    the line never names a room above, nor leaves out one the room's modules import."""
+    doc = ast.get_docstring(ast.parse((PKG / room / "__init__.py").read_text())) or ""
+    line = re.search(r"^May import:(.*?)(?:\n\n|\Z)", doc, re.M | re.S)
+    assert len(doc) > 80 and line, f"harness/{room}/__init__.py: say what the room owns, then `May import: ...`"
+    named = {"ground"} if "ground floor" in line.group(1) else set()
+    named |= {r for r in ROOMS if re.search(rf"\b{r}/", line.group(1))}
+    above = {r for r in named if ROOMS.index(r) >= ROOMS.index(room)}
+    assert not above, f"harness/{room}: `May import` names rooms at or above it: {above}"
+    used = {room_of(imp) for name in MODULES if room_of(name) == room for imp in harness_imports(name)} - {room}
+    assert used <= named, f"harness/{room} imports {sorted(used - named)}, which its `May import` line does not name"
+
+
+def test_every_subfolder_says_what_it_owns():
+    for init in PKG.glob("*/*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc) > 40, f"{init} needs a docstring saying what the folder owns"
 
@@ -79,15 +148,10 @@ def test_no_module_over_the_size_limit():
     assert not big, f"modules over {MAX_LINES} lines (split them by concern): {big}"
 
 
-def test_top_level_keeps_only_entry_points_and_ground_floor_helpers():
-    loose = {p.stem for p in PKG.glob("*.py")}
-    assert loose == {"__init__", "run", "cli", "errors", "model_shapes", "ops"}, loose
-
-
 def test_every_rank_script_ends_without_interpreter_finalization():
     """A script that starts a process group and ends through sys.exit can abort a rank that has finished everything
     (gloo worker thread at finalization: "terminate called without an active exception", exit -6; CI saw it on
-    bench/pipe_probe.py). Every such script ends through harness.train.dist.exit_now."""
+    bench/pipe_probe.py). Every such script ends through harness.dist.exit_now."""
     starts_group = ("distmod.init()", "init_process_group(", "deepspeed.init_distributed(")
     scripts = [p for folder in ("harness", "bench", "tests") for p in (PKG.parent / folder).rglob("*.py")
                if p != Path(__file__).resolve()]
@@ -95,4 +159,4 @@ def test_every_rank_script_ends_without_interpreter_finalization():
     bad = [str(p.relative_to(PKG.parent)) for p in scripts
            if any(s in (text := p.read_text()) for s in starts_group) and any(e in text for e in entry)
            and "exit_now(" not in text]
-    assert not bad, f"scripts that start a process group but do not end through harness.train.dist.exit_now: {bad}"
+    assert not bad, f"scripts that start a process group but do not end through harness.dist.exit_now: {bad}"

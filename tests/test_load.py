@@ -1,4 +1,4 @@
-"""Loading by share (harness/train/load) and the training dtype honoured.
+"""Loading by share (harness/model/load) and the training dtype honoured.
 
 In process: a bf16 Llama folder in several safetensors files + index; each tensor-parallel rank's slices read
 through the index equal the slices of the whole model, cast to fp32 as read; a missing or unexpected key is a
@@ -25,7 +25,7 @@ SEED, SEQ_LEN, LR = 1234, 64, 1e-3
 
 def bf16_folder(path, shard: str = "100KB") -> str:
     """tiny-llama's seeded weights in bf16, written as several safetensors files + model.safetensors.index.json."""
-    from harness.train.models import build_model, load_tokenizer
+    from harness.model.hf import build_model, load_tokenizer
 
     build_model("tiny-llama", seed=SEED).to(torch.bfloat16).save_pretrained(path, max_shard_size=shard)
     load_tokenizer("tiny-llama").save_pretrained(path)
@@ -48,9 +48,9 @@ def test_folder_has_several_files_and_an_index(folder):
 def test_tp_rank_reads_its_slices_cast_to_fp32(folder, rank):
     from transformers import AutoModelForCausalLM
 
-    from harness.train.load import meta, share
-    from harness.train.load.source import CheckpointFiles, check_keys
-    from harness.train.parallel.tensor import shard_model
+    from harness.model.load import meta, share
+    from harness.model.load.source import CheckpointFiles, check_keys
+    from harness.model.parallel.tensor import shard_model
 
     whole = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).float()
     shard_model(whole, None, rank, 2)  # the reference: split after a whole load
@@ -79,10 +79,10 @@ def test_tp_rank_reads_its_slices_cast_to_fp32(folder, rank):
 def test_preset_by_share_equals_the_seeded_model_and_keeps_its_tie():
     """A preset's meta build keeps the LM head tied to the embedding, and materialises to the seeded weights a
     one-process run starts from (one tensor for both names)."""
-    from harness.train.load import meta, share
-    from harness.train.load.build import open_source
-    from harness.train.load.source import check_keys
-    from harness.train.models import build_model, load_model_config
+    from harness.model.load import meta, share
+    from harness.model.load.base import open_source
+    from harness.model.load.source import check_keys
+    from harness.model.hf import build_model, load_model_config
 
     model = meta.build_on_meta(load_model_config("tiny-gpt2"))
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -99,10 +99,10 @@ def test_tied_folder_shard_reads_the_stored_name(tmp_path):
     """A tied folder stores only the embedding (no lm_head.weight); the TP shard reads it once for both names."""
     from transformers import AutoModelForCausalLM
 
-    from harness.train.load import meta, share
-    from harness.train.load.source import CheckpointFiles, check_keys
-    from harness.train.models import load_model_config
-    from harness.train.parallel.tensor import shard_model
+    from harness.model.load import meta, share
+    from harness.model.load.source import CheckpointFiles, check_keys
+    from harness.model.hf import load_model_config
+    from harness.model.parallel.tensor import shard_model
 
     config = load_model_config("tiny-llama")
     config.tie_word_embeddings = True
@@ -122,9 +122,9 @@ def test_tied_folder_shard_reads_the_stored_name(tmp_path):
 def test_missing_and_unexpected_keys_name_the_key_and_the_file(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from harness.train.load import meta
-    from harness.train.load.source import CheckpointFiles, check_keys
-    from harness.train.models import load_model_config
+    from harness.model.load import meta
+    from harness.model.load.source import CheckpointFiles, check_keys
+    from harness.model.hf import load_model_config
 
     path = bf16_folder(tmp_path / "one", shard="10GB")
     weights = load_file(f"{path}/model.safetensors")
@@ -143,7 +143,7 @@ def test_missing_and_unexpected_keys_name_the_key_and_the_file(tmp_path):
 def test_whole_load_trains_in_the_recipe_dtype(folder):
     """ddp / ZeRO-1/2 on a bf16 folder: fp32 runs get fp32 weights, bf16 runs keep 16-bit ones (the engine adds
     its fp32 master)."""
-    from harness.train.load.build import build_whole
+    from harness.model.build import build_whole
 
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         spec = SimpleNamespace(recipe={"precision": precision, "activation_checkpointing": False,

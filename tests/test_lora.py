@@ -94,7 +94,7 @@ def test_lora_plus_param_groups(runs, llama_reference):
 def test_dora_with_a_module_to_save(runs, tmp_path):
     """DoRA magnitudes and a fully trained lm_head beside the adapters: parity, and the adapter folder (their keys
     as peft writes them) loads with plain peft and reproduces the engine."""
-    from harness.train.export.folder import export
+    from harness.checkpoint.export.folder import export
 
     run = runs[0] / "zero2_dora"
     worst = assert_close(losses(run), reference(use_dora=True, modules_to_save=["lm_head"]), FP32_RTOL)
@@ -132,7 +132,7 @@ def test_checkpoints_hold_no_frozen_weights(runs):
 
 
 def _base():
-    from harness.train.models import build_model
+    from harness.model.hf import build_model
 
     return build_model("tiny-llama", seed=SEED).float().eval()
 
@@ -142,7 +142,7 @@ def test_adapter_from_zero3_loads_with_plain_peft_and_merged_equals_base_plus_ad
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from harness.train.export.folder import export
+    from harness.checkpoint.export.folder import export
 
     run = runs[0] / "zero3"
     info = export(run, tmp_path / "adapter", adapter_only=True)
@@ -177,7 +177,7 @@ def test_3d_parity_on_8_ranks(llama_reference, tmp_path):
 def test_pipeline_and_tp_adapters_export_and_match_the_engine(runs, name, tmp_path):
     """Per-layer files (pipeline) and tensor-parallel shards (B of q/k/v/gate/up by rows, A of o/down by columns)
     reassemble into the whole adapters; export raises if the logits disagree with the engine's probe."""
-    from harness.train.export.folder import export
+    from harness.checkpoint.export.folder import export
 
     adapter = export(runs[0] / name, tmp_path / "adapter", adapter_only=True)
     merged = export(runs[0] / name, tmp_path / "merged")

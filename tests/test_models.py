@@ -14,8 +14,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from harness.train import models  # noqa: E402
-from harness.train.dist import free_port  # noqa: E402
+from harness.model import hf as models  # noqa: E402
+from harness.dist import free_port  # noqa: E402
 from harness.errors import UsageError  # noqa: E402
 from harness.model_shapes import PRESETS, TINY_VOCAB_SIZE  # noqa: E402
 
@@ -126,7 +126,7 @@ def test_zero3_config_must_be_stage_3():
 
 ZERO3_SCRIPT = textwrap.dedent("""
     import json, sys, torch, deepspeed
-    from harness.train.models import build_model, load_tokenizer
+    from harness.model.hf import build_model, load_tokenizer
     cfg = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
            "zero_optimization": {"stage": 3}}
     out, folder = {}, sys.argv[1]
@@ -165,10 +165,10 @@ def test_zero3_init_partitions_and_matches_the_plain_build(tmp_path):
 
 def test_tiny_llama_learns_the_builtin_corpus(tmp_path):
     """60 AdamW steps of 16 x 128 tokens: the corpus has learnable structure and the pieces fit together."""
-    from harness.train.batches import BatchPlan
-    from harness.train.data import DataSpec
-    from harness.train.rows import Rows
-    from harness.train.store import prepare
+    from harness.data.batches import BatchPlan
+    from harness.data.corpus import DataSpec
+    from harness.data.rows import Rows
+    from harness.data.store import prepare
 
     store, _ = prepare(DataSpec(), models.load_tokenizer("tiny-llama"), 128, str(tmp_path))
     blocks = Rows.of(store)

@@ -58,7 +58,7 @@ def test_two_nodes_without_ssh_train_one_run(tmp_path):
     port = free_port()
     logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
     procs = [start_node(rank, hostfile, port, logs[rank], args) for rank in (0, 1)]
-    codes = wait_all(procs, TIMEOUT_S)  # the ranks unlink DeepSpeed's /dev/shm buffers themselves (harness.train.dist)
+    codes = wait_all(procs, TIMEOUT_S)  # the ranks unlink DeepSpeed's /dev/shm buffers themselves (harness.dist)
     outputs = [log.read_text() for log in logs]
     assert codes == [0, 0], f"exit codes {codes}\n--- node 0\n{outputs[0][-5000:]}\n--- node 1\n{outputs[1][-5000:]}"
     for rank, out in enumerate(outputs):  # each launcher started its own node's single rank

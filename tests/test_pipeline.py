@@ -40,7 +40,7 @@ def qwen2_folder(path):
     """A tiny Qwen2-shaped model (GQA, q/k/v biases, tied embeddings) written with save_pretrained."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from harness.train.models import _shipped_eos_id, load_tokenizer
+    from harness.model.hf import _shipped_eos_id, load_tokenizer
 
     eos = _shipped_eos_id()
     config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
@@ -55,10 +55,10 @@ def qwen2_folder(path):
 def eval_loss_of(model, run, micro: int) -> float:
     """The trainer's eval on one data-parallel replica: the first eval_batches x micro eval rows, in micro-batches,
     mean of the micro-batch means."""
-    from harness.train.data import DataSpec
-    from harness.train.models import load_tokenizer
-    from harness.train.rows import Rows, split_rows
-    from harness.train.store import prepare
+    from harness.data.corpus import DataSpec
+    from harness.model.hf import load_tokenizer
+    from harness.data.rows import Rows, split_rows
+    from harness.data.store import prepare
 
     train = json.loads((run / "recipe.json").read_text())["train"]
     store, _ = prepare(DataSpec.from_train(train), load_tokenizer(train["model"]), train["seq_len"],
@@ -76,7 +76,7 @@ def check_export(run, out, micro: int | None = None) -> float:
     eval loss the pipe logged at the last step."""
     from transformers import AutoModelForCausalLM
 
-    from harness.train.export.folder import export
+    from harness.checkpoint.export.folder import export
 
     info = export(run, out)
     assert info["step"] == STEPS

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from harness.errors import UsageError
-from harness.train.models import build_model
-from harness.train.parallel import pipeline
+from harness.model.hf import build_model
+from harness.model.parallel import pipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,8 +13,8 @@ from harness.planner.params import count_params, with_lora
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
 def test_adapter_counts_equal_peft(preset):
     from harness.config.recipes import load_recipe
-    from harness.train import adapters
-    from harness.train.models import build_model, load_model_config
+    from harness.model import adapters
+    from harness.model.hf import build_model, load_model_config
 
     recipe = load_recipe("lora_zero2", [f"train.model={preset}"])[0]
     model = adapters.apply(build_model(preset, seed=0), recipe)

@@ -178,10 +178,10 @@ def _qwen2_tied():
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2", "qwen2-tied"])
 def test_layer_list_weighs_what_the_harness_pipeline_module_builds(model):
-    """The planner's layer list against harness/train/parallel/pipeline.py's LayerSpecs, weighed the way
+    """The planner's layer list against harness/model/parallel/pipeline.py's LayerSpecs, weighed the way
     DeepSpeed's _count_layer_params does (build each spec, count trainable parameters)."""
-    from harness.train.models import build_model
-    from harness.train.parallel.pipeline import layer_specs as pipe_specs
+    from harness.model.hf import build_model
+    from harness.model.parallel.pipeline import layer_specs as pipe_specs
 
     hf = _qwen2_tied() if model == "qwen2-tied" else build_model(model, seed=0)
     built = [sum(p.numel() for p in spec.build().parameters() if p.requires_grad) for spec in pipe_specs(hf)]

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.planner import decide, hardware, steptime
+from harness.planner import hardware, layouts, steptime
 from harness.planner.params import count_params, model_shape
 
 SEQ, VOCAB = 2048, 51_200
@@ -69,12 +69,12 @@ def predict(layers, hidden, heads, gpus, tp, pp, dp, batch, micro, interleave) -
     cfg = {"model_type": "gpt2", "n_embd": hidden, "n_layer": layers, "n_head": heads, "n_positions": SEQ,
            "vocab_size": VOCAB}  # Megatron's GPT: learned positions, 4h MLP, tied embedding
     count, shape = count_params(cfg), model_shape(cfg)
-    hw = decide.hardware(8, gpus // 8, 80 * 10**9, None, None)
+    hw = layouts.hardware(8, gpus // 8, 80 * 10**9, None, None)
     work = {"seq_len": SEQ, "micro_batch": micro, "grad_accum": batch // (dp * micro), "precision": "fp16",
             "activation_checkpointing": True, "global_batch": batch, "attention": "materialized"}
-    c = decide.Candidate("3d" if pp > 1 else "tp", 0, tp=tp, pp=pp)
+    c = layouts.Candidate("3d" if pp > 1 else "tp", 0, tp=tp, pp=pp)
     assert tp * pp * dp == gpus == hw["world"]
-    result = decide.evaluate(c, count, shape, hw, work)
+    result = layouts.evaluate(c, count, shape, hw, work)
     return steptime.step_time(c, count, shape, hardware.load(PROFILE), hw, work, result, interleave=interleave,
                               stage_blocks=[layers // pp] * pp if pp > 1 else None)
 

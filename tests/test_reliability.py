@@ -178,8 +178,8 @@ def test_zero3_kill9_during_save_then_resumed_on_1_and_2_ranks(tmp_path):
 
 HANG = """
 import time
-from harness.train.dist import exit_now
-from harness.train import dist as distmod
+from harness.dist import exit_now
+from harness import dist as distmod
 info = distmod.init(timeout_min=0.05)  # 3 s
 if info.rank == 1:
     time.sleep(15)  # a hung peer
@@ -197,12 +197,12 @@ exit_now(0)
 
 
 def test_collective_timeout_ends_a_hung_collective_naming_the_setting():
-    """Two real gloo ranks through harness.train.dist.init: rank 1 stops answering, rank 0's all-reduce fails
+    """Two real gloo ranks through harness.dist.init: rank 1 stops answering, rank 0's all-reduce fails
     after train.collective_timeout (3 s here) instead of waiting, with a message naming the setting."""
     import subprocess
     import sys
 
-    from harness.train.dist import free_port
+    from harness.dist import free_port
     from launch import ROOT, env
 
     port = str(free_port())

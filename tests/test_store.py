@@ -11,10 +11,10 @@ import pytest  # noqa: E402
 
 from corpora import chat_tokenizer, write_chat  # noqa: E402
 from harness.errors import UsageError  # noqa: E402
-from harness.train import store as storemod  # noqa: E402
-from harness.train.data import DataSpec  # noqa: E402
-from harness.train.models import load_tokenizer  # noqa: E402
-from harness.train.store import dtype_for, open_store, prepare, store_key, store_path  # noqa: E402
+from harness.data import store as storemod  # noqa: E402
+from harness.data.corpus import DataSpec  # noqa: E402
+from harness.model.hf import load_tokenizer  # noqa: E402
+from harness.data.store import dtype_for, open_store, prepare, store_key, store_path  # noqa: E402
 
 DOCS = ["The cat eats fish.", "", "A dog barks at the gate.", "Monday, Tuesday, Wednesday."]
 
@@ -118,7 +118,7 @@ def test_a_launch_prepares_in_a_child_process_and_hears_its_errors(tmp_path, tok
     """ensure_store on local rank 0 builds the store in a spawned process (so a training rank keeps none of what
     tokenizing allocated: bench/data.py measures it); the store is the one prepare() makes in-process, and a
     UsageError in the child reaches the rank as that UsageError (exit 2 with its message)."""
-    from harness.train.store import ensure_store
+    from harness.data.store import ensure_store
 
     spec = DataSpec(str(corpus(tmp_path, copies=5)))
     store, made = ensure_store(spec, tok, 4, str(tmp_path / "child"), local_rank=0)

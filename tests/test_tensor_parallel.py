@@ -1,4 +1,4 @@
-"""Tensor-parallel decoder layers (harness/train/parallel/tensor.py) against the unsplit layer, on 2 real gloo
+"""Tensor-parallel decoder layers (harness/model/parallel/tensor.py) against the unsplit layer, on 2 real gloo
 processes (torch.multiprocessing; no DeepSpeed engine): output, input gradient and every weight gradient equal
 the whole layer's, for a Llama layer (with q/k/v/o and MLP biases, so the row-parallel bias is covered) and a
 Qwen2 layer (GQA 4 heads / 2 kv heads, q/k/v biases). The layer is built and split on its own, outside any
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from harness.errors import UsageError
-from harness.train.dist import free_port
+from harness.dist import free_port
 
 SIZE, TOKENS, BATCH = 2, 7, 3
 RTOL, ATOL = 1e-5, 1e-6
@@ -58,7 +58,7 @@ def _run(layer, x, weight, rope):
 
 def _compare(kind: str, rank: int) -> dict | None:
     """Rank 0 gets the differences between the split and the whole layer (both ranks run both)."""
-    from harness.train.parallel.tensor import merge_shards, shard_decoder_layer
+    from harness.model.parallel.tensor import merge_shards, shard_decoder_layer
 
     config, layer, x, weight, rope = _layer_and_inputs(kind)
     full_state = {k: v.clone() for k, v in layer.state_dict().items()}
@@ -89,7 +89,7 @@ def _worker(rank: int, port: int, results) -> None:
             results.put(found)
     finally:
         dist.destroy_process_group()
-    from harness.train.dist import exit_now
+    from harness.dist import exit_now
 
     exit_now(0)  # no interpreter finalization after gloo (it can abort a finished rank, see exit_now)
 
@@ -121,7 +121,7 @@ def test_split_layer_matches_the_whole_layer(kind, compared):
 def test_unsupported_models_and_degrees_are_refused_with_the_arithmetic():
     from transformers import GPT2Config
 
-    from harness.train.parallel.tensor import supported
+    from harness.model.parallel.tensor import supported
 
     with pytest.raises(UsageError, match="model_type 'gpt2'.*llama, mistral, qwen2"):
         supported(GPT2Config(), 2)

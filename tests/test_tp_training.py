@@ -35,7 +35,7 @@ def _qwen2_folder(path) -> str:
     """A tiny Qwen2 (GQA, q/k/v biases, tied embeddings) with seeded random weights and the shipped tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from harness.train.models import _shipped_eos_id, load_tokenizer
+    from harness.model.hf import _shipped_eos_id, load_tokenizer
 
     eos = _shipped_eos_id()
     config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -48,7 +48,7 @@ def _qwen2_folder(path) -> str:
 
 
 def _full_params(model: str) -> int:
-    from harness.train.models import build_model
+    from harness.model.hf import build_model
 
     return sum(p.numel() for p in build_model(model, seed=SEED).parameters())
 
@@ -82,7 +82,7 @@ def runs(tmp_path_factory) -> dict:
 def test_tp_matches_one_process_and_exports(name, runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from harness.train.export.folder import export
+    from harness.checkpoint.export.folder import export
 
     r = runs[name]
     worst = _worst(losses(r["run"]), _reference(r["model"]))

@@ -15,7 +15,7 @@ import torch
 from baseline import plain_pytorch_losses
 from corpora import chat_model_dir, write_chat, write_instruction
 from export_checks import assert_export_equals_engine
-from harness.train.data import DataSpec
+from harness.data.corpus import DataSpec
 from launch import launch, losses, records
 
 pytestmark = pytest.mark.multirank
@@ -146,7 +146,7 @@ def test_bf16_within_documented_tolerance_and_eval(reference, tmp_path):
 def test_export_round_trip(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from harness.train.export.folder import export
+    from harness.checkpoint.export.folder import export
 
     run = tmp_path / "z3"
     launch("--recipe", "zero3", "--set", "precision=fp32", "--output-dir", str(run), *COMMON)

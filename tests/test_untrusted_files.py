@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.train.checkpoint import _rng_state, _set_rng_state
+from harness.checkpoint.save import _rng_state, _set_rng_state
 
 HARNESS = Path(__file__).resolve().parents[1] / "harness"
 SOURCES = sorted(HARNESS.rglob("*.py"))
@@ -92,7 +92,7 @@ def test_optimizer_states_with_enums_pickled_by_getattr_load_and_nothing_else_do
 
     from harness.errors import UsageError
 
-    from harness.train.export.ckpt_tensors import MappedFiles
+    from harness.checkpoint.export.ckpt_tensors import MappedFiles
 
     good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
     torch.save({"zero_stage": _ByGetattr(ZeroStageEnum, "gradients"), "t": torch.ones(2)}, good)

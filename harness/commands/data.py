@@ -35,10 +35,10 @@ def _train_keys(args) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.train.data import DataSpec
-    from harness.train.formats import check_chat_template
-    from harness.train.models import load_tokenizer
-    from harness.train.store import empty_rows_note, prepare
+    from harness.data.corpus import DataSpec
+    from harness.data.formats import check_chat_template
+    from harness.model.hf import load_tokenizer
+    from harness.data.store import empty_rows_note, prepare
 
     if args.num_proc is not None and args.num_proc < 1:
         raise UsageError(f"--num-proc {args.num_proc}: must be >= 1\n    fix: leave it out for one per core")

@@ -7,7 +7,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from harness.train.export.folder import DEFAULT_SHARD_SIZE, DTYPES
+    from harness.checkpoint.export.folder import DEFAULT_SHARD_SIZE
+    from harness.checkpoint.export.state import DTYPES
 
     parser.add_argument("checkpoint", metavar="CKPT", help="run folder, its checkpoints/ folder, or global_stepN")
     parser.add_argument("--out", required=True, help="output folder (must be new or empty)")
@@ -22,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness.train.export.folder import export
+    from harness.checkpoint.export.folder import export
 
     info = export(args.checkpoint, args.out, args.overwrite, max_shard_size=args.max_shard_size, dtype=args.dtype,
                   adapter_only=args.adapter_only)

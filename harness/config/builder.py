@@ -118,7 +118,7 @@ def build(recipe: dict) -> dict:
     if parallel["pipeline"] > 1:
         ds["pipeline"] = {"stages": parallel["pipeline"], "partition": parallel["partition_method"],
                           "activation_checkpoint_interval": 1 if recipe["activation_checkpointing"] else 0}
-    # parallel.tensor emits nothing: the runner splits the layers itself (harness/train/parallel/tensor.py,
+    # parallel.tensor emits nothing: the runner splits the layers itself (harness/model/parallel/tensor.py,
     # also inside pipeline stages, where DeepSpeed 0.19's AutoTP cannot go) and hands DeepSpeed an mpu.
     ds["wall_clock_breakdown"] = False
     return deep_merge(ds, recipe["deepspeed"])

@@ -2,7 +2,8 @@
 
 Pure: imports neither torch nor deepspeed (the exact meta-device count in params.py imports them
 lazily). `plan(...)` is what `harness plan` and `harness/run.py --recipe auto` call.
-"""
+
+May import: the ground floor, config/."""
 
 from harness.planner.decide import Plan, plan
 

@@ -6,7 +6,7 @@ partition_method "uniform" splits the layer count evenly (runtime/utils.py `part
 over (max - min) part sums whose ties go to the LAST split point examined. Both are replicated here line for
 line (tests hold them equal to DeepSpeed's functions), so the split is exact, not estimated.
 
-The harness lays a model out as DeepSpeed sees it (harness/train/parallel/pipeline.py):
+The harness lays a model out as DeepSpeed sees it (harness/model/parallel/pipeline.py):
     [token embedding, (GPT-2: learned positions), block 0 .. block L-1, final norm, LM head]
 A tied head is a TiedLayerSpec of the embedding module: `_count_layer_params` builds it and counts the whole
 embedding again, and the last stage holds its own copy (its gradient is all-reduced with the first stage's
@@ -115,7 +115,7 @@ def partition(count: ParamCount, pp: int, method: str = "parameters", tp: int = 
 
     counted_tp: the split of the blocks that DeepSpeed's `_count_layer_params` sees when it builds each layer
     to weigh it: 1 when the stage splits its blocks after the PipelineModule is built (the harness:
-    harness/train/parallel/pipe_engine.py, the default), tp when a layer is split as it is built."""
+    harness/model/parallel/pipe_engine.py, the default), tp when a layer is split as it is built."""
     specs = layer_specs(count, 1 if counted_tp is None else counted_tp)
     if method == "uniform":
         return partition_uniform(len(specs), pp)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 
-from harness.planner.decide import Plan, gb
+from harness.planner.decide import Plan
+from harness.planner.layouts import gb
 from harness.planner.memory import TERMS
 
 GIB = 2**30

@@ -4,7 +4,7 @@ profile's dense peak."""
 
 from __future__ import annotations
 
-from harness.planner.decide import gb
+from harness.planner.layouts import gb
 
 SHORT = {"forward_s": "fwd", "backward_s": "bwd", "recompute_s": "recompute", "tp_comm_s": "tp",
          "bubble_s": "bubble", "p2p_s": "p2p", "dp_reduce_exposed_s": "dp-reduce", "dp_gather_exposed_s": "dp-gather",

@@ -3,7 +3,7 @@ global batch grows with the nodes, so each GPU keeps its micro-batch and accumul
 
 from __future__ import annotations
 
-from harness.planner import decide, search
+from harness.planner import layouts, search
 
 
 def node_counts(nodes: int) -> list[int]:
@@ -20,13 +20,13 @@ def curve(plan, model_cfg: dict, profile: dict) -> dict:
     from harness.planner.params import count_params, model_shape
 
     r = plan.recommended
-    c = decide.Candidate(r["recipe"], r["zero_stage"], r["offload_optimizer"], r["offload_param"], r["tp"], r["pp"])
+    c = layouts.Candidate(r["recipe"], r["zero_stage"], r["offload_optimizer"], r["offload_param"], r["tp"], r["pp"])
     count, shape = count_params(model_cfg), model_shape(model_cfg)
     w, hw0 = plan.workload, plan.hardware
     per_gpu = r.get("global_batch", w["micro_batch"] * w["grad_accum"] * hw0["world"]) / hw0["world"]
     points = []
     for nodes in node_counts(hw0["nodes"]):
-        hw = decide.hardware(hw0["gpus_per_node"], nodes, hw0["gpu_mem_bytes"], hw0["cpu_mem_bytes"],
+        hw = layouts.hardware(hw0["gpus_per_node"], nodes, hw0["gpu_mem_bytes"], hw0["cpu_mem_bytes"],
                              hw0["nvme_bytes"])
         if hw["world"] % (c.tp * c.pp):
             continue

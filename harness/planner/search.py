@@ -1,6 +1,6 @@
 """Search the layouts that fit and rank them by predicted tokens/s (steptime.py), and evaluate one given layout.
 
-Knobs searched: the seeds' strategies (decide.candidates: ZeRO-0..3, optimizer/parameter offload to CPU or
+Knobs searched: the seeds' strategies (layouts.candidates: ZeRO-0..3, optimizer/parameter offload to CPU or
 NVMe, tensor parallel inside a node with ZeRO-1..3, pipelines across nodes with tensor parallel inside and
 ZeRO-1 over the replicas), activation checkpointing off/on, and the micro-batch: every divisor of the
 per-replica batch (global batch / data-parallel size) that fits, since a pipeline may prefer more, smaller
@@ -10,7 +10,7 @@ so every layout trains the same tokens per step and tokens/s compare like for li
 
 from __future__ import annotations
 
-from harness.planner import decide, steptime
+from harness.planner import layouts, steptime
 
 MAX_MICRO_BATCH = 64
 TOP = 5
@@ -30,13 +30,13 @@ def layout_work(work: dict, micro_batch: int, ac: bool, dp: int) -> dict:
 
 
 def timed(c, count, shape: dict, hw: dict, work: dict, profile: dict, model_name: str) -> dict:
-    """decide.evaluate plus the predicted step time, the batch split and the launch line of this layout."""
-    result = decide.evaluate(c, count, shape, hw, work)
+    """layouts.evaluate plus the predicted step time, the batch split and the launch line of this layout."""
+    result = layouts.evaluate(c, count, shape, hw, work)
     result["time"] = steptime.step_time(c, count, shape, profile, hw, work, result)
     result["micro_batch"], result["activation_checkpointing"] = work["micro_batch"], work["activation_checkpointing"]
     result["global_batch"] = work["global_batch"]
-    result["overrides"] = decide.overrides(c, result, work)
-    result["launch"] = decide.launch_command(c.recipe, model_name, hw, result["overrides"])
+    result["overrides"] = layouts.overrides(c, result, work)
+    result["launch"] = layouts.launch_command(c.recipe, model_name, hw, result["overrides"])
     return result
 
 
@@ -53,7 +53,7 @@ def _best_for(c, count, shape: dict, hw: dict, work: dict, profile: dict, model_
             lw = layout_work(work, mb, ac, dp)
             if c.pp > 1 and lw["grad_accum"] < c.pp:
                 continue  # fewer micro-batches than stages: the pipeline idles most of the step
-            r = decide.evaluate(c, count, shape, hw, lw)
+            r = layouts.evaluate(c, count, shape, hw, lw)
             if not r["applicable"]:
                 return out
             if not r["fits"]:
@@ -71,7 +71,7 @@ def _best_for(c, count, shape: dict, hw: dict, work: dict, profile: dict, model_
 def search(count, shape: dict, hw: dict, work: dict, profile: dict, model_name: str) -> list[dict]:
     """Every fitting layout (best micro-batch per strategy and checkpointing), fastest first."""
     found = []
-    for c in decide.candidates(hw["world"], hw["gpus_per_node"], count.num_layers):
+    for c in layouts.candidates(hw["world"], hw["gpus_per_node"], count.num_layers):
         found += _best_for(c, count, shape, hw, work, profile, model_name)
     return sorted(found, key=lambda r: -r["time"]["tokens_per_s"])
 
@@ -91,7 +91,7 @@ def compare(fastest: dict, first_fit: dict) -> dict:
             "why": why_faster(fastest, first_fit)}
 
 
-def candidate_for(zero: int, offload: str, tp: int, pp: int) -> "decide.Candidate":
+def candidate_for(zero: int, offload: str, tp: int, pp: int) -> "layouts.Candidate":
     """The harness recipe that runs this layout (--zero/--offload/--tp/--pp), refused when none can."""
     from harness.errors import UsageError
 
@@ -104,14 +104,14 @@ def candidate_for(zero: int, offload: str, tp: int, pp: int) -> "decide.Candidat
     if pp > 1:
         if zero > 1:
             raise UsageError(f"--pp {pp} with --zero {zero}: DeepSpeed's pipeline engine runs ZeRO-0 or 1 only")
-        return decide.Candidate("3d" if tp > 1 else "pipeline", zero, tp=tp, pp=pp)
+        return layouts.Candidate("3d" if tp > 1 else "pipeline", zero, tp=tp, pp=pp)
     if tp > 1:
-        return decide.Candidate("tp", zero, tp=tp)
+        return layouts.Candidate("tp", zero, tp=tp)
     if offload == "cpu":
-        return decide.Candidate(f"zero{zero}_offload", zero, "cpu", "cpu" if zero == 3 else "none")
+        return layouts.Candidate(f"zero{zero}_offload", zero, "cpu", "cpu" if zero == 3 else "none")
     if offload == "nvme":
-        return decide.Candidate("zero3_nvme", 3, "nvme", "nvme")
-    return decide.Candidate("ddp" if zero == 0 else f"zero{zero}", zero)
+        return layouts.Candidate("zero3_nvme", 3, "nvme", "nvme")
+    return layouts.Candidate("ddp" if zero == 0 else f"zero{zero}", zero)
 
 
 def evaluate_layout(layout: dict, count, shape: dict, hw: dict, work: dict, profile: dict, model_name: str) -> dict:
@@ -154,7 +154,7 @@ def attach(plan, count, shape: dict, hw: dict, work: dict, profile: dict, global
     plan.ranked = search(count, shape, hw, base, profile, name)
     first = plan.recommended
     if first is not None:
-        c = decide.Candidate(first["recipe"], first["zero_stage"], first["offload_optimizer"], first["offload_param"],
+        c = layouts.Candidate(first["recipe"], first["zero_stage"], first["offload_optimizer"], first["offload_param"],
                              first["tp"], first["pp"])
         dp = first["dp"]
         if gb % (dp * work["micro_batch"]) == 0:

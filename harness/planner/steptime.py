@@ -239,8 +239,8 @@ def stage_computes(c, count, shape: dict, profile: dict, work: dict, result: dic
 
 def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result: dict, *,
               interleave: int = 1, stage_blocks: list[int] | None = None) -> dict:
-    """Predicted seconds per optimizer step of layout `c` (a decide.Candidate) with `result` its memory and
-    comm evaluation (decide.evaluate): the total, tokens/s per GPU, MFU and the breakdown."""
+    """Predicted seconds per optimizer step of layout `c` (a layouts.Candidate) with `result` its memory and
+    comm evaluation (layouts.evaluate): the total, tokens/s per GPU, MFU and the breakdown."""
     m, world = result["micro_batches"], hw["world"]
     t_mb = _stage_compute(c, count, shape, profile, work, result, stage_blocks)
     place = _placement(c, hw)

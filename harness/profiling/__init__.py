@@ -1,4 +1,5 @@
 """Profiling hooks: communication per collective, memory per rank, throughput and MFU, DeepSpeed monitors.
+May import: the ground floor, config/, planner/, data/, model/, checkpoint/.
 
 Contract with harness/train/job.py:
   ds_overrides(spec, run_dir) -> dict   DeepSpeed keys merged into the config before initialize
@@ -57,8 +58,7 @@ profiled steps and once at close, so there are no per-rank files and no gathers 
 
 Optional DeepSpeed monitors (recipe `monitor.tensorboard` / `monitor.csv`) write into RUN/monitor/; the
 harness adds the train loss, eval loss and tokens/s, which the plain engine does not log.
-`harness report RUN` turns all of this into report.md with plots.
-"""
+`harness report RUN` turns all of this into report.md with plots."""
 
 from __future__ import annotations
 

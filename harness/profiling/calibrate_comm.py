@@ -120,7 +120,7 @@ def _worker(rank: int, ranks: int, port: int, out_path: str, nbytes: int, repeat
         with open(out_path, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
-    from harness.train.dist import exit_now
+    from harness.dist import exit_now
 
     exit_now(0)  # no interpreter finalization after gloo (it can abort a finished rank, see exit_now)
 

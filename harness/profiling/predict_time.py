@@ -18,7 +18,7 @@ def _model_cfg(spec, engine) -> dict:
 
 
 def _candidate(spec):
-    from harness.planner import decide
+    from harness.planner import layouts
 
     zero = spec.ds_config.get("zero_optimization", {})
     stage = zero.get("stage", 0)
@@ -27,12 +27,12 @@ def _candidate(spec):
     if stage < 3:
         opt = "cpu" if opt == "nvme" else opt  # stages 1-2 treat nvme as cpu (deepspeed-facts.md)
     recipe = "3d" if spec.pp > 1 and spec.tp > 1 else "pipeline" if spec.pp > 1 else "tp" if spec.tp > 1 else "zero"
-    return decide.Candidate(recipe, stage, opt, par, spec.tp, spec.pp)
+    return layouts.Candidate(recipe, stage, opt, par, spec.tp, spec.pp)
 
 
 def for_run(spec, engine, device: str, device_name: str, device_mem_bytes: int) -> dict:
     """{"step_time_s", "breakdown", "profile", "profile_source", ...} or {"note": why not predicted}."""
-    from harness.planner import decide, hardware, steptime
+    from harness.planner import hardware, layouts, steptime
     from harness.planner.params import count_params, model_shape
 
     try:
@@ -43,13 +43,13 @@ def for_run(spec, engine, device: str, device_name: str, device_mem_bytes: int) 
         cfg = _model_cfg(spec, engine)
         count, shape = count_params(cfg), model_shape(cfg)
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or spec.world_size)
-        hw = decide.hardware(local, max(1, spec.world_size // local), device_mem_bytes, None, None)
+        hw = layouts.hardware(local, max(1, spec.world_size // local), device_mem_bytes, None, None)
         micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         work = {"seq_len": recipe["train"]["seq_len"], "micro_batch": micro, "grad_accum": accum,
                 "precision": recipe["precision"], "global_batch": micro * accum * spec.dp,
                 "activation_checkpointing": bool(recipe.get("activation_checkpointing"))}
         c = _candidate(spec)
-        result = decide.evaluate(c, count, shape, hw, work)
+        result = layouts.evaluate(c, count, shape, hw, work)
         t = steptime.step_time(c, count, shape, profile, hw, work, result)
         return {"step_time_s": t["step_time_s"], "breakdown": t["breakdown"], "tokens_per_s": t["tokens_per_s"],
                 "per_stage": t["per_stage"],

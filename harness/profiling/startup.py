@@ -88,7 +88,7 @@ def predict_build(spec, built) -> dict:
     owns come from the model's shape through the planner's own stage split (so the engine's count tests it);
     ZeRO-3's partition and the largest tensor are read off the built module."""
     from harness import model_shapes
-    from harness.train.load.build import zero3_by_module
+    from harness.model.build import zero3_by_module
     from harness.planner.load import build_bytes, owned_params
     from harness.planner.params import count_params
 

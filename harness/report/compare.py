@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.errors import UsageError
+from harness.report.tables import fmt_bytes, fmt_ratio, ratio, table
 from harness.report.pipeline import pipeline_flags, pipeline_rows, pipeline_section
 from harness.report.startup import startup_rows, startup_section
+from harness.report.step_time import step_time_section
 from harness.train.metrics import read_metrics
 
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.25
@@ -69,12 +71,6 @@ def load_run(run_dir) -> Run:
     if not run.summary:
         run.notes.append("no summary.json: the run did not finish; tables use metrics.jsonl only")
     return run
-
-
-def ratio(measured: float | None, predicted: float | None) -> float | None:
-    if measured is None or not predicted:
-        return None
-    return measured / predicted
 
 
 def _flag(r: float | None, tol: float) -> str:
@@ -241,25 +237,6 @@ def compare_flags(runs: list[Run]) -> list[str]:
     return out
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_ratio(r: float | None) -> str:
-    return "-" if r is None else f"{r:.3f}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _per_rank(values: list, fmt) -> list[str]:
     return [fmt(v) for v in values]
 
@@ -303,7 +280,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
     out += [f"- {f}" for f in flags] or ["- none: every measured value is within tolerance of its prediction"]
     out += ["", "## Model states per rank after a step (predicted vs measured)", ""]
     if tables["states"]:
-        out.append(_table(["term", "predicted", *ranks, "ratio (per rank)", "where (measured)", "flag"], [
+        out.append(table(["term", "predicted", *ranks, "ratio (per rank)", "where (measured)", "flag"], [
             [r["term"], _predicted_cell(r), *_per_rank(r["measured"], fmt_bytes),
              " / ".join(_per_rank(r["ratio"], fmt_ratio)), "+".join(r["devices"]), r["flag"]]
             for r in tables["states"]]))
@@ -311,7 +288,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
         out.append("not recorded (profile.memory was off)")
     out += ["", "## Communication per step, logged bytes (predicted vs measured)", ""]
     if tables["comm"]:
-        out.append(_table(["collective", "predicted", *ranks, "ratio (per rank)", "calls/step",
+        out.append(table(["collective", "predicted", *ranks, "ratio (per rank)", "calls/step",
                            "latency ms/step", "flag"], [
             [r["collective"], _predicted_cell(r), *_per_rank(r["measured"], fmt_bytes),
              " / ".join(_per_rank(r["ratio"], fmt_ratio)), " / ".join(f"{c:g}" for c in r["count"]),
@@ -322,7 +299,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
         out.append("not measured (no profile window)")
     out += ["", "## Peak memory per rank", ""]
     if tables["peak"]:
-        out.append(_table(["rank", "measured", "predicted (backward + activations, or the step)", "ratio", "flag"], [
+        out.append(table(["rank", "measured", "predicted (backward + activations, or the step)", "ratio", "flag"], [
             [str(r["rank"]), f"{fmt_bytes(r['measured'])} ({r['measured_key']})", fmt_bytes(r["predicted"]),
              fmt_ratio(r["ratio"]), r["flag"]] for r in tables["peak"]]))
     else:
@@ -332,8 +309,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
     timers = run.summary.get("throughput", {}).get("timers_ms_median", {})
     if timers:
         out += ["", "## Step time breakdown (DeepSpeed timers, median ms, rank 0)", "",
-                _table(list(timers), [[f"{v:.2f}" for v in timers.values()]])]
-    from harness.report.step_time import step_time_section
+                table(list(timers), [[f"{v:.2f}" for v in timers.values()]])]
 
     out += step_time_section(run)
     out += ["", "## Plots", ""]

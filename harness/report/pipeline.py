@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 def _fmt(n) -> str:
-    from harness.report.compare import fmt_bytes
+    from harness.report.tables import fmt_bytes
 
     return fmt_bytes(n)
 
@@ -54,7 +54,7 @@ def pipeline_flags(run) -> list[str]:
 def pipeline_section(run, rows: list[dict]) -> list[str]:
     if not rows:
         return []
-    from harness.report.compare import _table
+    from harness.report.tables import table
 
     pipe = run.summary["pipeline"]
     out = ["", "## Pipeline stages per rank (predicted vs measured)", "",
@@ -62,7 +62,7 @@ def pipeline_section(run, rows: list[dict]) -> list[str]:
            f"planned {pipe.get('parts_planned')}, engine {pipe.get('parts_engine')}",
            f"- bubble (p-1)/(m+p-1) = {_pct(pipe.get('predicted_bubble'))} predicted; measured: the share of each "
            "rank's schedule not spent in forward/backward (waiting on neighbours, p2p copies, loading batches)", "",
-           _table(["rank", "stage", "send predicted", "send measured", "recv predicted", "recv measured",
+           table(["rank", "stage", "send predicted", "send measured", "recv predicted", "recv measured",
                    "tp all-reduce (predicted part)", "tied all-reduce (predicted part)", "bubble predicted",
                    "bubble measured"],
                   [[str(r["rank"]), str(r["stage"]), _fmt(r["send_predicted"]), _fmt(r["send_measured"]),

@@ -29,7 +29,7 @@ def startup_rows(run) -> list[dict]:
 def startup_section(rows: list[dict]) -> list[str]:
     if not rows:
         return []
-    from harness.report.compare import _table, fmt_bytes, fmt_ratio, ratio
+    from harness.report.tables import fmt_bytes, fmt_ratio, ratio, table
 
     def secs(x) -> str:
         return "-" if x is None else f"{x:.2f}"
@@ -37,7 +37,7 @@ def startup_section(rows: list[dict]) -> list[str]:
     return ["", "## Start-up per rank: model build and engine setup", "",
             "- added: private memory (RssAnon) the phase added at its peak; predicted: the planner's build bytes "
             "(owned tensors in the training dtype + the tensor being cast + the preset source)", "",
-            _table(["rank", "build s", "build added", "build predicted", "ratio", "build peak RSS", "engine setup s",
+            table(["rank", "build s", "build added", "build predicted", "ratio", "build peak RSS", "engine setup s",
                     "engine setup added"],
                    [[str(r["rank"]), secs(r["build_s"]), fmt_bytes(r["build_added_bytes"]),
                      fmt_bytes(r["build_predicted_bytes"]),

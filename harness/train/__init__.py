@@ -1,2 +1,4 @@
-"""One training job on one rank: session checks, data, model (+ pipeline/TP conversion in train/parallel/),
-DeepSpeed engine, train loop, checkpoints, export."""
+"""Train: one job on one rank. The session (arguments, recipe, checks before ranks talk), the job (run folder, data,
+model, engine), the loop, metrics and preemption.
+
+May import: the ground floor, config/, planner/, data/, model/, checkpoint/, profiling/."""

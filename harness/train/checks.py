@@ -90,7 +90,7 @@ def model_config(name: str) -> dict:
     except UsageError:
         if Path(name).exists() or name.startswith(PATH_PREFIXES):
             raise
-    from harness.train.models import load_model_config
+    from harness.model.hf import load_model_config
 
     return load_model_config(name).to_dict()
 
@@ -102,8 +102,8 @@ def _as_problem(path: str, err: UsageError) -> Problem:
 
 def input_problems(train: dict) -> tuple[dict | None, list[Problem]]:
     """(the model's config or None, problems of train.model and train.dataset) without loading any data."""
-    from harness.train.data import DataSpec
-    from harness.train.datafiles import check_local
+    from harness.data.corpus import DataSpec
+    from harness.data.files import check_local
 
     out, cfg = [], None
     try:
@@ -134,7 +134,7 @@ def model_problems(train: dict, cfg: dict) -> list[Problem]:
                            f"--set train.seq_len={limit} or less, or a model with more positions"))
     vocab = cfg.get("vocab_size")
     if isinstance(vocab, int):
-        from harness.train.models import load_tokenizer
+        from harness.model.hf import load_tokenizer
 
         try:
             tok = load_tokenizer(name)

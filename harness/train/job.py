@@ -7,13 +7,20 @@ import json
 import shutil
 from pathlib import Path
 
-from harness.train import adapters, checkpoint, checks, ckpt_files, dist as distmod, preempt, resume
+from harness import dist as distmod
 from harness import profiling
-from harness.errors import UsageError
+from harness.checkpoint import files as ckpt_files
+from harness.checkpoint import resume
+from harness.checkpoint import save as checkpoint
 from harness.config.jsonio import dump_json
-from harness.train.metrics import MetricsLog, say
 from harness.config.recipes import deep_merge
 from harness.config.resolve import render_provenance
+from harness.errors import UsageError
+from harness.log import say
+from harness.model import adapters
+from harness.model.attach import attach
+from harness.train import checks, preempt
+from harness.train.metrics import MetricsLog
 from harness.train.trainer import Data, Trainer
 
 
@@ -47,10 +54,10 @@ def load_data(spec, dist, tokenizer) -> Data:
     """Rows of the prepared token store for the recipe's data (prepared here, once, if there is none)."""
     import time
 
-    from harness.train.data import DataSpec
-    from harness.train.formats import check_chat_template
-    from harness.train.rows import Rows, split_rows
-    from harness.train.store import empty_rows_note, ensure_store
+    from harness.data.corpus import DataSpec
+    from harness.data.formats import check_chat_template
+    from harness.data.rows import Rows, split_rows
+    from harness.data.store import empty_rows_note, ensure_store
 
     start = time.perf_counter()
     train = spec.recipe["train"]
@@ -70,18 +77,18 @@ def load_data(spec, dist, tokenizer) -> Data:
 
 
 def build_engine(spec, startup):
-    """(engine, ModelInfo): the model built for this rank (harness/train/load), then the engine, each phase timed
+    """(engine, ModelInfo): the model built for this rank (harness/model/load), then the engine, each phase timed
     and its peak memory recorded by `startup` (harness/profiling/startup.py). The HF model object is not kept."""
     import deepspeed
 
-    from harness.train.load.build import build
+    from harness.model.build import build
 
     with startup.phase("build"):
         built = build(spec)
     startup.predicted = profiling.predict_build(spec, built)  # the base as built (ZeRO-3: partitioned)
     if spec.pp == 1:  # LoRA; pipeline stages get theirs in pipe_engine.build_stage, once each is materialised
         mpu = built.mpu
-        adapters.attach(built.module, spec, hf_model=built.module,
+        attach(built.module, spec, hf_model=built.module,
                         tp_group=mpu and (mpu.tp_group, mpu.tp_rank, spec.tp))
     with startup.phase("engine_setup"):
         engine, *_ = deepspeed.initialize(model=built.module, model_parameters=adapters.param_groups(built.module,
@@ -166,7 +173,7 @@ def main(spec) -> int:
 
 def run(spec, dist) -> int:
     """One job in an existing process group (main's; or a test driver's, running several jobs in one group)."""
-    from harness.train.models import load_tokenizer
+    from harness.model.hf import load_tokenizer
 
     log = None
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -33,10 +32,3 @@ class MetricsLog:
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def say(tag: str, text: str) -> None:
-    """A log line in the design's format: `[tag]   text` (rank 0 only; callers check)."""
-    from tqdm import tqdm
-
-    tqdm.write(f"[{tag}]{' ' * max(1, 8 - len(tag))}{text}", file=sys.stdout)

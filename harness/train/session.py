@@ -36,7 +36,7 @@ class RunSpec:
     overwrite: bool
     notes: list[str] = field(default_factory=list)
     layout: dict = field(default_factory=dict)  # pipeline partition, filled at engine build; checkpoint manifests
-    resume_point: object = None  # harness.train.resume.ResumePoint when resuming
+    resume_point: object = None  # harness.checkpoint.resume.ResumePoint when resuming
     dtypes: dict = field(default_factory=dict)  # checkpoint_dtype, train_dtype: filled at model build; manifests
 
     @property
@@ -78,15 +78,15 @@ def _guard_output_dir(run_dir: Path, resume: str | None, overwrite: bool) -> Non
 
 
 def _resume_point(output_dir: Path | None, resume: str | None):
-    from harness.train import resume as resumemod
+    from harness.checkpoint import resume as resumemod
 
     return resumemod.find(resume, output_dir) if resume is not None and output_dir is not None else None
 
 
 def _resume_recipe(name: str, overrides: list[str], point, world: int, notes: list[str]) -> tuple[dict, str]:
-    """The recipe, with the checkpoint's global batch kept on this world size (see harness/train/resume.py)."""
+    """The recipe, with the checkpoint's global batch kept on this world size (see harness/checkpoint/resume.py)."""
     from harness.config.resolve import batch_world
-    from harness.train import resume as resumemod
+    from harness.checkpoint import resume as resumemod
 
     recipe, source = load_recipe(name, overrides)
     if point is None:
@@ -100,7 +100,7 @@ def _resume_recipe(name: str, overrides: list[str], point, world: int, notes: li
 
 def _resume_layout(ds: dict, source: str, point, world: int, pp: int, tp: int, notes: list[str]) -> dict:
     """A checkpoint from another layout is loaded through DeepSpeed's universal form (converted at start)."""
-    from harness.train import resume as resumemod
+    from harness.checkpoint import resume as resumemod
 
     if point is None:
         return ds

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.train import checkpoint
-from harness.train.batches import BatchPlan
-from harness.train.dist import DistInfo, mean_across_ranks
-from harness.train.metrics import MetricsLog, say
-from harness.train.rows import Rows, loss_items
+from harness.checkpoint import save as checkpoint
+from harness.data.batches import BatchPlan
+from harness.dist import DistInfo, mean_across_ranks
+from harness.log import say
+from harness.train.metrics import MetricsLog
+from harness.data.rows import Rows, loss_items
 
 
 @dataclass
@@ -33,7 +34,7 @@ def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
     ranks of one group hold shards of one replica, so they read the same rows; a pipeline's replicas are its
     topology's data coordinate."""
     if spec.pp > 1:
-        from harness.train.parallel import pipe_engine
+        from harness.model.parallel import pipe_engine
 
         return pipe_engine.dp_coords(spec, dist.rank)
     return dist.rank // spec.tp, spec.world_size // spec.tp
@@ -79,7 +80,7 @@ def micro_eval(engine, batches: list) -> float:
 def strategy(spec):
     """(train step, eval) functions: the pipeline engine runs a whole step in train_batch / eval_batch."""
     if spec.pp > 1:
-        from harness.train.parallel import pipe_engine
+        from harness.model.parallel import pipe_engine
 
         return pipe_engine.train_step, pipe_engine.eval_loss
     return micro_steps, micro_eval

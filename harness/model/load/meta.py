@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.train.models import ATTN_IMPLEMENTATION, _zero3_context
+from harness.model.hf import ATTN_IMPLEMENTATION, _zero3_context
 
 TRAIN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -3,7 +3,7 @@
 DeepSpeed writes a pipeline's weights per layer: global_stepN/layer_XX-model_states.pt, and with tensor
 parallelism one file per model-parallel rank, layer_XX-model_YY-model_states.pt (the module weights, in the
 training dtype). The manifest's "partition" maps each layer's state-dict keys to the HF parameter names
-(harness/train/parallel/pipeline.py hf_names), so export renames; for 3D, export.py merges the tensor ranks
+(harness/model/parallel/pipeline.py hf_names), so export renames; for 3D, export.py merges the tensor ranks
 tensor by tensor (tensor.merge_tensor). A tied LM head has no file of its own (it is the embedding's weight).
 Files are memory-mapped (ckpt_tensors.MappedFiles): a tensor is read when it is written out.
 """
@@ -11,7 +11,7 @@ Files are memory-mapped (ckpt_tensors.MappedFiles): a tensor is read when it is 
 from __future__ import annotations
 
 from harness.errors import UsageError
-from harness.train.export.ckpt_tensors import Lazy, MappedFiles, lazy
+from harness.checkpoint.export.ckpt_tensors import Lazy, MappedFiles, lazy
 
 
 def _layer_files(tag_dir, index: int) -> list:

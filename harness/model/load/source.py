@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from harness.errors import UsageError
-from harness.train.load.slices import Request, owned
+from harness.model.load.slices import Request, owned
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

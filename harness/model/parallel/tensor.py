@@ -247,4 +247,4 @@ class TensorDataMPU:
         return self.dp_ranks
 
 
-split_dim = _split_dim  # the loader (harness/train/load) reads a shard's slice through the same table
+split_dim = _split_dim  # the loader (harness/model/load) reads a shard's slice through the same table

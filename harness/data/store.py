@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.errors import UsageError
-from harness.train.data import DataSpec, source_fingerprint
+from harness.data.corpus import DataSpec, source_fingerprint
 
 STORE_VERSION = 1  # bump when the file layout or the tokenization rules change: old stores are not reused
 DEFAULT_ROOT = "~/.cache/dsharness/stores"
@@ -204,9 +204,9 @@ def default_num_proc() -> int:
 
 def _build(spec: DataSpec, tokenizer, key: dict, tmp: Path, num_proc: int, streaming: bool | None) -> dict:
     """Tokenize the corpus into tmp; returns its meta (not yet written)."""
-    from harness.train.data import load_dataset_for
-    from harness.train.datafiles import check_local, load_failure
-    from harness.train.formats import encoder
+    from harness.data.corpus import load_dataset_for
+    from harness.data.files import check_local, load_failure
+    from harness.data.formats import encoder
 
     start = time.perf_counter()
     encode = encoder(spec, tokenizer)  # fails on a missing chat template before the corpus is read

@@ -1,7 +1,7 @@
 """ZeRO-3 from a checkpoint folder: partitioned at construction, then filled one module at a time.
 
 The model is constructed under deepspeed.zero.Init (transformers' from_config with the HF DeepSpeed config
-registered, harness/train/models.py), so each parameter is split over the data-parallel ranks as its module is
+registered, harness/model/hf.py), so each parameter is split over the data-parallel ranks as its module is
 built and no rank ever holds the whole model. Then, module by module, its own parameters are gathered
 (deepspeed.zero.GatheredParameters, modifier_rank=0); rank 0 reads just those tensors from the safetensors
 files (source.py, as stored) and copies them in, which casts to the training dtype; leaving the context
@@ -21,7 +21,7 @@ import ctypes.util
 
 import torch
 
-from harness.train.load.slices import Request
+from harness.model.load.slices import Request
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
 MMAP_THRESHOLD_LOAD_BYTES = 1 << 20
@@ -55,7 +55,7 @@ def construct(config, dtype: torch.dtype, ds_config: dict):
     ZeRO-3 initialisation; the values are overwritten by `fill`."""
     from transformers import AutoModelForCausalLM
 
-    from harness.train.models import ATTN_IMPLEMENTATION, _zero3_context
+    from harness.model.hf import ATTN_IMPLEMENTATION, _zero3_context
 
     with _zero3_context(ds_config):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from harness.train.load.slices import Request
-from harness.train.parallel.tensor import split_dim
+from harness.model.load.slices import Request
+from harness.model.parallel.tensor import split_dim
 
 
 def hf_paths(model) -> dict[int, str]:

@@ -1,7 +1,7 @@
 """Corpus loading: which dataset a recipe names (built-in, local files, or a hub id with config and split),
 loaded with `datasets`, its columns checked for the data format, and a cheap fingerprint of its source.
 
-Tokenizing and packing happen once, into a prepared token store (harness.train.store); training reads that.
+Tokenizing and packing happen once, into a prepared token store (harness.data.store); training reads that.
 """
 
 from __future__ import annotations

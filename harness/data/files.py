@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from harness.errors import UsageError
-from harness.train.data import BUILTIN, DataSpec, local_source
+from harness.data.corpus import BUILTIN, DataSpec, local_source
 
 HEAD_RECORDS = 100
 HEAD_BYTES = 4 << 20

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.train.ckpt_files import LATEST, MANIFEST, is_complete, prune, tag_for, write_atomic
-from harness.train.dist import DistInfo, barrier
+from harness.checkpoint.files import LATEST, MANIFEST, is_complete, prune, tag_for, write_atomic
+from harness.dist import DistInfo, barrier
 
 
 def _rng_state() -> dict:
@@ -83,7 +83,7 @@ def save_hf_files(ckpt_dir: Path, config, tokenizer) -> None:
 def probe_logits(engine, probe_ids: torch.Tensor) -> torch.Tensor | None:
     """The engine's logits on a fixed batch (collective under ZeRO-3 and pipelines: every rank calls; a
     pipeline returns them on rank 0 only)."""
-    from harness.train.parallel import pipe_engine
+    from harness.model.parallel import pipe_engine
 
     if pipe_engine.is_pipeline(engine):
         return pipe_engine.probe_logits(engine, probe_ids)

@@ -1,5 +1,5 @@
 """Checkpoint folders as files: names, completeness, `latest`, retention. Pure (no torch), so the session can
-decide what a resume loads before any rank starts. The layout is described in harness/train/checkpoint.py."""
+decide what a resume loads before any rank starts. The layout is described in harness/checkpoint/save.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PREFIX = "global_step"
-UNIVERSAL = "universal"  # checkpoints/universal/global_stepN: the converted form (harness/train/resume.py)
+UNIVERSAL = "universal"  # checkpoints/universal/global_stepN: the converted form (harness/checkpoint/resume.py)
 
 
 def tag_for(step: int) -> str:

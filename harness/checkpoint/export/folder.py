@@ -12,7 +12,7 @@ safetensors file in its own dtype without copying it) and its logits are checked
 
 The streaming pieces, for other exports (LoRA adapters, merged models) to reuse or wrap:
     files = MappedFiles(shard_bytes)                        # ckpt_tensors: mapped rank files, dropped as read
-    state = open_state(ref, manifest, files)                # {hf name: Lazy(shape, read)}; reads no weights
+    state = open_state(ref, manifest, files)                # state.py: {hf name: Lazy(shape, read)}; reads nothing
     model = meta_model(ref); names = save_names(model)      # what save_pretrained would write, in its order
     check_keys(state, names, model, ref.tag_dir)            # missing / unexpected / wrong shape: UsageError
     split = plan_shards(specs(state, names, dtype, model), "5GB")       # hf_shards: shapes and dtypes only
@@ -23,59 +23,17 @@ from its base tensor and factors, say) can stand in for it, with plan_shards giv
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from harness.checkpoint.export.state import (DTYPES, PROBE, TOLERANCE, CheckpointRef, find_checkpoint, open_state,
+                                             train_dtype)
 from harness.errors import UsageError
 
-PROBE = "probe.pt"
-TOLERANCE = {"fp32": 1e-4, "bf16": 0.25, "fp16": 0.05}  # max |logit diff| vs the engine, by the coarser dtype
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
 DEFAULT_SHARD_SIZE = "5GB"  # save_pretrained's default in transformers 5
-
-
-@dataclass(frozen=True)
-class CheckpointRef:
-    ckpt_dir: Path  # folder holding `latest` and global_stepN/
-    tag: str
-
-    @property
-    def tag_dir(self) -> Path:
-        return self.ckpt_dir / self.tag
-
-    def manifest(self) -> dict:
-        path = self.tag_dir / "manifest.json"
-        if not path.is_file():
-            raise UsageError(f"{self.tag_dir}: no manifest.json (an incomplete checkpoint, or not written by "
-                             "dsharness)\n    fix: export a checkpoint whose save finished")
-        return json.loads(path.read_text())
-
-
-def find_checkpoint(path: str | Path) -> CheckpointRef:
-    """Accept a run folder, its checkpoints/ folder, or one global_stepN folder."""
-    path = Path(path)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    if (path / "latest").is_file():
-        return CheckpointRef(path, (path / "latest").read_text().strip())
-    if path.is_dir() and path.name.startswith("global_step"):
-        return CheckpointRef(path.parent, path.name)
-    raise UsageError(f"{path}: not a checkpoint (expected a run folder, its checkpoints/ folder, or "
-                     "checkpoints/global_stepN)")
-
-
-def train_dtype(manifest: dict) -> str:
-    """The dtype the run trained in: the manifest's train_dtype, else its precision (older manifests)."""
-    name = manifest.get("train_dtype") or manifest.get("precision") or "fp32"
-    short = {v: k for k, v in DTYPES.items()}.get(name, name)
-    if short not in DTYPES:
-        raise UsageError(f"manifest train dtype {name!r} is not one of {', '.join(DTYPES)}")
-    return short
 
 
 def meta_model(ref: CheckpointRef):
@@ -98,36 +56,6 @@ def save_names(model) -> list[str]:
     for key in model._keys_to_ignore_on_save or ():
         state.pop(key, None)
     return list(remove_tied_weights_from_state_dict(state, model))
-
-
-def open_state(ref: CheckpointRef, manifest: dict, files) -> dict:
-    """Every weight of the checkpoint as {hf name: ckpt_tensors.Lazy}, tensor ranks merged; reads nothing."""
-    from harness.train.export.ckpt_tensors import zero_source
-
-    if manifest.get("pp", 1) > 1:  # per-layer files (pipeline, 3D)
-        from harness.train.export import pipeline as pipe_export
-
-        ranks = pipe_export.sources(files, ref, manifest)
-    else:
-        ranks = [zero_source(files, ref.tag_dir, manifest["zero_stage"], r) for r in range(manifest.get("tp", 1))]
-    if len(ranks) == 1:
-        return ranks[0]
-    from transformers import AutoConfig
-
-    from harness.train.parallel import tensor
-
-    tensor.supported(AutoConfig.from_pretrained(ref.ckpt_dir / "hf"), len(ranks))
-    # A name on some ranks only (a tied head recorded as shared by one rank's file) is left out: check_keys
-    # then names it if the model needs it.
-    common = [key for key in ranks[0] if all(key in r for r in ranks[1:])]
-    return {key: _merged(key, [r[key] for r in ranks], tensor) for key in common}
-
-
-def _merged(key: str, parts: list, tensor):
-    from harness.train.export.ckpt_tensors import Lazy
-
-    return Lazy(tensor.merged_shape(key, [p.shape for p in parts]),
-                lambda: tensor.merge_tensor(key, [p.read() for p in parts]))
 
 
 def check_keys(state: dict, names: list[str], model, where: Path) -> None:
@@ -184,15 +112,15 @@ def _write_folder(ref: CheckpointRef, manifest: dict, folder: Path, dtype, max_s
     """Weights, config, generation config and tokenizer into `folder`; returns the sizes written."""
     from transformers import AutoTokenizer
 
-    from harness.train.export.ckpt_tensors import FILE_BUDGET_BYTES, MappedFiles
-    from harness.train.export.hf_shards import parse_shard_size, plan_shards, write_sharded
+    from harness.checkpoint.export.ckpt_tensors import FILE_BUDGET_BYTES, MappedFiles
+    from harness.checkpoint.export.hf_shards import parse_shard_size, plan_shards, write_sharded
 
     model = meta_model(ref)
     # maps dropped after each shard's worth of reading: the checkpoint pages touched stay about a shard too
     files = MappedFiles(min(FILE_BUDGET_BYTES, parse_shard_size(max_shard_size)))
     state, names = open_state(ref, manifest, files), save_names(model)
     if is_lora(manifest):  # the checkpoint holds the adapters only: the base streamed through W + s B A
-        from harness.train.export import lora as export_lora
+        from harness.checkpoint.export import lora as export_lora
 
         state = export_lora.merged_lazy(manifest, state, model)
     check_keys(state, names, model, ref.tag_dir)
@@ -226,7 +154,7 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False, max_shard
            dtype: str | None = None, adapter_only: bool = False) -> dict:
     import torch
 
-    from harness.train.export.hf_shards import parse_shard_size
+    from harness.checkpoint.export.hf_shards import parse_shard_size
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -241,7 +169,7 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False, max_shard
     torch_dtype = getattr(torch, DTYPES[name])
     start = time.perf_counter()
     if adapter_only:  # a peft adapter folder: the adapters alone (LoRA runs)
-        from harness.train.export import lora as export_lora
+        from harness.checkpoint.export import lora as export_lora
 
         info = export_lora.export_adapter(ref, manifest, out, torch_dtype)
         return {"checkpoint": str(ref.tag_dir), "out": str(out), "step": manifest.get("step"),

@@ -1,65 +1,24 @@
 """The model a run trains, per layout, before the engine: loaded by share (pipeline, tp, 3d) or whole.
 
 build(spec) -> Built: the module deepspeed.initialize gets, the tensor-parallel unit (tp) and the ModelInfo
-callers keep instead of the HF model. Pipeline and 3D stages are built in harness/train/parallel/pipe_engine.py
+callers keep instead of the HF model. Pipeline and 3D stages are built in harness/model/parallel/pipe_engine.py
 (the PipelineModule chooses the partition); this module builds the rest.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from harness import model_shapes
-from harness.train import adapters
-from harness.train.load import meta, share, source as sources
-
-
-@dataclass
-class Built:
-    module: object  # what deepspeed.initialize gets: the HF model, its TP shard, or the PipelineModule stage
-    info: meta.ModelInfo
-    mpu: object = None  # tensor.TensorDataMPU for tp
-
-
-def open_source(name: str, seed: int):
-    """The tensors a build by share reads: a folder's (or cached hub snapshot's) safetensors, or a preset's
-    seeded weights (built whole once, on CPU in fp32: the same values a one-process run starts from)."""
-    from harness.train.models import build_model
-
-    if model_shapes.is_preset(name):
-        return sources.StateDictSource(build_model(name, seed=seed).state_dict(), name)
-    return sources.CheckpointFiles(name if Path(name).is_dir() else _hub_snapshot(name))
-
-
-def _hub_snapshot(name: str) -> str:
-    from huggingface_hub import snapshot_download
-
-    from harness.train.models import _hub_error
-
-    try:
-        return snapshot_download(name, allow_patterns=["*.json", "*.safetensors"])
-    except Exception as err:  # offline without a cached copy, unknown id, no network
-        raise _hub_error("model", name, err) from None
-
-
-def open_model(spec):
-    """(the whole model on meta, its checked source, its ModelInfo): steps 1 and the key check."""
-    from harness.train.models import load_model_config
-
-    train = spec.recipe["train"]
-    model = meta.build_on_meta(load_model_config(train["model"]))
-    source = open_source(train["model"], train["seed"])
-    sources.check_keys(source, model)
-    info = meta.ModelInfo(config=model.config, num_params=meta.num_params(model), checkpoint_dtype=source.dtype(),
-                          train_dtype=meta.dtype_name(meta.train_dtype(spec.recipe["precision"])))
-    return model, source, info
+from harness.model import adapters
+from harness.model.load import meta, share, source as sources
+from harness.model.load.base import Built, check_materialised, open_model
 
 
 def build_tp(spec) -> Built:
     """Tensor parallel: meta model -> split on meta -> this rank's slices read and cast -> the shard."""
-    from harness.train.models import enable_activation_checkpointing
-    from harness.train.parallel.tensor import TensorDataMPU, shard_model
+    from harness.model.hf import enable_activation_checkpointing
+    from harness.model.parallel.tensor import TensorDataMPU, shard_model
 
     model, source, info = open_model(spec)
     mpu = TensorDataMPU(spec.tp)
@@ -75,8 +34,8 @@ def build_tp(spec) -> Built:
 def build_zero3(spec) -> Built:
     """ZeRO-3 from a safetensors folder or hub snapshot: the key check on meta, then partitioned at
     construction and filled module by module (zero3.py), so a rank holds its 1/N share plus one module."""
-    from harness.train.load import zero3
-    from harness.train.models import enable_activation_checkpointing
+    from harness.model.load import zero3
+    from harness.model.hf import enable_activation_checkpointing
 
     checked, source, info = open_model(spec)
     config = checked.config
@@ -102,7 +61,7 @@ def build_whole(spec) -> Built:
     """Data parallel and ZeRO-1/2: transformers' from_pretrained in the training dtype; ZeRO-3 of a preset or
     a .bin folder under zero.Init too (a .bin folder then reads whole files per rank). Presets are initialised in
     fp32 from the seed and cast by the engine, as a one-process run is."""
-    from harness.train.models import build_model
+    from harness.model.hf import build_model
 
     train = spec.recipe["train"]
     preset = model_shapes.is_preset(train["model"])
@@ -125,15 +84,9 @@ def _checkpoint_dtype(name: str) -> str | None:
         return None
 
 
-def check_materialised(module) -> None:
-    left = meta.left_on_meta(module)
-    if left:
-        raise RuntimeError(f"left on the meta device after loading by share: {', '.join(left[:5])}")
-
-
 def build(spec) -> Built:
     if spec.pp > 1:
-        from harness.train.parallel import pipe_engine
+        from harness.model.parallel import pipe_engine
 
         return pipe_engine.build_stage(spec)
     if spec.tp > 1:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import UsageError
-from harness.train import ckpt_files
-from harness.train.ckpt_files import UNIVERSAL, is_complete, read_manifest, step_of
+from harness.checkpoint import files as ckpt_files
+from harness.checkpoint.files import UNIVERSAL, is_complete, read_manifest, step_of
 
 CONVERTED = "converted.json"  # written last into the conversion: marks it complete
 
@@ -129,8 +129,8 @@ def check_batch(point: ResumePoint, ds: dict, source: str) -> None:
 def universal(point: ResumePoint, dist) -> tuple[Path, str]:
     """(checkpoints folder, tag) of the universal form of `point`, converting it once (rank 0; the others wait).
     Atomic: built in a hidden folder, marked complete, then renamed into place; a finished one is reused."""
-    from harness.train.dist import barrier
-    from harness.train.metrics import say
+    from harness.dist import barrier
+    from harness.log import say
 
     root = point.ckpt_dir / UNIVERSAL
     out = root / point.tag

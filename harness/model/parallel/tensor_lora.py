@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.train import adapters
-from harness.train.parallel.tensor import COLUMN, ROW, RowParallelLinear, _CopyToGroup, _mark, _ReduceFromGroup
+from harness.model import adapters
+from harness.model.parallel.tensor import COLUMN, ROW, RowParallelLinear, _CopyToGroup, _mark, _ReduceFromGroup
 
 
 class TensorLoraLinear(nn.Module):

@@ -3,7 +3,8 @@ exists and before deepspeed.initialize.
 
     apply(model, recipe, ...)   peft's LoRA layers injected in place (the HF module tree and names are kept; each
                                 target becomes <name>.base_layer + <name>.lora_A/B.default), base frozen
-    tensor_lora.apply(...)      the harness's own column/row-parallel layers (tp, 3d), split the Megatron way
+    attach(target, spec, ...)   (model/attach.py) the one call at each build site: peft's layers, or the harness's
+                                own column/row-parallel LoRA (parallel/tensor_lora.py, tp and 3d) split the Megatron way
     param_groups(module, ...)   the trainable parameters only (LoRA+: B in a group of its own)
 
 Initialisation does not depend on the order modules are built or wrapped: every adapter's A is drawn from a
@@ -138,32 +139,3 @@ def build_kwargs(recipe: dict) -> dict:
     if enabled(recipe) and recipe["adapter"]["load_in_4bit"]:
         return {"quantization_config": quantization_config(recipe)}
     return {}
-
-
-def attach(target, spec, *, hf_model, tp_group: tuple | None = None, layers=None) -> None:
-    """The one call at each build site, once the model, stage or shard exists: LoRA per the recipe (nothing for
-    adapter.type none). target: the HF model (peft layers), or with tp_group = (group, rank, size) the module
-    whose split decoder `layers` (default: hf_model.model.layers) get the tensor-parallel LoRA; hf_model names
-    them. Records the counts in spec.notes for the start-up lines."""
-    recipe = spec.recipe
-    if not enabled(recipe):
-        return
-    if tp_group is None:
-        if recipe["adapter"]["load_in_4bit"]:
-            from peft import prepare_model_for_kbit_training
-
-            prepare_model_for_kbit_training(target, use_gradient_checkpointing=recipe["activation_checkpointing"],
-                                            gradient_checkpointing_kwargs={"use_reentrant": False})
-        apply(target, recipe, hf_model=hf_model)
-    else:
-        from harness.train.parallel import tensor_lora
-
-        names = {id(m): n for n, m in hf_model.named_modules()}
-        layers = list(hf_model.model.layers) if layers is None else layers
-        tensor_lora.apply([(names[id(layer)], layer) for layer in layers], recipe, *tp_group)
-        tensor_lora.freeze_all_but_adapters(target)
-        if recipe["activation_checkpointing"] and hasattr(target, "enable_input_require_grads"):
-            target.enable_input_require_grads()
-    trainable, frozen = counts(target)
-    spec.notes.append(f"lora r={recipe['adapter']['r']} alpha={recipe['adapter']['alpha']}: {trainable:,} trainable "
-                      f"/ {frozen:,} frozen parameters on this rank ({100 * trainable / max(1, trainable + frozen):.2f}%)")

@@ -118,7 +118,7 @@ def causal_lm_loss(logits, labels):
     no token of the micro-batch is a target, as in trainer._loss)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from harness.train.rows import loss_items
+    from harness.data.rows import loss_items
 
     return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], num_items_in_batch=loss_items(labels))
 

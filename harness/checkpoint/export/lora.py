@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from harness.errors import UsageError
-from harness.train import adapters
+from harness.model import adapters
 
 BASE_LAYER = ".base_layer"
 
@@ -28,8 +28,8 @@ BASE_LAYER = ".base_layer"
 def adapter_state(ref, manifest: dict) -> dict[str, torch.Tensor]:
     """The checkpoint's trainable tensors under their training names (<module>.lora_A.default.weight, ...), read
     through export's own per-layout sources (ZeRO partitions, pipeline layer files, TP ranks merged)."""
-    from harness.train.export.ckpt_tensors import MappedFiles
-    from harness.train.export.folder import open_state
+    from harness.checkpoint.export.ckpt_tensors import MappedFiles
+    from harness.checkpoint.export.state import open_state
 
     state = {k: v.read().float() for k, v in open_state(ref, manifest, MappedFiles()).items()
              if adapters.is_trainable_name(k)}
@@ -66,7 +66,7 @@ def merge_tensor(hf_name: str, tensor: torch.Tensor, lora: dict, scale: float, f
 
 def base_model(manifest: dict):
     """The frozen base the run trained on, as the run built it (fp32): what the adapter folder is checked on."""
-    from harness.train.models import build_model
+    from harness.model.hf import build_model
 
     return build_model(manifest["model"], seed=int(manifest.get("seed", 0))).float().eval()
 
@@ -75,9 +75,9 @@ def merged_lazy(manifest: dict, state: dict, model) -> dict:
     """export's {hf name: Lazy} for the merged model: each base tensor read from train.model when the writer asks
     for it (a folder's safetensors, or a preset's seeded weights) and passed through merge_tensor; the adapters
     (small) are read once. `model`: the meta model, for names and shapes."""
-    from harness.train.export.ckpt_tensors import Lazy
-    from harness.train.load.build import open_source
-    from harness.train.load.slices import Request
+    from harness.checkpoint.export.ckpt_tensors import Lazy
+    from harness.model.load.base import open_source
+    from harness.model.load.slices import Request
 
     trained = {k: v.read().float() for k, v in state.items() if adapters.is_trainable_name(k)}
     lora, scale = _lora_modules(trained), adapters.scaling(manifest["adapter"])
@@ -102,7 +102,7 @@ def merged_lazy(manifest: dict, state: dict, model) -> dict:
 
 def _check(ref, manifest: dict, model, what: str) -> float | None:
     """Max |logit difference| of `model` vs the engine's probe logits; refuses beyond the training dtype's bound."""
-    from harness.train.export.folder import PROBE, TOLERANCE, train_dtype
+    from harness.checkpoint.export.state import PROBE, TOLERANCE, train_dtype
 
     probe = ref.tag_dir / PROBE
     if not probe.is_file():

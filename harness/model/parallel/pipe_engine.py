@@ -14,8 +14,8 @@ import contextlib
 import torch
 
 from harness.errors import UsageError
-from harness.train import adapters
-from harness.train.parallel import pipeline
+from harness.model.attach import attach
+from harness.model.parallel import pipeline
 
 
 def topology(spec):
@@ -50,7 +50,7 @@ def _check_stages(spec, config) -> None:
 def _shard_stage(module, config) -> tuple[int, int]:
     """3D: split this stage's decoder layers over the topology's model-parallel group (on meta, before they are
     materialised); (tensor rank, tensor size)."""
-    from harness.train.parallel import tensor
+    from harness.model.parallel import tensor
 
     grid = module.mpu()
     group, rank, size = (grid.get_slice_parallel_group(), grid.get_slice_parallel_rank(),
@@ -62,12 +62,12 @@ def _shard_stage(module, config) -> tuple[int, int]:
 
 
 def build_stage(spec):
-    """This rank's PipelineModule stage, loaded by share (harness/train/load): the HF model on meta -> the
+    """This rank's PipelineModule stage, loaded by share (harness/model/load): the HF model on meta -> the
     PipelineModule builds this stage's layers -> (3D) split on meta -> this rank's tensors read, cast -> moved to
     the device and the tied embedding synchronised by DeepSpeed. Records the partition in spec.layout."""
-    from harness.train.load import build, meta, share
+    from harness.model.load import base, meta, share
 
-    model, source, info = build.open_model(spec)
+    model, source, info = base.open_model(spec)
     pipeline.supported(model.config)
     _check_stages(spec, model.config)
     dtype = meta.train_dtype(spec.recipe["precision"])
@@ -76,10 +76,10 @@ def build_stage(spec):
         rank, size = _shard_stage(module, model.config) if spec.tp > 1 else (0, 1)
         # paths after the split: it replaced the row-parallel linears, and a new module may reuse a freed id
         share.materialise(module, share.hf_paths(model), source, dtype, rank, size)
-        build.check_materialised(module)
+        base.check_materialised(module)
         # LoRA on this stage's own layers (peft's, or 3D's split ones), named by the whole model's modules
         group = module.mpu().get_slice_parallel_group() if spec.tp > 1 else None
-        adapters.attach(module, spec, hf_model=model, tp_group=(group, rank, size) if spec.tp > 1 else None,
+        attach(module, spec, hf_model=model, tp_group=(group, rank, size) if spec.tp > 1 else None,
                         layers=pipeline.local_decoder_layers(module))
 
     ds_pipe = spec.ds_config.get("pipeline", {})
@@ -87,7 +87,7 @@ def build_stage(spec):
     module, specs = pipeline.build_module(model, topology(spec), method,
                                           int(ds_pipe.get("activation_checkpoint_interval", 0)), on_stage=on_stage)
     spec.layout = pipeline.layout(module, specs, pipeline.hf_names(specs, model))
-    return build.Built(module, info)
+    return base.Built(module, info)
 
 
 def train_step(engine, batches: list) -> torch.Tensor:

@@ -1,0 +1,229 @@
+"""One candidate layout at a time: what it is (Candidate), which apply to a world size, and what it costs there in
+memory and traffic against the hardware given (evaluate), with the --set overrides and launch line that run it.
+
+decide.py walks these in the seeds' order and names the first that fits; search.py times them.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from harness.planner import comm, memory, pipeline
+from harness.planner.params import ParamCount
+
+RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS
+PP_MICRO_BATCHES_PER_STAGE = 4  # m = 4p keeps the bubble (p-1)/(m+p-1) under 20%
+
+
+@dataclass(frozen=True)
+class Candidate:
+    recipe: str
+    stage: int
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def label(self) -> str:
+        parts = [self.recipe if self.recipe in ("ddp", "pipeline", "3d", "tp") else f"zero{self.stage}"]
+        if self.recipe in ("tp", "pipeline", "3d"):
+            parts.append(f"zero{self.stage}")
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
+        if self.offload_optimizer != "none":
+            parts.append(f"opt->{self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"params->{self.offload_param}")
+        return " ".join(parts)
+
+
+def candidates(world: int, gpus_per_node: int, num_layers: int) -> list[Candidate]:
+    """Every strategy in decision order (cheapest in traffic and complexity first)."""
+    out = [Candidate("ddp", 0), Candidate("zero1", 1), Candidate("zero2", 2), Candidate("zero3", 3),
+           Candidate("zero2_offload", 2, "cpu"), Candidate("zero3_offload", 3, "cpu"),
+           Candidate("zero3_offload", 3, "cpu", "cpu"), Candidate("zero3_nvme", 3, "nvme", "nvme")]
+    tps = [t for t in range(2, gpus_per_node + 1) if gpus_per_node % t == 0]  # never across nodes
+    out += [Candidate("tp", stage, tp=t) for t in tps for stage in (1, 2, 3)]
+    splits = [(t, p) for t in [1] + tps for p in range(2, min(world // t, num_layers) + 1)
+              if (world // t) % p == 0]
+    for t, p in sorted(splits, key=lambda tp_pp: (tp_pp[0] * tp_pp[1], tp_pp[1])):
+        out.append(Candidate("pipeline" if t == 1 else "3d", 1, tp=t, pp=p))
+    return out
+
+
+def not_applicable(c: Candidate, shape: dict) -> str | None:
+    """Why a split cannot be built for this model, or None (tensor parallel: the harness's own TP layers,
+    model_shapes.tp_problems; a pipeline: the families harness/model/parallel/pipeline.py converts, and no
+    more stages than blocks)."""
+    from harness.model_shapes import PIPELINE_FAMILIES, tp_problems
+
+    problems = tp_problems(shape, c.tp)
+    if problems:
+        return "; ".join(what for what, _ in problems)
+    if c.pp > 1 and shape["model_type"] not in PIPELINE_FAMILIES:
+        return f"the harness cannot split {shape['model_type']} models into pipeline stages"
+    return None
+
+
+def rank_params(c: Candidate, count: ParamCount) -> tuple[int, int]:
+    """(parameters on the fullest rank before ZeRO sharding, its block count): the largest pipeline stage
+    by DeepSpeed's own partition (planner/pipeline.py), block weights split by tp; embeddings, head and
+    norms stay whole on each tensor-parallel rank, a tied embedding on both end stages."""
+    if c.pp == 1:
+        return count.total - count.num_layers * (count.per_layer - count.block_params(c.tp)), count.num_layers
+    fullest = max(pipeline.stages(count, c.pp, "parameters", c.tp), key=lambda s: s["params"])
+    return fullest["params"], fullest["blocks"]
+
+
+def micro_batches(c: Candidate, grad_accum: int) -> int:
+    if c.pp > 1 and grad_accum <= 1:
+        return PP_MICRO_BATCHES_PER_STAGE * c.pp
+    return grad_accum
+
+
+def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict) -> dict:
+    """Memory per rank, traffic per step and the verdict for one candidate."""
+    world = hw["gpus_per_node"] * hw["nodes"]
+    dp = world // (c.tp * c.pp)
+    m = micro_batches(c, work["grad_accum"])
+    params, layers = rank_params(c, count)
+    buckets = memory.harness_buckets(shape["hidden_size"])
+    persistent = count.persistent_numel(buckets.param_persistence_threshold) if c.stage == 3 else 0
+    largest_layer = count.largest_layer
+    if c.tp > 1:  # block matrices are split; the embedding and head are not
+        largest_layer = max(count.largest_layer // c.tp, shape["vocab_size"] * shape["hidden_size"])
+    common = dict(stage=c.stage, dp=dp, precision=work["precision"], offload_optimizer=c.offload_optimizer,
+                  offload_param=c.offload_param, **count.lora_state_args(layers, c.tp))
+    def states_at(phase: str) -> dict:
+        return memory.model_state_bytes(params, **common, largest_layer_params=largest_layer,
+                                        largest_tensor_params=count.largest_tensor, persistent_params=persistent,
+                                        buckets=buckets, grad_accum=m, phase=phase)
+
+    states = states_at("peak")
+    seed = memory.model_state_bytes(params, **common, convention="seed")
+    acts = memory.activation_bytes(
+        shape, seq_len=work["seq_len"], micro_batch=work["micro_batch"], precision=work["precision"],
+        activation_checkpointing=work["activation_checkpointing"], tp=c.tp, num_layers=layers,
+        micro_batches_in_flight=min(c.pp, m))
+    device = memory.by_device(states)
+    result = {
+        "recipe": c.recipe, "label": c.label, "zero_stage": c.stage, "offload_optimizer": c.offload_optimizer,
+        "offload_param": c.offload_param, "tp": c.tp, "pp": c.pp, "dp": dp, "micro_batches": m,
+        "params_per_rank": params, "trainable_per_rank": count.trainable_params(layers, c.tp) or params,
+        "blocks_per_rank": layers, "bubble_fraction": pipeline.bubble_fraction(c.pp, m),
+        "memory": {
+            "model_states": states, "activations": acts,
+            "gpu_bytes": memory.training_peak(states_at, acts["total"]),
+            "gpu_backward_bytes": memory.by_device(states_at("backward"))["gpu"] + acts["total"],
+            "gpu_step_bytes": memory.by_device(states_at("step"))["gpu"],
+            "cpu_bytes_per_rank": device["cpu"], "cpu_bytes_per_node": device["cpu"] * hw["gpus_per_node"],
+            "nvme_bytes_per_node": device["nvme"] * hw["gpus_per_node"],
+            "seed_model_states": memory.by_device(seed),
+        },
+        "comm": _comm(c, count, params, layers, dp, m, persistent, shape, work),
+    }
+    if c.pp > 1:  # every stage, so the text can show which one is the largest
+        result["stages"] = [{k: s[k] for k in ("stage", "layers", "blocks", "params")}
+                            for s in pipeline.stages(count, c.pp, "parameters", c.tp)]
+    result.update(_verdict(c, result["memory"], shape, hw))
+    return result
+
+
+def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m: int, persistent: int,
+          shape: dict, work: dict) -> dict:
+    prec, seq, mb = work["precision"], work["seq_len"], work["micro_batch"]
+    groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, dp=dp, precision=prec, grad_accum=m,
+                                              persistent_params=persistent,
+                                              trainable_params=count.trainable_params(layers, c.tp)), dp)}
+    if c.tp > 1:
+        groups["tp"] = ({"all_reduce": pipeline.tp_allreduce_bytes(
+            shape, tp=c.tp, blocks=layers, seq_len=seq, micro_batch=mb, micro_batches=m, precision=prec,
+            activation_checkpointing=work["activation_checkpointing"])}, c.tp)
+    if c.pp > 1:  # a middle stage (two neighbours) when there is one
+        middle = 1 if c.pp > 2 else 0
+        p2p = pipeline.p2p_bytes(shape, stage=middle, pp=c.pp, seq_len=seq, micro_batch=mb, micro_batches=m,
+                                 precision=prec, tp=c.tp)
+        gathers = p2p.pop("all_gather_into_tensor", 0)
+        groups["pp"] = (p2p, c.pp)
+        if gathers:
+            groups["tp-pipe"] = ({"all_gather_into_tensor": gathers}, c.tp)
+        tied = pipeline.tied_allreduce_bytes(count, stage=0, pp=c.pp, precision=prec)
+        if tied:
+            groups["pp-tied"] = ({"all_reduce": tied}, 2)
+    rows = comm.comm_rows(groups)
+    return {"rows": rows, "wire_bytes": sum(r["wire_bytes"] for r in rows),
+            "logged_bytes": sum(r["logged_bytes"] for r in rows)}
+
+
+def _verdict(c: Candidate, mem: dict, shape: dict, hw: dict) -> dict:
+    reasons = []
+    reason = not_applicable(c, shape)
+    if reason:
+        return {"applicable": False, "fits": False, "why_not": reason}
+    usable_gpu = hw["usable_gpu_bytes"]
+    if mem["gpu_bytes"] > usable_gpu:
+        acts = mem["activations"]["total"]
+        reasons.append(f"GPU: needs {gb(mem['gpu_bytes'])} > {gb(usable_gpu)} usable (backward: model states "
+                       f"{gb(mem['gpu_backward_bytes'] - acts)} + activations {gb(acts)}; optimizer step "
+                       f"{gb(mem['gpu_step_bytes'])})")
+    cpu = mem["cpu_bytes_per_node"]
+    if cpu and hw["usable_cpu_bytes"] is not None and cpu > hw["usable_cpu_bytes"]:
+        reasons.append(f"CPU RAM: needs {gb(cpu)}/node for offload > {gb(hw['usable_cpu_bytes'])} usable")
+    nvme = mem["nvme_bytes_per_node"]
+    if nvme and hw["usable_nvme_bytes"] is None:
+        reasons.append(f"NVMe: needs {gb(nvme)}/node, none given (--nvme)")
+    elif nvme and nvme > hw["usable_nvme_bytes"]:
+        reasons.append(f"NVMe: needs {gb(nvme)}/node > {gb(hw['usable_nvme_bytes'])} usable")
+    return {"applicable": True, "fits": not reasons, "why_not": "; ".join(reasons) or None}
+
+
+def gb(nbytes: float) -> str:
+    """Decimal units (GB = 1e9 bytes), as GPUs are sold; render.py shows GiB next to them."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def overrides(c: Candidate, result: dict, work: dict) -> dict:
+    """The runner's --set overrides that reproduce this plan with the named recipe."""
+    # All three batch keys: a recipe may pin the global batch (zero2_offload: 256), and "auto" derives
+    # it from micro x accum x data-parallel size for the world the launch finds.
+    out = {"batch.micro_batch_per_gpu": work["micro_batch"], "batch.grad_accum_steps": result["micro_batches"],
+           "batch.train_batch_size": "auto", "train.seq_len": work["seq_len"], "precision": work["precision"]}
+    if work["activation_checkpointing"]:
+        out["activation_checkpointing"] = True
+    if c.recipe.endswith(("_offload", "_nvme")):
+        out["zero.offload_optimizer"] = c.offload_optimizer
+        if c.stage == 3:
+            out["zero.offload_param"] = c.offload_param
+    if c.recipe in ("tp", "pipeline", "3d"):
+        out["zero.stage"] = c.stage
+    if c.tp > 1:
+        out["parallel.tensor"] = c.tp
+    if c.pp > 1:
+        out["parallel.pipeline"] = c.pp
+    return out
+
+
+def launch_command(recipe: str, model_name: str, hw: dict, sets: dict) -> str:
+    head = f"harness launch --num_gpus {hw['gpus_per_node']}"  # `deepspeed` that is safe to signal (README)
+    if hw["nodes"] > 1:  # DeepSpeed's pdsh launcher: the other nodes' ranks cannot report to `harness launch`
+        head = f"deepspeed --hostfile hostfile --num_nodes {hw['nodes']} --num_gpus {hw['gpus_per_node']}"
+    args = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items())
+    return f"{head} harness/run.py --recipe {recipe} --model {shlex.quote(model_name)} {args}"
+
+
+def hardware(gpus_per_node: int, nodes: int, gpu_mem_bytes: int, cpu_mem_bytes: int | None,
+             nvme_bytes: int | None) -> dict:
+    def usable(nbytes):
+        return None if nbytes is None else int(nbytes * (1 - RESERVE_FRACTION))
+
+    return {"gpus_per_node": gpus_per_node, "nodes": nodes, "world": gpus_per_node * nodes,
+            "gpu_mem_bytes": gpu_mem_bytes, "cpu_mem_bytes": cpu_mem_bytes, "nvme_bytes": nvme_bytes,
+            "usable_gpu_bytes": usable(gpu_mem_bytes), "usable_cpu_bytes": usable(cpu_mem_bytes),
+            "usable_nvme_bytes": usable(nvme_bytes), "reserve_fraction": RESERVE_FRACTION}
