@@ -3,8 +3,8 @@ folder from its latest complete checkpoint (harness/commands/launch.py, harness/
 
 Real ranks (2 CPU ranks, zero2 fp32, the built-in tiny Llama), each rank killed from outside with SIGKILL by the
 test, as the OOM killer or a crashed node would:
-  U  10 steps uninterrupted (deepspeed directly), checkpoints every 4 steps;
-  R  the same under `harness launch --max-restarts 3` with no --output-dir (rank 0 picks the folder, the restarts
+  U  10 steps uninterrupted (deepspeed directly; conftest's zero2_uninterrupted, shared with test_reliability);
+  R  the same, with checkpoints every 4 steps, under `harness launch --max-restarts 3` with no --output-dir (rank 0 picks the folder, the restarts
      must keep it): rank 1 killed at step 1, before any checkpoint (restart from the start, in the same folder),
      then rank 0 killed after global_step4 (restart with --resume latest). R ends with U's losses and U's
      checkpoint, model and optimizer states, bit for bit; restarts.jsonl has both restarts, report.md shows them;
@@ -30,11 +30,11 @@ from harness.dist import free_port
 from harness.report.restarts import restarts_line, restarts_section
 from harness.train import restarts
 from harness.train.metrics import drop_partial_line
-from launch import ROOT, env, launch, losses, records
-from test_reliability import COMMON, rank_pid, steps, train_steps_logged, wait_for
+from launch import ROOT, env, losses, records
+from test_reliability import COMMON, TOTAL, rank_pid, steps, train_steps_logged, wait_for
 
 HARNESS = Path(sys.executable).parent / "harness"
-TOTAL, SAVE = 10, 4
+SAVE = 4
 RUN_ARGS = ["--recipe", "zero2", *COMMON, *steps(TOTAL), "--set", f"train.save_every={SAVE}"]
 
 
@@ -141,9 +141,9 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def harness_launch(*args: str, max_restarts: int) -> list[str]:
+def harness_launch(*args: str, max_restarts: int, ranks: int = 2) -> list[str]:
     return [str(HARNESS), "launch", "--max-restarts", str(max_restarts), "--restart-backoff", "0.2",
-            "--master_port", str(free_port()), "--num_gpus", "2", "harness/run.py", *args]
+            "--master_port", str(free_port()), "--num_gpus", str(ranks), "harness/run.py", *args]
 
 
 def until(proc: subprocess.Popen, log: Path, predicate, what: str, timeout_s: float = 300):
@@ -172,15 +172,9 @@ def states(run: Path) -> dict[str, torch.Tensor]:
             for k, v in tensors(torch.load(f, map_location="cpu", weights_only=False)).items()}
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("restart") / "straight"
-    launch("--output-dir", str(run), *RUN_ARGS)
-    return run
-
-
 @pytest.mark.multirank
-def test_killed_twice_restarts_in_the_same_folder_and_ends_bitwise_equal(straight, tmp_path):
+def test_killed_twice_restarts_in_the_same_folder_and_ends_bitwise_equal(zero2_uninterrupted, tmp_path):
+    straight = zero2_uninterrupted  # the same arguments, checkpoints only at the end
     out, log = tmp_path / "runs", tmp_path / "r.log"
     proc = start(harness_launch(*RUN_ARGS, "--set", f"train.output_dir={out}", max_restarts=3), log)
     began = time.monotonic()
@@ -241,7 +235,7 @@ def test_preempted_and_bad_input_are_returned_at_once_not_restarted(tmp_path):
     assert "[restart]" not in text and not restarts.read(run)
 
     bad = subprocess.run(harness_launch("--recipe", "no_such_recipe", "--output-dir", str(tmp_path / "bad"),
-                                        max_restarts=3), cwd=ROOT, env={**env(), "PYTHONPATH": str(ROOT)},
+                                        max_restarts=3, ranks=1), cwd=ROOT, env={**env(), "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, timeout=300)
     said = bad.stdout + bad.stderr
     assert bad.returncode == 2 and "no_such_recipe" in said and "[restart]" not in said, said[-4000:]
