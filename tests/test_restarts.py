@@ -112,6 +112,12 @@ def test_why_an_attempt_failed_names_each_rank_and_the_signal(tmp_path, monkeypa
     assert launchmod.describe({}, 1) == "launcher exit 1"
 
 
+def test_a_signal_during_the_backoff_cancels_the_restart():
+    start = time.monotonic()
+    assert launchmod.backoff(30, pending=[signal.SIGTERM]) is False and time.monotonic() - start < 1
+    assert launchmod.backoff(0.05, pending=[]) is True
+
+
 def test_report_lines_for_restarts():
     records_ = [{"attempt": 1, "time": 0.0, "code": 247, "reason": "rank 1 left no exit report (killed)",
                  "backoff_s": 1.0, "resume_from": None},

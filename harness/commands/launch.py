@@ -289,7 +289,7 @@ def attempts(argv: list[str], command: Command | None, opts: Options, exit_root:
             say("restart", f"attempt {attempt} failed ({reason}); --max-restarts {opts.max_restarts} used up: "
                            f"exit {code}")
             return code
-        wait_s = min(opts.backoff_s * 2 ** (attempt - 1), max(BACKOFF_CAP_S, opts.backoff_s))
+        wait_s = min(opts.backoff_s * 2 ** min(attempt - 1, 30), max(BACKOFF_CAP_S, opts.backoff_s))
         script_args, tag = restarts.restart_args(command.script_args, run_dir)
         record = {"attempt": attempt, "time": round(time.time(), 3), "code": code, "exit_codes": rank_codes(exit_dir),
                   "reason": reason, "backoff_s": wait_s, "resume_from": tag, "script_args": script_args}
