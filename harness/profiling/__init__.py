@@ -3,7 +3,7 @@ May import: the ground floor, config/, planner/, data/, model/, checkpoint/.
 
 Contract with harness/train/job.py:
   ds_overrides(spec, run_dir) -> dict   DeepSpeed keys merged into the config before initialize
-  make_hooks(spec, engine, dist, run_dir, log) -> list of objects with
+  make_hooks(spec, engine, dist, run_dir, log, trackers) -> list of objects with
       before_step(step: int) -> None          step is 0-based (the trainer's loop index)
       after_step(step: int) -> dict | None    fields merged into that step's "train" record
       close() -> dict | None                  fields merged into summary.json (called on every rank)
@@ -57,7 +57,8 @@ profiled steps and once at close, so there are no per-rank files and no gathers 
   Predictions come from the planner (predict.py) with inputs read off the live engine.
 
 Optional DeepSpeed monitors (recipe `monitor.tensorboard` / `monitor.csv`) write into RUN/monitor/; the
-harness adds the train loss, eval loss and tokens/s, which the plain engine does not log.
+harness adds the train loss, eval loss and tokens/s, which the plain engine does not log. Experiment trackers
+(`monitor.wandb`, `monitor.mlflow`: trackers.py) get every record and the summary through the harness's own calls.
 `harness report RUN` turns all of this into report.md with plots."""
 
 from __future__ import annotations
@@ -122,12 +123,15 @@ def ds_overrides(spec, run_dir) -> dict:
     return out
 
 
-def make_hooks(spec, engine, dist, run_dir, log) -> list:
+def make_hooks(spec, engine, dist, run_dir, log, trackers=None) -> list:
+    """`trackers`: trackers.start's result (rank 0's running trackers; empty elsewhere)."""
     from harness.profiling import comm, memory, monitor, pipe, predict, throughput
+    from harness.profiling.trackers import TrackerHook
 
     window = window_of(spec)
     prediction = predict.for_run(spec, engine)
-    hooks: list = [throughput.ThroughputHook(spec, engine, dist, window)]  # cheap: no sync, no gather
+    speed = throughput.ThroughputHook(spec, engine, dist, window)
+    hooks: list = [speed]  # cheap: no sync, no gather
     if window is not None:
         hooks.append(comm.CommHook(dist, window, prediction))
     if getattr(spec, "pp", 1) > 1 and hasattr(engine, "_INSTRUCTION_MAP"):
@@ -136,4 +140,6 @@ def make_hooks(spec, engine, dist, run_dir, log) -> list:
         hooks.append(memory.MemoryHook(spec, engine, dist, window, prediction))
     if getattr(engine, "monitor", None) is not None and engine.monitor.enabled:
         hooks.append(monitor.MonitorHook(engine, dist))
+    if trackers:
+        hooks.append(TrackerHook(trackers, dist, speed.predicted.get("step_time_s")))
     return hooks

@@ -19,6 +19,7 @@ from harness.errors import UsageError
 from harness.log import say
 from harness.model import adapters
 from harness.model.attach import attach
+from harness.profiling.trackers import start as start_trackers, summary_metrics
 from harness.train import checks, preempt, restarts
 from harness.train.metrics import MetricsLog
 from harness.train.trainer import Data, Trainer
@@ -141,12 +142,13 @@ def announce(spec, dist, run_dir: Path, info, data: Data) -> None:
     say("config", f"run folder {run_dir}")
 
 
-def write_summary(spec, run_dir: Path, step0: int, result: dict) -> None:
+def write_summary(spec, run_dir: Path, step0: int, result: dict) -> dict:
     summary = {"run_dir": str(run_dir), "recipe": spec.recipe_name, "world_size": spec.world_size,
                "steps": result.get("preempted_at", spec.recipe["train"]["steps"]), "start_step": step0, **result}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     say("done", f"{summary['steps']} steps, loss {result['first_loss']:.3f} -> {result['last_loss']:.3f}; "
                 f"outputs in {run_dir}")
+    return summary
 
 
 def quiesce(engine) -> None:
@@ -175,7 +177,8 @@ def run(spec, dist) -> int:
     """One job in an existing process group (main's; or a test driver's, running several jobs in one group)."""
     from harness.model.hf import load_tokenizer
 
-    log = None
+    log = trackers = None
+    code = 1  # an exception escaping: the trackers record a failed run
     try:
         run_dir = choose_run_dir(spec, dist)
         spec.ds_config = deep_merge(spec.ds_config, profiling.ds_overrides(spec, run_dir))
@@ -183,6 +186,7 @@ def run(spec, dist) -> int:
             restarts.report_run_dir(run_dir)  # `harness launch --max-restarts` restarts in this folder
             write_run_files(spec, run_dir)
         distmod.barrier()
+        trackers = start_trackers(spec, dist, run_dir)  # exit 2 on every rank when one cannot start
         tokenizer = load_tokenizer(spec.recipe["train"]["model"])
         data = load_data(spec, dist, tokenizer)
         checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
@@ -197,16 +201,20 @@ def run(spec, dist) -> int:
         step0 = start_step(engine, spec, dist, run_dir)
         if dist.is_main:
             checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer)
-        hooks = profiling.make_hooks(spec, engine, dist, run_dir, log)
+        hooks = profiling.make_hooks(spec, engine, dist, run_dir, log, trackers)
         with preempt.Preemption() as stop:  # until the end: a later signal (the launcher's) must not cut the exit
             result = Trainer(engine, spec, dist, data, run_dir, log, hooks, preempt=stop).run(step0)
             result.update(startup_summary)
             for hook in hooks:
                 result.update(hook.close() or {})
             if dist.is_main:
-                write_summary(spec, run_dir, step0, result)
+                summary = write_summary(spec, run_dir, step0, result)
+                trackers.summary(summary_metrics(summary), summary["steps"])
             quiesce(engine)
-        return preempt.EXIT_PREEMPTED if "preempted_at" in result else 0
+        code = preempt.EXIT_PREEMPTED if "preempted_at" in result else 0
+        return code
     finally:
+        if trackers is not None:
+            trackers.finish(code)
         if log:
             log.close()
