@@ -13,68 +13,22 @@ MASTER_ADDR is host 0's address on the wire. Needs root (CI runs as root); elsew
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 import twohosts
-from launch import DEEPSPEED, ROOT, env, free_port, launch, losses
+from launch import launch, losses
+from twohosts import start_nodes, tails, wait_nodes
 
 pytestmark = [pytest.mark.multirank,
               pytest.mark.skipif(twohosts.unavailable() is not None, reason=f"two hosts: {twohosts.unavailable()}")]
 
-SCRIPT = ROOT / "docker" / "launch_multinode.sh"
-HARNESS = DEEPSPEED.parent / "harness"
 # a constant learning rate: a long run (the link-down one) and a short one train alike step by step
 RECIPE = ["--recipe", "zero3", "--set", "train.seq_len=64", "--set", "train.eval_every=0", "--set",
           "scheduler.type=none", "--profile-steps", ""]
 STEPS = 6
-
-
-def start_nodes(hosts: twohosts.TwoHosts, tmp: Path, args: list[str], tag: str) -> tuple[list, list[Path]]:
-    hostfile = tmp / "hostfile"
-    hostfile.write_text("hostA slots=1\nhostB slots=1\n")
-    port = free_port()
-    procs, logs = [], []
-    for node in (0, 1):
-        log = tmp / f"{tag}-node{node}.log"
-        node_env = dict(env(), **hosts.env(node), NODE_RANK=str(node), MASTER_ADDR=hosts.addr[0],
-                        MASTER_PORT=str(port), HOSTFILE=str(hostfile), DEEPSPEED=f"{HARNESS} launch")
-        with open(log, "w") as out:
-            procs.append(hosts.popen(node, [str(SCRIPT), *args], cwd=ROOT, env=node_env, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True))
-        logs.append(log)
-    return procs, logs
-
-
-def stop(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-def wait_nodes(procs, logs, timeout_s: float = 300) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    finally:
-        stop(procs)
-    return [p.returncode for p in procs]
-
-
-def tails(logs) -> str:
-    return "".join(f"\n--- {log.name}\n{log.read_text()[-4000:]}" for log in logs)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +49,7 @@ def test_two_hosts_match_one_host_exactly(hosts, reference, tmp_path):
     run = tmp_path / "run"
     procs, logs = start_nodes(hosts, tmp_path, [*RECIPE, "--set", f"train.steps={STEPS}", "--output-dir", str(run)],
                               "match")
-    codes = wait_nodes(procs, logs)
+    codes = wait_nodes(procs)
     assert codes == [0, 0], f"exit codes {codes}{tails(logs)}"
     assert f"master_addr={hosts.addr[0]}" in logs[1].read_text() or hosts.addr[0] in logs[1].read_text()
     assert losses(run) == reference, (losses(run), reference)
@@ -126,7 +80,7 @@ def test_link_down_ends_every_rank_and_resume_continues(hosts, reference, tmp_pa
             if ended[i] is None and p.poll() is not None:
                 ended[i] = time.monotonic() - down
         time.sleep(0.1)
-    codes = wait_nodes(procs, logs, timeout_s=0)
+    codes = wait_nodes(procs, timeout_s=0)
     print(f"link down: nodes ended after {ended} s, codes {codes} (collective_timeout {TIMEOUT_MIN * 60:g} s)")
     assert codes == [1, 1], f"exit codes {codes}{tails(logs)}"
     assert max(ended) <= TIMEOUT_MIN * 60 + 15, (ended, tails(logs))
@@ -142,7 +96,38 @@ def test_link_down_ends_every_rank_and_resume_continues(hosts, reference, tmp_pa
     step = int(latest.removeprefix("global_step"))
     procs, logs = start_nodes(hosts, tmp_path, [*RECIPE, "--set", f"train.steps={STEPS}", "--resume", "latest",
                                                 "--output-dir", str(run)], "resume")
-    codes = wait_nodes(procs, logs)
+    codes = wait_nodes(procs)
     assert codes == [0, 0], f"exit codes {codes}{tails(logs)}"
     resumed = {s: l for s, l in losses(run).items() if s > step}
     assert resumed == {s: l for s, l in reference.items() if s > step}, (resumed, reference)
+
+
+RATE_MBIT = 100
+
+
+def test_calibrate_link_measures_the_slow_wire(hosts, tmp_path):
+    """`harness calibrate --link` on both hosts, the wire capped at 100 Mbit/s by a tbf (netem is not in every
+    kernel; tests/twohosts.py): the all-reduce bus bandwidth and the send rate it measures are the cap, less TCP/IP
+    headers, and the open wire measures far faster. The base is a named profile: --link replaces only the
+    inter-node figures, which planner/collectives.py then prices cross-node calls on."""
+    from harness.planner import collectives
+
+    base = Path(__file__).resolve().parent.parent / "harness" / "planner" / "profiles" / "a100-80gb-sxm.json"
+    hosts.slow(f"{RATE_MBIT}mbit")
+    out = twohosts.calibrate_link(hosts, base, tmp_path / "slow.json")
+    slow = json.loads((tmp_path / "slow.json").read_text())
+    link = slow["measured"]["inter_node"]
+    rate = RATE_MBIT * 1e6 / 8 / 1e9
+    measured = {"all_reduce": link["bus_gbps"]["all_reduce"]["2"], "send": link["bus_gbps"]["send"]["2"]}
+    print(f"100 Mbit/s wire: {', '.join(f'{k} {v * 1e3:.2f} MB/s' for k, v in measured.items())} "
+          f"(cap {rate * 1e3:.1f} MB/s)")
+    assert all(0.75 * rate <= v <= 1.02 * rate for v in measured.values()), (measured, out)
+    assert slow["inter_node_gbps"] == measured["all_reduce"] and slow["intra_node_gbps"] > 100  # the base's
+    # a cross-node all-reduce of 8 MB is priced on the measured curve: about 8 MB at the cap
+    assert 0.9 * 8 * 2**20 / rate / 1e9 < collectives.collective_s(slow, "all_reduce", 8 * 2**20, 2, inter=True) \
+        < 1.4 * 8 * 2**20 / rate / 1e9
+    hosts.unslow()
+    twohosts.calibrate_link(hosts, base, tmp_path / "open.json")
+    fast = json.loads((tmp_path / "open.json").read_text())["inter_node_gbps"]
+    print(f"open wire: all_reduce {fast * 1e3:.0f} MB/s")
+    assert fast > 5 * measured["all_reduce"], (fast, measured)

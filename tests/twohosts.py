@@ -20,12 +20,19 @@ That gives a slow link (rate), not a long one (no added propagation delay).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
+from pathlib import Path
+
+from launch import DEEPSPEED, ROOT, env, free_port
 
 IP = "/usr/sbin/ip" if os.path.exists("/usr/sbin/ip") else "ip"
 TC = "/usr/sbin/tc" if os.path.exists("/usr/sbin/tc") else "tc"
+SCRIPT = ROOT / "docker" / "launch_multinode.sh"
+HARNESS = DEEPSPEED.parent / "harness"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -109,6 +116,11 @@ class TwoHosts:
             if proc.returncode != 0:
                 raise RuntimeError(f"tc tbf on {self.ifname[i]}: {proc.stderr.strip()}")
 
+    def unslow(self) -> None:
+        for i in (0, 1):
+            subprocess.run([IP, "netns", "exec", self.ns[i], TC, "qdisc", "del", "dev", self.ifname[i], "root"],
+                           capture_output=True)
+
     def check_wire(self, timeout_s: float = 5.0) -> None:
         """A TCP connection from host 1 to host 0 across the wire (there is no ping here)."""
         code = (f"import socket,sys; s=socket.socket(); s.bind(({self.addr[0]!r}, 0)); s.listen(1); "
@@ -126,3 +138,65 @@ class TwoHosts:
             server.kill()
             server.wait()
 
+
+def start_nodes(hosts: TwoHosts, tmp: Path, args: list[str], tag: str) -> tuple[list, list[Path]]:
+    """Each host's node of one run, as docker/launch_multinode.sh starts real ones (`harness launch --no_ssh
+    --node_rank N`, one rank per node, MASTER_ADDR host 0's address on the wire); output to files."""
+    hostfile = tmp / "hostfile"
+    hostfile.write_text("hostA slots=1\nhostB slots=1\n")
+    port = free_port()
+    procs, logs = [], []
+    for node in (0, 1):
+        log = tmp / f"{tag}-node{node}.log"
+        node_env = dict(env(), **hosts.env(node), NODE_RANK=str(node), MASTER_ADDR=hosts.addr[0],
+                        MASTER_PORT=str(port), HOSTFILE=str(hostfile), DEEPSPEED=f"{HARNESS} launch")
+        with open(log, "w") as out:
+            procs.append(hosts.popen(node, [str(SCRIPT), *args], cwd=ROOT, env=node_env, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True))
+        logs.append(log)
+    return procs, logs
+
+
+def stop(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def wait_nodes(procs, timeout_s: float = 300) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        stop(procs)
+    return [p.returncode for p in procs]
+
+
+def tails(logs) -> str:
+    return "".join(f"\n--- {log.name}\n{log.read_text()[-4000:]}" for log in logs)
+
+
+def calibrate_link(hosts: TwoHosts, base: Path, out: Path, timeout_s: float = 300) -> str:
+    """`harness calibrate --link` on both hosts at once; node 0 writes `out` (base + the wire's figures).
+    Returns node 0's output."""
+    port = free_port()
+    procs = [hosts.popen(node, [str(HARNESS), "calibrate", "--link", "--node-rank", str(node), "--nnodes", "2",
+                                "--master-addr", hosts.addr[0], "--master-port", str(port), "--base", str(base),
+                                "--out", str(out)],
+                         cwd=ROOT, env=dict(env(), **hosts.env(node)), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for node in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+    finally:
+        stop(procs)
+    if [p.returncode for p in procs] != [0, 0]:
+        raise RuntimeError(f"calibrate --link exited {[p.returncode for p in procs]}:\n" + "\n".join(outputs))
+    return outputs[0]
