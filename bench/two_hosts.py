@@ -31,9 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import twohosts  # noqa: E402
 from launch import env  # noqa: E402
+from time_model import make_model  # noqa: E402
 
 MODEL = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 704,
          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
@@ -41,21 +43,6 @@ MODEL = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermed
 SEQ_LEN = 128
 BATCH = {"zero3": (4, 1), "pipeline": (2, 4)}  # (micro, accum): 8 sequences per step on 2 ranks (pipeline: 1 replica)
 TOLERANCE = 0.25
-
-
-def make_model(folder: Path) -> None:
-    import torch
-    import transformers
-
-    if (folder / "config.json").exists():
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**MODEL))
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ROOT / "harness" / "assets" / name, folder / name)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params in {folder}")
 
 
 def harness(*args: str) -> subprocess.CompletedProcess:
@@ -112,7 +99,7 @@ def main() -> int:
         return 2
     work = Path(args.work)
     model = work / "llama-3m"
-    make_model(model)
+    make_model(model, MODEL)
     base = Path(args.base) if args.base else work / "base.json"
     if not args.base and not base.exists():
         start = time.time()

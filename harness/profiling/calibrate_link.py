@@ -21,9 +21,20 @@ import statistics
 import tempfile
 import time
 
-from harness.profiling.calibrate_comm import COLLECTIVES, DTYPES, FACTOR, STEPS, _time_op, message_sizes
+from harness.profiling.calibrate_comm import COLLECTIVES, DTYPES, FACTOR, STEPS, _time_op
 
 LINK_BYTES = 8 * 2**20  # the largest message: 8 MB takes 0.7 s over a 100 Mbit/s link, 6 ms over 10 Gbit/s
+
+
+def link_sizes(nbytes: int) -> list[int]:
+    """Buffer sizes of the curves: x4 apart from 32 KB up to `nbytes`. Finer than inside a node: a link's queue
+    (a switch's buffer, a token bucket's burst) lets the first tens of KB of a message through at line rate, so
+    the time per byte changes most between a few tens of KB and a few MB, where pipeline activations lie."""
+    sizes, size = [], nbytes
+    while size >= 32 * 2**10:
+        sizes.append(size)
+        size //= 4
+    return sorted(sizes)
 
 
 def _ping_pong(dist, nbytes: int, rank: int, repeat: int, dtype: str) -> float:
@@ -69,7 +80,7 @@ def _worker(index: int, node_rank: int, nnodes: int, addr: str, port: int, out_p
               "latency_us": {}, "seconds_by_bytes": {}}
     for op in COLLECTIVES:
         curve = {}
-        for size in message_sizes(nbytes):
+        for size in link_sizes(nbytes):
             t, full = _time_op(dist, op, size, None, n, device, repeat, dtype)
             curve[full] = t
         small, small_full = _time_op(dist, op, 4096 * n, None, n, device, repeat, dtype)
@@ -79,7 +90,7 @@ def _worker(index: int, node_rank: int, nnodes: int, addr: str, port: int, out_p
         result["latency_us"][op] = {str(n): small / STEPS[op](n) * 1e6}
         result["seconds_by_bytes"][op] = {str(n): {str(b): curve[b] for b in sorted(curve)}}
     if device == "cpu":  # point to point between the first two nodes (NCCL's send/recv would need streams synced)
-        p2p = {str(size): _ping_pong(dist, size, node_rank, repeat, dtype) for size in message_sizes(nbytes)}
+        p2p = {str(size): _ping_pong(dist, size, node_rank, repeat, dtype) for size in link_sizes(nbytes)}
         result["seconds_by_bytes"]["send"] = {"2": p2p}
         largest = max(p2p, key=int)
         result["bus_gbps"]["send"] = {"2": int(largest) / p2p[largest] / 1e9}
