@@ -35,11 +35,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import twohosts  # noqa: E402
 from launch import env  # noqa: E402
+from bench_shapes import LLAMA_3M  # noqa: E402
 from time_model import make_model  # noqa: E402
 
-MODEL = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 704,
-         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
-         "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+MODEL = LLAMA_3M
 SEQ_LEN = 128
 BATCH = {"zero3": (4, 1), "pipeline": (2, 4)}  # (micro, accum): 8 sequences per step on 2 ranks (pipeline: 1 replica)
 TOLERANCE = 0.25

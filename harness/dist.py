@@ -92,7 +92,7 @@ def silent_peers(rank: int, timeout_min: float) -> str:
         time.sleep(0.2)
         missing = [r for r in missing if not store.check([f"harness/timed_out/{r}"])]
     if not missing:
-        return "every rank timed out in it: a peer rank hung or died before"
+        return "every rank checked in after it: a peer rank hung or died, or the ranks disagree on the collective"
     named = ", ".join(where(r) for r in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
     return f"no answer from peer {named}: the link to it is down, or it hung or died"
 

@@ -2,19 +2,22 @@
 
 Each "host" is a network namespace with its own address at one end of a veth pair (tests/twohosts.py), each
 runs one node's `harness launch --no_ssh --node_rank N` (docker/launch_multinode.sh) with one rank, and
-MASTER_ADDR is host 0's address on the wire. Needs root (CI runs as root); elsewhere the tests skip and say why.
+MASTER_ADDR is host 0's address on the wire. Needs root (CI runs as root, with DSHARNESS_REQUIRE_NETNS=1);
+elsewhere the tests skip and say why.
 
 - the same run on one host (two local ranks) and across the wire: the same losses, bit for bit;
-- the wire taken down mid-run: every rank ends within train.collective_timeout with exit 1 and one line that
-  names the peer and the setting; `latest` is complete; with the wire back `--resume latest` continues exactly;
+- the wire taken down mid-run: every rank ends about train.collective_timeout later (+ a 1-5 s check-in) with
+  exit 1 and one line that names the peer and the setting; `latest` is complete; with the wire back
+  `--resume latest` continues exactly;
 - a slow wire (tbf rate cap): `harness calibrate --link` across the hosts measures it, and the planner's pick on
-  the measured wire moves from data parallel (open wire) to a pipeline (slow wire).
+  the measured wire: a pipeline, by far, over the slow wire.
 Predicted vs measured step time of ZeRO-3 and pipeline across the slow wire takes minutes: bench/two_hosts.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -24,8 +27,9 @@ import twohosts
 from launch import ROOT, launch, losses
 from twohosts import start_nodes, tails, wait_nodes
 
-pytestmark = [pytest.mark.multirank,
-              pytest.mark.skipif(twohosts.unavailable() is not None, reason=f"two hosts: {twohosts.unavailable()}")]
+# CI (root) sets DSHARNESS_REQUIRE_NETNS=1: there the tests always run, and fail where namespaces cannot be made
+SKIP = twohosts.unavailable() is not None and os.environ.get("DSHARNESS_REQUIRE_NETNS") != "1"
+pytestmark = [pytest.mark.multirank, pytest.mark.skipif(SKIP, reason=f"two hosts: {twohosts.unavailable()}")]
 
 # a constant learning rate: a long run (the link-down one) and a short one train alike step by step
 RECIPE = ["--recipe", "zero3", "--set", "train.seq_len=64", "--set", "train.eval_every=0", "--set",
@@ -147,18 +151,28 @@ def test_calibrate_link_measures_the_slow_wire(hosts, tmp_path):
     fast = json.loads((tmp_path / "open.json").read_text())["inter_node_gbps"]
     print(f"open wire: all_reduce {fast * 1e3:.0f} MB/s")
     assert fast > 5 * measured["all_reduce"], (fast, measured)
-    # the planner's pick follows the measured wire (2 nodes x 1 GPU): data parallel over the open one, a pipeline
-    # (activations at one boundary instead of every gradient) over the slow one; bench/two_hosts.py runs both
-    # layouts across both wires on CPU ranks and sets the planner's step times beside the measured ones
-    picks = {wire: recommended(tmp_path / f"{wire}.json") for wire in ("open", "slow")}
-    assert picks["slow"].startswith("pipeline") and not picks["open"].startswith("pipeline"), picks
+    # the planner's pick follows the measured wire (2 nodes x 1 GPU, bench/two_hosts.py's 3.5M Llama): over the slow
+    # wire a pipeline (activations at one stage boundary) by far over the best layout without one (every gradient
+    # crosses the wire), where over the base's own link (23 GB/s) the two are close. bench/two_hosts.py runs
+    # both on CPU ranks across the wire and sets the planner's step times beside the measured ones. (The open wire's
+    # small-message times swing with the machine's load, so its pick is not asserted here.)
+    from bench_shapes import LLAMA_3M
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3M))
+    margin = {name: pipeline_margin(tmp_path / "config.json", profile) for name, profile in
+              (("base", base), ("slow", tmp_path / "slow.json"))}
+    print(f"best layout without a pipeline / with one: {margin}")
+    assert margin["slow"] > 5 and margin["slow"] > 5 * margin["base"], margin
 
 
-def recommended(profile: Path) -> str:
+def pipeline_margin(model: Path, profile: Path) -> float:
+    """Predicted step time of the fastest layout without a pipeline over the fastest with one (>1: pipeline wins)."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "harness.cli", "plan", "--model", "tiny-llama", "--gpus", "1",
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "plan", "--model", str(model), "--gpus", "1",
                           "--nodes", "2", "--hardware", str(profile), "--seq-len", "128", "--global-batch", "8",
                           "--precision", "fp32", "--json"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return json.loads(out)["recommended"]["label"]
+    ranked = json.loads(out)["ranked"]
+    best = {pp: min(r["time"]["step_time_s"] for r in ranked if (r["pp"] > 1) == pp) for pp in (True, False)}
+    return best[False] / best[True]

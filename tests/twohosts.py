@@ -19,6 +19,7 @@ That gives a slow link (rate), not a long one (no added propagation delay).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -42,6 +43,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+@functools.lru_cache(maxsize=1)
 def unavailable() -> str | None:
     """Why two hosts cannot be made here (None when they can): network namespaces need root (CAP_SYS_ADMIN)."""
     if os.geteuid() != 0:
