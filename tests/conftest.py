@@ -9,6 +9,18 @@ import os
 import pytest
 
 
+@pytest.fixture(scope="session")
+def zero2_uninterrupted(tmp_path_factory):
+    """The run folder of 2 ranks, zero2 fp32, test_reliability.TOTAL steps uninterrupted (deepspeed directly):
+    the reference of the preemption and resume tests (its losses) and of the restart tests (its last checkpoint)."""
+    from launch import launch
+    from test_reliability import COMMON, TOTAL, steps
+
+    run = tmp_path_factory.mktemp("z2") / "straight"
+    launch("--recipe", "zero2", "--output-dir", str(run), *COMMON, *steps(TOTAL))
+    return run
+
+
 def pytest_collection_modifyitems(config, items):
     nvme = [item for item in items if item.get_closest_marker("nvme")]
     if not nvme or os.environ.get("DSHARNESS_REQUIRE_NVME") == "1":

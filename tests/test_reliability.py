@@ -79,10 +79,8 @@ def latest_is_complete(ckpt: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def zero2_straight(tmp_path_factory) -> dict[int, float]:
-    run = tmp_path_factory.mktemp("z2") / "straight"
-    launch("--recipe", "zero2", "--output-dir", str(run), *COMMON, *steps(TOTAL))
-    return losses(run)
+def zero2_straight(zero2_uninterrupted) -> dict[int, float]:
+    return losses(zero2_uninterrupted)
 
 
 def test_zero2_preempted_then_resumed_on_2_1_2_ranks(zero2_straight, tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from harness.errors import Problem
 from harness.config.resolve import Context, degrees
 
-# The harness's own tensor-parallel layers (train/parallel/tensor.py): the projections a TP LoRA can wrap.
+# The harness's own tensor-parallel layers (model/parallel/tensor.py): the projections a TP LoRA can wrap.
 TP_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GPT2_PROJECTIONS = ("c_attn", "c_proj", "c_fc")  # in the default list; tensor parallel never meets GPT-2
 

@@ -185,7 +185,7 @@ def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | N
     kwargs = {"attn_implementation": ATTN_IMPLEMENTATION}
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if quantization_config is not None:  # QLoRA (train/adapters.py): a pretrained base, 4-bit on its GPU;
+    if quantization_config is not None:  # QLoRA (model/adapters.py): a pretrained base, 4-bit on its GPU;
         kwargs["quantization_config"] = quantization_config  # under ZeRO-3 zero.Init places it (no device_map)
         if zero3_init_config is None:
             kwargs["device_map"] = {"": torch.cuda.current_device()}

@@ -1,7 +1,7 @@
 """Memory a rank adds while it builds its model (pure: no torch).
 
 Built by share (pipeline, tp, 3d), whole (ddp, ZeRO-1/2 through from_pretrained) or partitioned at construction
-and filled module by module (ZeRO-3 of a safetensors folder, train/load/zero3.py):
+and filled module by module (ZeRO-3 of a safetensors folder, model/load/zero3.py):
   owned     the tensors the rank keeps, in the training dtype: its stage or shard; the whole model for ddp and
             ZeRO-1/2; its 1/N partition for ZeRO-3
   convert   one tensor read in the checkpoint's dtype while it is cast to the training dtype (none when the

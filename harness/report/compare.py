@@ -19,9 +19,11 @@ from pathlib import Path
 from harness.errors import UsageError
 from harness.report.tables import fmt_bytes, fmt_ratio, ratio, table
 from harness.report.pipeline import pipeline_flags, pipeline_rows, pipeline_section
+from harness.report.restarts import restarts_line, restarts_section
 from harness.report.startup import startup_rows, startup_section
 from harness.report.step_time import step_time_section
 from harness.train.metrics import read_metrics
+from harness.train.restarts import read as read_restarts
 
 STATE_TOL, COMM_TOL, PEAK_TOL = 0.02, 0.05, 0.25
 CPU_PEAK_MIN_BYTES = 512 * 2**20  # CPU ranks: below this the process's own growth after the build decides
@@ -39,10 +41,14 @@ class Run:
     recipe: dict
     ds_config: dict
     notes: list[str] = field(default_factory=list)
+    restarts: list[dict] = field(default_factory=list)  # restarts.jsonl: harness launch --max-restarts
 
     @property
     def train(self) -> list[dict]:
-        return [r for r in self.records if r.get("kind") == "train"]
+        """One record per step, in step order: a step redone after a restart from an earlier checkpoint (or a
+        resume after a crash) counts once, as its last record."""
+        last = {r["step"]: r for r in self.records if r.get("kind") == "train"}
+        return [last[s] for s in sorted(last)]
 
     @property
     def eval(self) -> list[dict]:
@@ -67,7 +73,7 @@ def load_run(run_dir) -> Run:
         raise UsageError(f"{path}: no metrics.jsonl here, so it is not a run folder (or the run never "
                          "logged a step)\n    fix: pass the folder a run wrote, e.g. runs/2026-11-30_zero2")
     run = Run(path, read_metrics(path), _json(path / "summary.json"), _json(path / "recipe.json"),
-              _json(path / "ds_config.json"))
+              _json(path / "ds_config.json"), restarts=read_restarts(path))
     if not run.summary:
         run.notes.append("no summary.json: the run did not finish; tables use metrics.jsonl only")
     return run
@@ -270,7 +276,7 @@ def headline(run: Run) -> list[str]:
     window = s.get("profile", {}).get("window")
     lines.append(f"- profiled steps: {window[0]}-{window[1]} (logged step numbers)" if window
                  else "- profiling window: off (no comm measurement)")
-    return lines + [f"- note: {n}" for n in run.notes]
+    return lines + restarts_line(run.restarts) + [f"- note: {n}" for n in run.notes]
 
 
 def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]) -> str:
@@ -304,6 +310,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
              fmt_ratio(r["ratio"]), r["flag"]] for r in tables["peak"]]))
     else:
         out.append("not recorded")
+    out += restarts_section(run.restarts)
     out += startup_section(tables.get("startup", []))
     out += pipeline_section(run, tables.get("pipeline", []))
     timers = run.summary.get("throughput", {}).get("timers_ms_median", {})

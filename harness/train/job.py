@@ -19,7 +19,7 @@ from harness.errors import UsageError
 from harness.log import say
 from harness.model import adapters
 from harness.model.attach import attach
-from harness.train import checks, preempt
+from harness.train import checks, preempt, restarts
 from harness.train.metrics import MetricsLog
 from harness.train.trainer import Data, Trainer
 
@@ -181,6 +181,7 @@ def run(spec, dist) -> int:
         run_dir = choose_run_dir(spec, dist)
         spec.ds_config = deep_merge(spec.ds_config, profiling.ds_overrides(spec, run_dir))
         if dist.is_main:
+            restarts.report_run_dir(run_dir)  # `harness launch --max-restarts` restarts in this folder
             write_run_files(spec, run_dir)
         distmod.barrier()
         tokenizer = load_tokenizer(spec.recipe["train"]["model"])

@@ -13,6 +13,8 @@ class MetricsLog:
     def __init__(self, run_dir: Path, enabled: bool):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
+        if enabled:
+            drop_partial_line(self.path)
         self._file = open(self.path, "a") if enabled else None
 
     def write(self, kind: str, step: int, at: float | None = None, **fields) -> None:
@@ -27,6 +29,27 @@ class MetricsLog:
         if self._file:
             self._file.close()
             self._file = None
+
+
+def drop_partial_line(path: Path) -> None:
+    """A rank killed mid-write (kill -9, then a restart that appends) can leave a last line without its newline;
+    cut it, so the next record starts on a line of its own and every line stays JSON."""
+    try:
+        with open(path, "rb+") as f:
+            end = pos = f.seek(0, 2)
+            while pos > 0:
+                size = min(65536, pos)
+                f.seek(pos - size)
+                chunk = f.read(size)
+                if pos == end and chunk.endswith(b"\n"):
+                    return
+                if b"\n" in chunk:
+                    f.truncate(pos - size + chunk.rfind(b"\n") + 1)
+                    return
+                pos -= size
+            f.truncate(0)
+    except FileNotFoundError:
+        pass
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

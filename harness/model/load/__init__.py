@@ -1,6 +1,6 @@
 """Building a model by share: each rank materialises only the tensors it owns, in the dtype it trains in.
 
-The sequence, one function per step (pipeline, tp and 3d; harness/train/job.py and parallel/pipe_engine.py):
+The sequence, one function per step (pipeline, tp and 3d; model/build.py and parallel/pipe_engine.py):
   1. meta.build_on_meta(config)      the whole HF model with parameters on the meta device (no bytes); buffers
                                      (rotary inv_freq) are real, computed at construction, so nothing is recomputed
   2. split on meta                   tensor.shard_model / the PipelineModule's stage (DeepSpeed builds only its layers)

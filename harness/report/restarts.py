@@ -1,0 +1,29 @@
+"""The report's restarts: one line in the headline and a table of what `harness launch --max-restarts` restarted
+(RUN/restarts.jsonl, harness/train/restarts.py): which attempt failed, why, the backoff and where it resumed."""
+
+from __future__ import annotations
+
+import datetime
+
+from harness.report.tables import table
+
+
+def restarts_line(records: list[dict]) -> list[str]:
+    if not records:
+        return []
+    tags = ", ".join(r["resume_from"] or "the start" for r in records)
+    return [f"- restarts: {len(records)} (harness launch --max-restarts), resumed from {tags}"]
+
+
+def restarts_section(records: list[dict]) -> list[str]:
+    if not records:
+        return []
+
+    def when(t: float) -> str:
+        return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+    return ["", "## Restarts (harness launch --max-restarts)", "",
+            table(["failed attempt", "time", "exit", "why", "backoff s", "resumed from"],
+                  [[str(r["attempt"]), when(r["time"]), str(r["code"]), r["reason"], f"{r['backoff_s']:g}",
+                    r["resume_from"] or "the start (no complete checkpoint)"] for r in records])]
+
