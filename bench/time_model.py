@@ -45,7 +45,8 @@ BATCH = {  # recipe -> (micro-batch, accumulation): 8 sequences per step on 2 ra
 TOLERANCE, NOISE = 0.25, 0.10
 
 
-def make_model(folder: Path) -> None:
+def make_model(folder: Path, shape: dict = MODEL) -> None:
+    """A random-weight model of `shape` with the built-in tokenizer, saved into `folder` (once)."""
     import torch
     import transformers
 
@@ -53,7 +54,7 @@ def make_model(folder: Path) -> None:
         return
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**MODEL))
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**shape))
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ROOT / "harness" / "assets" / name, folder / name)

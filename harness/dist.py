@@ -36,13 +36,65 @@ def _single_process_env() -> None:
 
 
 class CollectiveTimeout(RuntimeError):
-    """A collective did not complete within train.collective_timeout: a peer hung or died."""
+    """A collective did not complete within train.collective_timeout: a peer hung or died, or the link to it."""
 
-    def __init__(self, rank: int, minutes: float, cause: BaseException):
+    def __init__(self, rank: int, minutes: float, cause: BaseException, peers: str = "a peer rank hung or died"):
         super().__init__(f"rank {rank}: a collective did not complete within train.collective_timeout = {minutes:g} "
-                         f"min; a peer rank hung or died ({str(cause).splitlines()[0][:200]})\n"
+                         f"min; {peers} ({str(cause).splitlines()[0][:200]})\n"
                          "    fix: look for the rank that failed first; raise train.collective_timeout if a step, "
                          "save or evaluation legitimately takes longer")
+
+
+_HOSTS: list[str] = []  # each rank's address, as its peers reach it (init)
+
+
+def host_address() -> str:
+    """This rank's address on the way to MASTER_ADDR (the interface its collectives use): a UDP socket's
+    connect() only picks the route, nothing is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
+
+
+def silent_peers(rank: int, timeout_min: float) -> str:
+    """After a timeout: which peer is gone, asked through the process group's store on rank 0's host. Every rank
+    that timed out checks in; a rank that cannot reach the store names rank 0's host (the link to it, or it, is
+    down), the others name the ranks that did not check in within a short wait (1-5 s: ranks stuck in the same
+    collective time out within moments of each other)."""
+    import threading
+    import time
+
+    from torch.distributed import distributed_c10d as c10d
+
+    wait_s = min(5.0, max(1.0, 0.1 * timeout_min * 60))
+    hosts = _HOSTS or ["?"]
+
+    def where(r: int) -> str:
+        return f"rank {r} ({hosts[r] if r < len(hosts) else '?'})"
+
+    try:
+        store = c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return "a peer rank hung or died"
+    reached = []
+    probe = threading.Thread(target=lambda: reached.append(store.add(f"harness/timed_out/{rank}", 1)), daemon=True)
+    probe.start()
+    probe.join(wait_s)  # over a dead link the store's own timeout would be the collective's: do not wait for it
+    if not reached:
+        return f"cannot reach {where(0)}, the store's host: the link to that peer is down, or it died"
+    world = len(_HOSTS) if _HOSTS else 0
+    missing = [r for r in range(world) if r != rank]
+    deadline = time.monotonic() + wait_s
+    while missing and time.monotonic() < deadline:
+        time.sleep(0.2)
+        missing = [r for r in missing if not store.check([f"harness/timed_out/{r}"])]
+    if not missing:
+        return "every rank checked in after it: a peer rank hung or died, or the ranks disagree on the collective"
+    named = ", ".join(where(r) for r in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    return f"no answer from peer {named}: the link to it is down, or it hung or died"
 
 
 def is_timeout(e: BaseException) -> bool:
@@ -71,6 +123,9 @@ def init(timeout_min: float = 30.0) -> DistInfo:
 
     if accel.device_name() == "cpu" and dist.get_world_size() > 1:
         unlink_shm_buffer(dist)
+    if dist.get_world_size() > 1:  # to name a peer that goes silent (silent_peers)
+        _HOSTS[:] = [None] * dist.get_world_size()
+        dist.all_gather_object(_HOSTS, host_address())
 
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                     device=device, backend=dist.get_backend())

@@ -53,3 +53,18 @@ def test_calibrate_then_auto_run_records_predicted_and_measured_step_time(tmp_pa
     assert st["ratio"] == pytest.approx(max(st["measured_median_s_per_rank"]) / st["step_time_s"], rel=0.5)
     report = write_report(run).read_text()
     assert "## Step time (predicted vs measured)" in report and "profile **calibrated**" in report
+
+
+def test_calibrate_link_refuses_what_it_cannot_measure(tmp_path, capsys):
+    """--link needs node 0's address and a node profile to add the link to; it says which, before any process
+    starts (tests/test_two_hosts.py measures a real wire)."""
+    from harness.cli import main
+
+    assert main(["calibrate", "--link", "--out", str(tmp_path / "p.json")]) == 2
+    assert "--link needs --master-addr" in capsys.readouterr().err
+    assert main(["calibrate", "--link", "--master-addr", "127.0.0.1", "--node-rank", "2"]) == 2
+    assert "--nnodes 2 --node-rank 2" in capsys.readouterr().err
+    assert main(["calibrate", "--link", "--master-addr", "127.0.0.1", "--base", str(tmp_path / "none.json"),
+                 "--out", str(tmp_path / "p.json")]) == 2
+    assert f"{tmp_path / 'none.json'} does not exist: run `harness calibrate` on this node first" \
+        in capsys.readouterr().err

@@ -187,7 +187,7 @@ try:
     distmod.mean_across_ranks([1.0]); distmod.barrier()
 except Exception as e:
     assert distmod.is_timeout(e), e
-    print(distmod.CollectiveTimeout(info.rank, 0.05, e))
+    print(distmod.CollectiveTimeout(info.rank, 0.05, e, distmod.silent_peers(info.rank, 0.05)))
     print(f"waited {time.monotonic() - start:.1f} s")
 # as harness/run.py ends: interpreter finalization with a timed-out gloo work can abort (-6), see exit_now
 exit_now(0)
@@ -196,7 +196,7 @@ exit_now(0)
 
 def test_collective_timeout_ends_a_hung_collective_naming_the_setting():
     """Two real gloo ranks through harness.dist.init: rank 1 stops answering, rank 0's all-reduce fails
-    after train.collective_timeout (3 s here) instead of waiting, with a message naming the setting."""
+    after train.collective_timeout (3 s here) instead of waiting, with a message naming the setting and the peer."""
     import subprocess
     import sys
 
@@ -211,7 +211,8 @@ def test_collective_timeout_ends_a_hung_collective_naming_the_setting():
              for r in (0, 1)]
     out0 = procs[0].communicate(timeout=180)[0]
     procs[1].communicate(timeout=180)
-    assert "rank 0: a collective did not complete within train.collective_timeout = 0.05 min" in out0, out0[-2000:]
+    assert "rank 0: a collective did not complete within train.collective_timeout = 0.05 min; no answer from peer " \
+           "rank 1 (127.0.0.1)" in out0, out0[-2000:]
     waited = float(out0.split("waited ")[1].split(" s")[0])
     assert procs[0].returncode == 0 and 2.5 <= waited <= 30, (procs[0].returncode, waited)
     print(f"hung peer: rank 0's all-reduce failed after {waited:.1f} s (collective_timeout 3 s)")

@@ -23,6 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, help="processes for the collectives (default: the GPUs here; 2 on CPU)")
     parser.add_argument("--nvme-path", help="folder on the NVMe drive to time async_io in (default: the temp dir)")
     parser.add_argument("--name", default="calibrated", help="profile name (default calibrated)")
+    link = parser.add_argument_group("the link between nodes (run on every node at once, one process per node; "
+                                     "node 0 writes --out: the base profile with the measured inter-node figures)")
+    link.add_argument("--link", action="store_true", help="measure the network between nodes instead of this node")
+    link.add_argument("--node-rank", type=int, default=0, help="this node, 0-based (0: the --master-addr node)")
+    link.add_argument("--nnodes", type=int, default=2, help="nodes taking part (default 2)")
+    link.add_argument("--master-addr", help="node 0's address, reachable from every node")
+    link.add_argument("--master-port", type=int, default=29500, help="a free TCP port on node 0 (default 29500)")
+    link.add_argument("--base", help="the node profile to add the link to (default: the --out file if it exists, "
+                                     "else this node's calibrated profile)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,16 +44,53 @@ def run(args: argparse.Namespace) -> int:
     if args.nvme_path and not Path(args.nvme_path).is_dir():
         raise UsageError(f"--nvme-path {args.nvme_path}: not a directory")
     out = Path(args.out) if args.out else hardware.calibrated_path()
+    if args.link:
+        return run_link(args, out)
     cfg = resolve_model(args.model)
     from harness.profiling.calibrate import build_profile
 
     profile = build_profile(cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision,
                             ranks=args.ranks, nvme_path=args.nvme_path, name=args.name)
+    write(profile, out)
+    print(f"wrote {out}: use it with `harness plan --hardware {out}`; runs and --recipe auto read "
+          f"{hardware.calibrated_path()} (or ${hardware.HARDWARE_ENV})")
+    return 0
+
+
+def write(profile: dict, out: Path) -> None:
+    from harness.planner import hardware
+
     hardware.check(profile, str(out))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(profile, indent=2) + "\n")
     tmp.replace(out)
-    print(f"wrote {out}: use it with `harness plan --hardware {out}`; runs and --recipe auto read "
-          f"{hardware.calibrated_path()} (or ${hardware.HARDWARE_ENV})")
+
+
+def run_link(args: argparse.Namespace, out: Path) -> int:
+    import time
+
+    from harness.planner import hardware
+    from harness.profiling import calibrate_link
+
+    if not args.master_addr:
+        raise UsageError("--link needs --master-addr: node 0's address, reachable from every node")
+    if args.nnodes < 2 or not 0 <= args.node_rank < args.nnodes:
+        raise UsageError(f"--nnodes {args.nnodes} --node-rank {args.node_rank}: need 2 or more nodes and "
+                         "0 <= node rank < nodes")
+    base_path = Path(args.base) if args.base else out if out.exists() else hardware.calibrated_path()
+    if args.node_rank == 0 and not base_path.exists():
+        raise UsageError(f"--link adds the link to a node profile, and {base_path} does not exist: run "
+                         "`harness calibrate` on this node first (or give --base FILE)")
+    link = calibrate_link.measure(args.node_rank, args.nnodes, args.master_addr, args.master_port)
+    if args.node_rank != 0:
+        print(f"node {args.node_rank}: link measured; node 0 writes the profile")
+        return 0
+    profile = calibrate_link.merge(json.loads(base_path.read_text()), link, time.strftime("%Y-%m-%d %H:%M"))
+    write(profile, out)
+    for op, by_n in link["bus_gbps"].items():
+        print(f"  {link['backend']} {op} across {link['nodes']} nodes: "
+              + ", ".join(f"{v * 1e3:.1f} MB/s" for v in by_n.values()))
+    print(f"wrote {out}: inter_node_gbps {profile['inter_node_gbps']:.4g}, inter_latency_us "
+          f"{profile['inter_latency_us']:.0f} (base {base_path})")
     return 0

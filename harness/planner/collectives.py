@@ -21,6 +21,9 @@ a curve from a few KB to tens of MB). Inside a node the time per call is read of
 log-log between the measured sizes, beyond the largest at its bandwidth, below the smallest at its latency:
 what bucketed traffic (ZeRO's hidden^2 buckets, per-module gathers, per-block TP all-reduces) really costs
 over a backend whose bandwidth is far from flat in the size (gloo). Without a curve: the alpha-beta above.
+Across nodes the same, on the curves `harness calibrate --link` measured between the nodes
+(measured.inter_node.seconds_by_bytes, send/recv included); a profile without them prices cross-node calls
+with the alpha-beta model on inter_node_gbps and inter_latency_us.
 """
 
 from __future__ import annotations
@@ -54,9 +57,12 @@ def _op_key(collective: str) -> str:
     return collective.removesuffix("_tensor").removesuffix("_into")
 
 
-def curve_s(profile: dict, collective: str, size: int, full: float) -> float | None:
-    """Seconds of one call of `full` bytes from the calibrated curve of the nearest group size; None without."""
-    by_size = hardware.measured(profile, "seconds_by_bytes").get(_op_key(collective))
+def curve_s(profile: dict, collective: str, size: int, full: float, inter: bool = False) -> float | None:
+    """Seconds of one call of `full` bytes from the calibrated curve of the nearest group size (inside a node, or
+    across nodes when `inter`); None without."""
+    curves = (hardware.measured(profile, "inter_node").get("seconds_by_bytes", {}) if inter
+              else hardware.measured(profile, "seconds_by_bytes"))
+    by_size = curves.get("send" if collective in ("send", "recv") else _op_key(collective))
     if not by_size:
         return None
     nearest = min((int(k) for k in by_size), key=lambda k: (abs(k - size), -k))
@@ -83,8 +89,8 @@ def collective_s(profile: dict, collective: str, logged_bytes: float, size: int,
     if size <= 1 or logged_bytes <= 0:
         return 0.0
     calls = max(calls, 1)
-    if not inter and collective not in ("send", "recv"):
-        per_call = curve_s(profile, collective, size, full_bytes(collective, logged_bytes, size) / calls)
+    if inter or collective not in ("send", "recv"):
+        per_call = curve_s(profile, collective, size, full_bytes(collective, logged_bytes, size) / calls, inter)
         if per_call is not None:
             return calls * per_call
     bandwidth = bus_gbps(profile, collective, size, inter) * 1e9

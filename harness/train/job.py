@@ -167,7 +167,8 @@ def main(spec) -> int:
         return run(spec, dist)
     except Exception as e:
         if distmod.is_timeout(e):
-            raise distmod.CollectiveTimeout(dist.rank, timeout_min, e) from None
+            raise distmod.CollectiveTimeout(dist.rank, timeout_min, e,
+                                            distmod.silent_peers(dist.rank, timeout_min)) from None
         raise
     finally:
         distmod.teardown()
