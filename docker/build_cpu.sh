@@ -17,7 +17,15 @@ docker/build_base.sh "$BASE"
 
 pin=$(grep '^torch==' constraints.txt)
 if ! ls docker/context/torch-"${pin#torch==}"*.whl >/dev/null 2>&1; then
-  "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary :all: -d docker/context "$pin"
+  # PyPI's Linux torch is the CUDA build; pip finds the CPU one where its configuration points to it (find-links,
+  # an index). TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu names PyTorch's own CPU index instead.
+  "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary :all: -d docker/context \
+      ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$pin"
+fi
+if ! ls docker/context/torch-"${pin#torch==}"+cpu-*.whl >/dev/null 2>&1; then
+  echo "[build] docker/context/ holds no CPU wheel of $pin: $(ls docker/context/torch-*.whl 2>/dev/null | xargs -r -n1 basename)" >&2
+  echo "[build] delete it and run again with TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" >&2
+  exit 1
 fi
 for wheel in docker/context/torch-*.whl; do   # wheels of an older pin
   case "$wheel" in docker/context/torch-"${pin#torch==}"[-+]*) ;; *) rm -f "$wheel" ;; esac

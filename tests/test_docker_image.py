@@ -5,7 +5,8 @@ unchanged files take seconds). Then `harness launch` trains the built-in tiny mo
 container with its run folder on a bind mount; `docker stop` (SIGTERM to the image's PID 1, `tini -g`) must end it
 with exit code 75 and a complete checkpoint well inside the grace period, without a rank having compiled a
 DeepSpeed op (the image holds them built); a new container with `--resume latest` finishes the run, and every
-loss equals that of a container that ran straight through.
+loss equals that of a container that ran straight through (bit for bit up to the first step after the resume,
+within 1e-6 relative after it).
 
 Marked `docker`: skipped with the reason where no daemon answers (tests/conftest.py); .ci/run starts one and
 sets DSHARNESS_REQUIRE_DOCKER=1, which turns that skip into a failure.
@@ -23,13 +24,14 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT, losses, records
-from test_reliability import COMMON, latest_is_complete, steps, train_steps_logged, wait_for
+from test_reliability import COMMON, assert_continues, latest_is_complete, steps, train_steps_logged, wait_for
 
 pytestmark = [pytest.mark.docker, pytest.mark.multirank]
 
 IMAGE = "dsharness:cpu"
 BUILD = ROOT / "docker" / "build_cpu.sh"
 STOP_GRACE_S = 60
+RTOL = 1e-6  # fp32 losses after the first resumed step
 ENV = ["-e", "OMP_NUM_THREADS=1", "-e", "TOKENIZERS_PARALLELISM=false", "-e", "HF_HUB_OFFLINE=1",
        "-e", "HF_DATASETS_OFFLINE=1"]
 
@@ -105,6 +107,7 @@ def built_at_run_time(name: str) -> list[str]:
     return [line for line in changed if "/opt/torch_extensions/" in line and line.endswith((".so", ".o"))]
 
 
+@pytest.mark.timeout(2400)  # the first build in a session takes about 10 min of it
 def test_docker_stop_saves_and_a_new_container_resumes_exactly(cpu_image, runs):
     folder, names = runs
     tag = f"dsharness-test-{os.getpid()}"
@@ -118,6 +121,7 @@ def test_docker_stop_saves_and_a_new_container_resumes_exactly(cpu_image, runs):
     sent = time.monotonic()
     docker("stop", "-t", str(STOP_GRACE_S), names[0], timeout_s=STOP_GRACE_S + 30)
     stop_s = time.monotonic() - sent
+    print(f"docker: step 2 {first_steps_s:.1f} s after `docker run -d`; `docker stop` returned in {stop_s:.1f} s")
     code = int(docker("inspect", "-f", "{{.State.ExitCode}}", names[0]).stdout)
     log = docker("logs", names[0]).stdout + docker("logs", names[0]).stderr
     assert code == 75, f"docker stop: exit {code}, want 75 (preempted) after {stop_s:.1f} s\n{log[-4000:]}"
@@ -132,6 +136,9 @@ def test_docker_stop_saves_and_a_new_container_resumes_exactly(cpu_image, runs):
     run_to_the_end(names[2], folder, "straight", *steps(k + 3))
     resumed, straight = losses(folder / "preempted"), losses(folder / "straight")
     assert sorted(resumed) == list(range(1, k + 4)), sorted(resumed)
-    assert resumed == straight, f"resumed after step {k}: {resumed}\nstraight: {straight}"
-    print(f"docker: step 2 after {first_steps_s:.1f} s; `docker stop` returned in {stop_s:.1f} s, exit 75, "
-          f"checkpoint at step {k}; resumed to step {k + 3}, losses equal a straight run's")
+    # bit for bit up to the first step after the resume (it runs on the saved weights); after it within fp32
+    # rounding, as the host's resume test allows (tests/test_reliability.py): measured 8e-8 relative here
+    assert {s: resumed[s] for s in range(1, k + 2)} == {s: straight[s] for s in range(1, k + 2)}, (resumed, straight)
+    worst = assert_continues({s: resumed[s] for s in range(k + 2, k + 4)}, straight, RTOL)
+    print(f"docker: exit 75, checkpoint at step {k}; resumed to step {k + 3}: steps 1-{k + 1} equal a straight run's, then "
+          f"{worst:.1e} relative")
