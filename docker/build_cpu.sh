@@ -23,7 +23,7 @@ if ! ls docker/context/torch-"${pin#torch==}"*.whl >/dev/null 2>&1; then
       ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$pin"
 fi
 if ! ls docker/context/torch-"${pin#torch==}"+cpu-*.whl >/dev/null 2>&1; then
-  echo "[build] docker/context/ holds no CPU wheel of $pin: $(ls docker/context/torch-*.whl 2>/dev/null | xargs -r -n1 basename)" >&2
+  echo "[build] docker/context/ holds no CPU wheel of $pin:" $(cd docker/context && ls torch-*.whl 2>/dev/null) >&2
   echo "[build] delete it and run again with TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" >&2
   exit 1
 fi

@@ -92,8 +92,9 @@ def runs(tmp_path):
 def run_args(name: str, folder: Path, out: str, *args: str, detach: bool = False) -> list[str]:
     """`docker run` of `harness launch` on 2 CPU ranks writing to /runs/<out>. --shm-size: DeepSpeed's CPU
     all-reduce goes through /dev/shm (docker/README.md)."""
-    return ["run", *(["-d"] if detach else []), "--name", name, "--shm-size=1g", "-v", f"{folder}:/runs", *ENV, IMAGE, "harness", "launch",
-            "--num_gpus", "2", "harness/run.py", "--recipe", "zero2", *COMMON, "--output-dir", f"/runs/{out}", *args]
+    return ["run", *(["-d"] if detach else []), "--name", name, "--shm-size=1g", "-v", f"{folder}:/runs", *ENV, IMAGE,
+            "harness", "launch", "--num_gpus", "2", "harness/run.py", "--recipe", "zero2", *COMMON,
+            "--output-dir", f"/runs/{out}", *args]
 
 
 def run_to_the_end(name: str, folder: Path, out: str, *args: str) -> None:
@@ -140,5 +141,5 @@ def test_docker_stop_saves_and_a_new_container_resumes_exactly(cpu_image, runs):
     # rounding, as the host's resume test allows (tests/test_reliability.py): measured 8e-8 relative here
     assert {s: resumed[s] for s in range(1, k + 2)} == {s: straight[s] for s in range(1, k + 2)}, (resumed, straight)
     worst = assert_continues({s: resumed[s] for s in range(k + 2, k + 4)}, straight, RTOL)
-    print(f"docker: exit 75, checkpoint at step {k}; resumed to step {k + 3}: steps 1-{k + 1} equal a straight run's, then "
-          f"{worst:.1e} relative")
+    print(f"docker: exit 75, checkpoint at step {k}; resumed to step {k + 3}: steps 1-{k + 1} equal a straight "
+          f"run's, then "          f"{worst:.1e} relative")
