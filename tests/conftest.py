@@ -1,4 +1,7 @@
-"""Tests marked `nvme` need DeepSpeed's async_io op (libaio). Where it cannot load here they are skipped with the
+"""Tests marked `docker` need a Docker daemon (tests/test_docker_image.py says what else); where it is missing they
+are skipped with the reason. CI (.ci/run) starts one and sets DSHARNESS_REQUIRE_DOCKER=1: there they always run.
+
+Tests marked `nvme` need DeepSpeed's async_io op (libaio). Where it cannot load here they are skipped with the
 reason (setup.cfg's `-rs` prints it), decided by the same function the run-time checks and `harness doctor`
 use. CI installs libaio-dev and sets DSHARNESS_REQUIRE_NVME=1: there they always run, and fail if it is missing.
 """
@@ -22,6 +25,7 @@ def zero2_uninterrupted(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
+    skip_docker(items)
     nvme = [item for item in items if item.get_closest_marker("nvme")]
     if not nvme or os.environ.get("DSHARNESS_REQUIRE_NVME") == "1":
         return
@@ -31,4 +35,17 @@ def pytest_collection_modifyitems(config, items):
     if problem is not None:
         skip = pytest.mark.skip(reason=f"NVMe offload cannot run here: {problem[0]} (fix: {problem[1]})")
         for item in nvme:
+            item.add_marker(skip)
+
+
+def skip_docker(items):
+    docker = [item for item in items if item.get_closest_marker("docker")]
+    if not docker or os.environ.get("DSHARNESS_REQUIRE_DOCKER") == "1":
+        return
+    from test_docker_image import docker_problem
+
+    problem = docker_problem()
+    if problem is not None:
+        skip = pytest.mark.skip(reason=f"Docker cannot run here: {problem} (CI sets DSHARNESS_REQUIRE_DOCKER=1)")
+        for item in docker:
             item.add_marker(skip)

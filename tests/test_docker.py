@@ -125,3 +125,33 @@ def test_deepspeed_refuses_a_host_listed_twice():
 
     with pytest.raises(ValueError, match="multiple entries for localhost"):
         _parse_hostfile(["localhost slots=1", "localhost slots=1"])
+
+
+def test_one_dockerfile_two_targets():
+    """TARGET=cuda (default, GPU nodes) or cpu (docker/build_cpu.sh; run by tests/test_docker_image.py): the file
+    the Docker test builds is the one GPU nodes use. No `# syntax=` line: it makes the build pull BuildKit's
+    frontend from a registry, which CI cannot reach."""
+    assert build_args()["TARGET"] == "cuda"
+    text = DOCKERFILE.read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M)
+    assert re.search(r'cpu\) python_pkgs="[^"]*python3-dev', text), "the cpu target must install python3-dev"
+    script = (DOCKER / "build_cpu.sh").read_text()
+    assert "DOCKER_BUILDKIT=0" in script and "--build-arg TARGET=cpu" in script and "--build-arg BASE_IMAGE=" in script
+    for path in (DOCKER / "build_cpu.sh", DOCKER / "build_base.sh"):
+        assert os.access(path, os.X_OK), f"{path} is not executable"
+        proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_build_context_filter_and_host_files():
+    """The legacy builder reads .dockerignore only at the context root: a filter anywhere else would send .venv
+    (GBs) to the daemon. What build_cpu.sh copies into docker/context/ (the torch wheel, the host's CA
+    certificates) is never committed."""
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "runs", ".cache"} <= set(ignore), ignore
+    assert not (DOCKER / "Dockerfile.dockerignore").exists(), "BuildKit would prefer it to the root .dockerignore"
+    assert "docker/context" not in " ".join(ignore)
+    probe = ["docker/context/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", "docker/context/proxy-ca.crt"]
+    proc = subprocess.run(["git", "check-ignore", *probe, "docker/context/README.md"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.stdout.split() == probe, proc.stdout
