@@ -56,6 +56,18 @@ def message_sizes(nbytes: int) -> list[int]:
     return sorted(sizes)
 
 
+def op_curve(dist, op: str, sizes, group, n: int, device, repeat: int, dtype) -> tuple[dict, float]:
+    """Seconds per call of `op` at each message size (keyed by the full message's bytes), a 4 KB-per-rank call
+    included; and that small call's seconds, the latency term."""
+    curve = {}
+    for size in sizes:
+        t, full = _time_op(dist, op, size, group, n, device, repeat, dtype)
+        curve[full] = t
+    small, small_full = _time_op(dist, op, 4096 * n, group, n, device, repeat, dtype)
+    curve[small_full] = small
+    return curve, small
+
+
 def _time_op(dist, op: str, nbytes: int, group, n: int, device: str, repeat: int,
              dtype: str = "float32") -> tuple[float, int]:
     import torch
@@ -101,12 +113,7 @@ def _worker(rank: int, ranks: int, port: int, out_path: str, nbytes: int, repeat
         if rank >= n:
             continue
         for op in COLLECTIVES:
-            curve = {}
-            for size in message_sizes(nbytes):
-                t, full = _time_op(dist, op, size, group, n, device, repeat, dtype)
-                curve[full] = t
-            small, small_full = _time_op(dist, op, 4096 * n, group, n, device, repeat, dtype)
-            curve[small_full] = small
+            curve, small = op_curve(dist, op, message_sizes(nbytes), group, n, device, repeat, dtype)
             full = max(curve)
             result["bus_gbps"].setdefault(op, {})[str(n)] = full * FACTOR[op](n) / curve[full] / 1e9
             result["latency_us"].setdefault(op, {})[str(n)] = small / STEPS[op](n) * 1e6

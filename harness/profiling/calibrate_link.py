@@ -21,7 +21,7 @@ import statistics
 import tempfile
 import time
 
-from harness.profiling.calibrate_comm import COLLECTIVES, DTYPES, FACTOR, STEPS, _time_op
+from harness.profiling.calibrate_comm import COLLECTIVES, DTYPES, FACTOR, STEPS, op_curve
 
 LINK_BYTES = 8 * 2**20  # the largest message: 8 MB takes 0.7 s over a 100 Mbit/s link, 6 ms over 10 Gbit/s
 
@@ -79,12 +79,7 @@ def _worker(index: int, node_rank: int, nnodes: int, addr: str, port: int, out_p
     result = {"backend": accel.communication_backend_name(), "dtype": dtype, "nodes": n, "bus_gbps": {},
               "latency_us": {}, "seconds_by_bytes": {}}
     for op in COLLECTIVES:
-        curve = {}
-        for size in link_sizes(nbytes):
-            t, full = _time_op(dist, op, size, None, n, device, repeat, dtype)
-            curve[full] = t
-        small, small_full = _time_op(dist, op, 4096 * n, None, n, device, repeat, dtype)
-        curve[small_full] = small
+        curve, small = op_curve(dist, op, link_sizes(nbytes), None, n, device, repeat, dtype)
         full = max(curve)
         result["bus_gbps"][op] = {str(n): full * FACTOR[op](n) / curve[full] / 1e9}
         result["latency_us"][op] = {str(n): small / STEPS[op](n) * 1e6}
