@@ -35,7 +35,7 @@ def main() -> None:
 
     from harness.data.batches import BatchPlan
     from harness.data.corpus import DataSpec
-    from harness.data.rows import Rows, split_rows
+    from harness.data.rows import Rows, model_inputs, split_rows
     from harness.data.store import prepare
     from harness.dist import unlink_shm_buffer
     from harness.model.hf import build_model, load_tokenizer
@@ -51,7 +51,7 @@ def main() -> None:
     train = recipe["train"]
     store, _ = prepare(DataSpec.from_train(train), load_tokenizer(train["model"]), train["seq_len"],
                        train["store_dir"] or None)  # the harness run before this one prepared it
-    rows = split_rows(Rows.of(store), train["eval_fraction"], train["seed"])[0]
+    rows = split_rows(Rows.of(store, train["packing"]), train["eval_fraction"], train["seed"])[0]
     zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
     model = build_model(train["model"], seed=train["seed"], zero3_init_config=ds_config if zero3 else None,
                         gradient_checkpointing=recipe["activation_checkpointing"])
@@ -65,8 +65,7 @@ def main() -> None:
     for step in range(args.steps):
         step_losses = []
         for idx in plan.micro_batches(step):
-            ids, labels = (t.to(engine.device) for t in rows[idx].tensors())
-            loss = engine(input_ids=ids, labels=labels, use_cache=False).loss
+            loss = engine(**model_inputs(rows[idx].tensors(), engine.device), use_cache=False).loss
             engine.backward(loss)
             engine.step()
             step_losses.append(loss.detach())

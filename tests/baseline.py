@@ -7,21 +7,21 @@ import torch
 from harness.data.batches import BatchPlan
 from harness.data.corpus import DataSpec
 from harness.model.hf import build_model, load_tokenizer
-from harness.data.rows import Rows, split_rows
+from harness.data.rows import Rows, model_inputs, split_rows
 from harness.data.store import prepare
 
 
 def train_rows(model: str, seq_len: int, eval_fraction: float, seed: int, data: DataSpec = DataSpec(),
-               store_dir: str | None = None) -> Rows:
-    """The training split of the same prepared store a launch uses."""
+               store_dir: str | None = None, packing: str = "document") -> Rows:
+    """The training split of the same prepared store a launch uses, packed as train.packing (default document)."""
     store, _ = prepare(data, load_tokenizer(model), seq_len, store_dir)
-    return split_rows(Rows.of(store), eval_fraction, seed)[0]
+    return split_rows(Rows.of(store, packing), eval_fraction, seed)[0]
 
 
 def plain_pytorch_losses(*, model: str, steps: int, seq_len: int, global_batch: int, lr: float, betas, eps: float,
                          weight_decay: float, clip: float, seed: int, eval_fraction: float,
                          data: DataSpec = DataSpec(), store_dir: str | None = None,
-                         micro_batches: int = 1, adapter: dict | None = None) -> list[float]:
+                         micro_batches: int = 1, adapter: dict | None = None, packing: str = "document") -> list[float]:
     """AdamW + clip_grad_norm_ (on the trainable parameters: all, or the adapters) on all global_batch rows of each
     step. The step's loss is the mean of the losses
     of its `micro_batches` equal chunks (in rank order), as DeepSpeed averages rank and accumulation means: with
@@ -38,14 +38,13 @@ def plain_pytorch_losses(*, model: str, steps: int, seq_len: int, global_batch: 
                {"params": [p for n, p in trainable if ".lora_B." in n], "lr": lr * ratio}] if ratio
               else [p for _, p in trainable])
     opt = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-    rows = train_rows(model, seq_len, eval_fraction, seed, data, store_dir)
+    rows = train_rows(model, seq_len, eval_fraction, seed, data, store_dir, packing)
     plan = BatchPlan(num_rows=rows.shape[0], global_batch=global_batch, micro_batch=global_batch, grad_accum=1,
                      seed=seed)
     out = []
     for step in range(steps):
         chunks = plan.global_rows(step).chunk(micro_batches)
-        losses = [net(input_ids=ids, labels=labels, use_cache=False).loss
-                  for ids, labels in (rows[chunk].tensors() for chunk in chunks)]
+        losses = [net(**model_inputs(rows[chunk].tensors()), use_cache=False).loss for chunk in chunks]
         loss = torch.stack(losses).mean()
         opt.zero_grad()
         loss.backward()

@@ -57,17 +57,17 @@ def eval_loss_of(model, run, micro: int) -> float:
     mean of the micro-batch means."""
     from harness.data.corpus import DataSpec
     from harness.model.hf import load_tokenizer
-    from harness.data.rows import Rows, split_rows
+    from harness.data.rows import Rows, model_inputs, split_rows
     from harness.data.store import prepare
 
     train = json.loads((run / "recipe.json").read_text())["train"]
     store, _ = prepare(DataSpec.from_train(train), load_tokenizer(train["model"]), train["seq_len"],
                        train["store_dir"] or None)  # the run's own store
-    evals = split_rows(Rows.of(store), train["eval_fraction"], train["seed"])[1]
-    ids, labels = evals[:train["eval_batches"] * micro].tensors()
+    evals = split_rows(Rows.of(store, train["packing"]), train["eval_fraction"], train["seed"])[1]
+    batch = evals[:train["eval_batches"] * micro].tensors()
     with torch.no_grad():
-        losses = [model(input_ids=ids[i:i + micro], labels=labels[i:i + micro]).loss.item()
-                  for i in range(0, ids.shape[0], micro)]
+        losses = [model(**model_inputs([t[i:i + micro] for t in batch]), use_cache=False).loss.item()
+                  for i in range(0, batch[0].shape[0], micro)]
     return sum(losses) / len(losses)
 
 

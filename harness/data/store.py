@@ -73,6 +73,7 @@ class Store:
     meta: dict
     tokens: np.ndarray  # memmap [rows, seq_len]
     loss_mask: np.ndarray | None  # memmap [rows, seq_len] of 0/1, None when every token carries loss
+    doc_ends: np.ndarray | None = None  # memmap [documents] uint64: end offset of each document (doc_index.bin)
 
     @property
     def num_rows(self) -> int:
@@ -96,10 +97,13 @@ def open_store(path: Path, key: dict) -> Store | None:
         return None
     if meta["has_loss_mask"] and not _file_ok(path / "loss_mask.bin", meta["tokens"], 1):
         return None
+    if not _file_ok(path / "doc_index.bin", meta["documents"], 8):
+        return None
     shape = (meta["rows"], meta["seq_len"])
     tokens = np.memmap(path / "tokens.bin", dtype=dtype, mode="r", shape=shape)
     mask = np.memmap(path / "loss_mask.bin", dtype=np.uint8, mode="r", shape=shape) if meta["has_loss_mask"] else None
-    return Store(path=path, meta=meta, tokens=tokens, loss_mask=mask)
+    ends = np.memmap(path / "doc_index.bin", dtype=np.uint64, mode="r", shape=(meta["documents"],))
+    return Store(path=path, meta=meta, tokens=tokens, loss_mask=mask, doc_ends=ends)
 
 
 def _write(tmp: Path, chunks, dtype: np.dtype, masked: bool) -> dict:

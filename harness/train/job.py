@@ -66,7 +66,7 @@ def load_data(spec, dist, tokenizer) -> Data:
     if data_spec.format == "chat":  # every rank, so all exit with the message before any waits on a store
         check_chat_template(tokenizer, train["model"])
     store, made = ensure_store(data_spec, tokenizer, train["seq_len"], train["store_dir"] or None, dist.local_rank)
-    train_rows, eval_rows = split_rows(Rows.of(store), train["eval_fraction"], train["seed"])
+    train_rows, eval_rows = split_rows(Rows.of(store, train["packing"]), train["eval_fraction"], train["seed"])
     if dist.is_main:
         meta = store.meta
         say("data", f"{'prepared' if made else 'using'} store {store.path}: {meta['documents']} documents, "

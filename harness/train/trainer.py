@@ -20,7 +20,7 @@ from harness.data.batches import BatchPlan
 from harness.dist import DistInfo, mean_across_ranks
 from harness.log import say
 from harness.train.metrics import MetricsLog
-from harness.data.rows import Rows, loss_items
+from harness.data.rows import Rows, loss_items, model_inputs
 
 
 @dataclass
@@ -48,15 +48,16 @@ def batch_plan(spec, dist: DistInfo, num_rows: int) -> BatchPlan:
                      dp_rank=dp_rank, dp_size=dp_size, seed=spec.recipe["train"]["seed"])
 
 
-def fetch(split, rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels) of the given rows of a split; labels are -100 where a token carries no loss."""
+def fetch(split, rows) -> tuple[torch.Tensor, ...]:
+    """(input_ids, labels[, position_ids]) of the given rows of a split; labels are -100 where a token carries no
+    loss; position_ids under train.packing=document (harness/data/rows.py)."""
     return split[rows].tensors()
 
 
-def _loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _loss(engine, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     items = loss_items(batch[1])  # from the host copy: no device sync
-    ids, labels = (t.to(engine.device) for t in batch)
-    return engine(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=items).loss
+    # use_cache=False and no attention_mask: with either, transformers ignores the documents in position_ids
+    return engine(**model_inputs(batch, engine.device), use_cache=False, num_items_in_batch=items).loss
 
 
 def micro_steps(engine, batches: list) -> torch.Tensor:
