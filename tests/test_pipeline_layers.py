@@ -64,6 +64,29 @@ def test_layer_chain_equals_the_hf_model(name):
     assert set(names) == set(model.state_dict()) - tied, "every HF weight must be exported from one pipe layer"
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "qwen2-sliding", "mistral-sliding"])
+def test_layer_chain_keeps_documents_apart(name):
+    """Document packing: (input_ids, position_ids) enter the first stage and reach every layer's attention, so
+    the chain's logits are the HF model's with those position ids, and the second document's are its own alone."""
+    model = (BUILDERS[name]() if name in BUILDERS else build_model(name, seed=5)).eval()
+    with torch.no_grad():  # sharpen: a fresh model's logits barely depend on what it attends to
+        for p in model.parameters():
+            p.mul_(6) if p.dim() > 1 else None
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, -1)
+    x = (ids, positions)
+    with torch.no_grad():
+        for spec in pipeline.layer_specs(model):
+            module = spec.build()
+            x = spec.forward_fn(module, x) if getattr(spec, "forward_fn", None) else module(x)
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        alone = model(input_ids=ids[:, 10:], use_cache=False).logits
+        joined = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(x, packed, rtol=0, atol=1e-5)
+    torch.testing.assert_close(x[:, 10:], alone, rtol=0, atol=1e-5)
+    assert (joined[:, 10:] - alone).abs().max() > 1e-2  # without the documents the logits differ: the check bites
+
+
 def test_partition_method_is_checked_against_the_layers():
     specs = pipeline.layer_specs(build_model("tiny-llama", seed=1))
     pipeline.check_partition_method("type:DecoderLayerPipe", specs)

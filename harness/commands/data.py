@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from harness.errors import UsageError
+from harness.data.corpus import FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", help="builtin, a local file or folder, or a hub id (train.dataset)")
     p.add_argument("--model", help="model whose tokenizer to use (train.model)")
     p.add_argument("--seq-len", type=int, help="tokens per packed row (train.seq_len)")
-    p.add_argument("--format", choices=["text", "instruction", "chat"], help="train.format")
+    p.add_argument("--format", choices=FORMATS, help="train.format")
     p.add_argument("--num-proc", type=int, default=None, help="tokenizing processes (default: one per core)")
     p.add_argument("--out", help="store folder root (train.store_dir; default ~/.cache/dsharness/stores)")
     p.add_argument("--stream", action="store_true", help="stream the dataset instead of loading it first")
@@ -44,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--num-proc {args.num_proc}: must be >= 1\n    fix: leave it out for one per core")
     train = _train_keys(args)
     spec, tokenizer = DataSpec.from_train(train), load_tokenizer(train["model"])
-    if spec.format == "chat":
-        check_chat_template(tokenizer, train["model"])
+    if spec.uses_chat_template:
+        check_chat_template(tokenizer, train["model"], spec.format)
     store, made = prepare(spec, tokenizer, train["seq_len"], train["store_dir"] or None,
                           num_proc=args.num_proc, streaming=True if args.stream else None)
     meta = store.meta

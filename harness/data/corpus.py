@@ -16,7 +16,7 @@ BUILTIN = "builtin"
 BUILTIN_CORPUS = Path(__file__).resolve().parent.parent / "assets" / "corpus.jsonl"
 # datasets builder per file extension
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-FORMATS = ("text", "instruction", "chat")
+FORMATS = ("text", "instruction", "chat", "sharegpt", "alpaca")
 STREAM_BYTES = 20 * 2**30  # hub datasets larger than this (as the hub reports them) are streamed, not downloaded
 
 
@@ -32,6 +32,10 @@ class DataSpec:
     prompt_field: str = "prompt"
     response_field: str = "response"
     messages_field: str = "messages"
+    conversations_field: str = "conversations"  # sharegpt
+    instruction_field: str = "instruction"  # alpaca
+    input_field: str = "input"  # alpaca, optional
+    output_field: str = "output"  # alpaca
 
     @classmethod
     def from_train(cls, train: dict) -> "DataSpec":
@@ -39,7 +43,10 @@ class DataSpec:
                    split=train.get("dataset_split", "train"), format=train.get("format", "text"),
                    text_field=train.get("text_field", "text"), prompt_field=train.get("prompt_field", "prompt"),
                    response_field=train.get("response_field", "response"),
-                   messages_field=train.get("messages_field", "messages"))
+                   messages_field=train.get("messages_field", "messages"),
+                   conversations_field=train.get("conversations_field", "conversations"),
+                   instruction_field=train.get("instruction_field", "instruction"),
+                   input_field=train.get("input_field", "input"), output_field=train.get("output_field", "output"))
 
     @property
     def columns(self) -> dict[str, str]:
@@ -50,8 +57,27 @@ class DataSpec:
             return {"messages_field": self.messages_field}
         if self.format == "text":
             return {"text_field": self.text_field}
+        if self.format == "sharegpt":
+            return {"conversations_field": self.conversations_field}
+        if self.format == "alpaca":
+            return {"instruction_field": self.instruction_field, "output_field": self.output_field}
         raise UsageError(f"train.format {self.format!r} is not one of {', '.join(FORMATS)}\n"
                          f"    fix: set train.format to one of {', '.join(FORMATS)}")
+
+
+    @property
+    def uses_chat_template(self) -> bool:
+        return self.format in ("chat", "sharegpt")
+
+    @property
+    def optional_columns(self) -> dict[str, str]:
+        """{recipe key: column name} the format reads when the dataset has it."""
+        return {"input_field": self.input_field} if self.format == "alpaca" else {}
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """Every column the tokens depend on (the store key)."""
+        return {**self.columns, **self.optional_columns}
 
 
 def _supported() -> str:
@@ -156,7 +182,8 @@ def load_dataset_for(spec: DataSpec, streaming: bool | None = None):
             raise UsageError(f"dataset {spec.dataset!r} has no column {column!r} (train.{key}, format "
                              f"{spec.format!r}); its columns are: {', '.join(have)}\n"
                              f"    fix: set train.{key} to the column that holds it")
-    return ds.select_columns(list(spec.columns.values())) if have else ds
+    optional = [c for c in spec.optional_columns.values() if c in have]
+    return ds.select_columns(list(spec.columns.values()) + optional) if have else ds
 
 
 def load_text_dataset(dataset: str, text_field: str = "text"):

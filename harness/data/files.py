@@ -101,6 +101,17 @@ def _json_document(path: Path, spec: DataSpec) -> None:
     if not records:
         raise _problem(path, "holds an empty JSON array: no records", _empty_fix(spec, "json"))
     _check_columns(path, spec, records[:HEAD_RECORDS], "records")
+    _check_records(path, spec, None, records[:HEAD_RECORDS])
+
+
+def _check_records(path: Path, spec: DataSpec, numbers: list[int] | None, records: list[dict]) -> None:
+    """sharegpt / alpaca: the first malformed record of the head, by line (JSON lines) or record number."""
+    from harness.data.formats import record_fix, record_problem
+
+    for i, record in enumerate(records):
+        if problem := record_problem(spec, record):
+            where = f"line {numbers[i]}" if numbers is not None else f"record {i + 1}"
+            raise _problem(path, f"{where} is not a valid {spec.format} record: {problem}", record_fix(spec))
 
 
 def _check_json(path: Path, spec: DataSpec) -> None:
@@ -111,6 +122,7 @@ def _check_json(path: Path, spec: DataSpec) -> None:
         return _json_document(path, spec)
     records = [_parse_line(path, number, line) for number, line in head]
     _check_columns(path, spec, records, "records")
+    _check_records(path, spec, [number for number, _ in head], records)
 
 
 def _check_csv(path: Path, spec: DataSpec) -> None:

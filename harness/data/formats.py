@@ -7,6 +7,15 @@ chat:        the tokenizer's chat template over a list of {role, content} messag
              renders for assistant turns carries loss; a conversation ends with eos (no loss: it only separates
              packed conversations). The template is rendered turn by turn, so each assistant turn's text is
              exactly what the full conversation renders after the generation prompt.
+sharegpt:    chat from ShareGPT records: a list (train.conversations_field, default `conversations`) of
+             {"from": human | gpt | system, "value": text}; human -> user, gpt -> assistant (carries loss),
+             system -> system (first turn only). Each record is one document.
+alpaca:      instruction from Alpaca records (train.instruction_field / input_field / output_field, default
+             `instruction`, `input`, `output`; input optional): the prompt is Stanford Alpaca's template
+             (ALPACA_PROMPT / ALPACA_PROMPT_NO_INPUT, no loss), the response the output and eos (loss). Each record
+             is one document.
+A malformed sharegpt/alpaca record is refused (record_problem): files.py names the file and line in the head it
+checks before launch, the encoder names the record when tokenizing meets one further on.
 
 An encoder maps a batch of records to {"input_ids": [[...]], "loss_mask": [[0/1...]]} (text: no loss_mask).
 Segments are tokenized separately and concatenated, so a mask boundary is always a token boundary.
@@ -24,12 +33,12 @@ def _eos(tokenizer) -> int:
     return tokenizer.eos_token_id
 
 
-def check_chat_template(tokenizer, model: str = "") -> None:
+def check_chat_template(tokenizer, model: str = "", fmt: str = "chat") -> None:
     if getattr(tokenizer, "chat_template", None):
         return
     model = model or getattr(tokenizer, "name_or_path", "") or "(given)"
     raise UsageError(
-        f"train.format is 'chat' but the tokenizer of model {model} has no chat template\n"
+        f"train.format is {fmt!r} but the tokenizer of model {model} has no chat template\n"
         "    fix: use a model whose tokenizer_config.json (or chat_template.jinja) defines one: set "
         "tokenizer.chat_template = '<jinja>' and tokenizer.save_pretrained(model_dir); or use "
         "train.format=instruction with prompt/response columns")
@@ -76,9 +85,113 @@ def chat_segments(tokenizer, messages: list[dict]) -> list[tuple[str, int]]:
     return [(text, loss) for text, loss in segments if text]
 
 
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+ALPACA_PROMPT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
+                 "Write a response that appropriately completes the request.\n\n"
+                 "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_PROMPT_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately "
+                          "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+RECORD_FIX = {
+    "sharegpt": 'each record\'s {field} must be a list of {{"from": "human" | "gpt" | "system", "value": "<text>"}} '
+                "(system only first); fix or drop the record, or use train.format=chat with role/content messages",
+    "alpaca": 'each record needs "{instruction}" (non-empty text) and "{output}" (text); "{input}" is optional text; '
+              "fix or drop the record, or use train.format=instruction with train.prompt_field/response_field",
+}
+
+
+def _sharegpt_problem(turns) -> str | None:
+    if not isinstance(turns, list) or not turns:
+        return f"holds {type(turns).__name__ if turns is not None else 'nothing'} ({str(turns)[:60]!r}), not a " \
+               "non-empty list of turns"
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return f"turn {i} is a {type(turn).__name__}, not an object"
+        if turn.get("from") not in SHAREGPT_ROLES:
+            return f"turn {i} has from={turn.get('from')!r}, not one of {', '.join(SHAREGPT_ROLES)}"
+        if not isinstance(turn.get("value"), str):
+            return f"turn {i} ({turn['from']}) has value={turn.get('value')!r}, not text"
+        if turn["from"] == "system" and i > 0:
+            return f"turn {i} is a system turn after the first"
+    return None
+
+
+def _alpaca_problem(instruction, output, extra) -> str | None:
+    if not isinstance(instruction, str) or not instruction.strip():
+        return f"has instruction={instruction!r}, not non-empty text"
+    if not isinstance(output, str):
+        return f"has output={output!r}, not text"
+    if extra is not None and not isinstance(extra, str):
+        return f"has input={extra!r}, not text"
+    return None
+
+
+def record_problem(spec, record: dict) -> str | None:
+    """What is wrong with one sharegpt/alpaca record (None when it is well formed; other formats: None)."""
+    if spec.format == "sharegpt":
+        problem = _sharegpt_problem(record.get(spec.conversations_field))
+        return problem and f"{spec.conversations_field!r} {problem}"
+    if spec.format == "alpaca":
+        return _alpaca_problem(record.get(spec.instruction_field), record.get(spec.output_field),
+                               record.get(spec.input_field))
+    return None
+
+
+def record_fix(spec) -> str:
+    return RECORD_FIX[spec.format].format(field=repr(spec.conversations_field), instruction=spec.instruction_field,
+                                          output=spec.output_field, input=spec.input_field)
+
+
+def _refuse_record(spec, number: int | None, record: dict, problem: str) -> UsageError:
+    shown = str(record)[:120]
+    which = f"record {number + 1} (counting from 1 over the dataset's files)" if number is not None else "a record"
+    return UsageError(f"dataset {spec.dataset!r}: {which} (train.format {spec.format!r}) {problem}: "
+                      f"{shown}\n    fix: {record_fix(spec)}")
+
+
+def _checked(spec, batch: dict, indices) -> list[dict]:
+    """The batch's records, each checked; indices: their numbers in the dataset (None when streamed)."""
+    names = list(batch)
+    records = [dict(zip(names, values)) for values in zip(*batch.values())]
+    for offset, record in enumerate(records):
+        if problem := record_problem(spec, record):
+            raise _refuse_record(spec, indices[offset] if indices is not None else None, record, problem)
+    return records
+
+
+def sharegpt_messages(turns: list[dict]) -> list[dict]:
+    return [{"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in turns]
+
+
+def alpaca_prompt(instruction: str, extra: str | None) -> str:
+    if extra and extra.strip():
+        return ALPACA_PROMPT.format(instruction=instruction, input=extra)
+    return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+def _record_encoder(spec, tokenizer, eos: int):
+    """sharegpt / alpaca: a map function with indices (so a bad record is named by its number)."""
+    if spec.format == "alpaca":
+        def encode_alpaca(batch, indices=None):
+            docs = [[(alpaca_prompt(r[spec.instruction_field], r.get(spec.input_field)), 0),
+                     (r[spec.output_field], 1)] for r in _checked(spec, batch, indices)]
+            return _encode_segments(tokenizer, docs, eos, eos_loss=1)
+        encode_alpaca.with_indices = True
+        return encode_alpaca
+    check_chat_template(tokenizer, fmt="sharegpt")
+
+    def encode_sharegpt(batch, indices=None):
+        docs = [chat_segments(tokenizer, sharegpt_messages(r[spec.conversations_field]))
+                for r in _checked(spec, batch, indices)]
+        return _encode_segments(tokenizer, docs, eos, eos_loss=0)
+    encode_sharegpt.with_indices = True
+    return encode_sharegpt
+
+
 def encoder(spec, tokenizer):
     """A batched `datasets.map` function for spec.format (a picklable closure over the tokenizer)."""
     eos = _eos(tokenizer)
+    if spec.format in RECORD_FIX:
+        return _record_encoder(spec, tokenizer, eos)
     if spec.format == "text":
         field = spec.text_field
 

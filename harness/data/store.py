@@ -53,8 +53,8 @@ def store_key(spec: DataSpec, tokenizer, seq_len: int) -> dict:
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     return {"version": STORE_VERSION, "dataset": spec.dataset, "config": spec.config, "split": spec.split,
-            "dataset_fingerprint": source_fingerprint(spec), "format": spec.format, "fields": spec.columns,
-            "tokenizer_hash": tokenizer_hash(tokenizer, spec.format == "chat"), "seq_len": seq_len}
+            "dataset_fingerprint": source_fingerprint(spec), "format": spec.format, "fields": spec.fields,
+            "tokenizer_hash": tokenizer_hash(tokenizer, spec.uses_chat_template), "seq_len": seq_len}
 
 
 def store_path(key: dict, root: str | None) -> Path:
@@ -165,6 +165,7 @@ def _mapped_chunks(ds, encode, features, num_proc: int, tmp: Path):
     CHUNK_DOCS documents at a time."""
     with _one_thread_per_process(num_proc):
         tokenized = ds.map(encode, batched=True, batch_size=1000, remove_columns=ds.column_names,
+                           with_indices=getattr(encode, "with_indices", False),  # records named in errors
                            features=features, num_proc=num_proc if num_proc > 1 else None,
                            cache_file_name=str(tmp / "tokenized.arrow"), desc="tokenize")
     yield from tokenized.with_format("arrow").iter(batch_size=CHUNK_DOCS)
@@ -221,7 +222,7 @@ def _build(spec: DataSpec, tokenizer, key: dict, tmp: Path, num_proc: int, strea
         raise
     except Exception as err:  # datasets' builders fail on a malformed file in many ways
         raise load_failure(spec, err) or err from None
-    masked = spec.format != "text"
+    masked = spec.format != "text"  # instruction, chat, alpaca, sharegpt
     features = _features(masked)
     streamed = not hasattr(ds, "__len__")
     if not streamed:  # forking for few documents costs more than it saves

@@ -63,8 +63,8 @@ def load_data(spec, dist, tokenizer) -> Data:
     start = time.perf_counter()
     train = spec.recipe["train"]
     data_spec = DataSpec.from_train(train)
-    if data_spec.format == "chat":  # every rank, so all exit with the message before any waits on a store
-        check_chat_template(tokenizer, train["model"])
+    if data_spec.uses_chat_template:  # every rank, so all exit with the message before any waits on a store
+        check_chat_template(tokenizer, train["model"], data_spec.format)
     store, made = ensure_store(data_spec, tokenizer, train["seq_len"], train["store_dir"] or None, dist.local_rank)
     train_rows, eval_rows = split_rows(Rows.of(store, train["packing"]), train["eval_fraction"], train["seed"])
     if dist.is_main:

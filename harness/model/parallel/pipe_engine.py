@@ -90,11 +90,17 @@ def build_stage(spec):
     return base.Built(module, info)
 
 
+def pipe_batch(batch: tuple) -> tuple:
+    """A trainer batch as the pipe engine takes it: (inputs, labels), inputs (input_ids, position_ids) under
+    document packing (pipeline.EmbedPipe passes the position ids on to every stage's attention)."""
+    return ((batch[0], batch[2]), batch[1]) if len(batch) == 3 else tuple(batch)
+
+
 def train_step(engine, batches: list) -> torch.Tensor:
     """One optimizer step over this replica's micro-batches; the loss averaged over micro-batches and
     data-parallel replicas, the same value on every rank (DeepSpeed all-reduces and broadcasts it inside
     train_batch every step: the pipe schedule synchronises the ranks anyway)."""
-    return engine.train_batch(iter(batches)).detach().float()
+    return engine.train_batch(iter([pipe_batch(b) for b in batches])).detach().float()
 
 
 @contextlib.contextmanager
@@ -114,7 +120,7 @@ def _any_shape(engine):
 def eval_loss(engine, batches: list) -> float:
     """Mean loss over this replica's eval micro-batches and the data-parallel replicas."""
     with _any_shape(engine):
-        loss = engine.eval_batch(iter(batches), num_micro_batches=len(batches))
+        loss = engine.eval_batch(iter([pipe_batch(b) for b in batches]), num_micro_batches=len(batches))
     return float(loss.float().mean())
 
 

@@ -9,6 +9,9 @@ weights of the single-process model (same seed, or the pretrained folder). Block
 forward computes once for all layers: position ids, the rotary (cos, sin) and the attention mask; each
 DecoderLayerPipe recomputes them from the hidden states (cheap), so only the hidden states cross stages.
 With sdpa attention and no padding mask the mask is None (is_causal); sliding-window layers get theirs.
+Document packing (train.packing=document): the first stage gets (input_ids, position_ids) and every layer up to
+the final norm passes (hidden, position_ids) on, so each stage's attention builds the per-document mask from the
+same position ids (transformers detects the documents from them) and rotary/GPT-2 positions restart per document.
 
 A tied LM head (config.tie_word_embeddings) is a TiedLayerSpec "embed": the first stage's embedding and the
 last stage's head hold copies of one weight whose gradients DeepSpeed all-reduces between the two stages.
@@ -43,8 +46,19 @@ class EmbedPipe(nn.Module):
         super().__init__()
         self.embed = embed
 
-    def forward(self, input_ids):
-        return self.embed(input_ids)
+    def forward(self, inputs):
+        if isinstance(inputs, (tuple, list)):  # document packing: (input_ids, position_ids)
+            return self.embed(inputs[0]), inputs[1]
+        return self.embed(inputs)
+
+
+def _split(inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(hidden, position_ids or None) of what a pipe layer received."""
+    return (inputs[0], inputs[1]) if isinstance(inputs, (tuple, list)) else (inputs, None)
+
+
+def _positions(hidden, given):
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0) if given is None else given
 
 
 class PositionPipe(nn.Module):
@@ -54,9 +68,10 @@ class PositionPipe(nn.Module):
         super().__init__()
         self.wpe, self.drop = wpe, drop
 
-    def forward(self, hidden):
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        return self.drop(hidden + self.wpe(positions))
+    def forward(self, inputs):
+        hidden, given = _split(inputs)
+        out = self.drop(hidden + self.wpe(_positions(hidden, given)))
+        return out if given is None else (out, given)
 
 
 def _mask_function(config, index: int):
@@ -79,13 +94,15 @@ class DecoderLayerPipe(nn.Module):
         self.layer, self.rotary, self.config = layer, rotary, config
         self.mask_function = _mask_function(config, index)
 
-    def forward(self, hidden):
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    def forward(self, inputs):
+        hidden, given = _split(inputs)
+        positions = _positions(hidden, given)
         mask = self.mask_function(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
                                   position_ids=positions)
         extra = {} if self.rotary is None else {"position_embeddings": self.rotary(hidden, positions)}
         out = self.layer(hidden, attention_mask=mask, position_ids=positions, **extra)
-        return out[0] if isinstance(out, tuple) else out
+        out = out[0] if isinstance(out, tuple) else out
+        return out if given is None else (out, given)
 
 
 class NormPipe(nn.Module):
@@ -93,8 +110,8 @@ class NormPipe(nn.Module):
         super().__init__()
         self.norm = norm
 
-    def forward(self, hidden):
-        return self.norm(hidden)
+    def forward(self, inputs):
+        return self.norm(_split(inputs)[0])  # the position ids end here
 
 
 class HeadPipe(nn.Module):
