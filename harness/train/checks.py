@@ -36,10 +36,23 @@ def before_init(spec, ds_json: str | None = None) -> None:
 
     cfg = model_config(spec.recipe["train"]["model"])  # found by inputs() already: a config file read
     problems = op_problems(spec.ds_config) + model_problems(spec.recipe["train"], cfg)
-    problems += path_problems(spec, cfg) + qlora_problems(spec.recipe)
+    problems += path_problems(spec, cfg) + qlora_problems(spec.recipe) + attention_problems(spec)
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
-    raise_if_errors(problems, f"{ds_json or spec.recipe_name} on this machine")
+    warnings = raise_if_errors(problems, f"{ds_json or spec.recipe_name} on this machine")
+    if os.environ.get("RANK", "0") == "0":  # e.g. the bytes of a materialised document mask on a GPU
+        from harness.log import say
+
+        for warning in warnings:
+            say("warn", warning.render())
+
+
+def attention_problems(spec) -> list[Problem]:
+    """Document packing with an attention that would drop the mask, or materialise one past the bound
+    (harness/model/attention.py)."""
+    from harness.model import attention
+
+    return attention.recipe_problems(spec.recipe, spec.ds_config["train_micro_batch_size_per_gpu"])
 
 
 def qlora_problems(recipe: dict) -> list[Problem]:
