@@ -137,3 +137,13 @@ def recipe_problems(recipe: dict, micro_batch: int, device: str | None = None) -
     device = device or device_type()
     choice = for_recipe(recipe, micro_batch, device)
     return problems(choice, device, recipe["train"].get("packing", "concat"), recipe["train"]["seq_len"], micro_batch)
+
+
+def apply(model, spec) -> str:
+    """Set the chosen implementation on an HF model (or a peft wrapper of one) when it differs from the one it was
+    built with (harness.model.hf.ATTN_IMPLEMENTATION, sdpa: the CPU choice, so CPU runs are unchanged)."""
+    chosen = for_recipe(spec.recipe, spec.ds_config["train_micro_batch_size_per_gpu"]).implementation
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "_attn_implementation", chosen) != chosen:
+        model.set_attn_implementation(chosen)
+    return chosen

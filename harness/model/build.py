@@ -86,13 +86,10 @@ def _checkpoint_dtype(name: str) -> str | None:
 
 def build(spec) -> Built:
     built = _build(spec)
-    if spec.pp == 1:  # the attention harness/model/attention.py chose (flash / flex on a GPU); pipeline stages: sdpa
+    if spec.pp == 1:  # pipeline stages: pipe_engine.build_stage applies it to the HF model they are cut from
         from harness.model import attention
-        from harness.model.hf import ATTN_IMPLEMENTATION
 
-        chosen = attention.for_recipe(spec.recipe, spec.ds_config["train_micro_batch_size_per_gpu"]).implementation
-        if chosen != ATTN_IMPLEMENTATION:
-            built.module.set_attn_implementation(chosen)
+        attention.apply(built.module, spec)
     return built
 
 

@@ -67,7 +67,10 @@ def build_stage(spec):
     the device and the tied embedding synchronised by DeepSpeed. Records the partition in spec.layout."""
     from harness.model.load import base, meta, share
 
+    from harness.model import attention
+
     model, source, info = base.open_model(spec)
+    attention.apply(model, spec)  # the stages' layers read it from the shared config
     pipeline.supported(model.config)
     _check_stages(spec, model.config)
     dtype = meta.train_dtype(spec.recipe["precision"])
