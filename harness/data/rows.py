@@ -14,7 +14,9 @@ train.packing (PACKINGS) decides what `tensors()` yields:
               below seq_len (what max_position_embeddings is checked against; GPT-2's learned positions would
               index past it otherwise), and the fragment is exactly a document of its own: its first label is
               never a target anyway (a causal LM's labels are shifted by one), which is the -100 rule again.
-              With rotary positions the losses equal those of the continuing offsets (only differences matter).
+              With rotary positions the losses equal those of the continuing offsets (only differences matter), and
+              flash-attention's varlen path (prepare_fa_kwargs_from_position_ids) starts a sequence wherever the
+              position id equals the row's minimum: a row must start at 0 for it to see its first fragment.
 The position ids come from doc_index.bin (the end offset of every document, memory-mapped) by a searchsorted
 per row at read time: nothing is stored per token and nothing per corpus is held beyond the map.
 """
