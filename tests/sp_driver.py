@@ -77,11 +77,72 @@ def step(model, ds: dict, mpu, batches, loss_fn):
     return sum(logged) / len(logged), norm, update
 
 
-def main(out_path: str, model_name: str) -> int:
+def packed_rows(vocab: int):
+    """Two packed rows of documents (lengths below), position ids restarting per document, each document's
+    first label -100; documents cross the SP shard boundary (position 16)."""
+    import torch
+
+    g = torch.Generator().manual_seed(SEED + 1)
+    ids = torch.randint(3, vocab, (2, SEQ), generator=g)
+    labels, positions = ids.clone(), torch.zeros_like(ids)
+    for row, lengths in enumerate(DOCS):
+        start = 0
+        for length in lengths:
+            positions[row, start:start + length] = torch.arange(length)
+            labels[row, start] = -100
+            start += length
+    return ids, labels, positions
+
+
+DOCS = [(5, 14, 13), (20, 12)]
+
+
+def token_losses(logits, labels):
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100,
+                                             reduction="none")
+
+
+@__import__("torch").no_grad()
+def document_losses(model_name: str, rank: int) -> dict:
+    """Per-token losses of packed rows at sp=2 (document_sdpa under Ulysses), of each document alone at sp=1
+    (plain sdpa, same weights), and of the packed rows without restarting positions (attention across documents:
+    the control that shows the comparison can fail)."""
+    import torch
+    import torch.distributed as tdist
+
+    from harness.model.sequence import ulysses
+
+    model = build(model_name, {"stage": 0}, "document_sdpa").eval()
+    ulysses.setup(model, "document_sdpa", 2, 2)
+    reference = build(model_name, {"stage": 0}, "sdpa").eval()
+    ids, labels, positions = packed_rows(model.config.vocab_size)
+    sp_rank = ulysses.coords(rank, tdist.get_world_size(), 2)[0]
+    part_ids, part_labels, part_pos = ulysses.shard((ids, labels, positions), sp_rank, 2)
+    part = token_losses(model(input_ids=part_ids, position_ids=part_pos, use_cache=False).logits, part_labels)
+    parts = [torch.empty_like(part) for _ in range(2)]
+    tdist.all_gather(parts, part.contiguous())
+    packed = torch.cat(parts, dim=1)
+    alone, leaky = torch.zeros_like(packed), torch.zeros_like(packed)
+    shifted = ulysses.shift_labels(labels)
+    for row, lengths in enumerate(DOCS):
+        start = 0
+        for length in lengths:
+            doc = ids[row:row + 1, start:start + length]
+            out = reference(input_ids=doc, position_ids=torch.arange(length)[None], use_cache=False).logits
+            alone[row, start:start + length] = token_losses(out, ulysses.shift_labels(doc))[0]
+            start += length
+        whole = reference(input_ids=ids[row:row + 1], use_cache=False).logits
+        leaky[row] = token_losses(whole, shifted[row:row + 1])[0]
+    return {"packed": packed.tolist(), "alone": alone.tolist(), "leaky": leaky.tolist(), "docs": DOCS}
+
+
+def main(out_path: str, model_name: str, second_family: str) -> int:
     import torch
 
     from harness import dist as distmod
-    from harness.model.sequence import loss as sploss, ulysses
+    from harness.model.sequence import loss as sploss, tiling, ulysses
     from harness.train.trainer import _loss
 
     dist = distmod.init(10)
@@ -90,7 +151,7 @@ def main(out_path: str, model_name: str) -> int:
         vocab = build(model_name, {"stage": 0}, "sdpa").config.vocab_size
         ids, labels = data(vocab)
         # sp=1, dp=2: rank r takes rows r and r+2 (micro 1, accumulation 2)
-        for name, zero in STAGES:
+        for name, zero in STAGES[::3]:  # the sp=1 references: ZeRO-0 (the engine factor 1) and ZeRO-3 (sp)
             model = build(model_name, zero, "sdpa")
             rows = [(ids[i:i + 1], labels[i:i + 1]) for i in (dist.rank, dist.rank + 2)]
             loss, norm, update = step(model, ds_config(zero, 1, 2, 2, 1), None, rows,
@@ -105,6 +166,18 @@ def main(out_path: str, model_name: str) -> int:
             loss, norm, update = step(model, ds_config(zero, 2, 2, 1, 2), mpu, rows,
                                       lambda e, b: sploss.micro_loss(e, b, 2, sp_rank, zero["stage"], None))
             results[f"sp2/{name}"] = {"loss": distmod.mean_across_ranks([loss])[0], "norm": norm, "update": update}
+        # tiled loss + tiled MLP on ZeRO-3, the loss rescaled by 1/7 after the tiled head (and 1/2 by the
+        # accumulation): 7 x the update must be the untiled one
+        zero = {"stage": 3}
+        model = build(model_name, zero, "document_sdpa")
+        sploss.enable_tiled_head(model, 8)
+        tiles = tiling.enable_tiled_mlp(model, 8)
+        loss, norm, update = step(model, ds_config(zero, 2, 2, 1, 2), mpu, rows,
+                                  lambda e, b: [x / 7 for x in sploss.micro_loss(e, b, 2, sp_rank, 3, 8)])
+        results["sp2/zero3_tiled"] = {"loss": 7 * distmod.mean_across_ranks([loss])[0], "norm": norm,
+                                      "update": [7 * u for u in update], "tiled_mlps": tiles}
+        for family in (model_name, second_family):
+            results[f"documents/{family}"] = document_losses(family, dist.rank)
     finally:
         if dist.rank == 0:
             with open(out_path, "w") as f:
