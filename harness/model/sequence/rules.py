@@ -68,6 +68,12 @@ def attention_problems(train: dict, sp: int, cuda: bool, installed) -> list[Prob
                            f"float mask of seq_len^2 = {train['seq_len']}^2 entries per row and head, which the "
                            "Ulysses wrapper discards", "--set train.attention=auto (document_sdpa on CPU, "
                            "flash_attention_2 on a GPU with flash-attn)"))
+    if name in ("sdpa", "flex_attention") and sp > 1 and train.get("packing", "document") == "document":
+        out.append(Problem("train.attention", f"{name} under sequence parallelism ({sp}) loses the document mask: "
+                           "DeepSpeed's Ulysses wrapper discards the mask transformers built for the local shard "
+                           "(flex: rebuilds a plain causal one), so packed documents would attend to each other",
+                           "--set train.attention=auto (flash_attention_2 on a GPU with flash-attn, else the "
+                           "harness's document_sdpa)"))
     if name in FLASH and not cuda:
         out.append(Problem("train.attention", f"{name} runs on CUDA GPUs only; this machine has none",
                            "--set train.attention=auto (document_sdpa under SP, sdpa otherwise)"))
