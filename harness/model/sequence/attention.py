@@ -72,8 +72,10 @@ def document_sdpa(module, query, key, value, attention_mask, scaling=None, dropo
 def register() -> None:
     """Make `document_sdpa` a name transformers accepts (idempotent; process-wide, like transformers' table)."""
     from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(DOCUMENT, document_sdpa)
+    if DOCUMENT not in ALL_ATTENTION_FUNCTIONS:  # never over DeepSpeed's Ulysses wrapper of it
+        AttentionInterface.register(DOCUMENT, document_sdpa)
 
 
 def apply(model, name: str) -> None:
