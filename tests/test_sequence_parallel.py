@@ -173,3 +173,51 @@ def test_document_masking_under_sp(parity, family):
             if start > 0:  # the control: attention across documents changes these losses
                 assert max(abs(a - b) for a, b in zip(case["leaky"][row][span][:-1], alone[:-1])) > 1e-3
             start += length
+
+
+def test_tiled_head_gradients_survive_a_rescale_and_accumulation():
+    """No ranks: two accumulated micro-batches of the tiled head (3-token tiles), each loss divided by 7 after it,
+    give the gradients of the plain lm_head + cross-entropy (trap 3: TiledFusedLogitsLoss gets lm_head's wrong)."""
+    import torch
+
+    from harness.model.sequence.loss import TiledHeadLoss
+
+    torch.manual_seed(0)
+    hidden = [torch.randn(2, 10, 8, requires_grad=True) for _ in range(2)]
+    weight = torch.randn(30, 8, requires_grad=True)
+    labels = [torch.randint(0, 30, (2, 10)) for _ in range(2)]
+    labels[0][0, :4] = -100
+    for h, y in zip(hidden, labels):
+        (torch.nn.functional.cross_entropy((h @ weight.t()).reshape(-1, 30), y.reshape(-1), ignore_index=-100,
+                                           reduction="sum") / 7).backward()
+    expected = [h.grad.clone() for h in hidden] + [weight.grad.clone()]
+    for t in (*hidden, weight):
+        t.grad = None
+    for h, y in zip(hidden, labels):
+        (TiledHeadLoss.apply(h, weight, y, 3) / 7).backward()
+    for got, want in zip([h.grad for h in hidden] + [weight.grad], expected):
+        assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    with torch.no_grad():  # eval: the loss alone
+        assert TiledHeadLoss.apply(hidden[0], weight, labels[0], 3).requires_grad is False
+
+
+def test_document_sdpa_at_sp1_keeps_documents_apart():
+    """No ranks: a packed row through document_sdpa gives each document's per-token losses run alone."""
+    import torch
+
+    from harness.model.hf import build_model
+    from harness.model.sequence import attention, ulysses
+
+    model = build_model("tiny-llama", seed=3).eval()
+    reference = build_model("tiny-llama", seed=3).eval()
+    attention.apply(model, attention.DOCUMENT)
+    ids = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(9), torch.arange(15)])[None]
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        for span in (slice(0, 9), slice(9, 24)):
+            alone = reference(input_ids=ids[:, span], use_cache=False).logits
+            assert torch.allclose(packed[:, span], alone, atol=1e-5)
+        leaky = reference(input_ids=ids, use_cache=False).logits[:, 9:]
+        assert not torch.allclose(packed[:, 9:], leaky, atol=1e-3)  # the control
+    assert ulysses.shift_labels(ids)[0, -1] == -100

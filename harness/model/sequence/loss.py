@@ -31,9 +31,10 @@ class TiledHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, tile: int):
         flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        want = torch.is_grad_enabled() or hidden.requires_grad or weight.requires_grad
+        want = hidden.requires_grad  # False under no_grad (eval): no gradients computed
+        want_w = want and weight.requires_grad  # False for a frozen head (LoRA)
         grad_h = torch.zeros_like(flat) if want else None
-        grad_w = torch.zeros_like(weight) if want else None
+        grad_w = torch.zeros_like(weight) if want_w else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, flat.shape[0], tile):
             rows = slice(start, start + tile)
@@ -41,21 +42,24 @@ class TiledHeadLoss(torch.autograd.Function):
                 continue
             with torch.enable_grad():
                 h = flat[rows].detach().requires_grad_(want)
-                w = weight.detach().requires_grad_(want)
+                w = weight.detach().requires_grad_(want_w)
                 logits = (h @ w.t()).float()
                 part = torch.nn.functional.cross_entropy(logits, targets[rows], ignore_index=-100, reduction="sum")
                 if want:
-                    gh, gw = torch.autograd.grad(part, (h, w))
-                    grad_h[rows] += gh
-                    grad_w += gw
+                    grads = torch.autograd.grad(part, (h, w) if want_w else (h,))
+                    grad_h[rows] += grads[0]
+                    if want_w:
+                        grad_w += grads[1]
             total += part.detach()
-        ctx.save_for_backward(*((grad_h.view_as(hidden), grad_w) if want else ()))
+        ctx.has_w = want_w
+        ctx.save_for_backward(*((grad_h.view_as(hidden),) if want else ()), *((grad_w,) if want_w else ()))
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad.to(grad_h.dtype), grad_w * grad.to(grad_w.dtype), None, None
+        saved = ctx.saved_tensors
+        grad_w = saved[1] * grad.to(saved[1].dtype) if ctx.has_w else None
+        return saved[0] * grad.to(saved[0].dtype), grad_w, None, None
 
 
 def _tiled_forward(head):
