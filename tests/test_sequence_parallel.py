@@ -125,14 +125,15 @@ def test_harness_runs_lora_at_sp2_like_sp1_and_resumes_exactly(tmp_path):
     """The real entry (session.prepare -> job.run) in ONE process group (tests/jobs_driver.py): LoRA on ZeRO-3 at
     sp=1 (dp 2, micro 1) and sp=2 (dp 1, micro 2: the same 2 sequences per step) log the same losses; the sp=2 run
     resumed from its step-2 checkpoint logs steps 3-4 exactly as the uninterrupted run did."""
-    common = ["--recipe", "lora_zero3", "--set", "train.seq_len=64", "--set", "train.steps=4", "--set",
-              "train.log_every=1", "--set", "train.eval_every=4", "--set", "train.save_every=2", "--set",
-              "batch.train_batch_size=2", "--set", "batch.grad_accum_steps=1"]
+    sets = ["precision=fp32", "train.seq_len=64", "train.steps=4", "train.log_every=1", "train.eval_every=4",
+            "train.save_every=2", "batch.train_batch_size=2", "batch.grad_accum_steps=1"]
+    common = ["--recipe", "lora_zero3", *(a for s in sets for a in ("--set", s))]
+    sp2_args = ["--set", "batch.micro_batch_per_gpu=2", "--set", "parallel.sequence=2",
+                "--output-dir", str(tmp_path / "sp2")]
     sp1, sp2 = tmp_path / "sp1", tmp_path / "sp2"
     cases = [[*common, "--set", "batch.micro_batch_per_gpu=1", "--output-dir", str(sp1)],
-             [*common, "--set", "batch.micro_batch_per_gpu=2", "--set", "parallel.sequence=2", "--output-dir", str(sp2)],
-             [*common, "--set", "batch.micro_batch_per_gpu=2", "--set", "parallel.sequence=2", "--output-dir", str(sp2),
-              "--resume", str(sp2 / "checkpoints" / "global_step2"), "--overwrite"]]
+             [*common, *sp2_args],
+             [*common, *sp2_args, "--resume", str(sp2 / "checkpoints" / "global_step2"), "--overwrite"]]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     launch(str(tmp_path / "cases.json"), script="tests/jobs_driver.py", timeout_s=600)
     train = [(r["step"], r["loss"]) for r in records(sp2, "train")]
