@@ -72,9 +72,23 @@ def _tiled_forward(head):
             return plain(hidden)
         if head.bias is not None:
             raise RuntimeError("the tiled loss supports an lm_head without bias only")
+        liger = _liger() if hidden.is_cuda else None
+        if liger is not None:  # Liger's fused linear cross-entropy (Triton, GPU): chunked the same way
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            out = liger(flat, head.weight, labels.reshape(-1), ignore_index=-100, reduction="sum")
+            return (out[0] if isinstance(out, tuple) else out).float().reshape(1, 1, 1)  # versions: (loss, z_loss)
         return TiledHeadLoss.apply(hidden, head.weight, labels, head._harness_tile).reshape(1, 1, 1)
 
     return forward
+
+
+def _liger():
+    """liger_kernel's fused linear cross-entropy where installed (GPU only; not exercised on this CPU machine)."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        return None
+    return liger_fused_linear_cross_entropy
 
 
 def output_head(module):
