@@ -71,7 +71,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -104,7 +104,42 @@ EOF
                 --set adapter.load_in_4bit=true --set "train.model=$OUT/qlora/model" --set train.steps=20 \
                 --set train.seq_len=1024 --set train.eval_every=0 --output-dir "$OUT/qlora/run" --overwrite
             echo "[qlora]   run: $OUT/qlora/run (summary.json: loss, memory)" ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora)" >&2; exit 2 ;;
+        long_context)
+            # 32K tokens per row on ONE GPU (sp 1), then sp 2 over two GPUs when present: a TinyLlama-shaped model,
+            # the long_context recipe (ZeRO-3, tiled loss + MLP, checkpointing), flash-attention varlen where
+            # flash-attn imports, else flex_attention; the run's summary.json holds loss and peak memory.
+            attn=flex_attention
+            $PY -c "import flash_attn" 2>/dev/null && attn=flash_attention_2
+            $PY - "$OUT/long_context" <<'EOF'
+import random, sys, torch
+from pathlib import Path
+from transformers import LlamaConfig, LlamaForCausalLM
+from harness.model.hf import _shipped_eos_id, load_tokenizer
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+eos = _shipped_eos_id()
+cfg = LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                  num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=65536,
+                  bos_token_id=eos, eos_token_id=eos)
+torch.manual_seed(0)
+LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out / "model")
+load_tokenizer("tiny-llama").save_pretrained(out / "model")
+words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+random.seed(0)
+with open(out / "docs.txt", "w") as f:  # 40 documents of 2K-12K words: several per 32K row
+    for _ in range(40):
+        f.write(" ".join(random.choice(words) for _ in range(random.randint(2000, 12000))) + "\n")
+EOF
+            for sp in 1 2; do
+                (( gpus < sp )) && { echo "[skip]    long_context sp $sp needs $sp GPUs"; continue; }
+                a=$attn; (( sp > 1 )) && [[ $attn == flex_attention ]] && a=document_sdpa  # flex loses documents under SP
+                timeout 600 $PY -m deepspeed.launcher.runner --num_gpus $sp "$ROOT/harness/run.py" \
+                    --recipe long_context --set parallel.sequence=$sp --set train.seq_len=32768 \
+                    --set "train.model=$OUT/long_context/model" --set "train.dataset=$OUT/long_context/docs.txt" \
+                    --set train.attention=$a --set train.steps=6 --set train.log_every=1 --set train.eval_every=0 \
+                    --set train.save_every=0 --output-dir "$OUT/long_context/sp$sp" --overwrite
+                echo "[long_context] sp $sp ($a): $OUT/long_context/sp$sp/summary.json"
+            done ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

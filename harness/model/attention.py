@@ -125,18 +125,36 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def requested(recipe: dict, device: str) -> str | None:
+    """train.attention as the run asks for it: None for `auto` at sp=1 (`choose` decides); under Ulysses (parallel.
+    sequence > 1) `auto` is sequence.attention.resolve's (flash varlen on a GPU with it, else document_sdpa)."""
+    from harness.model.sequence.attention import resolve
+
+    name = recipe["train"].get("attention", "auto")
+    sp = recipe.get("parallel", {}).get("sequence", 1)
+    if name == "auto" and sp <= 1:
+        return None
+    return resolve(name, sp, device == "cuda")
+
+
 def for_recipe(recipe: dict, micro_batch: int, device: str | None = None) -> AttentionChoice:
     """The choice for a run's recipe on this machine (what `build` applies and `checks` refuses)."""
-    train = recipe["train"]
+    train, device = recipe["train"], device or device_type()
     itemsize = 4 if recipe.get("precision", "fp32") == "fp32" else 2
-    return choose(device or device_type(), train.get("packing", "concat"), train["seq_len"], micro_batch,
-                  itemsize=itemsize)
+    choice = choose(device, train.get("packing", "concat"), train["seq_len"], micro_batch, itemsize=itemsize,
+                    requested=requested(recipe, device))
+    if choice.implementation == "document_sdpa":  # the harness's: [micro, 1, S, S] bool over the FULL sequence
+        size = micro_batch * train["seq_len"] ** 2
+        return AttentionChoice("document_sdpa", size, True, "the harness's document mask (sequence parallel)")
+    return choice
 
 
 def recipe_problems(recipe: dict, micro_batch: int, device: str | None = None) -> list[Problem]:
     device = device or device_type()
     choice = for_recipe(recipe, micro_batch, device)
-    return problems(choice, device, recipe["train"].get("packing", "concat"), recipe["train"]["seq_len"], micro_batch)
+    path = "train.attention" if recipe["train"].get("attention", "auto") != "auto" else "train.packing"
+    return problems(choice, device, recipe["train"].get("packing", "concat"), recipe["train"]["seq_len"], micro_batch,
+                    path=path)
 
 
 def apply(model, spec) -> str:

@@ -36,7 +36,8 @@ def before_init(spec, ds_json: str | None = None) -> None:
 
     cfg = model_config(spec.recipe["train"]["model"])  # found by inputs() already: a config file read
     problems = op_problems(spec.ds_config) + model_problems(spec.recipe["train"], cfg)
-    problems += path_problems(spec, cfg) + qlora_problems(spec.recipe) + attention_problems(spec)
+    problems += path_problems(spec, cfg) + qlora_problems(spec.recipe) + sequence_problems(spec, cfg)
+    problems += attention_problems(spec)
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
     warnings = raise_if_errors(problems, f"{ds_json or spec.recipe_name} on this machine")
@@ -53,6 +54,15 @@ def attention_problems(spec) -> list[Problem]:
     from harness.model import attention
 
     return attention.recipe_problems(spec.recipe, spec.ds_config["train_micro_batch_size_per_gpu"])
+
+
+def sequence_problems(spec, cfg: dict) -> list[Problem]:
+    """Ulysses degrees, attention and activation offload (harness/model/sequence/rules.py)."""
+    import torch
+
+    from harness.model.sequence import rules
+
+    return rules.problems(spec.recipe, cfg, spec.sp, spec.world_size, spec.pp, spec.tp, torch.cuda.is_available())
 
 
 def qlora_problems(recipe: dict) -> list[Problem]:

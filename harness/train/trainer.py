@@ -37,6 +37,8 @@ def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
         from harness.model.parallel import pipe_engine
 
         return pipe_engine.dp_coords(spec, dist.rank)
+    if spec.sp > 1:  # Ulysses: SP groups are consecutive ranks holding the same rows (model/sequence/ulysses.py)
+        return dist.rank // spec.sp, spec.world_size // spec.sp
     return dist.rank // spec.tp, spec.world_size // spec.tp
 
 
@@ -84,6 +86,11 @@ def strategy(spec):
         from harness.model.parallel import pipe_engine
 
         return pipe_engine.train_step, pipe_engine.eval_loss
+    from harness.model.sequence import steps as sequence
+
+    if sequence.uses_sequence_path(spec):  # SP, tiling, activation offload: the harness's own loss reduction
+        path = sequence.Steps.of(spec)
+        return path.train, path.eval
     return micro_steps, micro_eval
 
 
@@ -145,10 +152,11 @@ class Trainer:
         return (every > 0 and step % every == 0) or step == last
 
     def save(self, step: int) -> None:
+        # no export probe under SP: a 16-token forward on one row does not fit the Ulysses wrapper's shard shape
+        probe = None if self.spec.sp > 1 else fetch(self.data.eval if self.data.eval.shape[0] else self.data.train,
+                                                    slice(0, 1))[0][:, :16]
         path = checkpoint.save(self.engine, self.spec, self.dist, self.run_dir / "checkpoints", step,
-                               {"step": step, "epoch": self.plan.epoch_of(max(step - 1, 0))},
-                               probe_ids=fetch(self.data.eval if self.data.eval.shape[0] else self.data.train,
-                                               slice(0, 1))[0][:, :16])
+                               {"step": step, "epoch": self.plan.epoch_of(max(step - 1, 0))}, probe_ids=probe)
         if self.dist.is_main:
             say("ckpt", f"step {step} -> {path}")
             self.log.write("checkpoint", step, path=str(path))
