@@ -64,7 +64,7 @@ def test_sp_spec_counts_dp_over_world_over_sp(monkeypatch):
     (4, ["parallel.sequence=2", "parallel.tensor=2"], "with pipeline 1 / tensor 2 is not supported"),
     (4, ["parallel.sequence=2", "parallel.pipeline=2", "zero.stage=1"], "with pipeline 2 / tensor 1 is not supported"),
     (2, ["parallel.sequence=2", "train.attention=eager"], "eager attention under sequence parallelism"),
-    (2, ["train.attention=flash_attention_2"], "flash_attention_2 runs on CUDA GPUs only"),
+    (2, ["train.attention=flash_attention_2"], "train.attention: flash_attention_2 needs a CUDA GPU"),
     (2, ["parallel.sequence=2", "train.attention=sdpa"], "sdpa under sequence parallelism (2) loses the document"),
     (2, ["parallel.sequence=2", "train.attention=flex_attention"], "flex_attention under sequence parallelism (2)"),
     (2, ["train.activation_offload=true"], "would be a silent no-op"),

@@ -163,5 +163,7 @@ def apply(model, spec) -> str:
     chosen = for_recipe(spec.recipe, spec.ds_config["train_micro_batch_size_per_gpu"]).implementation
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "_attn_implementation", chosen) != chosen:
-        model.set_attn_implementation(chosen)
+        from harness.model.sequence import attention as harness_attention
+
+        harness_attention.apply(model, chosen)  # registers document_sdpa first when it is the one chosen
     return chosen
