@@ -1,0 +1,86 @@
+"""The long-context terms of the activation memory (memory.activation_bytes is the one entry point; it calls these).
+
+Per rank, t = seq_len x micro_batch / sp tokens (Ulysses sequence parallelism splits the sequence over sp ranks;
+inside attention each rank holds the whole sequence for heads / sp, the same number of elements), lp bytes per
+element of the training precision:
+
+- Saved for backward per block: t x lp x the elements memory._layer_token_elems lists (the per-tensor accounting of
+  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198, s4.1,
+  with flash/sdpa attention: no s x s scores). Eager attention adds its scores and softmax, 2 x heads x s^2 x lp per
+  block and micro-batch (their 5as^2b without dropout).
+- Under Ulysses (sp > 1) one more copy of the attention output per block: the all-to-all gives it back in the
+  sequence layout for o_proj while the attention kernel keeps its heads layout (Jacobs et al. 2023, DeepSpeed-Ulysses,
+  arXiv 2309.14509 s3; ALST, Bekman et al. 2025, arXiv 2506.13996 s3.2).
+- Tiled MLP (ALST s3.3, DeepSpeed's TiledMLP): the MLP runs over shards of ceil(s / hidden) and is recomputed in
+  backward, so a block keeps none of its MLP intermediates; one shard of hidden_size tokens holds them (and their
+  gradients, x2) in the block being computed.
+- Logits: 16-bit logits, their fp32 upcast and log-softmax (memory.activation_bytes), for all t tokens; tiled loss
+  (ALST s3.3, sequence_tiled_compute / TiledFusedLogitsLoss) holds one tile: LOSS_TILE_BYTES of fp32 logits.
+- Attention masks: flash-attention varlen and flex build none (flex's block mask is O((s/128)^2), left out);
+  sdpa and eager get a materialised mask from transformers: bool for sdpa, the training dtype for eager, (s/sp)^2
+  per micro-batch. transformers builds each rank's (s/sp)^2 mask even under Ulysses (the wrapper discards it).
+- Activation checkpointing keeps each block's input (t x h x lp); activation offload (ALST s3.4) moves those to CPU
+  RAM and keeps two on the device (the one copied out and the one prefetched back in backward).
+"""
+
+from __future__ import annotations
+
+import math
+
+# "materialized": Megatron's s x s scores, which only the step time of published runs reads (steptime.py)
+ATTENTIONS = ("flash", "flex", "sdpa", "eager", "materialized")
+LOSS_TILE_BYTES = 2**30  # fp32 logits per loss tile (ALST's tutorial: shards of ~1 GiB of logits)
+MASK_BOOL_BYTES = 1
+
+
+def tokens_per_rank(seq_len: int, micro_batch: int, sp: int) -> int:
+    return math.ceil(seq_len / sp) * micro_batch
+
+
+def mlp_token_elems(shape: dict, tp: int) -> float:
+    """The MLP intermediates memory._layer_token_elems counts per token: gate, up, act(gate), act*up (GLU
+    families), fc out and gelu out (gpt2); split by tp."""
+    inter = shape["intermediate_size"]
+    return (2 if shape["model_type"] == "gpt2" else 4) * inter / tp
+
+
+def sp_token_elems(shape: dict, tp: int, sp: int) -> float:
+    """Elements per token a block keeps under Ulysses beyond sp=1's: the attention output in both layouts."""
+    return shape["num_attention_heads"] * shape["head_dim"] / tp if sp > 1 else 0.0
+
+
+def mlp_tile_bytes(shape: dict, tokens: int, lp: int, tp: int) -> int:
+    """Working bytes of one TiledMLP shard (hidden_size tokens, DeepSpeed's ceil(s / hidden) shards): its
+    intermediates recomputed in backward and their gradients."""
+    return int(2 * min(tokens, shape["hidden_size"]) * lp * mlp_token_elems(shape, tp))
+
+
+def loss_tile_tokens(vocab_size: int) -> int:
+    """Tokens per tile of the tiled loss: LOSS_TILE_BYTES of fp32 logits."""
+    return max(1, LOSS_TILE_BYTES // (4 * vocab_size))
+
+
+def logits_bytes(tokens: int, vocab_size: int, lp: int, tiled: bool, tp: int = 1) -> int:
+    """The 16-bit logits plus the fp32 upcast and log-softmax HF's loss keeps: for every token, or one tile."""
+    held = min(tokens, loss_tile_tokens(vocab_size)) if tiled else tokens
+    return int(held * vocab_size * (lp + 2 * 4))
+
+
+def mask_bytes(attention: str, seq_len: int, sp: int, micro_batch: int, lp: int) -> int:
+    """The attention mask transformers materialises per rank: (s/sp)^2 per micro-batch, bool for sdpa, the
+    training dtype for eager; none for flash-attention and flex."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention {attention!r}: expected one of {', '.join(ATTENTIONS)}")
+    local = math.ceil(seq_len / sp)
+    if attention == "sdpa":
+        return micro_batch * local * local * MASK_BOOL_BYTES
+    if attention == "eager":
+        return micro_batch * local * local * lp
+    return 0
+
+
+def scores_bytes(shape: dict, attention: str, seq_len: int, sp: int, micro_batch: int, lp: int, tp: int) -> int:
+    """Eager attention's saved scores and softmax per block: 2 x heads/(tp sp) x s^2 per micro-batch."""
+    if attention != "eager":
+        return 0
+    return int(2 * shape["num_attention_heads"] / (tp * sp) * seq_len * seq_len * micro_batch * lp)
