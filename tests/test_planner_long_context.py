@@ -207,3 +207,25 @@ def test_cpu_ranks_with_sdpa_count_the_mask():
                          attention="sdpa", sp=2)
     b = activation_bytes(shape, seq_len=4096, micro_batch=1, precision="fp32", activation_checkpointing=False, sp=2)
     assert a["total"] - b["total"] == 2048 * 2048
+
+
+def test_a_runs_prediction_carries_the_sp_all_to_all_into_the_reports_comm_table():
+    from pathlib import Path
+
+    from harness.profiling.predict import long_context, predict
+    from harness.report.compare import Run, comm_rows
+
+    shape = model_shape(PRESETS["tiny-llama"])  # hidden 64, 4 heads, 2 kv heads of 16, 2 blocks
+    count = {"total": 100_000, "largest_layer": 32_768, "largest_tensor": 32_768, "persistent": 0}
+    recipe = {"parallel": {"sequence": 2}, "train": {"tiled_mlp": True, "tiled_loss": True, "attention": "sdpa"}}
+    ds = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 1}
+    out = predict(count, ds, dp=2, precision="fp32", shape=shape, seq_len=1024, seq=long_context(recipe))
+    a2a = 512 * 4 * (64 + 32 + 32 + 64) * 2 * 2 * 2  # tokens/rank x fp32 x (q, k, v, out) x fwd+bwd x blocks x accum
+    assert out["comm"]["all_to_all_single"] == a2a
+    assert out["activations"]["mask"] == 512 * 512 and out["activations"]["tokens_per_rank"] == 512
+    plain = predict(count, ds, dp=2, precision="fp32", shape=shape, seq_len=1024)
+    assert "all_to_all_single" not in plain["comm"] and plain["activations"]["mask"] == 0
+    for measured, flagged in ((a2a, False), (2 * a2a, True)):
+        summary = {"comm": {"predicted": out["comm"], "measured_per_rank": [{"all_to_all_single": measured}] * 2}}
+        row = next(r for r in comm_rows(Run(Path("."), [], summary, recipe, ds)) if r["collective"] == "all_to_all_single")
+        assert row["predicted"] == a2a and row["ratio"] == [measured / a2a] * 2 and bool(row["flag"]) == flagged
