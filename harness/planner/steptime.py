@@ -20,6 +20,11 @@ Tensor parallel (Megatron f/g, 1909.08053 s3): per block and micro-batch two all
 forward, two in backward, two more when the forward is recomputed; they sit on the critical path (each
 feeds the next matmul), so they add to the compute time.
 
+Ulysses sequence parallel (planner/sequence.py; ALST, arXiv 2506.13996): each rank computes seq_len x micro /
+sp tokens' matmuls and attention over the whole sequence for heads / sp (the same FLOPs per rank as its share);
+the four all-to-alls per block and pass (forward, backward, recompute) block the attention, so they add to the
+compute time; tiled MLP runs the MLP's forward once more in backward.
+
 Pipeline (DeepSpeed's TrainSchedule is 1F1B without interleaving; Narayanan et al. 2104.04473 s2.2.1):
     step = (m + p - 1) x (t_f + t_b) of the slowest stage, i.e. the bubble (p - 1)/(m + p - 1) of the step;
     Megatron's interleaved schedule with v model chunks per stage shrinks the bubble term to (p - 1)/v
