@@ -11,14 +11,18 @@ element of the training precision:
 - Under Ulysses (sp > 1) one more copy of the attention output per block: the all-to-all gives it back in the
   sequence layout for o_proj while the attention kernel keeps its heads layout (Jacobs et al. 2023, DeepSpeed-Ulysses,
   arXiv 2309.14509 s3; ALST, Bekman et al. 2025, arXiv 2506.13996 s3.2).
-- Tiled MLP (ALST s3.3, DeepSpeed's TiledMLP): the MLP runs over shards of ceil(s / hidden) and is recomputed in
-  backward, so a block keeps none of its MLP intermediates; one shard of hidden_size tokens holds them (and their
-  gradients, x2) in the block being computed.
+- Tiled MLP (ALST s3.3, DeepSpeed's TiledMLP; the harness's train.tiled_mlp): the MLP runs over tiles of
+  train.tile_tokens tokens and is recomputed in backward, so a block keeps none of its MLP intermediates; one tile
+  holds them (and their gradients, x2) in the block being computed.
 - Logits: 16-bit logits, their fp32 upcast and log-softmax (memory.activation_bytes), for all t tokens; tiled loss
-  (ALST s3.3, sequence_tiled_compute / TiledFusedLogitsLoss) holds one tile: LOSS_TILE_BYTES of fp32 logits.
-- Attention masks: flash-attention varlen and flex build none (flex's block mask is O((s/128)^2), left out);
-  sdpa and eager get a materialised mask from transformers: bool for sdpa, the training dtype for eager, (s/sp)^2
-  per micro-batch. transformers builds each rank's (s/sp)^2 mask even under Ulysses (the wrapper discards it).
+  (ALST s3.3; the harness's train.tiled_loss) holds one tile of train.tile_tokens tokens, plus one lm_head-sized
+  gradient buffer.
+- Attention masks: flash-attention varlen and flex build none (flex's block mask is O((s/128)^2), left out).
+  sdpa: a bool (s/sp)^2 mask per micro-batch from transformers at sp 1 (s^2); under Ulysses sdpa would lose the
+  document mask, so the harness runs its document_sdpa there (model/sequence/attention.py), which builds the mask
+  after the all-to-all over the FULL sequence: s^2 booleans per micro-batch on every rank (and keeps transformers
+  from building its own (s/sp)^2 one, which it would otherwise build and discard). eager: (s/sp)^2 in the training
+  dtype; refused under SP.
 - Activation checkpointing keeps each block's input (t x h x lp); activation offload (ALST s3.4) moves those to CPU
   RAM and keeps two on the device (the one copied out and the one prefetched back in backward).
 """
@@ -29,7 +33,7 @@ import math
 
 # "materialized": Megatron's s x s scores, which only the step time of published runs reads (steptime.py)
 ATTENTIONS = ("flash", "flex", "sdpa", "eager", "materialized")
-LOSS_TILE_BYTES = 2**30  # fp32 logits per loss tile (ALST's tutorial: shards of ~1 GiB of logits)
+TILE_TOKENS = 4096  # the harness's train.tile_tokens default: tokens per tile of the tiled MLP and loss
 MASK_BOOL_BYTES = 1
 
 
@@ -49,31 +53,29 @@ def sp_token_elems(shape: dict, tp: int, sp: int) -> float:
     return shape["num_attention_heads"] * shape["head_dim"] / tp if sp > 1 else 0.0
 
 
-def mlp_tile_bytes(shape: dict, tokens: int, lp: int, tp: int) -> int:
-    """Working bytes of one TiledMLP shard (hidden_size tokens, DeepSpeed's ceil(s / hidden) shards): its
-    intermediates recomputed in backward and their gradients."""
-    return int(2 * min(tokens, shape["hidden_size"]) * lp * mlp_token_elems(shape, tp))
+def mlp_tile_bytes(shape: dict, tokens: int, lp: int, tp: int, tile_tokens: int = TILE_TOKENS) -> int:
+    """Working bytes of one TiledMLP tile: its intermediates recomputed in backward and their gradients."""
+    return int(2 * min(tokens, tile_tokens) * lp * mlp_token_elems(shape, tp))
 
 
-def loss_tile_tokens(vocab_size: int) -> int:
-    """Tokens per tile of the tiled loss: LOSS_TILE_BYTES of fp32 logits."""
-    return max(1, LOSS_TILE_BYTES // (4 * vocab_size))
-
-
-def logits_bytes(tokens: int, vocab_size: int, lp: int, tiled: bool, tp: int = 1) -> int:
-    """The 16-bit logits plus the fp32 upcast and log-softmax HF's loss keeps: for every token, or one tile."""
-    held = min(tokens, loss_tile_tokens(vocab_size)) if tiled else tokens
-    return int(held * vocab_size * (lp + 2 * 4))
+def logits_bytes(tokens: int, shape: dict, lp: int, tiled: bool, tile_tokens: int = TILE_TOKENS) -> int:
+    """The 16-bit logits plus the fp32 upcast and log-softmax HF's loss keeps, for every token; tiled: for one tile,
+    plus the lm_head-sized gradient buffer the tiled loss keeps."""
+    vocab = shape["vocab_size"]
+    if not tiled:
+        return int(tokens * vocab * (lp + 2 * 4))
+    return int(min(tokens, tile_tokens) * vocab * (lp + 2 * 4) + vocab * shape["hidden_size"] * lp)
 
 
 def mask_bytes(attention: str, seq_len: int, sp: int, micro_batch: int, lp: int) -> int:
-    """The attention mask transformers materialises per rank: (s/sp)^2 per micro-batch, bool for sdpa, the
-    training dtype for eager; none for flash-attention and flex."""
+    """The attention mask materialised per rank and micro-batch: s^2 booleans for sdpa (at sp 1 transformers',
+    under SP the harness's document_sdpa over the full sequence), (s/sp)^2 in the training dtype for eager; none for
+    flash-attention and flex."""
     if attention not in ATTENTIONS:
         raise ValueError(f"attention {attention!r}: expected one of {', '.join(ATTENTIONS)}")
     local = math.ceil(seq_len / sp)
-    if attention == "sdpa":
-        return micro_batch * local * local * MASK_BOOL_BYTES
+    if attention == "sdpa":  # sp > 1: the harness's document_sdpa over the gathered sequence
+        return micro_batch * seq_len * seq_len * MASK_BOOL_BYTES
     if attention == "eager":
         return micro_batch * local * local * lp
     return 0

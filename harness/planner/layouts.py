@@ -10,6 +10,7 @@ import shlex
 from dataclasses import dataclass
 
 from harness.planner import comm, memory, pipeline, sequence
+from harness.planner.activations import TILE_TOKENS
 from harness.planner.params import ParamCount
 
 RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS
@@ -158,6 +159,8 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
     result.update(_verdict(c, result["memory"], shape, hw))
     if result["applicable"] and work["seq_len"] % c.sp:
         result.update(applicable=False, fits=False, why_not=f"seq_len {work['seq_len']} does not divide by sp {c.sp}")
+    if result["applicable"] and c.sp > 1 and work.get("attention") == "eager":
+        result.update(applicable=False, fits=False, why_not="eager attention is refused under sp (an S^2 float mask)")
     return result
 
 
@@ -167,7 +170,7 @@ def activations(c: Candidate, shape: dict, work: dict, layers: int, in_flight: i
         shape, seq_len=work["seq_len"], micro_batch=work["micro_batch"], precision=work["precision"],
         activation_checkpointing=c.checkpointing(work), tp=c.tp, num_layers=layers, micro_batches_in_flight=in_flight,
         sp=c.sp, tiled_mlp=c.tiled, tiled_loss=c.tiled, attention=work.get("attention", "flash"),
-        offload=c.act == "offload")
+        offload=c.act == "offload", tile_tokens=work.get("tile_tokens", TILE_TOKENS))
 
 
 def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m: int, persistent: int,

@@ -266,14 +266,15 @@ def _layer_token_elems(shape: dict, tp: int) -> float:
 def activation_bytes(shape: dict, *, seq_len: int, micro_batch: int, precision: str,
                      activation_checkpointing: bool, tp: int = 1, num_layers: int | None = None,
                      micro_batches_in_flight: int = 1, with_logits: bool = True, sp: int = 1, tiled_mlp: bool = False,
-                     tiled_loss: bool = False, attention: str = "flash", offload: bool = False) -> dict[str, int]:
+                     tiled_loss: bool = False, attention: str = "flash", offload: bool = False,
+                     tile_tokens: int = la.TILE_TOKENS) -> dict[str, int]:
     """Activation bytes per rank for `num_layers` blocks (default all) and the loss.
 
     With checkpointing each block keeps only its input and one block is recomputed at a time.
     `micro_batches_in_flight` is what a pipeline stage holds (1F1B: min(stages - stage_id, m)).
     Logits: 16-bit output plus the fp32 upcast and log-softmax that HF's loss keeps.
     Long context (planner/activations.py, with the sources): sp divides the tokens per rank (Ulysses); tiled_mlp
-    drops the MLP intermediates for one shard; tiled_loss holds one tile of logits; `attention` adds its
+    drops the MLP intermediates for one tile of tile_tokens; tiled_loss holds one tile of logits; `attention` adds its
     materialised mask (sdpa, eager) and eager's scores; offload (with checkpointing) moves the block inputs to
     CPU RAM ("cpu_offload", per rank).
     """
@@ -293,8 +294,8 @@ def activation_bytes(shape: dict, *, seq_len: int, micro_batch: int, precision: 
     offloaded = 0
     if offload and activation_checkpointing:  # the block inputs live in CPU RAM; two on the device
         offloaded, stored = stored, min(stored, 2 * block_input)
-    tile = la.mlp_tile_bytes(shape, tokens, lp, tp) if tiled_mlp else 0
-    logits = la.logits_bytes(tokens, shape["vocab_size"], lp, tiled_loss) if with_logits else 0
+    tile = la.mlp_tile_bytes(shape, tokens, lp, tp, tile_tokens) if tiled_mlp else 0
+    logits = la.logits_bytes(tokens, shape, lp, tiled_loss, tile_tokens) if with_logits else 0
     mask = la.mask_bytes(attention, seq_len, sp, micro_batch, lp)
     total = stored + recompute + tile + logits + mask + 2 * block_input  # + embedding output, final norm input
     return {"per_layer": per_layer, "layers": stored, "recompute": recompute, "logits": logits,

@@ -284,7 +284,8 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
     off = _offload_s(c, profile, hw, work, shard, m, t_mb)
     breakdown = {
         "forward_s": m * t_mb["forward"], "backward_s": m * t_mb["backward"], "recompute_s": m * t_mb["recompute"],
-        "tp_comm_s": tp_s, "sp_a2a_s": sp_s, "bubble_s": (slots - m) * slot, "p2p_s": p2p_s,
+        "tp_comm_s": tp_s, "sp_a2a_s": sp_s, "activation_offload_s": activation_offload_s(profile, result, m),
+        "bubble_s": (slots - m) * slot, "p2p_s": p2p_s,
         "dp_reduce_exposed_s": dp["dp_reduce"], "dp_gather_exposed_s": dp["dp_gather"], "tied_embedding_s": tied_s,
         "optimizer_s": off["optimizer"], "offload_pcie_s": off["pcie"], "nvme_s": off["nvme"], "zero_hooks_s": hooks_s,
     }
@@ -301,6 +302,12 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
             "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"],
             "per_stage": per_stage,
             "interleave": interleave}
+
+
+def activation_offload_s(profile: dict, result: dict, m: int) -> float:
+    """Checkpointed block inputs to CPU RAM in forward and back in backward, over PCIe, per micro-batch; counted
+    exposed (the copies wait on the block they feed)."""
+    return 2 * m * result.get("activation_offload_bytes_per_rank", 0) / (profile["pcie_gbps"] * 1e9)
 
 
 def _sequence_work(c, work: dict) -> dict:

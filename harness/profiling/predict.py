@@ -74,12 +74,14 @@ def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> i
 def long_context(recipe: dict) -> dict:
     """The long-context settings of a recipe (sp-core's keys, issue #24; absent before them: sp 1, no tiling) as
     memory.activation_bytes' arguments."""
+    from harness.planner.activations import TILE_TOKENS
+
     train = recipe.get("train", {})
-    attention = str(train.get("attention") or "sdpa").lower()
-    kind = next((k for k in ("flash", "flex", "eager", "sdpa") if k in attention), "sdpa")
+    attention = str(train.get("attention") or "auto").lower()  # auto on CPU: sdpa, document_sdpa under SP
+    kind = next((k for k in ("flash", "flex", "eager") if k in attention), "sdpa")
     return {"sp": int(recipe.get("parallel", {}).get("sequence") or 1), "tiled_mlp": bool(train.get("tiled_mlp")),
             "tiled_loss": bool(train.get("tiled_loss")), "attention": kind,
-            "offload": bool(train.get("activation_offload"))}
+            "offload": bool(train.get("activation_offload")), "tile_tokens": int(train.get("tile_tokens") or TILE_TOKENS)}
 
 
 def predict(count: dict, ds: dict, *, dp: int, precision: str, shape: dict | None, seq_len: int,

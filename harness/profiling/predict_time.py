@@ -53,7 +53,7 @@ def for_run(spec, engine, device: str, device_name: str, device_mem_bytes: int) 
         work = {"seq_len": recipe["train"]["seq_len"], "micro_batch": micro, "grad_accum": accum,
                 "precision": recipe["precision"], "global_batch": micro * accum * spec.dp,
                 "activation_checkpointing": bool(recipe.get("activation_checkpointing")),
-                "attention": long_context(recipe)["attention"]}
+                "attention": long_context(recipe)["attention"], "tile_tokens": long_context(recipe)["tile_tokens"]}
         c = _candidate(spec)
         result = layouts.evaluate(c, count, shape, hw, work)
         t = steptime.step_time(c, count, shape, profile, hw, work, result)

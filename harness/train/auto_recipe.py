@@ -78,13 +78,17 @@ def plan_for(settings: dict, hw: dict, profile: dict):
 
 
 def planner_attention(value: str | None, device: str) -> str:
-    """train.attention (sp-core's key; absent before it) as the planner's kernel: flash-attention and flex build
-    no mask; on CPU the default is sdpa with its materialised mask."""
-    text = str(value or "").lower()
-    for kind in ("flash", "flex", "eager", "sdpa"):
+    """train.attention as the planner's kernel: flash-attention and flex build no mask; auto is flash-attention on a
+    GPU with flash-attn installed, else sdpa (under SP the harness's document_sdpa: planner/activations.py)."""
+    import importlib.util
+
+    text = str(value or "auto").lower()
+    for kind in ("flash", "flex", "eager"):
         if kind in text:
             return kind
-    return "sdpa" if device == "cpu" else "flash"
+    if text == "auto" and device != "cpu" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash"
+    return "sdpa"
 
 
 def _literal(value) -> str:
