@@ -57,7 +57,8 @@ def model_folder(path: Path) -> str:
     if not (path / "config.json").is_file():
         cfg = {k: v for k, v in PRESETS["tiny-llama"].items() if k != "model_type"}
         torch.manual_seed(7)
-        AutoModelForCausalLM.from_config(LlamaConfig(**dict(cfg, max_position_embeddings=POSITIONS))).save_pretrained(path)
+        config = LlamaConfig(**dict(cfg, max_position_embeddings=POSITIONS))
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
         load_tokenizer("tiny-llama").save_pretrained(path)
     return str(path)
 
@@ -124,6 +125,7 @@ def part_memory(args, model: str, tmp: Path) -> list[dict]:
                         print(f"  seq {seq} ckpt {ckpt} sp {sp} tiled {tiled} rank {p['rank']}: measured "
                               f"{_mb(p['measured'])} predicted {_mb(p['predicted'])} ratio "
                               f"{p['ratio'] if p['ratio'] is None else round(p['ratio'], 3)}", flush=True)
+                    save(args, rows)  # what finished survives a timeout
     return rows
 
 
@@ -211,15 +213,43 @@ def part_steptime(args, model: str, tmp: Path) -> list[dict]:
              "breakdown": st.get("breakdown"), "note": st.get("note")} for i, m in enumerate(measured)] or [st]
 
 
+def save(args, rows: list[dict]) -> None:
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2, default=str) + "\n")
+
+
 def _mb(n) -> str:
     return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def growth(rows: list[dict]) -> list[str]:
+    """What the peak GAINS from one seq_len to the next, measured (rank mean) against predicted: the process's own
+    fixed memory (interpreter, data, engine objects: ~70-100 MiB on CPU) cancels out."""
+    out = []
+    key = lambda r: (r["ckpt"], r["sp"], r["tiled"])  # noqa: E731
+    for config in dict.fromkeys(key(r) for r in rows if "measured" in r):
+        by_seq: dict[int, list] = {}
+        for r in rows:
+            if "measured" in r and key(r) == config:
+                by_seq.setdefault(r["seq_len"], []).append(r)
+        seqs = sorted(by_seq)
+        for a, b in zip(seqs, seqs[1:]):
+            meas = statistics.mean(r["measured"] for r in by_seq[b]) - statistics.mean(r["measured"] for r in by_seq[a])
+            pred = by_seq[b][0]["predicted"] - by_seq[a][0]["predicted"]
+            rows.append({"growth": f"{a}->{b}", "ckpt": config[0], "sp": config[1], "tiled": config[2],
+                         "measured_gain": meas, "predicted_gain": pred, "ratio": meas / pred if pred else None})
+            out.append(f"  ckpt {config[0]} sp {config[1]} tiled {config[2]} seq {a}->{b}: peak grows {_mb(meas)} "
+                       f"measured vs {_mb(pred)} predicted, ratio {meas / pred if pred else float('nan'):.3f}")
+    return out
 
 
 def verdict(part: str, rows: list[dict]) -> str:
     if part == "memory":
         ratios = [r["ratio"] for r in rows if r.get("ratio")]
         inside = sum(abs(r - 1) <= PEAK_TOL for r in ratios)
-        return f"memory: {inside}/{len(ratios)} rank peaks within +-{PEAK_TOL:.0%} of the planner"
+        lines = [f"memory: {inside}/{len(ratios)} rank peaks within +-{PEAK_TOL:.0%} of the planner (the profiler "
+                 "compares a CPU peak only once the prediction is large enough; the rest: see the growth below)"]
+        return "\n".join(lines + growth(rows))
     if part == "longest":
         r = rows[0]
         return (f"longest under {_mb(r['cap_bytes'])}: measured {r['measured_longest_under_cap']} (to "
@@ -252,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         model = model_folder(Path(tmp) / "model")
         rows = globals()[f"part_{args.part}"](args, model, Path(tmp))
     print(verdict(args.part, rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    save(args, rows)
     return 0
 
 

@@ -4,7 +4,8 @@ DDP -> ZeRO-1 -> ZeRO-2 -> ZeRO-3 -> offload the optimizer (ZeRO-2, then ZeRO-3)
 (CPU, then NVMe) -> tensor parallel inside a node -> pipeline (across nodes) with tensor parallel inside
 and data parallel across replicas (3D) -> for a sequence none of them holds, the long-context rung (ZeRO-3 with
 activation checkpointing, then tiled MLP and loss, then Ulysses SP inside a node, then the checkpointed activations
-in CPU RAM; layouts.long_context_rung). Every layout reports the longest seq_len it holds (longest.py). Every candidate is evaluated so the output can say why each
+in CPU RAM; layouts.long_context_rung). Every layout reports the longest seq_len it holds (longest.py).
+Every candidate is evaluated so the output can say why each
 cheaper one fails.
 
 Fit is judged on memory alone, as the seeds order it. By that measure a pipeline rarely wins: its first

@@ -81,7 +81,8 @@ def long_context(recipe: dict) -> dict:
     kind = next((k for k in ("flash", "flex", "eager") if k in attention), "sdpa")
     return {"sp": int(recipe.get("parallel", {}).get("sequence") or 1), "tiled_mlp": bool(train.get("tiled_mlp")),
             "tiled_loss": bool(train.get("tiled_loss")), "attention": kind,
-            "offload": bool(train.get("activation_offload")), "tile_tokens": int(train.get("tile_tokens") or TILE_TOKENS)}
+            "offload": bool(train.get("activation_offload")),
+            "tile_tokens": int(train.get("tile_tokens") or TILE_TOKENS)}
 
 
 def predict(count: dict, ds: dict, *, dp: int, precision: str, shape: dict | None, seq_len: int,
@@ -143,7 +144,9 @@ def for_run(spec, engine) -> dict:
             from harness.profiling.predict_pipe import for_pipeline
 
             return for_pipeline(spec, engine, _zero_settings(spec.ds_config), live_count(engine.module))
-        return predict(live_count(engine.module, engine.optimizer), spec.ds_config, dp=spec.dp,
+        # ZeRO shards over the data-parallel AND sequence-parallel ranks (spec.dp counts replicas: world / sp)
+        zero_dp = spec.dp * getattr(spec, "sp", 1)
+        return predict(live_count(engine.module, engine.optimizer), spec.ds_config, dp=zero_dp,
                        precision=spec.recipe["precision"], shape=_model_shape(engine.module),
                        seq_len=train["seq_len"], tp=spec.tp,
                        activation_checkpointing=bool(spec.recipe.get("activation_checkpointing")),
