@@ -36,6 +36,8 @@ RECIPE_SOURCE = {
     "zero_optimization.offload_param.device": "zero.offload_param",
     "zero_optimization.offload_param.nvme_path": "zero.nvme_path",
     "pipeline.stages": "parallel.pipeline",
+    "sequence_parallel_size": "parallel.sequence",
+    "seq_parallel_communication_data_type": "parallel.sequence_comm_dtype",
 }
 
 
@@ -120,5 +122,9 @@ def build(recipe: dict) -> dict:
                           "activation_checkpoint_interval": 1 if recipe["activation_checkpointing"] else 0}
     # parallel.tensor emits nothing: the runner splits the layers itself (harness/model/parallel/tensor.py,
     # also inside pipeline stages, where DeepSpeed 0.19's AutoTP cannot go) and hands DeepSpeed an mpu.
+    if parallel.get("sequence", 1) > 1:  # Ulysses: the batch arithmetic counts world / sp data-parallel ranks
+        ds["sequence_parallel_size"] = parallel["sequence"]
+        if parallel.get("sequence_comm_dtype", "auto") != "auto":
+            ds["seq_parallel_communication_data_type"] = parallel["sequence_comm_dtype"]
     ds["wall_clock_breakdown"] = False
     return deep_merge(ds, recipe["deepspeed"])

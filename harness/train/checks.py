@@ -36,10 +36,19 @@ def before_init(spec, ds_json: str | None = None) -> None:
 
     cfg = model_config(spec.recipe["train"]["model"])  # found by inputs() already: a config file read
     problems = op_problems(spec.ds_config) + model_problems(spec.recipe["train"], cfg)
-    problems += path_problems(spec, cfg) + qlora_problems(spec.recipe)
+    problems += path_problems(spec, cfg) + qlora_problems(spec.recipe) + sequence_problems(spec, cfg)
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
     raise_if_errors(problems, f"{ds_json or spec.recipe_name} on this machine")
+
+
+def sequence_problems(spec, cfg: dict) -> list[Problem]:
+    """Ulysses degrees, attention and activation offload (harness/model/sequence/rules.py)."""
+    import torch
+
+    from harness.model.sequence import rules
+
+    return rules.problems(spec.recipe, cfg, spec.sp, spec.world_size, spec.pp, spec.tp, torch.cuda.is_available())
 
 
 def qlora_problems(recipe: dict) -> list[Problem]:

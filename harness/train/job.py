@@ -88,7 +88,11 @@ def build_engine(spec, startup):
         built = build(spec)
     startup.predicted = profiling.predict_build(spec, built)  # the base as built (ZeRO-3: partitioned)
     if spec.pp == 1:  # LoRA; pipeline stages get theirs in pipe_engine.build_stage, once each is materialised
+        from harness.model.sequence import steps as sequence
+
         mpu = built.mpu
+        if sequence.uses_sequence_path(spec):  # attention, tiling; Ulysses' mpu (SP with tp is refused)
+            built.mpu = sequence.prepare(built.module, spec) or mpu
         attach(built.module, spec, hf_model=built.module,
                         tp_group=mpu and (mpu.tp_group, mpu.tp_rank, spec.tp))
     with startup.phase("engine_setup"):

@@ -40,8 +40,15 @@ class RunSpec:
     dtypes: dict = field(default_factory=dict)  # checkpoint_dtype, train_dtype: filled at model build; manifests
 
     @property
+    def sp(self) -> int:
+        """Ulysses sequence-parallel degree (harness/model/sequence/)."""
+        from harness.config.resolve import sequence_parallel
+
+        return sequence_parallel(self.ds_config)
+
+    @property
     def dp(self) -> int:
-        return self.world_size // (self.pp * self.tp)
+        return self.world_size // (self.pp * self.tp * self.sp)
 
     @property
     def zero_stage(self) -> int:
@@ -93,7 +100,7 @@ def _resume_recipe(name: str, overrides: list[str], point, world: int, notes: li
         return recipe, source
     parallel = recipe["parallel"]
     extra, note = resumemod.batch_overrides(point, recipe, batch_world(world, parallel["pipeline"],
-                                                                      parallel["tensor"])[0])
+                                                                      parallel["tensor"], sp=parallel.get("sequence", 1))[0])
     notes.extend([note] if note else [])
     return load_recipe(name, overrides + extra) if extra else (recipe, source)
 

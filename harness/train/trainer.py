@@ -37,6 +37,8 @@ def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
         from harness.model.parallel import pipe_engine
 
         return pipe_engine.dp_coords(spec, dist.rank)
+    if spec.sp > 1:  # Ulysses: SP groups are consecutive ranks holding the same rows (model/sequence/ulysses.py)
+        return dist.rank // spec.sp, spec.world_size // spec.sp
     return dist.rank // spec.tp, spec.world_size // spec.tp
 
 
@@ -83,6 +85,11 @@ def strategy(spec):
         from harness.model.parallel import pipe_engine
 
         return pipe_engine.train_step, pipe_engine.eval_loss
+    from harness.model.sequence import steps as sequence
+
+    if sequence.uses_sequence_path(spec):  # SP, tiling, activation offload: the harness's own loss reduction
+        path = sequence.Steps.of(spec)
+        return path.train, path.eval
     return micro_steps, micro_eval
 
 
