@@ -44,6 +44,7 @@ import overhead  # noqa: E402
 
 PEAK_TOL, TIME_TOL, GOAL = 0.15, 0.25, 0.98
 POSITIONS = 32768
+TILE = 512  # train.tile_tokens when tiled: the default 4096 would leave these lengths in one tile
 
 
 def model_folder(path: Path) -> str:
@@ -80,7 +81,7 @@ def config_sets(seq_len: int, ckpt: bool, sp: int, tiled: bool) -> list[str] | s
     if tiled:
         if not schema_has("train.tiled_mlp"):
             return "skipped: train.tiled_mlp is not a recipe key in this checkout (sp-core's branch adds it)"
-        sets += ["train.tiled_mlp=true", "train.tiled_loss=true"]
+        sets += ["train.tiled_mlp=true", "train.tiled_loss=true", f"train.tile_tokens={TILE}"]
     return sets
 
 
