@@ -198,8 +198,10 @@ def test_auto_recipe_picks_sequence_parallel_for_a_long_sequence():
     settings = complete({"description": "auto"}, "--recipe auto",
                         ["train.model=llama-3.1-8b", "train.seq_len=131072", "precision=bf16",
                          "batch.micro_batch_per_gpu=1"])
-    best = plan_for(settings, hw, hardware.load("h100-80gb-sxm")).recommended
+    result = plan_for(settings, hw, hardware.load("h100-80gb-sxm"))
+    best = result.recommended
     assert best["sp"] > 1 and best["overrides"]["parallel.sequence"] == best["sp"] and best["max_seq_len"] >= 131072
+    assert not any(r["act"] == "offload" for r in result.candidates + result.ranked)  # refused on CPU ranks
     short = complete({"description": "auto"}, "--recipe auto", ["train.model=llama-3.1-8b", "train.seq_len=2048"])
     assert plan_for(short, hw, hardware.load("h100-80gb-sxm")).recommended["sp"] == 1
     assert planner_attention(None, "cpu") == "sdpa" and planner_attention("flash_attention_2", "cuda") == "flash"

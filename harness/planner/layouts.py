@@ -50,14 +50,14 @@ class Candidate:
         return bool(self.act) or work["activation_checkpointing"]
 
 
-def long_context_rung(gpus_per_node: int, shape: dict) -> list[Candidate]:
+def long_context_rung(gpus_per_node: int, shape: dict, offload: bool = True) -> list[Candidate]:
     """For a sequence one rank cannot hold, after every other rung: ZeRO-3 with activation checkpointing, then
     tiled MLP and loss, then Ulysses SP inside a node (each degree the heads allow), then the checkpointed
     activations offloaded to CPU RAM at each degree (ALST's order, arXiv 2506.13996 s3)."""
     sps = [1] + sequence.sp_degrees(gpus_per_node, shape)
     return ([Candidate("zero3", 3, act="checkpoint"), Candidate("zero3", 3, tiled=True, act="checkpoint")]
             + [Candidate("zero3", 3, sp=s, tiled=True, act="checkpoint") for s in sps[1:]]
-            + [Candidate("zero3", 3, sp=s, tiled=True, act="offload") for s in sps])
+            + [Candidate("zero3", 3, sp=s, tiled=True, act="offload") for s in sps if offload])
 
 
 def candidate_of(r: dict) -> Candidate:
@@ -66,9 +66,11 @@ def candidate_of(r: dict) -> Candidate:
                      r.get("sp", 1), r.get("tiled", False), r.get("act", ""))
 
 
-def candidates(world: int, gpus_per_node: int, num_layers: int, shape: dict | None = None) -> list[Candidate]:
+def candidates(world: int, gpus_per_node: int, num_layers: int, shape: dict | None = None,
+               activation_offload: bool = True) -> list[Candidate]:
     """Every strategy in decision order (cheapest in traffic and complexity first); with the model's shape, the
-    long-context rung last."""
+    long-context rung last (activation_offload False: without its offload rows, e.g. on CPU ranks, where DeepSpeed's
+    activation offload does nothing and the harness refuses it)."""
     out = [Candidate("ddp", 0), Candidate("zero1", 1), Candidate("zero2", 2), Candidate("zero3", 3),
            Candidate("zero2_offload", 2, "cpu"), Candidate("zero3_offload", 3, "cpu"),
            Candidate("zero3_offload", 3, "cpu", "cpu"), Candidate("zero3_nvme", 3, "nvme", "nvme")]
@@ -78,7 +80,7 @@ def candidates(world: int, gpus_per_node: int, num_layers: int, shape: dict | No
               if (world // t) % p == 0]
     for t, p in sorted(splits, key=lambda tp_pp: (tp_pp[0] * tp_pp[1], tp_pp[1])):
         out.append(Candidate("pipeline" if t == 1 else "3d", 1, tp=t, pp=p))
-    return out + (long_context_rung(gpus_per_node, shape) if shape else [])
+    return out + (long_context_rung(gpus_per_node, shape, activation_offload) if shape else [])
 
 
 def not_applicable(c: Candidate, shape: dict) -> str | None:

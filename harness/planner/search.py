@@ -72,7 +72,8 @@ def _best_for(c, count, shape: dict, hw: dict, work: dict, profile: dict, model_
 def search(count, shape: dict, hw: dict, work: dict, profile: dict, model_name: str) -> list[dict]:
     """Every fitting layout (best micro-batch per strategy and checkpointing), fastest first."""
     found = []
-    for c in layouts.candidates(hw["world"], hw["gpus_per_node"], count.num_layers, shape):
+    for c in layouts.candidates(hw["world"], hw["gpus_per_node"], count.num_layers, shape,
+                                work.get("activation_offload", True)):
         found += _best_for(c, count, shape, hw, work, profile, model_name)
     return sorted(found, key=lambda r: -r["time"]["tokens_per_s"])
 

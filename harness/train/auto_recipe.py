@@ -74,7 +74,8 @@ def plan_for(settings: dict, hw: dict, profile: dict):
                 seq_len=train["seq_len"], micro_batch=micro if isinstance(micro, int) else 1,
                 precision=settings["precision"], activation_checkpointing=settings["activation_checkpointing"],
                 model_name=train["model"], hardware_profile=profile,
-                attention=planner_attention(train.get("attention"), hw["device"]))
+                attention=planner_attention(train.get("attention"), hw["device"]),
+                activation_offload=hw["device"] != "cpu")  # DeepSpeed's offload does nothing on CPU: refused there
 
 
 def planner_attention(value: str | None, device: str) -> str:
