@@ -77,7 +77,10 @@ def test_mask_bytes_of_each_attention():
     assert flash["mask"] == 0 and activation_bytes(shape, **args, attention="flex")["mask"] == 0
     assert activation_bytes(shape, **args, attention="sdpa")["mask"] == 16 * GIB  # the issue's 16 GiB at 128K
     # under SP the harness's document_sdpa builds the mask over the gathered sequence: S^2 on every rank
-    assert activation_bytes(shape, **args, attention="sdpa", sp=2)["mask"] == 16 * GIB
+    sdpa = activation_bytes(shape, **args, attention="sdpa", sp=2)
+    assert sdpa["mask"] == 16 * GIB
+    # torch's sdpa keeps an additive bf16 copy of the mask for backward in every block that runs with gradients
+    assert sdpa["per_layer"] - activation_bytes(shape, **args, sp=2)["per_layer"] == 131072**2 * 2
     eager = activation_bytes(shape, **args, attention="eager")
     assert eager["mask"] == 32 * GIB  # bf16 additive mask
     assert eager["per_layer"] - activation_bytes(shape, **args)["per_layer"] == 2 * 32 * 131072**2 * 2
@@ -192,15 +195,16 @@ def test_auto_recipe_picks_sequence_parallel_for_a_long_sequence():
     from harness.config.recipes import complete
     from harness.train.auto_recipe import plan_for, planner_attention
 
-    # 8 CPU ranks of 80 GB: sdpa, whose S^2 mask (17 GB at 128K) leaves one rank 104K tokens with tiling
+    # 8 CPU ranks of 80 GB: sdpa, whose S^2 mask (bool, and the copy torch keeps per block) leaves one rank 79K
+    # tokens with tiling; sp 2 holds 98K
     hw = {"gpus_per_node": 8, "nodes": 1, "gpu_mem_bytes": 80 * GB, "cpu_mem_bytes": 2000 * GB, "nvme_bytes": None,
           "device": "cpu"}
     settings = complete({"description": "auto"}, "--recipe auto",
-                        ["train.model=llama-3.1-8b", "train.seq_len=131072", "precision=bf16",
+                        ["train.model=llama-3.1-8b", "train.seq_len=90112", "precision=bf16",
                          "batch.micro_batch_per_gpu=1"])
     result = plan_for(settings, hw, hardware.load("h100-80gb-sxm"))
     best = result.recommended
-    assert best["sp"] > 1 and best["overrides"]["parallel.sequence"] == best["sp"] and best["max_seq_len"] >= 131072
+    assert best["sp"] > 1 and best["overrides"]["parallel.sequence"] == best["sp"] and best["max_seq_len"] >= 90112
     assert not any(r["act"] == "offload" for r in result.candidates + result.ranked)  # refused on CPU ranks
     short = complete({"description": "auto"}, "--recipe auto", ["train.model=llama-3.1-8b", "train.seq_len=2048"])
     assert plan_for(short, hw, hardware.load("h100-80gb-sxm")).recommended["sp"] == 1
@@ -213,7 +217,13 @@ def test_cpu_ranks_with_sdpa_count_the_mask():
     a = activation_bytes(shape, seq_len=4096, micro_batch=1, precision="fp32", activation_checkpointing=False,
                          attention="sdpa", sp=2)
     b = activation_bytes(shape, seq_len=4096, micro_batch=1, precision="fp32", activation_checkpointing=False, sp=2)
-    assert a["total"] - b["total"] == 4096 * 4096  # document_sdpa under SP: the whole sequence's mask
+    # document_sdpa under SP: the whole sequence's bool mask, and the fp32 copy torch's sdpa keeps per block (2 blocks)
+    assert a["total"] - b["total"] == 4096 * 4096 + 2 * 4096 * 4096 * 4
+
+
+def plain_layer(shape) -> int:
+    """One tiny-llama block's saved tensors at 512 tokens per rank, fp32, tiled MLP, no mask (the hand count)."""
+    return 512 * 4 * (4 * 64 + 2 * 64 + 2 * 32)
 
 
 def test_a_runs_prediction_carries_the_sp_all_to_all_into_the_reports_comm_table():
@@ -230,6 +240,7 @@ def test_a_runs_prediction_carries_the_sp_all_to_all_into_the_reports_comm_table
     a2a = 512 * 4 * (64 + 32 + 32 + 64) * 2 * 2 * 2  # tokens/rank x fp32 x (q, k, v, out) x fwd+bwd x blocks x accum
     assert out["comm"]["all_to_all_single"] == a2a
     assert out["activations"]["mask"] == 1024 * 1024 and out["activations"]["tokens_per_rank"] == 512
+    assert out["activations"]["per_layer"] - plain_layer(shape) == 1024 * 1024 * 4 + 512 * 4 * 64  # mask copy, out
     plain = predict(count, ds, dp=2, precision="fp32", shape=shape, seq_len=1024)
     assert "all_to_all_single" not in plain["comm"] and plain["activations"]["mask"] == 0
     for measured, flagged in ((a2a, False), (2 * a2a, True)):

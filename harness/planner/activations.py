@@ -21,8 +21,11 @@ element of the training precision:
   sdpa: a bool (s/sp)^2 mask per micro-batch from transformers at sp 1 (s^2); under Ulysses sdpa would lose the
   document mask, so the harness runs its document_sdpa there (model/sequence/attention.py), which builds the mask
   after the all-to-all over the FULL sequence: s^2 booleans per micro-batch on every rank (and keeps transformers
-  from building its own (s/sp)^2 one, which it would otherwise build and discard). eager: (s/sp)^2 in the training
-  dtype; refused under SP.
+  from building its own (s/sp)^2 one, which it would otherwise build and discard). torch's sdpa turns a bool mask
+  into an additive one in the query's dtype and its backward keeps that copy (measured on CPU, torch 2.13:
+  ScaledDotProductFlashAttentionForCpuBackward saves a float32 [b, 1, s, s] attn_mask): s^2 x lp more per block
+  that runs with gradients (every block; with checkpointing the one recomputed). eager: (s/sp)^2 in the training
+  dtype and its scores; refused under SP.
 - Activation checkpointing keeps each block's input (t x h x lp); activation offload (ALST s3.4) moves those to CPU
   RAM and keeps two on the device (the one copied out and the one prefetched back in backward).
 """
@@ -82,7 +85,11 @@ def mask_bytes(attention: str, seq_len: int, sp: int, micro_batch: int, lp: int)
 
 
 def scores_bytes(shape: dict, attention: str, seq_len: int, sp: int, micro_batch: int, lp: int, tp: int) -> int:
-    """Eager attention's saved scores and softmax per block: 2 x heads/(tp sp) x s^2 per micro-batch."""
+    """What one block's attention keeps for backward beyond q, k, v and the output: eager its scores and softmax,
+    2 x heads/(tp sp) x s^2; sdpa the additive copy of the bool mask in the training dtype, s^2 (the whole sequence
+    under SP: document_sdpa runs after the all-to-all); per micro-batch."""
+    if attention == "sdpa":
+        return int(micro_batch * seq_len * seq_len * lp)
     if attention != "eager":
         return 0
     return int(2 * shape["num_attention_heads"] / (tp * sp) * seq_len * seq_len * micro_batch * lp)
