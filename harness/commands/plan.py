@@ -75,13 +75,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-mem", help="CPU RAM per node (default: not checked)")
     parser.add_argument("--nvme", help="NVMe space per node for ZeRO-Infinity (default: none)")
     parser.add_argument("--seq-len", type=int,
-                        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's maximum if shorter)")
+                        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's maximum if shorter); every layout "
+                             "reports the longest it holds (max seq), and one no plain layout holds gets the long-context "
+                             "rung: checkpointing, tiled MLP and loss, Ulysses sp inside a node, activation offload")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per forward (default 1)")
     parser.add_argument("--grad-accum", type=int, default=1,
                         help="micro-batches per step (default 1; pipelines use 4 x stages)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     parser.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=("none", "full"),
                         help="full: recompute each block in backward (keeps only block inputs); alone means full")
+    parser.add_argument("--attention", choices=("flash", "flex", "sdpa", "eager"), default="flash",
+                        help="attention kernel (default flash: no materialised mask); sdpa and eager count transformers' "
+                             "(seq/sp)^2 mask per rank, eager its scores too (planner/activations.py)")
     parser.add_argument("--global-batch", type=int,
                         help="sequences per optimizer step over all GPUs (default micro-batch x grad-accum x GPUs); "
                              "the search keeps it fixed and picks the micro-batch")
@@ -140,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
                       micro_batch=args.micro_batch, precision=args.precision,
                       activation_checkpointing=args.activation_checkpointing == "full", grad_accum=args.grad_accum,
                       model_name=args.model, hardware_profile=profile, global_batch=args.global_batch,
-                      layout=_layout(args), count=lora_count(cfg, args.lora_r))
+                      layout=_layout(args), count=lora_count(cfg, args.lora_r), attention=args.attention)
     except ValueError as e:
         raise UsageError(f"plan: {e}") from None
     if not args.hardware:

@@ -6,6 +6,7 @@ nccl-tests doc/PERFORMANCE.md): with S the full buffer, n ranks and B the bus ba
     reduce_scatter   t =   (n-1)/n * S / B          (S: the full input)
     all_gather       t =   (n-1)/n * S / B          (S: the gathered output = n x the shard DeepSpeed logs)
     send / recv      t =             S / B          (one link; B the link's per-direction bandwidth)
+    all_to_all       t =   (n-1)/n * S / B          (S: this rank's input; n-1 pairwise exchanges)
 Latency term: alpha per step; a ring takes 2(n-1) steps for an all-reduce and n-1 for the others, a tree
 2 log2(n) (NCCL switches to trees when that is shorter, so the smaller of the two is used for all-reduce).
 
@@ -33,9 +34,11 @@ import math
 from harness.planner import hardware
 
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter_tensor": lambda n: n - 1,
-              "all_gather_into_tensor": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 1}
+              "all_gather_into_tensor": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 1,
+              "all_to_all_single": lambda n: n - 1}
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter_tensor": lambda n: (n - 1) / n,
-              "all_gather_into_tensor": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 1.0}
+              "all_gather_into_tensor": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 1.0,
+              "all_to_all_single": lambda n: (n - 1) / n}
 
 
 def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:

@@ -2,7 +2,10 @@
 
 DDP -> ZeRO-1 -> ZeRO-2 -> ZeRO-3 -> offload the optimizer (ZeRO-2, then ZeRO-3), then the parameters
 (CPU, then NVMe) -> tensor parallel inside a node -> pipeline (across nodes) with tensor parallel inside
-and data parallel across replicas (3D). Every candidate is evaluated so the output can say why each
+and data parallel across replicas (3D) -> for a sequence none of them holds, the long-context rung (ZeRO-3 with
+activation checkpointing, then tiled MLP and loss, then Ulysses SP inside a node, then the checkpointed activations
+in CPU RAM; layouts.long_context_rung). Every layout reports the longest seq_len it holds (longest.py).
+Every candidate is evaluated so the output can say why each
 cheaper one fails.
 
 Fit is judged on memory alone, as the seeds order it. By that measure a pipeline rarely wins: its first
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.planner import memory
+from harness.planner import longest, memory
 from harness.planner.layouts import Candidate, RESERVE_FRACTION, candidates, evaluate, gb, hardware, launch_command, overrides
 from harness.planner.params import ParamCount
 
@@ -50,8 +53,8 @@ class Plan:
 
 def evaluate_all(count: ParamCount, shape: dict, hw: dict, work: dict, model_name: str) -> list[dict]:
     out = []
-    for c in candidates(hw["world"], hw["gpus_per_node"], count.num_layers):
-        result = evaluate(c, count, shape, hw, work)
+    for c in candidates(hw["world"], hw["gpus_per_node"], count.num_layers, shape, work["activation_offload"]):
+        result = longest.attach(evaluate(c, count, shape, hw, work), count, shape, hw, work)
         result["overrides"] = overrides(c, result, work)
         result["launch"] = launch_command(c.recipe, model_name, hw, result["overrides"])
         out.append(result)
@@ -119,13 +122,18 @@ def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: 
          cpu_mem_bytes: int | None = None, nvme_bytes: int | None = None, seq_len: int = 2048,
          micro_batch: int = 1, precision: str = "bf16", activation_checkpointing: bool = False,
          grad_accum: int = 1, model_name: str | None = None, count: ParamCount | None = None,
-         hardware_profile: dict | None = None, global_batch: int | None = None, layout: dict | None = None) -> Plan:
+         hardware_profile: dict | None = None, global_batch: int | None = None, layout: dict | None = None,
+         attention: str = "flash", activation_offload: bool = True) -> Plan:
     """Evaluate every strategy for this model and hardware; recommend the first that fits.
 
     cpu_mem_bytes / nvme_bytes are per node. CPU RAM not given: offload is not checked against it (its
     need is still reported). NVMe not given: there is none. `count` skips counting (e.g. a meta count).
     With `hardware_profile` the step-time model ranks the layouts and recommends the fastest (search.attach);
-    `layout` ({zero, offload, tp, pp}) evaluates that one layout instead.
+    `layout` ({zero, offload, tp, pp}) evaluates that one layout instead. `attention` (flash, flex, sdpa, eager):
+    the kernel whose mask and scores count in the activations (planner/activations.py); activation_offload False
+    leaves the offload rows out of the long-context rung (CPU ranks). Every layout reports the
+    longest seq_len it holds (max_seq_len, planner/longest.py); for a sequence no earlier layout holds, the
+    long-context rung (checkpointing, tiling, Ulysses SP inside a node, activation offload) comes last.
     """
     from harness.planner.params import count_params, model_shape
 
@@ -136,7 +144,8 @@ def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: 
     count = count or count_params(model_cfg)
     hw = hardware(gpus_per_node, nodes, gpu_mem_bytes, cpu_mem_bytes, nvme_bytes)
     work = {"seq_len": seq_len, "micro_batch": micro_batch, "precision": precision,
-            "activation_checkpointing": activation_checkpointing, "grad_accum": grad_accum}
+            "activation_checkpointing": activation_checkpointing, "grad_accum": grad_accum, "attention": attention,
+            "activation_offload": activation_offload}
     name = model_name or model_cfg.get("_name_or_path") or "MODEL"
     results = evaluate_all(count, shape, hw, work, name)
     best = next((r for r in results if r["fits"]), None)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from harness.planner import comm, memory, pipeline
+from harness.planner import comm, memory, pipeline, sequence
+from harness.planner.activations import TILE_TOKENS
 from harness.planner.params import ParamCount
 
 RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS
@@ -24,6 +25,9 @@ class Candidate:
     offload_param: str = "none"
     tp: int = 1
     pp: int = 1
+    sp: int = 1  # the long-context rung (sequence.py): Ulysses degree, tiled MLP and loss,
+    tiled: bool = False  # activations "checkpoint" (forced on) or "offload" (checkpointed inputs in CPU RAM);
+    act: str = ""  # "" = the workload's --activation-checkpointing
 
     @property
     def label(self) -> str:
@@ -38,11 +42,35 @@ class Candidate:
             parts.append(f"opt->{self.offload_optimizer}")
         if self.offload_param != "none":
             parts.append(f"params->{self.offload_param}")
+        parts += [f"sp{self.sp}"] * (self.sp > 1) + ["tiled"] * self.tiled
+        parts += {"checkpoint": ["ckpt"], "offload": ["ckpt->cpu"]}.get(self.act, [])
         return " ".join(parts)
 
+    def checkpointing(self, work: dict) -> bool:
+        return bool(self.act) or work["activation_checkpointing"]
 
-def candidates(world: int, gpus_per_node: int, num_layers: int) -> list[Candidate]:
-    """Every strategy in decision order (cheapest in traffic and complexity first)."""
+
+def long_context_rung(gpus_per_node: int, shape: dict, offload: bool = True) -> list[Candidate]:
+    """For a sequence one rank cannot hold, after every other rung: ZeRO-3 with activation checkpointing, then
+    tiled MLP and loss, then Ulysses SP inside a node (each degree the heads allow), then the checkpointed
+    activations offloaded to CPU RAM at each degree (ALST's order, arXiv 2506.13996 s3)."""
+    sps = [1] + sequence.sp_degrees(gpus_per_node, shape)
+    return ([Candidate("zero3", 3, act="checkpoint"), Candidate("zero3", 3, tiled=True, act="checkpoint")]
+            + [Candidate("zero3", 3, sp=s, tiled=True, act="checkpoint") for s in sps[1:]]
+            + [Candidate("zero3", 3, sp=s, tiled=True, act="offload") for s in sps if offload])
+
+
+def candidate_of(r: dict) -> Candidate:
+    """The Candidate an evaluated result describes."""
+    return Candidate(r["recipe"], r["zero_stage"], r["offload_optimizer"], r["offload_param"], r["tp"], r["pp"],
+                     r.get("sp", 1), r.get("tiled", False), r.get("act", ""))
+
+
+def candidates(world: int, gpus_per_node: int, num_layers: int, shape: dict | None = None,
+               activation_offload: bool = True) -> list[Candidate]:
+    """Every strategy in decision order (cheapest in traffic and complexity first); with the model's shape, the
+    long-context rung last (activation_offload False: without its offload rows, e.g. on CPU ranks, where DeepSpeed's
+    activation offload does nothing and the harness refuses it)."""
     out = [Candidate("ddp", 0), Candidate("zero1", 1), Candidate("zero2", 2), Candidate("zero3", 3),
            Candidate("zero2_offload", 2, "cpu"), Candidate("zero3_offload", 3, "cpu"),
            Candidate("zero3_offload", 3, "cpu", "cpu"), Candidate("zero3_nvme", 3, "nvme", "nvme")]
@@ -52,7 +80,7 @@ def candidates(world: int, gpus_per_node: int, num_layers: int) -> list[Candidat
               if (world // t) % p == 0]
     for t, p in sorted(splits, key=lambda tp_pp: (tp_pp[0] * tp_pp[1], tp_pp[1])):
         out.append(Candidate("pipeline" if t == 1 else "3d", 1, tp=t, pp=p))
-    return out
+    return out + (long_context_rung(gpus_per_node, shape, activation_offload) if shape else [])
 
 
 def not_applicable(c: Candidate, shape: dict) -> str | None:
@@ -64,6 +92,8 @@ def not_applicable(c: Candidate, shape: dict) -> str | None:
     problems = tp_problems(shape, c.tp)
     if problems:
         return "; ".join(what for what, _ in problems)
+    if sequence.sp_problem(shape, c.sp):
+        return sequence.sp_problem(shape, c.sp)
     if c.pp > 1 and shape["model_type"] not in PIPELINE_FAMILIES:
         return f"the harness cannot split {shape['model_type']} models into pipeline stages"
     return None
@@ -105,14 +135,13 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
 
     states = states_at("peak")
     seed = memory.model_state_bytes(params, **common, convention="seed")
-    acts = memory.activation_bytes(
-        shape, seq_len=work["seq_len"], micro_batch=work["micro_batch"], precision=work["precision"],
-        activation_checkpointing=work["activation_checkpointing"], tp=c.tp, num_layers=layers,
-        micro_batches_in_flight=min(c.pp, m))
+    acts = activations(c, shape, work, layers, min(c.pp, m))
     device = memory.by_device(states)
+    device["cpu"] += acts["cpu_offload"]
     result = {
         "recipe": c.recipe, "label": c.label, "zero_stage": c.stage, "offload_optimizer": c.offload_optimizer,
         "offload_param": c.offload_param, "tp": c.tp, "pp": c.pp, "dp": dp, "micro_batches": m,
+        "sp": c.sp, "tiled": c.tiled, "act": c.act, "activation_offload_bytes_per_rank": acts["cpu_offload"],
         "params_per_rank": params, "trainable_per_rank": count.trainable_params(layers, c.tp) or params,
         "blocks_per_rank": layers, "bubble_fraction": pipeline.bubble_fraction(c.pp, m),
         "memory": {
@@ -130,7 +159,20 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
         result["stages"] = [{k: s[k] for k in ("stage", "layers", "blocks", "params")}
                             for s in pipeline.stages(count, c.pp, "parameters", c.tp)]
     result.update(_verdict(c, result["memory"], shape, hw))
+    if result["applicable"] and work["seq_len"] % c.sp:
+        result.update(applicable=False, fits=False, why_not=f"seq_len {work['seq_len']} does not divide by sp {c.sp}")
+    if result["applicable"] and c.sp > 1 and work.get("attention") == "eager":
+        result.update(applicable=False, fits=False, why_not="eager attention is refused under sp (an S^2 float mask)")
     return result
+
+
+def activations(c: Candidate, shape: dict, work: dict, layers: int, in_flight: int = 1) -> dict:
+    """memory.activation_bytes for this layout and workload (its sp, tiling, checkpointing, attention)."""
+    return memory.activation_bytes(
+        shape, seq_len=work["seq_len"], micro_batch=work["micro_batch"], precision=work["precision"],
+        activation_checkpointing=c.checkpointing(work), tp=c.tp, num_layers=layers, micro_batches_in_flight=in_flight,
+        sp=c.sp, tiled_mlp=c.tiled, tiled_loss=c.tiled, attention=work.get("attention", "flash"),
+        offload=c.act == "offload", tile_tokens=work.get("tile_tokens", TILE_TOKENS))
 
 
 def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m: int, persistent: int,
@@ -154,6 +196,10 @@ def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m:
         tied = pipeline.tied_allreduce_bytes(count, stage=0, pp=c.pp, precision=prec)
         if tied:
             groups["pp-tied"] = ({"all_reduce": tied}, 2)
+    if c.sp > 1:
+        groups["sp"] = (sequence.a2a_bytes_per_step(shape, seq_len=seq, micro_batch=mb, micro_batches=m, sp=c.sp,
+                                                    blocks=layers, precision=prec,
+                                                    activation_checkpointing=c.checkpointing(work)), c.sp)
     rows = comm.comm_rows(groups)
     return {"rows": rows, "wire_bytes": sum(r["wire_bytes"] for r in rows),
             "logged_bytes": sum(r["logged_bytes"] for r in rows)}
@@ -195,8 +241,14 @@ def overrides(c: Candidate, result: dict, work: dict) -> dict:
     # it from micro x accum x data-parallel size for the world the launch finds.
     out = {"batch.micro_batch_per_gpu": work["micro_batch"], "batch.grad_accum_steps": result["micro_batches"],
            "batch.train_batch_size": "auto", "train.seq_len": work["seq_len"], "precision": work["precision"]}
-    if work["activation_checkpointing"]:
+    if c.checkpointing(work):
         out["activation_checkpointing"] = True
+    if c.sp > 1:  # sp-core's keys (issue #24)
+        out["parallel.sequence"] = c.sp
+    if c.tiled:
+        out["train.tiled_mlp"] = out["train.tiled_loss"] = True
+    if c.act == "offload":
+        out["train.activation_offload"] = True
     if c.recipe.endswith(("_offload", "_nvme")):
         out["zero.offload_optimizer"] = c.offload_optimizer
         if c.stage == 3:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.planner import activations as la
+
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32_BYTES = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32 each
@@ -263,17 +265,25 @@ def _layer_token_elems(shape: dict, tp: int) -> float:
 
 def activation_bytes(shape: dict, *, seq_len: int, micro_batch: int, precision: str,
                      activation_checkpointing: bool, tp: int = 1, num_layers: int | None = None,
-                     micro_batches_in_flight: int = 1, with_logits: bool = True) -> dict[str, int]:
+                     micro_batches_in_flight: int = 1, with_logits: bool = True, sp: int = 1, tiled_mlp: bool = False,
+                     tiled_loss: bool = False, attention: str = "flash", offload: bool = False,
+                     tile_tokens: int = la.TILE_TOKENS) -> dict[str, int]:
     """Activation bytes per rank for `num_layers` blocks (default all) and the loss.
 
     With checkpointing each block keeps only its input and one block is recomputed at a time.
     `micro_batches_in_flight` is what a pipeline stage holds (1F1B: min(stages - stage_id, m)).
     Logits: 16-bit output plus the fp32 upcast and log-softmax that HF's loss keeps.
+    Long context (planner/activations.py, with the sources): sp divides the tokens per rank (Ulysses); tiled_mlp
+    drops the MLP intermediates for one tile of tile_tokens; tiled_loss holds one tile of logits; `attention` adds its
+    materialised mask (sdpa, eager) and eager's scores; offload (with checkpointing) moves the block inputs to
+    CPU RAM ("cpu_offload", per rank).
     """
     lp = PRECISION_BYTES[precision]
-    tokens = seq_len * micro_batch
+    tokens = la.tokens_per_rank(seq_len, micro_batch, sp)
     layers = shape["num_hidden_layers"] if num_layers is None else num_layers
-    per_layer = int(tokens * lp * _layer_token_elems(shape, tp))
+    elems = _layer_token_elems(shape, tp) + la.sp_token_elems(shape, tp, sp)
+    elems -= la.mlp_token_elems(shape, tp) if tiled_mlp else 0
+    per_layer = int(tokens * lp * elems) + la.scores_bytes(shape, attention, seq_len, sp, micro_batch, lp, tp)
     if shape.get("dropout_masks"):  # bool masks after attention and MLP (GPT-2's resid_pdrop)
         per_layer += 2 * tokens * shape["hidden_size"]
     block_input = tokens * lp * shape["hidden_size"]
@@ -281,7 +291,12 @@ def activation_bytes(shape: dict, *, seq_len: int, micro_batch: int, precision: 
         stored, recompute = layers * block_input * micro_batches_in_flight, per_layer
     else:
         stored, recompute = layers * per_layer * micro_batches_in_flight, 0
-    logits = tokens * shape["vocab_size"] * (lp + 2 * FP32_BYTES) if with_logits else 0
-    total = stored + recompute + logits + 2 * block_input  # + embedding output, final norm input
+    offloaded = 0
+    if offload and activation_checkpointing:  # the block inputs live in CPU RAM; two on the device
+        offloaded, stored = stored, min(stored, 2 * block_input)
+    tile = la.mlp_tile_bytes(shape, tokens, lp, tp, tile_tokens) if tiled_mlp else 0
+    logits = la.logits_bytes(tokens, shape, lp, tiled_loss, tile_tokens) if with_logits else 0
+    mask = la.mask_bytes(attention, seq_len, sp, micro_batch, lp)
+    total = stored + recompute + tile + logits + mask + 2 * block_input  # + embedding output, final norm input
     return {"per_layer": per_layer, "layers": stored, "recompute": recompute, "logits": logits,
-            "total": total}
+            "mlp_tile": tile, "mask": mask, "cpu_offload": offloaded, "tokens_per_rank": tokens, "total": total}

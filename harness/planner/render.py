@@ -57,6 +57,9 @@ def _breakdown(r: dict, hw: dict) -> list[str]:
             lines.append(f"    {term:<18} {TERM_NOTES[term]:<34}{gb_gib(nbytes)}")
     acts = mem["activations"]
     lines.append(f"    {'activations':<18} {'blocks + recompute + logits':<34}{gb_gib(acts['total'])}")
+    parts = [(k, acts.get(k, 0)) for k in ("layers", "recompute", "mlp_tile", "logits", "mask")]
+    lines.append(f"      {acts.get('tokens_per_rank', 0):,} tokens per rank: "
+                 + ", ".join(f"{k.replace('_', ' ')} {gb(v)}" for k, v in parts if v))
     lines.append(f"    {'in backward':<18} {'model states + activations':<34}{gb_gib(mem['gpu_backward_bytes'])}")
     lines.append(f"    {'in the step':<18} {'model states (activations freed)':<34}{gb_gib(mem['gpu_step_bytes'])}")
     lines.append(f"    {'peak':<18} {'the larger, of ' + gb(hw['usable_gpu_bytes']) + ' usable':<34}"
@@ -67,6 +70,8 @@ def _breakdown(r: dict, hw: dict) -> list[str]:
         if mem[key]:
             terms = ", ".join(f"{t} {gb(mem['model_states'][t][device])}" for t in TERMS
                               if mem["model_states"][t][device])
+            if device == "cpu" and acts.get("cpu_offload"):
+                terms += f"{', ' if terms else ''}checkpointed activations {gb(acts['cpu_offload'])}"
             lines.append(f"  {device.upper()} per node: {gb(mem[key])} ({gb(mem[key] / hw['gpus_per_node'])}"
                          f" per rank: {terms})")
     return lines
@@ -90,8 +95,10 @@ def _comm(r: dict) -> list[str]:
 
 def _table(plan: Plan) -> list[str]:
     head = f"  {'#':>2}  {'strategy':<30}{'fits':<5}{'GPU/rank':>10}{'CPU/node':>10}{'NVMe/node':>10}" \
-           f"{'wire/step':>11}  why not"
-    lines = ["decision order (GB = 10^9 bytes, GiB = 2^30 bytes):", head]
+           f"{'wire/step':>11}{'max seq':>9}  why not"
+    from harness.planner import render_time
+
+    lines = ["decision order (GB = 10^9 bytes, GiB = 2^30 bytes; max seq: the longest seq_len each holds):", head]
     first = next((r for r in plan.candidates if r["fits"]), None)
     last = plan.candidates.index(first) if first else len(plan.candidates) - 1
     for i, r in enumerate(plan.candidates[:last + 1], 1):
@@ -101,9 +108,14 @@ def _table(plan: Plan) -> list[str]:
         verdict = "yes" if r["fits"] else ("n/a" if not r["applicable"] else "no")
         why = r["why_not"] or ("<- recommended" if r is plan.recommended else "<- seeds' first fit")
         lines.append(f"  {i:>2}  {r['label']:<30}{verdict:<5}{cells[0]:>10}{cells[1]:>10}{cells[2]:>10}"
-                     f"{gb(r['comm']['wire_bytes']) if r['comm']['wire_bytes'] else '-':>11}  {why}")
+                     f"{gb(r['comm']['wire_bytes']) if r['comm']['wire_bytes'] else '-':>11}"
+                     f"{render_time.seq_text(r.get('max_seq_len')):>9}  {why}")
     if last + 1 < len(plan.candidates):
         lines.append(f"  ({len(plan.candidates) - last - 1} costlier options also evaluated: --json lists them)")
+    top = max(plan.candidates, key=lambda r: r.get("max_seq_len", 0))
+    if top.get("max_seq_len"):
+        lines.append(f"  longest sequence of any layout: {top['label']} holds {top['max_seq_len']:,} tokens "
+                     f"({render_time.seq_text(top['max_seq_len'])}) at micro-batch {plan.workload['micro_batch']}")
     return lines
 
 

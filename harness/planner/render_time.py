@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from harness.planner.layouts import gb
 
-SHORT = {"forward_s": "fwd", "backward_s": "bwd", "recompute_s": "recompute", "tp_comm_s": "tp",
+SHORT = {"forward_s": "fwd", "backward_s": "bwd", "recompute_s": "recompute", "tp_comm_s": "tp", "sp_a2a_s": "sp-a2a",
+         "activation_offload_s": "act-offload",
          "bubble_s": "bubble", "p2p_s": "p2p", "dp_reduce_exposed_s": "dp-reduce", "dp_gather_exposed_s": "dp-gather",
          "tied_embedding_s": "tied", "optimizer_s": "optimizer", "zero_hooks_s": "zero-hooks", "offload_pcie_s": "pcie", "nvme_s": "nvme"}
 
@@ -19,12 +20,23 @@ def layout_line(i: int | str, r: dict) -> str:
     t = r["time"]
     ckpt = "full" if r["activation_checkpointing"] else "none"
     return (f"  {i:>2}  {r['label']:<32}{ckpt:<6}{r['micro_batch']:>5}{r['micro_batches']:>6}"
-            f"{gb(r['memory']['gpu_bytes']):>10}{t['step_time_s']:>9.3g}{t['tokens_per_s_per_gpu']:>10.0f}"
+            f"{gb(r['memory']['gpu_bytes']):>10}{seq_text(r.get('max_seq_len')):>9}{t['step_time_s']:>9.3g}"
+            f"{t['tokens_per_s_per_gpu']:>10.0f}"
             f"{t['mfu']:>7.1%}  {breakdown_text(t)}")
 
 
-HEAD = (f"  {'#':>2}  {'layout':<32}{'ckpt':<6}{'micro':>5}{'accum':>6}{'GPU/rank':>10}{'step s':>9}"
+HEAD = (f"  {'#':>2}  {'layout':<32}{'ckpt':<6}{'micro':>5}{'accum':>6}{'GPU/rank':>10}{'max seq':>9}{'step s':>9}"
         f"{'tok/s/GPU':>10}{'MFU':>7}  breakdown (s; exposed comm only)")
+
+
+def seq_text(tokens: int | None) -> str:
+    """The longest seq_len a layout holds, short: 30.5K, 4.17M ('-' when none)."""
+    if not tokens:
+        return "-"
+    for unit, scale in (("M", 1e6), ("K", 1e3)):
+        if tokens >= scale:
+            return f"{tokens / scale:.3g}{unit}"
+    return str(tokens)
 
 
 def profile_line(plan) -> str:

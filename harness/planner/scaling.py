@@ -20,7 +20,7 @@ def curve(plan, model_cfg: dict, profile: dict) -> dict:
     from harness.planner.params import count_params, model_shape
 
     r = plan.recommended
-    c = layouts.Candidate(r["recipe"], r["zero_stage"], r["offload_optimizer"], r["offload_param"], r["tp"], r["pp"])
+    c = layouts.candidate_of(r)
     count, shape = count_params(model_cfg), model_shape(model_cfg)
     w, hw0 = plan.workload, plan.hardware
     per_gpu = r.get("global_batch", w["micro_batch"] * w["grad_accum"] * hw0["world"]) / hw0["world"]
@@ -31,7 +31,7 @@ def curve(plan, model_cfg: dict, profile: dict) -> dict:
         if hw["world"] % (c.tp * c.pp):
             continue
         work = dict(w, global_batch=max(1, round(per_gpu * hw["world"])))
-        dp = hw["world"] // (c.tp * c.pp)
+        dp = hw["world"] // (c.tp * c.pp * c.sp)
         if work["global_batch"] % (dp * r.get("micro_batch", w["micro_batch"])):
             continue
         lw = search.layout_work(work, r.get("micro_batch", w["micro_batch"]),

@@ -10,7 +10,7 @@ so every layout trains the same tokens per step and tokens/s compare like for li
 
 from __future__ import annotations
 
-from harness.planner import layouts, steptime
+from harness.planner import layouts, longest, steptime
 
 MAX_MICRO_BATCH = 64
 TOP = 5
@@ -33,8 +33,9 @@ def timed(c, count, shape: dict, hw: dict, work: dict, profile: dict, model_name
     """layouts.evaluate plus the predicted step time, the batch split and the launch line of this layout."""
     result = layouts.evaluate(c, count, shape, hw, work)
     result["time"] = steptime.step_time(c, count, shape, profile, hw, work, result)
-    result["micro_batch"], result["activation_checkpointing"] = work["micro_batch"], work["activation_checkpointing"]
+    result["micro_batch"], result["activation_checkpointing"] = work["micro_batch"], c.checkpointing(work)
     result["global_batch"] = work["global_batch"]
+    longest.attach(result, count, shape, hw, work)
     result["overrides"] = layouts.overrides(c, result, work)
     result["launch"] = layouts.launch_command(c.recipe, model_name, hw, result["overrides"])
     return result
@@ -42,12 +43,12 @@ def timed(c, count, shape: dict, hw: dict, work: dict, profile: dict, model_name
 
 def _best_for(c, count, shape: dict, hw: dict, work: dict, profile: dict, model_name: str) -> list[dict]:
     """The fastest fitting micro-batch of candidate `c`, with and without checkpointing."""
-    dp = hw["world"] // (c.tp * c.pp)
+    dp = hw["world"] // (c.tp * c.pp * c.sp)  # data-parallel replicas: each sequence spans sp ranks
     if work["global_batch"] % dp:
         return []
     sizes = divisors(work["global_batch"] // dp)
     out = []
-    for ac in (False, True):
+    for ac in ((True,) if c.act else (False, True)):
         best = None
         for mb in reversed(sizes):  # memory grows with the micro-batch: the first that fits is the largest
             lw = layout_work(work, mb, ac, dp)
@@ -71,7 +72,8 @@ def _best_for(c, count, shape: dict, hw: dict, work: dict, profile: dict, model_
 def search(count, shape: dict, hw: dict, work: dict, profile: dict, model_name: str) -> list[dict]:
     """Every fitting layout (best micro-batch per strategy and checkpointing), fastest first."""
     found = []
-    for c in layouts.candidates(hw["world"], hw["gpus_per_node"], count.num_layers):
+    for c in layouts.candidates(hw["world"], hw["gpus_per_node"], count.num_layers, shape,
+                                work.get("activation_offload", True)):
         found += _best_for(c, count, shape, hw, work, profile, model_name)
     return sorted(found, key=lambda r: -r["time"]["tokens_per_s"])
 
@@ -154,9 +156,8 @@ def attach(plan, count, shape: dict, hw: dict, work: dict, profile: dict, global
     plan.ranked = search(count, shape, hw, base, profile, name)
     first = plan.recommended
     if first is not None:
-        c = layouts.Candidate(first["recipe"], first["zero_stage"], first["offload_optimizer"], first["offload_param"],
-                             first["tp"], first["pp"])
-        dp = first["dp"]
+        c = layouts.candidate_of(first)
+        dp = first["dp"] // c.sp
         if gb % (dp * work["micro_batch"]) == 0:
             plan.first_fit = timed(c, count, shape, hw, layout_work(base, work["micro_batch"],
                                                                      work["activation_checkpointing"], dp),

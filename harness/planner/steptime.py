@@ -20,6 +20,11 @@ Tensor parallel (Megatron f/g, 1909.08053 s3): per block and micro-batch two all
 forward, two in backward, two more when the forward is recomputed; they sit on the critical path (each
 feeds the next matmul), so they add to the compute time.
 
+Ulysses sequence parallel (planner/sequence.py; ALST, arXiv 2506.13996): each rank computes seq_len x micro /
+sp tokens' matmuls and attention over the whole sequence for heads / sp (the same FLOPs per rank as its share);
+the four all-to-alls per block and pass (forward, backward, recompute) block the attention, so they add to the
+compute time; tiled MLP runs the MLP's forward once more in backward.
+
 Pipeline (DeepSpeed's TrainSchedule is 1F1B without interleaving; Narayanan et al. 2104.04473 s2.2.1):
     step = (m + p - 1) x (t_f + t_b) of the slowest stage, i.e. the bubble (p - 1)/(m + p - 1) of the step;
     Megatron's interleaved schedule with v model chunks per stage shrinks the bubble term to (p - 1)/v
@@ -65,7 +70,7 @@ read twice per micro-step, at nvme_read_gbps / nvme_write_gbps per node.
 
 from __future__ import annotations
 
-from harness.planner import collectives, hardware, memory
+from harness.planner import collectives, hardware, memory, sequence
 from harness.planner.memory import PRECISION_BYTES
 
 OPT_STATE_READ_BYTES = 16  # fp32 master, exp_avg, exp_avg_sq, fp32 gradient
@@ -125,8 +130,8 @@ def head_params(shape: dict, tp: int) -> float:
 def _placement(c, hw: dict) -> dict[str, tuple[int, bool]]:
     """(stride, spans nodes?) per group name used in the comm rows."""
     gpn, dp = hw["gpus_per_node"], hw["world"] // (c.tp * c.pp)
-    strides = {"tp": 1, "tp-pipe": 1, "dp": c.tp, "pp": c.tp * dp, "pp-tied": c.tp * dp * max(c.pp - 1, 1)}
-    sizes = {"tp": c.tp, "tp-pipe": c.tp, "dp": dp, "pp": c.pp, "pp-tied": 2}
+    strides = {"tp": 1, "tp-pipe": 1, "dp": c.tp, "pp": c.tp * dp, "pp-tied": c.tp * dp * max(c.pp - 1, 1), "sp": 1}
+    sizes = {"tp": c.tp, "tp-pipe": c.tp, "dp": dp, "pp": c.pp, "pp-tied": 2, "sp": c.sp}
     return {g: (strides[g], collectives.spans_nodes(strides[g], sizes[g], gpn)) for g in strides}
 
 
@@ -242,7 +247,10 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
     """Predicted seconds per optimizer step of layout `c` (a layouts.Candidate) with `result` its memory and
     comm evaluation (layouts.evaluate): the total, tokens/s per GPU, MFU and the breakdown."""
     m, world = result["micro_batches"], hw["world"]
+    work = _sequence_work(c, work)
     t_mb = _stage_compute(c, count, shape, profile, work, result, stage_blocks)
+    if c.tiled:  # TiledMLP runs the MLP's forward again in backward (ALST s3.3)
+        t_mb["recompute"] += tiled_mlp_recompute_s(shape, profile, work, c.tp, result.get("blocks_per_rank", 1))
     place = _placement(c, hw)
     rows = result["comm"]["rows"]
     by_group: dict[str, list[dict]] = {}
@@ -251,6 +259,8 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
     tp_calls = (6 if work["activation_checkpointing"] else 4) * m * result.get("blocks_per_rank", count.num_layers)
     tp_s = sum(_row_s(profile, r, place["tp"][1], tp_calls) for r in by_group.get("tp", []))
     tp_s += sum(_row_s(profile, r, place["tp-pipe"][1]) for r in by_group.get("tp-pipe", []))
+    sp_calls = sequence.a2a_calls(result.get("blocks_per_rank", count.num_layers), m, work["activation_checkpointing"])
+    sp_s = sum(_row_s(profile, r, place["sp"][1], sp_calls) for r in by_group.get("sp", []))
     slot = sum(t_mb.values()) + tp_s / m
     slots = m + (c.pp - 1) / interleave
     p2p_s = 0.0
@@ -274,7 +284,8 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
     off = _offload_s(c, profile, hw, work, shard, m, t_mb)
     breakdown = {
         "forward_s": m * t_mb["forward"], "backward_s": m * t_mb["backward"], "recompute_s": m * t_mb["recompute"],
-        "tp_comm_s": tp_s, "bubble_s": (slots - m) * slot, "p2p_s": p2p_s,
+        "tp_comm_s": tp_s, "sp_a2a_s": sp_s, "activation_offload_s": activation_offload_s(profile, result, m),
+        "bubble_s": (slots - m) * slot, "p2p_s": p2p_s,
         "dp_reduce_exposed_s": dp["dp_reduce"], "dp_gather_exposed_s": dp["dp_gather"], "tied_embedding_s": tied_s,
         "optimizer_s": off["optimizer"], "offload_pcie_s": off["pcie"], "nvme_s": off["nvme"], "zero_hooks_s": hooks_s,
     }
@@ -291,6 +302,26 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
             "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"],
             "per_stage": per_stage,
             "interleave": interleave}
+
+
+def activation_offload_s(profile: dict, result: dict, m: int) -> float:
+    """Checkpointed block inputs to CPU RAM in forward and back in backward, over PCIe, per micro-batch; counted
+    exposed (the copies wait on the block they feed)."""
+    return 2 * m * result.get("activation_offload_bytes_per_rank", 0) / (profile["pcie_gbps"] * 1e9)
+
+
+def _sequence_work(c, work: dict) -> dict:
+    """The workload one rank computes: under Ulysses seq_len x micro_batch / sp tokens (its matmuls), attention over
+    the whole sequence for heads / sp (block_flops_per_token keeps seq_len whole: the same FLOPs per rank); the
+    long-context rung forces checkpointing."""
+    return dict(work, micro_batch=work["micro_batch"] / c.sp, activation_checkpointing=c.checkpointing(work))
+
+
+def tiled_mlp_recompute_s(shape: dict, profile: dict, work: dict, tp: int, blocks: int) -> float:
+    """The MLP matmuls once more per block (2 FLOPs per weight per token): 3 h I weights (GLU), 2 h I (gpt2)."""
+    weights = (2 if shape["model_type"] == "gpt2" else 3) * shape["hidden_size"] * shape["intermediate_size"] / tp
+    tokens = work["seq_len"] * work["micro_batch"]
+    return 2 * weights * tokens * blocks / hardware.achieved_flops(profile, work["precision"])
 
 
 def _neighbours(pp: int) -> int:

@@ -9,7 +9,7 @@ between predicted and measured is a gap in the planner's model, not in its input
 from __future__ import annotations
 
 from harness.errors import UsageError
-from harness.planner import comm, memory, pipeline
+from harness.planner import comm, memory, pipeline, sequence
 
 STAGE3_DEFAULT_MAX_LIVE = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default
 
@@ -71,9 +71,26 @@ def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> i
     return 1 if stage == 3 and gathered_params <= max_live else 2
 
 
+def long_context(recipe: dict) -> dict:
+    """The long-context settings of a recipe (sp-core's keys, issue #24; absent before them: sp 1, no tiling) as
+    memory.activation_bytes' arguments."""
+    from harness.planner.activations import TILE_TOKENS
+
+    train = recipe.get("train", {})
+    attention = str(train.get("attention") or "auto").lower()  # auto on CPU: sdpa, document_sdpa under SP
+    kind = next((k for k in ("flash", "flex", "eager") if k in attention), "sdpa")
+    return {"sp": int(recipe.get("parallel", {}).get("sequence") or 1), "tiled_mlp": bool(train.get("tiled_mlp")),
+            "tiled_loss": bool(train.get("tiled_loss")), "attention": kind,
+            "offload": bool(train.get("activation_offload")),
+            "tile_tokens": int(train.get("tile_tokens") or TILE_TOKENS)}
+
+
 def predict(count: dict, ds: dict, *, dp: int, precision: str, shape: dict | None, seq_len: int,
-            tp: int = 1, activation_checkpointing: bool = False) -> dict:
-    """Predicted model states (after a step and at peak), activations and logged comm bytes per step."""
+            tp: int = 1, activation_checkpointing: bool = False, seq: dict | None = None) -> dict:
+    """Predicted model states (after a step and at peak), activations and logged comm bytes per step. `seq`:
+    long_context(recipe) (Ulysses sp, tiling, attention, activation offload); the sp group's all-to-alls join
+    the comm bytes (planner/sequence.py), so the report puts them beside what the comms logger measured."""
+    seq = seq or {}
     z = _zero_settings(ds)
     grad_accum = int(ds.get("gradient_accumulation_steps", 1))
     micro = int(ds.get("train_micro_batch_size_per_gpu", 1))
@@ -102,7 +119,10 @@ def predict(count: dict, ds: dict, *, dp: int, precision: str, shape: dict | Non
                      f"stage3_max_live_parameters {z['max_live']:,})")
     if shape is not None:
         acts = memory.activation_bytes(shape, seq_len=seq_len, micro_batch=micro, precision=precision,
-                                       activation_checkpointing=activation_checkpointing, tp=tp)
+                                       activation_checkpointing=activation_checkpointing, tp=tp, **seq)
+        out["comm"].update(sequence.a2a_bytes_per_step(
+            shape, seq_len=seq_len, micro_batch=micro, micro_batches=grad_accum, sp=seq.get("sp", 1),
+            blocks=shape["num_hidden_layers"], precision=precision, activation_checkpointing=activation_checkpointing))
         out["activations"] = acts
         out["peak_total_bytes"] = memory.training_peak(lambda phase: states(z["stage"], phase), acts["total"])
         if tp > 1:
@@ -124,9 +144,12 @@ def for_run(spec, engine) -> dict:
             from harness.profiling.predict_pipe import for_pipeline
 
             return for_pipeline(spec, engine, _zero_settings(spec.ds_config), live_count(engine.module))
-        return predict(live_count(engine.module, engine.optimizer), spec.ds_config, dp=spec.dp,
+        # ZeRO shards over the data-parallel AND sequence-parallel ranks (spec.dp counts replicas: world / sp)
+        zero_dp = spec.dp * getattr(spec, "sp", 1)
+        return predict(live_count(engine.module, engine.optimizer), spec.ds_config, dp=zero_dp,
                        precision=spec.recipe["precision"], shape=_model_shape(engine.module),
                        seq_len=train["seq_len"], tp=spec.tp,
-                       activation_checkpointing=bool(spec.recipe.get("activation_checkpointing")))
+                       activation_checkpointing=bool(spec.recipe.get("activation_checkpointing")),
+                       seq=long_context(spec.recipe))
     except (ValueError, KeyError, TypeError, UsageError) as e:
         return {"error": f"planner could not predict this run: {e}"}

@@ -27,13 +27,18 @@ def _candidate(spec):
     if stage < 3:
         opt = "cpu" if opt == "nvme" else opt  # stages 1-2 treat nvme as cpu (deepspeed-facts.md)
     recipe = "3d" if spec.pp > 1 and spec.tp > 1 else "pipeline" if spec.pp > 1 else "tp" if spec.tp > 1 else "zero"
-    return layouts.Candidate(recipe, stage, opt, par, spec.tp, spec.pp)
+    from harness.profiling.predict import long_context
+
+    seq = long_context(spec.recipe)
+    act = "offload" if seq["offload"] else ""  # tiling alone keeps the recipe's checkpointing
+    return layouts.Candidate(recipe, stage, opt, par, spec.tp, spec.pp, seq["sp"], seq["tiled_mlp"], act)
 
 
 def for_run(spec, engine, device: str, device_name: str, device_mem_bytes: int) -> dict:
     """{"step_time_s", "breakdown", "profile", "profile_source", ...} or {"note": why not predicted}."""
     from harness.planner import hardware, layouts, steptime
     from harness.planner.params import count_params, model_shape
+    from harness.profiling.predict import long_context
 
     try:
         profile, source = hardware.for_machine(str(device), device_name, device_mem_bytes)
@@ -47,7 +52,8 @@ def for_run(spec, engine, device: str, device_name: str, device_mem_bytes: int) 
         micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         work = {"seq_len": recipe["train"]["seq_len"], "micro_batch": micro, "grad_accum": accum,
                 "precision": recipe["precision"], "global_batch": micro * accum * spec.dp,
-                "activation_checkpointing": bool(recipe.get("activation_checkpointing"))}
+                "activation_checkpointing": bool(recipe.get("activation_checkpointing")),
+                "attention": long_context(recipe)["attention"], "tile_tokens": long_context(recipe)["tile_tokens"]}
         c = _candidate(spec)
         result = layouts.evaluate(c, count, shape, hw, work)
         t = steptime.step_time(c, count, shape, profile, hw, work, result)

@@ -38,18 +38,13 @@ def detect_hardware(world_size: int, nvme_path: str | None) -> dict:
 
 def choose(overrides: list[str], world_size: int) -> tuple[str, list[str], str]:
     """(recipe name, planner overrides, one-line reason). User overrides are applied after these."""
-    from harness.planner import hardware, plan
+    from harness.planner import hardware
 
     settings = complete({"description": "auto"}, "--recipe auto", overrides)
     train = settings["train"]
     hw = detect_hardware(world_size, settings["zero"]["nvme_path"])
-    micro = settings["batch"]["micro_batch_per_gpu"]
     profile, source = hardware.for_machine(hw["device"], hw["device_name"], hw["gpu_mem_bytes"])
-    result = plan(load_model_config(train["model"]), gpus_per_node=hw["gpus_per_node"], nodes=hw["nodes"],
-                  gpu_mem_bytes=hw["gpu_mem_bytes"], cpu_mem_bytes=hw["cpu_mem_bytes"], nvme_bytes=hw["nvme_bytes"],
-                  seq_len=train["seq_len"], micro_batch=micro if isinstance(micro, int) else 1,
-                  precision=settings["precision"], activation_checkpointing=settings["activation_checkpointing"],
-                  model_name=train["model"], hardware_profile=profile)
+    result = plan_for(settings, hw, profile)
     best = result.recommended
     if best is None:
         raise UsageError(f"--recipe auto: no strategy fits {train['model']} on {hw['nodes']} x {hw['gpus_per_node']} "
@@ -65,6 +60,36 @@ def choose(overrides: list[str], world_size: int) -> tuple[str, list[str], str]:
                    + (f", {cmp['speedup']:.2f}x the seeds' first fit ({cmp['first_fit']})"
                       if cmp and not cmp.get("kept_first_fit") else ", the seeds' first fit (fastest within 5 %)"))
     return best["recipe"], planned, reason
+
+
+def plan_for(settings: dict, hw: dict, profile: dict):
+    """The planner's answer for a completed recipe on the hardware found (detect_hardware's dict): its model,
+    seq_len (a sequence one rank cannot hold gets the long-context rung: sp, tiling, activation offload),
+    micro-batch, precision, checkpointing and attention."""
+    from harness.planner import plan
+
+    train, micro = settings["train"], settings["batch"]["micro_batch_per_gpu"]
+    return plan(load_model_config(train["model"]), gpus_per_node=hw["gpus_per_node"], nodes=hw["nodes"],
+                gpu_mem_bytes=hw["gpu_mem_bytes"], cpu_mem_bytes=hw["cpu_mem_bytes"], nvme_bytes=hw["nvme_bytes"],
+                seq_len=train["seq_len"], micro_batch=micro if isinstance(micro, int) else 1,
+                precision=settings["precision"], activation_checkpointing=settings["activation_checkpointing"],
+                model_name=train["model"], hardware_profile=profile,
+                attention=planner_attention(train.get("attention"), hw["device"]),
+                activation_offload=hw["device"] != "cpu")  # DeepSpeed's offload does nothing on CPU: refused there
+
+
+def planner_attention(value: str | None, device: str) -> str:
+    """train.attention as the planner's kernel: flash-attention and flex build no mask; auto is flash-attention on a
+    GPU with flash-attn installed, else sdpa (under SP the harness's document_sdpa: planner/activations.py)."""
+    import importlib.util
+
+    text = str(value or "auto").lower()
+    for kind in ("flash", "flex", "eager"):
+        if kind in text:
+            return kind
+    if text == "auto" and device != "cpu" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash"
+    return "sdpa"
 
 
 def _literal(value) -> str:

@@ -1,0 +1,291 @@
+"""Long context on 2 CPU ranks (issue #24): what a rank holds against the planner, the longest sequence under a cap,
+the harness against a plain DeepSpeed loop, and the predicted step time against the measured one.
+
+    python bench/long_context.py --part memory   [--seq-lens 2048,4096,8192] [--ckpt off,on] [--sp 1,2] [--tiled off,on]
+    python bench/long_context.py --part longest  [--cap-mb 256]
+    python bench/long_context.py --part overhead [--seq-len 4096] [--pairs 2] [--steps 12]
+    python bench/long_context.py --part steptime [--seq-len 4096]
+
+Each part launches real `deepspeed` ranks (wrap it in `flock /tmp/dsharness-ranks.lock`; each part is sized to take
+under 5 minutes on 2 shared cores) and prints a table; --json also writes the rows. The model: tiny-llama's shape
+(hidden 64, 4 heads, 2 kv heads, 2 blocks, vocab 512) with 32768 positions, written with save_pretrained to a temp
+folder; ZeRO-3, fp32, micro-batch 1, the builtin corpus packed to seq_len, sdpa (the harness's attention).
+
+- memory: each rank's memory in use at its peak, above its own baseline before the model was built (the profiler's
+  summary, report/compare.peak_rows) against the planner's peak for the same run (profiling/predict.py, which is
+  memory.activation_bytes with the run's sp, tiling, attention and offload). Goal: within +-15 %.
+- longest: the planner's max_seq_len for this layout under a per-rank cap (planner/longest.py with the cap as the
+  usable memory), then runs at that length and at the lengths around it: the longest measured under the cap beside
+  the prediction.
+- overhead: harness tokens/s over bench/raw_deepspeed.py's on the same resolved config (bench/overhead.py's pairs).
+  Goal >= 0.98.
+- steptime: `harness calibrate` for this machine at the run's shapes, then a run that records the time model's
+  prediction beside its measured median step (report/step_time.py). Goal: within +-25 %.
+
+sp > 1 and tiling use the recipe keys of issue #24 (parallel.sequence, train.tiled_mlp, train.tiled_loss,
+train.activation_offload); where this checkout's schema lacks them the rows say "skipped" rather than run something
+else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import overhead  # noqa: E402
+
+PEAK_TOL, TIME_TOL, GOAL = 0.15, 0.25, 0.98
+POSITIONS = 32768
+TILE = 512  # train.tile_tokens when tiled: the default 4096 would leave these lengths in one tile
+
+
+def model_folder(path: Path) -> str:
+    """tiny-llama's shape with POSITIONS positions, random weights, the built-in tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from harness.model.hf import load_tokenizer
+    from harness.model_shapes import PRESETS
+
+    if not (path / "config.json").is_file():
+        cfg = {k: v for k, v in PRESETS["tiny-llama"].items() if k != "model_type"}
+        torch.manual_seed(7)
+        config = LlamaConfig(**dict(cfg, max_position_embeddings=POSITIONS))
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        load_tokenizer("tiny-llama").save_pretrained(path)
+    return str(path)
+
+
+def schema_has(key: str) -> bool:
+    from harness.config.schema import RECIPE_SCHEMA, subschema
+
+    return subschema(RECIPE_SCHEMA, key) is not None
+
+
+def config_sets(seq_len: int, ckpt: bool, sp: int, tiled: bool) -> list[str] | str:
+    """--set overrides of one configuration, or why this checkout cannot run it."""
+    sets = [f"train.seq_len={seq_len}", f"activation_checkpointing={str(ckpt).lower()}", "precision=fp32",
+            "batch.micro_batch_per_gpu=1", "batch.grad_accum_steps=1", "train.eval_every=0", "train.eval_batches=1"]
+    if sp > 1:
+        if not schema_has("parallel.sequence"):
+            return "skipped: parallel.sequence is not a recipe key in this checkout (sp-core's branch adds it)"
+        sets.append(f"parallel.sequence={sp}")
+    if tiled:
+        if not schema_has("train.tiled_mlp"):
+            return "skipped: train.tiled_mlp is not a recipe key in this checkout (sp-core's branch adds it)"
+        sets += ["train.tiled_mlp=true", "train.tiled_loss=true", f"train.tile_tokens={TILE}"]
+    return sets
+
+
+def harness_run(model: str, run_dir: Path, sets: list[str], steps: int, extra_env: dict | None = None) -> Path:
+    args = ["harness/run.py", "--recipe", "zero3", "--set", f"train.model={model}", "--set", f"train.steps={steps}",
+            "--output-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    if extra_env:
+        os.environ.update(extra_env)
+    proc = overhead.deepspeed(2, *args)
+    if not (run_dir / "summary.json").is_file():
+        raise overhead.fail(proc)
+    return run_dir
+
+
+def peaks(run_dir: Path) -> list[dict]:
+    from harness.report.compare import load_run, peak_rows
+
+    return peak_rows(load_run(run_dir))
+
+
+def part_memory(args, model: str, tmp: Path) -> list[dict]:
+    rows = []
+    for seq in args.seq_lens:
+        for ckpt in args.ckpt:
+            for sp in args.sp:
+                for tiled in args.tiled:
+                    sets = config_sets(seq, ckpt, sp, tiled)
+                    row = {"seq_len": seq, "ckpt": ckpt, "sp": sp, "tiled": tiled}
+                    if isinstance(sets, str):
+                        rows.append(dict(row, note=sets))
+                        print(f"  {row}: {sets}", flush=True)
+                        continue
+                    run = harness_run(model, tmp / f"m_{seq}_{ckpt}_{sp}_{tiled}", sets, args.steps)
+                    summary = json.loads((run / "summary.json").read_text())
+                    acts = summary["memory"]["predicted"].get("activations", {})
+                    for p in peaks(run):
+                        rows.append(dict(row, rank=p["rank"], measured=p["measured"], predicted=p["predicted"],
+                                         ratio=p["ratio"], activations=acts.get("total"), mask=acts.get("mask"),
+                                         flag=p["flag"]))
+                        print(f"  seq {seq} ckpt {ckpt} sp {sp} tiled {tiled} rank {p['rank']}: measured "
+                              f"{_mb(p['measured'])} predicted {_mb(p['predicted'])} ratio "
+                              f"{p['ratio'] if p['ratio'] is None else round(p['ratio'], 3)}", flush=True)
+                    save(args, rows)  # what finished survives a timeout
+    return rows
+
+
+def planner_longest(model: str, cap: int, ckpt: bool, sp: int, tiled: bool) -> int:
+    """The planner's max_seq_len for this run's layout with `cap` bytes usable per rank (2 ranks, one node)."""
+    from harness.model_shapes import load_model_config
+    from harness.planner import layouts, longest
+    from harness.planner.params import count_params, model_shape
+
+    cfg = load_model_config(model)
+    count, shape = count_params(cfg), model_shape(cfg)
+    hw = layouts.hardware(2, 1, int(cap / (1 - layouts.RESERVE_FRACTION)) + 1, None, None)
+    work = {"seq_len": 2048, "micro_batch": 1, "precision": "fp32", "activation_checkpointing": ckpt, "grad_accum": 1,
+            "attention": "sdpa"}
+    c = layouts.Candidate("zero3", 3, sp=sp, tiled=tiled)
+    return longest.max_seq_len(c, count, shape, hw, work)
+
+
+def part_longest(args, model: str, tmp: Path) -> list[dict]:
+    cap = int(args.cap_mb * 2**20)
+    predicted = planner_longest(model, cap, True, 1, False)
+    step = 1024
+    tried: dict[int, float] = {}
+
+    def measure(seq: int) -> float:
+        run = harness_run(model, tmp / f"l_{seq}", config_sets(seq, True, 1, False), args.steps)
+        tried[seq] = max(p["measured"] for p in peaks(run))
+        print(f"  seq {seq}: peak {_mb(tried[seq])} (cap {_mb(cap)})", flush=True)
+        return tried[seq]
+
+    base = max(step, predicted // step * step)
+    lo, hi = (base, None) if measure(base) <= cap else (None, base)
+    while lo is None or hi is None:  # walk in steps of 1024 tokens until one side of the cap is found
+        nxt = (lo + step) if hi is None else (hi - step)
+        if nxt < step or nxt > POSITIONS or len(tried) >= args.max_runs:
+            break
+        if measure(nxt) <= cap:
+            lo = nxt
+        else:
+            hi = nxt
+    return [{"cap_bytes": cap, "planner_max_seq_len": predicted, "measured_longest_under_cap": lo,
+             "first_over_cap": hi, "granularity": step, "peaks": tried,
+             "ratio": (lo / predicted) if lo and predicted else None}]
+
+
+def part_overhead(args, model: str, tmp: Path) -> list[dict]:
+    sets = config_sets(args.seq_len, True, 1, False)
+    rows = []
+    for pair in range(args.pairs):
+        got = {}
+        for arm in (("harness", "raw") if pair % 2 == 0 else ("raw", "harness")):
+            if arm == "harness" or "cfg" not in got:
+                run = harness_run(model, tmp / f"o_{pair}", sets + ["profile.steps="], args.steps)
+                train = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+                train = [r for r in train if r["kind"] == "train"]
+                timed = train[args.warmup_steps:]
+                tokens = train[0]["tokens_per_s"] * train[0]["step_time_s"]
+                wall = train[-1]["time"] - train[args.warmup_steps - 1]["time"]
+                got["harness"], got["cfg"] = {"tokens_per_s": tokens * len(timed) / wall,
+                                              "loss": [r["loss"] for r in train]}, run
+            if arm == "raw":
+                raw_args = argparse.Namespace(ranks=2, steps=args.steps, warmup_steps=args.warmup_steps)
+                got["raw"] = overhead.run_raw(raw_args, got["cfg"])
+        worst = overhead.check_same_work(got["harness"], got["raw"])
+        rows.append({"pair": pair + 1, "harness": got["harness"]["tokens_per_s"], "raw": got["raw"]["tokens_per_s"],
+                     "ratio": got["harness"]["tokens_per_s"] / got["raw"]["tokens_per_s"], "loss_rel_diff": worst})
+        print(f"  pair {pair + 1}: harness {rows[-1]['harness']:.0f} tok/s, raw {rows[-1]['raw']:.0f} tok/s, ratio "
+              f"{rows[-1]['ratio']:.3f}", flush=True)
+    return rows
+
+
+def part_steptime(args, model: str, tmp: Path) -> list[dict]:
+    profile = tmp / "hardware.json"
+    proc = overhead.subprocess.run([sys.executable, "-m", "harness.cli", "calibrate", "--out", str(profile), "--model",
+                                    model, "--seq-len", str(args.seq_len), "--precision", "fp32"], cwd=ROOT,
+                                   env=overhead.env(), capture_output=True, text=True, timeout=600)
+    if not profile.is_file():
+        raise overhead.fail(proc)
+    run = harness_run(model, tmp / "t", config_sets(args.seq_len, True, 1, False) + ["profile.steps="], args.steps,
+                      {"HARNESS_HARDWARE": str(profile)})
+    st = json.loads((run / "summary.json").read_text()).get("throughput", {}).get("step_time", {})
+    measured = st.get("measured_median_s_per_rank") or []
+    return [{"rank": i, "predicted_s": st.get("step_time_s"), "measured_s": m,
+             "ratio": m / st["step_time_s"] if m and st.get("step_time_s") else None,
+             "breakdown": st.get("breakdown"), "note": st.get("note")} for i, m in enumerate(measured)] or [st]
+
+
+def save(args, rows: list[dict]) -> None:
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2, default=str) + "\n")
+
+
+def _mb(n) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def growth(rows: list[dict]) -> list[str]:
+    """What the peak GAINS from one seq_len to the next, measured (rank mean) against predicted: the process's own
+    fixed memory (interpreter, data, engine objects: ~70-100 MiB on CPU) cancels out."""
+    out = []
+    key = lambda r: (r["ckpt"], r["sp"], r["tiled"])  # noqa: E731
+    for config in dict.fromkeys(key(r) for r in rows if "measured" in r):
+        by_seq: dict[int, list] = {}
+        for r in rows:
+            if "measured" in r and key(r) == config:
+                by_seq.setdefault(r["seq_len"], []).append(r)
+        seqs = sorted(by_seq)
+        for a, b in zip(seqs, seqs[1:]):
+            meas = statistics.mean(r["measured"] for r in by_seq[b]) - statistics.mean(r["measured"] for r in by_seq[a])
+            pred = by_seq[b][0]["predicted"] - by_seq[a][0]["predicted"]
+            rows.append({"growth": f"{a}->{b}", "ckpt": config[0], "sp": config[1], "tiled": config[2],
+                         "measured_gain": meas, "predicted_gain": pred, "ratio": meas / pred if pred else None})
+            out.append(f"  ckpt {config[0]} sp {config[1]} tiled {config[2]} seq {a}->{b}: peak grows {_mb(meas)} "
+                       f"measured vs {_mb(pred)} predicted, ratio {meas / pred if pred else float('nan'):.3f}")
+    return out
+
+
+def verdict(part: str, rows: list[dict]) -> str:
+    if part == "memory":
+        ratios = [r["ratio"] for r in rows if r.get("ratio")]
+        inside = sum(abs(r - 1) <= PEAK_TOL for r in ratios)
+        lines = [f"memory: {inside}/{len(ratios)} rank peaks within +-{PEAK_TOL:.0%} of the planner (the profiler "
+                 "compares a CPU peak only once the prediction is large enough; the rest: see the growth below)"]
+        return "\n".join(lines + growth(rows))
+    if part == "longest":
+        r = rows[0]
+        return (f"longest under {_mb(r['cap_bytes'])}: measured {r['measured_longest_under_cap']} (to "
+                f"{r['granularity']} tokens), planner {r['planner_max_seq_len']}")
+    if part == "overhead":
+        ratio = statistics.median(r["ratio"] for r in rows)
+        return f"overhead: median harness / raw {ratio:.3f} ({'meets' if ratio >= GOAL else 'misses'} >= {GOAL})"
+    ratios = [r["ratio"] for r in rows if r.get("ratio")]
+    return f"step time: measured / predicted {[round(r, 3) for r in ratios]} (goal within +-{TIME_TOL:.0%})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=("memory", "longest", "overhead", "steptime"), required=True)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    flags = lambda s: [x == "on" for x in s.split(",")]  # noqa: E731
+    p.add_argument("--seq-lens", type=ints, default=[2048, 4096, 8192])
+    p.add_argument("--ckpt", type=flags, default=[False, True])
+    p.add_argument("--sp", type=ints, default=[1, 2])
+    p.add_argument("--tiled", type=flags, default=[False, True])
+    p.add_argument("--cap-mb", type=float, default=256)
+    p.add_argument("--max-runs", type=int, default=4, help="longest: runs at most")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="long_context_") as tmp:
+        model = model_folder(Path(tmp) / "model")
+        rows = globals()[f"part_{args.part}"](args, model, Path(tmp))
+    print(verdict(args.part, rows))
+    save(args, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
