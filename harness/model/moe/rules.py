@@ -31,11 +31,13 @@ def problems(recipe: dict, world: int, model_config) -> list[Problem]:
     if aux_on(recipe) and not family.aux_loss:
         out.append(Problem("moe.aux_loss", f"{model} ({family.name}) has no load-balancing loss: it balances with "
                            "a routing bias (e_score_correction_bias)", "remove moe.aux_loss / moe.aux_loss_coef"))
-    if pp > 1 and (ep > 1 or aux_on(recipe)):
-        what = "parallel.expert" if ep > 1 else "moe.aux_loss"
-        out.append(Problem(what, f"{what} with parallel.pipeline={pp}: pipeline stages pass hidden states only, so "
-                           "the router logits (and the aux loss of every stage) are dropped, and AutoEP is untested "
-                           "under DeepSpeed's pipeline engine", "set parallel.pipeline=1 (ZeRO-3 or EP for MoE)"))
+    if pp > 1:
+        out.append(Problem("parallel.pipeline", f"parallel.pipeline={pp} with the MoE model {model} "
+                           f"({family.name}): pipeline stages pass hidden states only, so the router logits (the aux "
+                           "loss of every stage) would be dropped; stages load by share, which reads fused expert "
+                           "tensors while transformers saves one tensor per expert; AutoEP is untested under "
+                           "DeepSpeed's pipeline engine", "set parallel.pipeline=1 (ZeRO-3 with leaves, or "
+                           "parallel.expert)"))
     if ep <= 1:
         return out
     experts = families.num_experts(family, model_config)
