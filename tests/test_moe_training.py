@@ -38,7 +38,7 @@ EP2 = ["--set", "parallel.expert=2"]
 # name -> (family, recipe, extra args); all with the balancing loss on except DeepSeek-V3, which has none
 JOBS = {
     "qwen3_ddp": ("qwen3_moe", "ddp", AUX),
-    "qwen3_zero2": ("qwen3_moe", "zero2", AUX),
+    "qwen3_zero2": ("qwen3_moe", "zero2", AUX + ["--profile-steps", "2-3"]),
     "qwen3_zero3": ("qwen3_moe", "zero3", AUX),
     "qwen3_ep2_zero1": ("qwen3_moe", "zero1", AUX + EP2 + ["--profile-steps", "2-3"]),
     "qwen3_ep2_zero2": ("qwen3_moe", "zero2", AUX + EP2),
@@ -152,3 +152,19 @@ def test_all_to_all_bytes_equal_the_planners_count(runs):
     measured = [rank["all_to_all_single"] for rank in summary["comm"]["measured_per_rank"]]
     print(f"all_to_all_single bytes per rank per step: measured {measured}, planned {planned} + counts {counts}")
     assert measured == [planned + counts] * 2
+
+
+def test_profiled_steps_count_tokens_per_expert_and_the_report_shows_the_imbalance(runs):
+    """Every routed copy is counted once: per layer and profiled step, tokens x top_k over both ranks."""
+    from harness.report import write_report
+
+    root, _, _ = runs
+    profiled = [r for r in records(root / "qwen3_zero2", "train") if r.get("profiled")]
+    assert [r["step"] for r in profiled] == [2, 3]
+    for record in profiled:
+        assert len(record["expert_tokens"]) == 2  # one router per layer
+        for layer, counts in record["expert_tokens"].items():
+            assert len(counts) == 4 and sum(counts) == 2 * MICRO * SEQ_LEN * 2
+            assert record["expert_imbalance"][layer] == pytest.approx(max(counts) / (sum(counts) / 4))
+    text = write_report(root / "qwen3_zero2").read_text()
+    assert "## Expert load on profiled steps" in text and "model.layers.1.mlp.gate" in text
