@@ -97,3 +97,33 @@ def test_registry_shim_is_still_needed_and_works():
 
     registry[Model()] = {"hidden_states": 2}  # transformers' own one-argument use keeps its meaning
     assert registry.get(Model()) == {"hidden_states": 2}
+
+
+@pytest.mark.parametrize("family, leaf, preset", [
+    ("mixtral", "MixtralSparseMoeBlock", "mixtral"), ("qwen2_moe", "Qwen2MoeSparseMoeBlock", "qwen3_moe"),
+    ("qwen3_moe", "Qwen3MoeSparseMoeBlock", "qwen3_moe"), ("olmoe", "OlmoeSparseMoeBlock", "qwen3_moe"),
+    ("deepseek_v3", "DeepseekV3MoE", "deepseek_v3"), ("gpt_oss", "GptOssMLP", None)])
+def test_leaf_table_names_each_familys_moe_block(family, leaf, preset):
+    """The table's leaf class is the module that holds the family's experts and router in transformers, and the
+    wiring writes it (and the AutoEP preset) into the DeepSpeed config, keeping a leaf_module the config names."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from harness.model.moe import families
+    from harness.model.moe.wiring import engine_blocks
+    from moe_models import configs
+
+    config = configs()[family]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    fam = families.family_of(config)
+    blocks = [m for m in model.modules() if type(m).__name__ == leaf]
+    assert blocks and all(hasattr(b, fam.experts) and hasattr(b, fam.router) for b in blocks)
+    assert type(getattr(blocks[0], fam.router)).__name__ == fam.router_class
+    assert families.num_experts(fam, config.to_dict()) == 4
+    ds = engine_blocks({"zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": True, "autoep_size": 2}},
+                       config, cuda=True)
+    assert ds["zero_optimization"]["leaf_module"] == {"classes": [leaf]}
+    assert ds["expert_parallel"]["preset_model"] == preset and ds["expert_parallel"]["use_grouped_mm"] is True
+    own = {"zero_optimization": {"stage": 3, "leaf_module": {"names": ["x"]}}}
+    assert engine_blocks(own, config, cuda=False)["zero_optimization"]["leaf_module"] == {"names": ["x"]}

@@ -58,8 +58,15 @@ def family_of(model_config) -> Family | None:
     return FAMILIES.get(field(model_config, "model_type")) if model_config is not None else None
 
 
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # config.json spellings vary:
+# transformers 5.24 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map alias)
+
+
 def num_experts(family: Family, model_config) -> int:
-    return int(field(model_config, family.experts_attr))
+    for key in (family.experts_attr, *EXPERT_COUNT_KEYS):
+        if field(model_config, key) is not None:
+            return int(field(model_config, key))
+    raise KeyError(f"{family.name} config names no expert count ({', '.join(EXPERT_COUNT_KEYS)})")
 
 
 def aux_coef(model_config) -> float | None:
