@@ -151,7 +151,11 @@ def test_all_to_all_bytes_equal_the_planners_count(runs):
     summary = json.loads((root / "qwen3_ep2_zero1" / "summary.json").read_text())
     measured = [rank["all_to_all_single"] for rank in summary["comm"]["measured_per_rank"]]
     print(f"all_to_all_single bytes per rank per step: measured {measured}, planned {planned} + counts {counts}")
-    assert measured == [planned + counts] * 2
+    # DeepSpeed logs each call's input: dispatch and the combine's backward send tokens x top_k rows on every rank,
+    # the combine and the dispatch's backward send back what this rank's experts received, which depends on the
+    # routing; over the ranks the received rows are the sent rows, so the sum is exact and each rank is near it
+    assert sum(measured) == 2 * (planned + counts)
+    assert all(abs(m - planned - counts) <= planned / 2 for m in measured), measured
 
 
 def test_profiled_steps_count_tokens_per_expert_and_the_report_shows_the_imbalance(runs):
