@@ -15,7 +15,7 @@ from moe_models import folder
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_rules")
-    return {fam: folder(fam, root / fam) for fam in ("gpt_oss", "deepseek_v3")}
+    return {fam: folder(fam, root / fam) for fam in ("gpt_oss", "deepseek_v3", "olmoe")}
 
 
 CASES = {  # name -> (model, world, sets, problem path, fragment of the message)
@@ -29,6 +29,8 @@ CASES = {  # name -> (model, world, sets, problem path, fragment of the message)
                    "tensor parallel splits llama, mistral, qwen2 decoder layers only"),  # the config layer's rule
     "moe_with_pipeline": ("tiny-qwen3-moe", 2, ["parallel.pipeline=2", "zero.stage=1", "moe.aux_loss=true"],
                           "parallel.pipeline", "cannot be split into pipeline stages"),  # the config layer's rule
+    "olmoe_aux_under_ep": ("olmoe", 2, ["parallel.expert=2", "moe.aux_loss=true"], "moe.aux_loss",
+                           "router-logit adapter matches Qwen2/3-MoE classes only"),
     "aux_without_aux_loss": ("deepseek_v3", 2, ["moe.aux_loss=true"], "moe.aux_loss",
                              "has no load-balancing loss"),
     "aux_coef_on_a_dense_model": ("tiny-llama", 2, ["moe.aux_loss_coef=0.01"], "moe.aux_loss", "has no router"),

@@ -25,6 +25,7 @@ class Family:
     top_k_attr: str
     aux_loss: bool  # HF adds router_aux_loss_coef x load-balancing loss when output_router_logits=True
     bias_balanced: bool = False  # routing bias buffer (e_score_correction_bias): aux-free balancing
+    ep_router_logits: bool = True  # under AutoEP the router logits (so the aux loss) still reach the HF loss
     note: str = ""
 
 
@@ -36,7 +37,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3_moe", ("Qwen3MoeSparseMoeBlock",), "qwen3_moe", "experts", "gate", "Qwen3MoeTopKRouter",
            "num_experts", "num_experts_per_tok", aux_loss=True),
     Family("olmoe", ("OlmoeSparseMoeBlock",), "qwen3_moe", "experts", "gate", "OlmoeTopKRouter",
-           "num_experts", "num_experts_per_tok", aux_loss=True),
+           "num_experts", "num_experts_per_tok", aux_loss=True, ep_router_logits=False,
+           note="AutoEP's qwen3_moe router-logit adapter matches Qwen2/3-MoE classes only: no aux loss under EP"),
     Family("deepseek_v3", ("DeepseekV3MoE",), "deepseek_v3", "experts", "gate", "DeepseekV3TopkRouter",
            "n_routed_experts", "num_experts_per_tok", aux_loss=False, bias_balanced=True,
            note="MLA attention, first_k_dense_replace dense layers, shared experts, sigmoid router with a bias"),

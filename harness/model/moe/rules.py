@@ -45,6 +45,9 @@ def problems(recipe: dict, world: int, model_config) -> list[Problem]:
         out.append(Problem("parallel.expert", f"parallel.expert={ep}: DeepSpeed AutoEP has no preset for "
                            f"{family.name} ({family.note})", "set parallel.expert=1 and use ZeRO-3 (its MoE block "
                            "is a leaf) or ZeRO-1/2"))
+    if aux_on(recipe) and not family.ep_router_logits:  # measured: HF's load_balancing_loss_func gets no logits
+        out.append(Problem("moe.aux_loss", f"moe.aux_loss with parallel.expert={ep} on {family.name}: {family.note}",
+                           "set moe.aux_loss=false with parallel.expert, or parallel.expert=1 (ZeRO-3 with leaves)"))
     if experts % ep:
         out.append(Problem("parallel.expert", f"parallel.expert={ep} does not divide the {experts} experts of "
                            f"{model}: {experts} % {ep} = {experts % ep}",
