@@ -77,6 +77,14 @@ def aux_coef(model_config) -> float | None:
     return float(value) if value is not None else None
 
 
+EAGER_ONLY = ("gpt_oss",)  # transformers 5.24: GptOssForCausalLM has no sdpa path (attention sinks)
+
+
+def attn_implementation(model_config, default: str) -> str:
+    """The attention kernel a family can build with: eager where transformers refuses sdpa, else `default`."""
+    return "eager" if field(model_config, "model_type") in EAGER_ONLY else default
+
+
 def leaf_module(family: Family) -> dict:
     """zero_optimization.leaf_module for a family: its MoE block, so ZeRO-3 gathers all experts at block entry."""
     return {"classes": list(family.leaf_classes)}
