@@ -162,6 +162,10 @@ def apply(model, spec) -> str:
     built with (harness.model.hf.ATTN_IMPLEMENTATION, sdpa: the CPU choice, so CPU runs are unchanged)."""
     chosen = for_recipe(spec.recipe, spec.ds_config["train_micro_batch_size_per_gpu"]).implementation
     config = getattr(model, "config", None)
+    if config is not None:  # gpt-oss builds with eager only (harness/model/moe/families.py)
+        from harness.model.moe.families import attn_implementation
+
+        chosen = attn_implementation(config, chosen)
     if config is not None and getattr(config, "_attn_implementation", chosen) != chosen:
         from harness.model.sequence import attention as harness_attention
 
