@@ -40,20 +40,30 @@ def _cases(root) -> list[list[str]]:
         ["--recipe", "zero2", "--output-dir", str(root / "zero2_resumed"), "--resume", step3("zero2"), *BASE],
         ["--recipe", "zero3", "--output-dir", str(root / "zero3"), *BASE],
         ["--recipe", "zero3", "--output-dir", str(root / "zero3_resumed"), "--resume", step3("zero3"), *BASE],
-        ["--recipe", "zero2", "--output-dir", str(root / "ep2"), *BASE, "--set", "parallel.expert=2"],
-        ["--recipe", "zero2", "--output-dir", str(root / "ep2_to_ep1"), "--resume", step3("ep2"), *BASE],
         ["--recipe", "lora_zero2", "--output-dir", str(root / "lora_zero2"), *BASE, *LORA],
         ["--recipe", "lora_zero3", "--output-dir", str(root / "lora_zero3_router"), *BASE, *LORA,
          "--set", "adapter.train_router=true"],
+        ["--recipe", "zero2", "--output-dir", str(root / "ep2"), *BASE, "--set", "parallel.expert=2"],
+        ["--recipe", "zero2", "--output-dir", str(root / "ep2_to_ep1"), "--resume", step3("ep2"), *BASE],
     ]
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def launched(tmp_path_factory):
+    """The launch's output; the cases run in order and a failing one ends the launch, so each test checks that
+    its own runs finished (and shows the launch's output if not)."""
     root = tmp_path_factory.mktemp("moe_ckpt")
     cases = root / "cases.json"
     cases.write_text(json.dumps(_cases(root)))
-    launch(str(cases), script="tests/jobs_driver.py", timeout_s=900)
+    proc = launch(str(cases), script="tests/jobs_driver.py", timeout_s=900, check=False)
+    return root, proc
+
+
+def finished(launched, *names: str):
+    """The launch's folder, once the runs `names` completed (else the launch's output, to see why)."""
+    root, proc = launched
+    missing = [n for n in names if not (root / n / "checkpoints" / "latest").is_file()]
+    assert not missing, f"runs that did not finish: {missing}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return root
 
 
@@ -71,15 +81,17 @@ def _reference(adapter: dict, trained: dict) -> list[float]:
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
-def test_exact_resume(root, name):
+def test_exact_resume(launched, name):
+    root = finished(launched, name, f"{name}_resumed")
     straight, resumed = losses(root / name), losses(root / f"{name}_resumed")
     assert sorted(resumed) == [4, 5, 6]
     assert all(resumed[s] == straight[s] for s in (4, 5, 6)), f"{resumed} vs {straight}"
 
 
-def test_ep2_resumes_on_ep1_through_the_universal_form(root):
+def test_ep2_resumes_on_ep1_through_the_universal_form(launched):
     """AutoEP's per-expert files and expert optimizer state, converted once, continue on plain (EP 1) ZeRO-2:
     the same losses as the EP 2 run went on to log (fp32; the reduction order differs, so not bitwise)."""
+    root = finished(launched, "ep2", "ep2_to_ep1")
     straight, resumed = losses(root / "ep2"), losses(root / "ep2_to_ep1")
     assert sorted(resumed) == [4, 5, 6]
     worst = max(abs(resumed[s] - straight[s]) / straight[s] for s in (4, 5, 6))
@@ -89,14 +101,15 @@ def test_ep2_resumes_on_ep1_through_the_universal_form(root):
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
-def test_export_is_the_engine_s_weights_in_the_fused_layout(root, name, tmp_path):
+def test_export_is_the_engine_s_weights_in_the_fused_layout(launched, name, tmp_path):
+    root = finished(launched, name)
     info = assert_export_equals_engine(root / name, tmp_path / "hf")
     assert info["max_logit_diff"] <= 1e-5, info
     names = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.0.mlp.experts.gate_up_proj" in names and not any(".experts.0." in n for n in names)
 
 
-def test_autoep_export_gathers_the_expert_files(root, tmp_path):
+def test_autoep_export_gathers_the_expert_files(launched, tmp_path):
     """The per-expert files of an EP 2 checkpoint fused back into [E, 2I, H] / [E, H, I] (gate rows first), the
     router under its HF name; the folder loads with the engine's logits and matches the ZeRO-2 run's export
     (the same training on the same data, fp32)."""
@@ -105,6 +118,7 @@ def test_autoep_export_gathers_the_expert_files(root, tmp_path):
     from harness.checkpoint.export.folder import export
     from harness.checkpoint.export.hf_shards import read_sharded
 
+    root = finished(launched, "ep2", "zero2")
     info = export(root / "ep2", tmp_path / "ep", max_shard_size="64KB")
     assert info["max_logit_diff"] <= 1e-5 and info["shards"] > 1, info
     got = dict(read_sharded(tmp_path / "ep"))
@@ -122,7 +136,7 @@ def test_autoep_export_gathers_the_expert_files(root, tmp_path):
 
 
 @pytest.mark.parametrize("name,router", [("lora_zero2", False), ("lora_zero3_router", True)])
-def test_expert_lora_matches_one_peft_process(root, name, router, tmp_path):
+def test_expert_lora_matches_one_peft_process(launched, name, router, tmp_path):
     """Losses and the final adapters (A and B of every attention projection and fused expert tensor; the router
     where trained) equal one process training the same peft model with torch AdamW; the router stays frozen unless
     adapter.train_router; the adapter folder loads with plain peft and the merged folder with transformers, both
@@ -134,6 +148,7 @@ def test_expert_lora_matches_one_peft_process(root, name, router, tmp_path):
     from harness.model import adapters
     from harness.model.hf import build_model
 
+    root = finished(launched, name)
     trained: dict = {}
     worst = assert_close(losses(root / name), _reference(_adapter(train_router=router), trained), RTOL)
     info = export(root / name, tmp_path / "adapter", adapter_only=True)
@@ -161,10 +176,10 @@ def test_expert_lora_matches_one_peft_process(root, name, router, tmp_path):
     print(f"moe expert lora {name}: max relative loss difference vs one peft process {worst:.2e}")
 
 
-def test_resume_on_another_expert_degree_without_conversion_is_refused(root, tmp_path):
+def test_resume_on_another_expert_degree_without_conversion_is_refused(launched, tmp_path):
     """An AutoEP checkpoint whose optimizer state is gone (DeepSpeed's conversion needs it) asked to resume on
     another parallel.expert: exit 2 before any rank starts, naming both degrees and the fix."""
-    src = root / "ep2" / "checkpoints" / "global_step6"
+    src = finished(launched, "ep2") / "ep2" / "checkpoints" / "global_step6"
     tag = tmp_path / "checkpoints" / "global_step6"
     tag.mkdir(parents=True)
     for f in src.iterdir():
