@@ -87,24 +87,22 @@ def needs_universal(point: ResumePoint, world_size: int, pp: int, tp: int) -> bo
     return any(point.folder.glob("*optim_states.pt"))
 
 
-def check_expert(point: ResumePoint, ds: dict) -> bool:
-    """True when the checkpoint was saved on another expert-parallel degree (DeepSpeed AutoEP: one file per
-    expert, expert optimizer state per EP rank), which loads only through the universal form; refused where
-    DeepSpeed cannot convert it (ZeRO-3 AutoEP state), before any rank starts."""
+def check_expert(point: ResumePoint, ds: dict) -> None:
+    """An AutoEP checkpoint (one file per expert, expert optimizer state per EP rank) loads on its own
+    parallel.expert only: refused here, before any rank starts. DeepSpeed 0.19.8's ds_to_universal converts it
+    (per-expert files consolidated under AutoEP's names experts.w1/w2/w3), but a launch without AutoEP then looks
+    for universal/.../zero/<layer>.mlp.experts.gate_up_proj and fails (FileNotFoundError in
+    universal_checkpoint.load_hp_checkpoint_state): nothing folds w1/w3 back into transformers' fused tensors."""
     from harness.checkpoint.save import expert_degree
 
     saved, here = int(point.manifest.get("ep", 1)), expert_degree(ds)
-    if saved == here:
-        return False
-    stage, optim = int(point.manifest.get("zero_stage", 0)), len(list(point.folder.glob("*optim_states.pt")))
-    if stage == 3 or not optim:
-        raise UsageError(f"--resume {point.folder}: saved with parallel.expert={saved} on ZeRO stage {stage} with "
-                         f"{optim} optimizer-state files, this launch asks parallel.expert={here}: DeepSpeed loads "
-                         "AutoEP state only on the same degree, and its universal conversion (which changes the "
-                         "degree) needs a ZeRO-1/2 checkpoint with its optimizer-state files\n"
+    if saved != here:
+        raise UsageError(f"--resume {point.folder}: saved with parallel.expert={saved} (DeepSpeed AutoEP), this "
+                         f"launch asks parallel.expert={here}: DeepSpeed loads AutoEP model and optimizer state only "
+                         "on the same degree, and its universal form keeps AutoEP's expert names, which a launch on "
+                         "another degree does not load\n"
                          f"    fix: --set parallel.expert={saved}, or `harness export {point.folder} --out DIR` and "
                          "start a new run from DIR (train.model=DIR; the optimizer state starts afresh)")
-    return True
 
 
 def batch_overrides(point: ResumePoint, recipe: dict, batch_world: int) -> tuple[list[str], str | None]:

@@ -105,8 +105,8 @@ def _resume_layout(ds: dict, source: str, point, world: int, pp: int, tp: int, n
     if point is None:
         return ds
     resumemod.check_batch(point, ds, source)
-    other_ep = resumemod.check_expert(point, ds)  # MoE: another AutoEP degree loads through the universal form
-    if not (other_ep or resumemod.needs_universal(point, world, pp, tp)):
+    resumemod.check_expert(point, ds)  # MoE: AutoEP state loads on its own expert degree only
+    if not resumemod.needs_universal(point, world, pp, tp):
         return ds
     saved = point.layout()
     notes.append(f"resume: {point.tag} was saved on world {saved[0]} (pp {saved[1]}, tp {saved[2]}), this launch "
