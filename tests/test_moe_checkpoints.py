@@ -25,6 +25,10 @@ from test_training import COMMON, assert_close
 pytestmark = pytest.mark.multirank
 
 MODEL, STEPS, SEED, LR, RTOL = "tiny-qwen3-moe", 6, 1234, 1e-3, 1e-5
+# Weights after 6 Adam steps at lr 1e-3 from two fp32 paths (another reduction order): Adam's m / sqrt(v) turns the
+# rounding of near-zero gradients into up to ~5e-6 of weight (measured: adapters 4.5e-6, EP 2 vs ZeRO-2 3.6e-6);
+# a wrong layout or a lost update is off by ~1e-3 (one step).
+ADAM_ATOL = 1e-5
 BASE = [*COMMON[:COMMON.index("--profile-steps")], "--set", "precision=fp32", "--set", f"train.model={MODEL}"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -117,7 +121,7 @@ def test_autoep_export_gathers_the_expert_files(launched, tmp_path):
     dense = dict(read_sharded(tmp_path / "z2"))
     assert set(got) == set(dense)
     for key, tensor in dense.items():
-        torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(got[key], tensor, rtol=0, atol=ADAM_ATOL)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "ep").model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
 
 
@@ -145,7 +149,7 @@ def test_expert_lora_matches_one_peft_process(launched, name, router, tmp_path):
     assert sum(".experts." in k for k in got) == 2 * 2 * 2  # A, B x gate_up, down x 2 layers
     assert any(".mlp.gate." in k for k in got) == router
     for key, tensor in want.items():
-        torch.testing.assert_close(got[key], tensor, rtol=1e-4, atol=1e-6, msg=key)
+        torch.testing.assert_close(got[key], tensor, rtol=0, atol=ADAM_ATOL)
     base = build_model(MODEL, seed=SEED).float().eval()
     routers = {k: v.clone() for k, v in base.state_dict().items() if k.endswith("mlp.gate.weight")}
     merged = export(root / name, tmp_path / "merged", max_shard_size="64KB")
