@@ -6,6 +6,8 @@
 # per-stage model states, p2p / TP bytes and the bubble vs the planner, reports in OUT_DIR/pipeline, OUT_DIR/3d.
 # Also a QLoRA case (one GPU): a 4-bit NF4 base (bitsandbytes, bnb_4bit_quant_storage = bf16 under ZeRO-3) with
 # LoRA adapters, recipe lora_zero3, on a ~1B folder model written first (random weights); OUT_DIR/qlora.
+# Also a MoE case: a ~0.5B Qwen3-MoE folder through DeepSpeed AutoEP with grouped_mm expert GEMMs (EP 2 on 2
+# GPUs, AutoEP of size 1 on one); OUT_DIR/moe.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -71,7 +73,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora moe}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -104,7 +106,27 @@ EOF
                 --set adapter.load_in_4bit=true --set "train.model=$OUT/qlora/model" --set train.steps=20 \
                 --set train.seq_len=1024 --set train.eval_every=0 --output-dir "$OUT/qlora/run" --overwrite
             echo "[qlora]   run: $OUT/qlora/run (summary.json: loss, memory)" ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora)" >&2; exit 2 ;;
+        moe)  # a ~0.5B Qwen3-MoE folder (16 experts, top 4), bf16: AutoEP with torch._grouped_mm expert GEMMs;
+              # EP 2 over 2 GPUs (recipe moe_ep), else AutoEP of size 1 on one GPU (the same layer, no all-to-all)
+            $PY - "$OUT/moe/model" <<'EOF'
+import sys, torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from harness.model.hf import _shipped_eos_id, load_tokenizer
+eos = _shipped_eos_id()
+cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=768,
+                     num_experts=16, num_experts_per_tok=4, num_hidden_layers=8, num_attention_heads=16,
+                     num_key_value_heads=4, head_dim=64, bos_token_id=eos, eos_token_id=eos)
+torch.manual_seed(0)
+Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
+load_tokenizer("tiny-llama").save_pretrained(sys.argv[1])
+EOF
+            n=1; ep=(--set parallel.expert=1 --set 'deepspeed.expert_parallel={"enabled": true, "autoep_size": 1}')
+            if (( gpus >= 2 )); then n=2; ep=(--set parallel.expert=2); fi
+            timeout 300 $PY -m deepspeed.launcher.runner --num_gpus $n "$ROOT/harness/run.py" --recipe moe_ep \
+                "${ep[@]}" --set "train.model=$OUT/moe/model" --set train.steps=20 --set train.seq_len=1024 \
+                --set train.eval_every=0 --profile-steps 15-16 --output-dir "$OUT/moe/run" --overwrite
+            echo "[moe]     run: $OUT/moe/run (summary.json: lm_loss, aux_loss, tokens/s, all_to_all bytes)" ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, moe)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

@@ -91,7 +91,7 @@ def test_unknown_hub_id_offline_explains_the_fix(monkeypatch):
         with pytest.raises(UsageError) as err:
             load("no-such-org/no-such-model")
         msg = str(err.value)
-        assert "not a built-in preset (tiny-gpt2, tiny-llama) nor a local directory" in msg
+        assert "not a built-in preset (tiny-gpt2, tiny-llama, tiny-mixtral, tiny-qwen3-moe) nor a local directory" in msg
         assert "Offline mode is on (HF_HUB_OFFLINE=1)" in msg
         assert "fix: use a preset or a local model directory" in msg
 

@@ -54,7 +54,16 @@ def zero3_by_module(spec) -> bool:
     if spec.zero_stage != 3 or model_shapes.is_preset(name):
         return False
     folder = Path(name)
+    if _moe(name):  # transformers 5.24 saves per-expert keys and fuses them in from_pretrained; load/ reads fused
+        return False  # names only, so a MoE folder goes through from_pretrained under zero.Init (whole files)
     return not folder.is_dir() or (folder / sources.INDEX).is_file() or (folder / sources.SINGLE).is_file()
+
+
+def _moe(name: str) -> bool:
+    from harness.model.hf import load_model_config
+    from harness.model.moe.families import family_of
+
+    return family_of(load_model_config(name)) is not None
 
 
 def build_whole(spec) -> Built:

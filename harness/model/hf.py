@@ -181,8 +181,10 @@ def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | N
     import torch
     from transformers import AutoModelForCausalLM
 
+    from harness.model.moe.families import attn_implementation
+
     config = load_model_config(spec)
-    kwargs = {"attn_implementation": ATTN_IMPLEMENTATION}
+    kwargs = {"attn_implementation": attn_implementation(config, ATTN_IMPLEMENTATION)}
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if quantization_config is not None:  # QLoRA (model/adapters.py): a pretrained base, 4-bit on its GPU;

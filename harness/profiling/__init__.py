@@ -125,7 +125,7 @@ def ds_overrides(spec, run_dir) -> dict:
 
 def make_hooks(spec, engine, dist, run_dir, log, trackers=None) -> list:
     """`trackers`: trackers.start's result (rank 0's running trackers; empty elsewhere)."""
-    from harness.profiling import comm, memory, monitor, pipe, predict, throughput
+    from harness.profiling import comm, experts, memory, monitor, pipe, predict, throughput
     from harness.profiling.trackers import TrackerHook
 
     window = window_of(spec)
@@ -140,6 +140,8 @@ def make_hooks(spec, engine, dist, run_dir, log, trackers=None) -> list:
         hooks.append(memory.MemoryHook(spec, engine, dist, window, prediction))
     if getattr(engine, "monitor", None) is not None and engine.monitor.enabled:
         hooks.append(monitor.MonitorHook(engine, dist))
+    if (expert_hook := experts.hook_for(engine, window)) is not None:  # MoE: tokens per expert per layer
+        hooks.append(expert_hook)
     if trackers:
         hooks.append(TrackerHook(trackers, dist, speed.predicted.get("step_time_s")))
     return hooks

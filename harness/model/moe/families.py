@@ -25,6 +25,7 @@ class Family:
     top_k_attr: str
     aux_loss: bool  # HF adds router_aux_loss_coef x load-balancing loss when output_router_logits=True
     bias_balanced: bool = False  # routing bias buffer (e_score_correction_bias): aux-free balancing
+    ep_router_logits: bool = True  # under AutoEP the router logits (so the aux loss) still reach the HF loss
     note: str = ""
 
 
@@ -36,7 +37,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3_moe", ("Qwen3MoeSparseMoeBlock",), "qwen3_moe", "experts", "gate", "Qwen3MoeTopKRouter",
            "num_experts", "num_experts_per_tok", aux_loss=True),
     Family("olmoe", ("OlmoeSparseMoeBlock",), "qwen3_moe", "experts", "gate", "OlmoeTopKRouter",
-           "num_experts", "num_experts_per_tok", aux_loss=True),
+           "num_experts", "num_experts_per_tok", aux_loss=True, ep_router_logits=False,
+           note="AutoEP's qwen3_moe router-logit adapter matches Qwen2/3-MoE classes only: no aux loss under EP"),
     Family("deepseek_v3", ("DeepseekV3MoE",), "deepseek_v3", "experts", "gate", "DeepseekV3TopkRouter",
            "n_routed_experts", "num_experts_per_tok", aux_loss=False, bias_balanced=True,
            note="MLA attention, first_k_dense_replace dense layers, shared experts, sigmoid router with a bias"),
@@ -58,14 +60,29 @@ def family_of(model_config) -> Family | None:
     return FAMILIES.get(field(model_config, "model_type")) if model_config is not None else None
 
 
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")  # config.json spellings vary:
+# transformers 5.24 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map alias)
+
+
 def num_experts(family: Family, model_config) -> int:
-    return int(field(model_config, family.experts_attr))
+    for key in (family.experts_attr, *EXPERT_COUNT_KEYS):
+        if field(model_config, key) is not None:
+            return int(field(model_config, key))
+    raise KeyError(f"{family.name} config names no expert count ({', '.join(EXPERT_COUNT_KEYS)})")
 
 
 def aux_coef(model_config) -> float | None:
     """The model's own balancing-loss coefficient (config.router_aux_loss_coef), None where it has none."""
     value = field(model_config, "router_aux_loss_coef")
     return float(value) if value is not None else None
+
+
+EAGER_ONLY = ("gpt_oss",)  # transformers 5.24: GptOssForCausalLM has no sdpa path (attention sinks)
+
+
+def attn_implementation(model_config, default: str) -> str:
+    """The attention kernel a family can build with: eager where transformers refuses sdpa, else `default`."""
+    return "eager" if field(model_config, "model_type") in EAGER_ONLY else default
 
 
 def leaf_module(family: Family) -> dict:

@@ -31,11 +31,13 @@ def problems(recipe: dict, world: int, model_config) -> list[Problem]:
     if aux_on(recipe) and not family.aux_loss:
         out.append(Problem("moe.aux_loss", f"{model} ({family.name}) has no load-balancing loss: it balances with "
                            "a routing bias (e_score_correction_bias)", "remove moe.aux_loss / moe.aux_loss_coef"))
-    if pp > 1 and (ep > 1 or aux_on(recipe)):
-        what = "parallel.expert" if ep > 1 else "moe.aux_loss"
-        out.append(Problem(what, f"{what} with parallel.pipeline={pp}: pipeline stages pass hidden states only, so "
-                           "the router logits (and the aux loss of every stage) are dropped, and AutoEP is untested "
-                           "under DeepSpeed's pipeline engine", "set parallel.pipeline=1 (ZeRO-3 or EP for MoE)"))
+    if pp > 1:
+        out.append(Problem("parallel.pipeline", f"parallel.pipeline={pp} with the MoE model {model} "
+                           f"({family.name}): pipeline stages pass hidden states only, so the router logits (the aux "
+                           "loss of every stage) would be dropped; stages load by share, which reads fused expert "
+                           "tensors while transformers saves one tensor per expert; AutoEP is untested under "
+                           "DeepSpeed's pipeline engine", "set parallel.pipeline=1 (ZeRO-3 with leaves, or "
+                           "parallel.expert)"))
     if ep <= 1:
         return out
     experts = families.num_experts(family, model_config)
@@ -43,6 +45,9 @@ def problems(recipe: dict, world: int, model_config) -> list[Problem]:
         out.append(Problem("parallel.expert", f"parallel.expert={ep}: DeepSpeed AutoEP has no preset for "
                            f"{family.name} ({family.note})", "set parallel.expert=1 and use ZeRO-3 (its MoE block "
                            "is a leaf) or ZeRO-1/2"))
+    if aux_on(recipe) and not family.ep_router_logits:  # measured: HF's load_balancing_loss_func gets no logits
+        out.append(Problem("moe.aux_loss", f"moe.aux_loss with parallel.expert={ep} on {family.name}: {family.note}",
+                           "set moe.aux_loss=false with parallel.expert, or parallel.expert=1 (ZeRO-3 with leaves)"))
     if experts % ep:
         out.append(Problem("parallel.expert", f"parallel.expert={ep} does not divide the {experts} experts of "
                            f"{model}: {experts} % {ep} = {experts % ep}",

@@ -1,0 +1,51 @@
+"""Tokens per expert per MoE layer, counted by a forward hook on each HF router (its forward returns the router
+logits, the top-k scores and the top-k expert indices, in every family of families.py). Used on profiled steps
+(the report's imbalance, max / mean per layer) and by the tests that route ranks to disjoint experts."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.model.moe import families
+
+
+class ExpertCounter:
+    """Forward hooks on the routers of `model`; .counts[layer] is a tensor of tokens routed to each expert (a token
+    sent to top_k experts counts once at each) since the last reset()."""
+
+    def __init__(self, model, family: families.Family, num_experts: int):
+        self.num_experts = num_experts
+        self.counts: dict[str, torch.Tensor] = {}
+        self.handles = [module.register_forward_hook(self._hook(name)) for name, module in model.named_modules()
+                        if type(module).__name__ == family.router_class]
+
+    def _hook(self, name: str):
+        def count(module, args, output):
+            indices = output[-1].detach().reshape(-1).to("cpu", torch.long)
+            seen = torch.bincount(indices, minlength=self.num_experts)
+            self.counts[name] = self.counts[name] + seen if name in self.counts else seen
+        return count
+
+    def reset(self) -> None:
+        self.counts = {}
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def table(self) -> dict[str, list[int]]:
+        return {name: counts.tolist() for name, counts in sorted(self.counts.items())}
+
+
+def imbalance(counts: list[int]) -> float:
+    """max / mean tokens per expert (1.0 = perfectly balanced; num_experts = every token on one expert)."""
+    mean = sum(counts) / len(counts) if counts else 0
+    return max(counts) / mean if mean else float("nan")
+
+
+def counter_for(model) -> ExpertCounter | None:
+    family = families.family_of(getattr(model, "config", None))
+    if family is None:
+        return None
+    return ExpertCounter(model, family, families.num_experts(family, model.config))
