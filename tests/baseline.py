@@ -21,7 +21,8 @@ def train_rows(model: str, seq_len: int, eval_fraction: float, seed: int, data: 
 def plain_pytorch_losses(*, model: str, steps: int, seq_len: int, global_batch: int, lr: float, betas, eps: float,
                          weight_decay: float, clip: float, seed: int, eval_fraction: float,
                          data: DataSpec = DataSpec(), store_dir: str | None = None,
-                         micro_batches: int = 1, adapter: dict | None = None, packing: str = "document") -> list[float]:
+                         micro_batches: int = 1, adapter: dict | None = None, packing: str = "document",
+                         trained: dict | None = None) -> list[float]:
     """AdamW + clip_grad_norm_ (on the trainable parameters: all, or the adapters) on all global_batch rows of each
     step. The step's loss is the mean of the losses
     of its `micro_batches` equal chunks (in rank order), as DeepSpeed averages rank and accumulation means: with
@@ -51,4 +52,6 @@ def plain_pytorch_losses(*, model: str, steps: int, seq_len: int, global_batch: 
         torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], clip)
         opt.step()
         out.append(loss.item())
+    if trained is not None:  # the trainable tensors after the last step, by name
+        trained.update({n: p.detach().clone() for n, p in net.named_parameters() if p.requires_grad})
     return out

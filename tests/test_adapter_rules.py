@@ -11,6 +11,9 @@ from harness.config.validate import check_recipe
 from harness.errors import ConfigError
 
 
+EXPERTS = 'adapter.target_parameters=["mlp.experts.gate_up_proj","mlp.experts.down_proj"]'  # LoRA on fused experts
+
+
 def checked(name: str, overrides: list[str], world: int = 8) -> dict:
     recipe, source = load_recipe(name, overrides)
     return check_recipe(recipe, context(recipe, world), source).ds_config
@@ -40,6 +43,11 @@ def test_lora_plus_gives_deepspeed_one_max_lr_per_group():
     ("tp", ["adapter.target_modules=[\"lm_head\"]"], "adapter.target_modules", "split projections"),
     ("pipeline", ["adapter.load_in_4bit=true"], "adapter.load_in_4bit", "4-bit (QLoRA) base with a pipeline"),
     ("lora_zero3", ["adapter.load_in_4bit=true", "precision=fp32"], "adapter.load_in_4bit", "bf16 or fp16"),
+    ("lora_zero2", [EXPERTS, "adapter.dropout=0.05"], "adapter.dropout", "cannot apply dropout"),
+    ("lora_zero3", [EXPERTS, "adapter.use_dora=true"], "adapter.use_dora", "no DoRA"),
+    ("pipeline", [EXPERTS], "adapter.target_parameters", "with a pipeline"),
+    ("lora_zero2", [EXPERTS, "parallel.expert=2", "train.model=tiny-qwen3-moe"], "adapter.target_parameters",
+     "AutoEP replaces"),
 ])
 def test_combinations_that_cannot_run_are_refused_with_the_reason(recipe, overrides, path, words):
     with pytest.raises(ConfigError) as err:

@@ -87,6 +87,24 @@ def needs_universal(point: ResumePoint, world_size: int, pp: int, tp: int) -> bo
     return any(point.folder.glob("*optim_states.pt"))
 
 
+def check_expert(point: ResumePoint, ds: dict) -> None:
+    """An AutoEP checkpoint (one file per expert, expert optimizer state per EP rank) loads on its own
+    parallel.expert only: refused here, before any rank starts. DeepSpeed 0.19.8's ds_to_universal converts it
+    (per-expert files consolidated under AutoEP's names experts.w1/w2/w3), but a launch without AutoEP then looks
+    for universal/.../zero/<layer>.mlp.experts.gate_up_proj and fails (FileNotFoundError in
+    universal_checkpoint.load_hp_checkpoint_state): nothing folds w1/w3 back into transformers' fused tensors."""
+    from harness.checkpoint.save import expert_degree
+
+    saved, here = int(point.manifest.get("ep", 1)), expert_degree(ds)
+    if saved != here:
+        raise UsageError(f"--resume {point.folder}: saved with parallel.expert={saved} (DeepSpeed AutoEP), this "
+                         f"launch asks parallel.expert={here}: DeepSpeed loads AutoEP model and optimizer state only "
+                         "on the same degree, and its universal form keeps AutoEP's expert names, which a launch on "
+                         "another degree does not load\n"
+                         f"    fix: --set parallel.expert={saved}, or `harness export {point.folder} --out DIR` and "
+                         "start a new run from DIR (train.model=DIR; the optimizer state starts afresh)")
+
+
 def batch_overrides(point: ResumePoint, recipe: dict, batch_world: int) -> tuple[list[str], str | None]:
     """Recipe overrides that keep the checkpoint's global batch on this launch, and a note saying so.
     batch_world: the world size DeepSpeed's batch arithmetic uses here (config.resolve.batch_world)."""

@@ -55,7 +55,7 @@ def manifest(spec, step: int) -> dict:
 
     ds = spec.ds_config
     return {"step": step, "world_size": spec.world_size, "zero_stage": spec.zero_stage, "tp": spec.tp,
-            "pp": spec.pp, "dp": spec.dp, "train_batch_size": ds["train_batch_size"],
+            "pp": spec.pp, "dp": spec.dp, "ep": expert_degree(ds), "train_batch_size": ds["train_batch_size"],
             "micro_batch_per_gpu": ds["train_micro_batch_size_per_gpu"],
             "grad_accum_steps": ds["gradient_accumulation_steps"], "offload": _offload(ds),
             "precision": spec.recipe["precision"], "recipe": spec.recipe_name,
@@ -63,6 +63,12 @@ def manifest(spec, step: int) -> dict:
             "adapter": spec.recipe.get("adapter", {"type": "none"}), "seed": spec.recipe["train"]["seed"],
             "torch": torch.__version__, "transformers": transformers.__version__,
             **spec.dtypes, **({"partition": spec.layout} if spec.layout else {})}
+
+
+def expert_degree(ds: dict) -> int:
+    """DeepSpeed AutoEP's degree (1: experts not split); its checkpoints load on the same degree only."""
+    block = ds.get("expert_parallel") or {}
+    return int(block.get("autoep_size", 1)) if block.get("enabled") else 1
 
 
 def _offload(ds: dict) -> dict:

@@ -41,6 +41,7 @@ def check_adapter(ds: dict, ctx: Context) -> list[Problem]:
             out.append(Problem("adapter.target_modules", f"{outside} with tensor parallel {tp}: the tensor-parallel "
                                f"LoRA wraps only the split projections ({', '.join(TP_PROJECTIONS)})",
                                "target those projections only"))
+    out += _expert_lora(adapter, layout, pp, tp, ctx.recipe.get("parallel", {}).get("expert", 1))
     if adapter.get("load_in_4bit"):
         if layout:
             out.append(Problem("adapter.load_in_4bit", f"a 4-bit (QLoRA) base with {layout} (pipeline {pp}, tensor "
@@ -48,4 +49,29 @@ def check_adapter(ds: dict, ctx: Context) -> list[Problem]:
         if ctx.recipe.get("precision") == "fp32":
             out.append(Problem("adapter.load_in_4bit", "a 4-bit base computes in bf16 or fp16, not fp32",
                                "set precision to bf16 (or fp16)"))
+    return out
+
+
+def _expert_lora(adapter: dict, layout: str | None, pp: int, tp: int, ep: int) -> list[Problem]:
+    """LoRA on fused expert tensors (adapter.target_parameters) is peft's ParamWrapper: no dropout, no DoRA, and
+    none of the harness's tensor-parallel or pipeline LoRA paths."""
+    params = adapter.get("target_parameters") or []
+    if not params:
+        return []
+    out = []
+    if adapter.get("dropout"):
+        out.append(Problem("adapter.dropout", f"LoRA dropout {adapter['dropout']} with target_parameters {params}: "
+                           "peft's parameter LoRA cannot apply dropout (the update is folded into the weight, so "
+                           "the input is never seen apart)", "set adapter.dropout=0"))
+    if adapter.get("use_dora"):
+        out.append(Problem("adapter.use_dora", f"DoRA with target_parameters {params}: peft's parameter LoRA has "
+                           "no DoRA", "set adapter.use_dora=false, or drop target_parameters"))
+    if layout:
+        out.append(Problem("adapter.target_parameters", f"target_parameters {params} with {layout} (pipeline {pp}, "
+                           f"tensor {tp}) is not implemented", "use a ZeRO recipe for LoRA on experts"))
+    if ep > 1:
+        out.append(Problem("adapter.target_parameters", f"target_parameters {params} with parallel.expert={ep}: "
+                           "DeepSpeed AutoEP replaces the fused expert tensors the adapters wrap with its own grouped "
+                           "experts", "set parallel.expert=1 (ZeRO-3, whose MoE block is a leaf, or ZeRO-1/2), or "
+                           "keep LoRA off the experts (target_modules only)"))
     return out

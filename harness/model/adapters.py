@@ -36,11 +36,21 @@ def lora_config(adapter: dict, model_type: str, base: str = ""):
     """peft.LoraConfig for the recipe's adapter block (also what adapter_config.json holds)."""
     from peft import LoraConfig
 
+    to_save = list(adapter["modules_to_save"]) + (router_modules(model_type) if adapter.get("train_router") else [])
     return LoraConfig(r=adapter["r"], lora_alpha=adapter["alpha"], lora_dropout=adapter["dropout"],
                       target_modules=list(adapter["target_modules"]),
-                      modules_to_save=list(adapter["modules_to_save"]) or None, use_rslora=adapter["use_rslora"],
+                      target_parameters=list(adapter.get("target_parameters", [])) or None,
+                      modules_to_save=to_save or None, use_rslora=adapter["use_rslora"],
                       use_dora=adapter["use_dora"], fan_in_fan_out=model_type == "gpt2",  # GPT-2's Conv1D
                       task_type="CAUSAL_LM", base_model_name_or_path=base or None, bias="none")
+
+
+ROUTERS = {"gpt_oss": "mlp.router"}  # an MoE layer's router module, by model_type; the others: mlp.gate
+
+
+def router_modules(model_type: str) -> list[str]:
+    """adapter.train_router: the routers, trained in full as modules to save (peft matches the name suffix)."""
+    return [ROUTERS.get(model_type, "mlp.gate")]
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

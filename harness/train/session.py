@@ -112,6 +112,7 @@ def _resume_layout(ds: dict, source: str, point, world: int, pp: int, tp: int, n
     if point is None:
         return ds
     resumemod.check_batch(point, ds, source)
+    resumemod.check_expert(point, ds)  # MoE: AutoEP state loads on its own expert degree only
     if not resumemod.needs_universal(point, world, pp, tp):
         return ds
     saved = point.layout()

@@ -80,7 +80,10 @@ def merged_lazy(manifest: dict, state: dict, model) -> dict:
     from harness.model.load.slices import Request
 
     trained = {k: v.read().float() for k, v in state.items() if adapters.is_trainable_name(k)}
+    from harness.checkpoint.export import experts
+
     lora, scale = _lora_modules(trained), adapters.scaling(manifest["adapter"])
+    on_experts = experts.split_off(lora, manifest["adapter"], model)  # LoRA on fused 3-D expert tensors
     saved = {k.replace(f".modules_to_save.{adapters.ADAPTER}", ""): v for k, v in trained.items()
              if ".modules_to_save." in k}
     if saved and getattr(model.config, "tie_word_embeddings", False):
@@ -93,6 +96,8 @@ def merged_lazy(manifest: dict, state: dict, model) -> dict:
         if name in saved:
             return saved[name]
         base = source.read({name: Request()}, torch.float32)[name]
+        if name in on_experts:
+            return experts.merge(base, *on_experts[name][:2], scale, on_experts[name][2])
         return merge_tensor(name, base, lora, scale, fan_in_fan_out)
 
     keys = source.keys()

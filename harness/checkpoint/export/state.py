@@ -67,6 +67,10 @@ def open_state(ref: CheckpointRef, manifest: dict, files) -> dict:
         ranks = pipe_export.sources(files, ref, manifest)
     else:
         ranks = [zero_source(files, ref.tag_dir, manifest["zero_stage"], r) for r in range(manifest.get("tp", 1))]
+        if manifest.get("ep", 1) > 1:  # DeepSpeed AutoEP: per-expert files fused back into transformers' tensors
+            from harness.checkpoint.export import autoep
+
+            ranks = [autoep.fused_state(files, ref.tag_dir, ranks[0], manifest["zero_stage"])]
     if len(ranks) == 1:
         return ranks[0]
     from transformers import AutoConfig
