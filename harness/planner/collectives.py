@@ -33,9 +33,11 @@ import math
 from harness.planner import hardware
 
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter_tensor": lambda n: n - 1,
-              "all_gather_into_tensor": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 1}
+              "all_gather_into_tensor": lambda n: n - 1, "all_to_all_single": lambda n: n - 1,
+              "send": lambda n: 1, "recv": lambda n: 1}
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter_tensor": lambda n: (n - 1) / n,
-              "all_gather_into_tensor": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 1.0}
+              "all_gather_into_tensor": lambda n: (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n,
+              "send": lambda n: 1.0, "recv": lambda n: 1.0}
 
 
 def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:

@@ -66,7 +66,7 @@ def wire_bytes(collective: str, logged_bytes: int, group_size: int) -> int:
         return logged_bytes * 2 * (n - 1) // n
     if collective == "all_gather_into_tensor":
         return logged_bytes * (n - 1)
-    if collective == "reduce_scatter_tensor":
+    if collective in ("reduce_scatter_tensor", "all_to_all_single"):  # all-to-all: the (n-1)/n bound elsewhere
         return logged_bytes * (n - 1) // n
     return logged_bytes  # send / recv: point to point
 

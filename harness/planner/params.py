@@ -52,6 +52,7 @@ class ParamCount:
     routed_experts: int = 0
     moe_block: int = 0
     moe_layers: int = 0
+    active_blocks: int = 0  # of `active`, in the blocks
 
     def trainable_params(self, blocks: int, tp: int = 1) -> int | None:
         """Trainable parameters on a rank holding `blocks` blocks: None for full fine-tuning (all of them)."""
@@ -78,7 +79,7 @@ class ParamCount:
         blocks, sparse and dense ones)."""
         if not self.num_experts:
             return self.block_params(tp)
-        return (self.active - self.embedding - self.lm_head - self.other) / self.num_layers
+        return self.active_blocks / self.num_layers
 
     def block_params(self, tp: int = 1) -> int:
         """One block's parameters on one tensor-parallel rank."""
@@ -217,7 +218,8 @@ def with_lora(count: ParamCount, cfg: dict, r: int, targets=DEFAULT_LORA_TARGETS
 
 
 def _moe_count(cfg: dict) -> ParamCount:
-    """Mixture-of-Experts families (moe_params.py): per_layer is a sparse block (the largest)."""
+    """Mixture-of-Experts families (moe_params.py). As in meta_count, per_layer is the first block (DeepSeek-V3's
+    first blocks are dense) and `other` what the blocks' count as num_layers x per_layer leaves out."""
     from harness.planner.moe_params import moe_layout, moe_totals
 
     m = moe_layout(cfg)
@@ -228,9 +230,12 @@ def _moe_count(cfg: dict) -> ParamCount:
     hist = _sizes(*[(n, m["moe_layers"]) for n in per_sparse], *[(n, m["dense_layers"]) for n in per_dense],
                   (m["embedding"], 1 if m["tied"] else 2), (m["final_norm"], 1))
     modules = [sum(t["routed"]), sum(t["router"]), m["embedding"]] + t["attention"] + t["dense_mlp"] + t["shared"]
+    first = sums["moe_layer"] if m["sparse"][0] else sums["dense_layer"]
+    lm_head = 0 if m["tied"] else m["embedding"]
     return ParamCount(
-        total=sums["total"], num_layers=layers, per_layer=sums["moe_layer"] if m["moe_layers"] else sums["dense_layer"],
-        embedding=m["embedding"], lm_head=0 if m["tied"] else m["embedding"], other=m["final_norm"],
+        total=sums["total"], num_layers=layers, per_layer=first, embedding=m["embedding"], lm_head=lm_head,
+        other=sums["total"] - m["embedding"] - lm_head - layers * first, active_blocks=sums["active"] - (
+            sums["total"] - m["moe_layers"] * sums["moe_layer"] - m["dense_layers"] * sums["dense_layer"]),
         largest_layer=max(modules), largest_tensor=max(hist), tensor_sizes=hist, num_experts=m["num_experts"],
         top_k=m["top_k"], active=sums["active"], routed_experts=sums["routed_experts"], moe_block=sums["moe_block"],
         moe_layers=m["moe_layers"])
@@ -320,4 +325,8 @@ def model_shape(cfg: dict) -> dict:
     shape["dropout_masks"] = shape["model_type"] == "gpt2" and cfg.get("resid_pdrop", 0.1) > 0
     shape["max_positions"] = cfg.get("max_position_embeddings", cfg.get("n_positions"))
     shape["learned_positions"] = shape["model_type"] == "gpt2"  # a longer sequence has no position vector
+    from harness.planner.moe_params import MOE_FAMILIES
+
+    experts_key = MOE_FAMILIES.get(shape["model_type"], (None,))[0]
+    shape["num_experts"] = cfg.get(experts_key) or 0 if experts_key else 0  # routed experts per sparse block
     return shape
