@@ -36,6 +36,7 @@ RECIPE_SOURCE = {
     "zero_optimization.offload_param.device": "zero.offload_param",
     "zero_optimization.offload_param.nvme_path": "zero.nvme_path",
     "pipeline.stages": "parallel.pipeline",
+    "expert_parallel.autoep_size": "parallel.expert",
 }
 
 
@@ -118,6 +119,8 @@ def build(recipe: dict) -> dict:
     if parallel["pipeline"] > 1:
         ds["pipeline"] = {"stages": parallel["pipeline"], "partition": parallel["partition_method"],
                           "activation_checkpoint_interval": 1 if recipe["activation_checkpointing"] else 0}
+    if parallel.get("expert", 1) > 1:  # DeepSpeed AutoEP; preset_model and use_grouped_mm are filled at launch
+        ds["expert_parallel"] = {"enabled": True, "autoep_size": parallel["expert"]}  # (harness/model/moe/wiring.py)
     # parallel.tensor emits nothing: the runner splits the layers itself (harness/model/parallel/tensor.py,
     # also inside pipeline stages, where DeepSpeed 0.19's AutoTP cannot go) and hands DeepSpeed an mpu.
     ds["wall_clock_breakdown"] = False

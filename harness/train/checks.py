@@ -18,6 +18,7 @@ from pathlib import Path
 
 from harness import model_shapes
 from harness.errors import Problem, UsageError, raise_if_errors
+from harness.model.moe import rules as moe_rules
 
 PATH_PREFIXES = (".", "/", "~")  # a model or data spec starting so is a path, never a hub id
 
@@ -37,6 +38,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     cfg = model_config(spec.recipe["train"]["model"])  # found by inputs() already: a config file read
     problems = op_problems(spec.ds_config) + model_problems(spec.recipe["train"], cfg)
     problems += path_problems(spec, cfg) + qlora_problems(spec.recipe)
+    problems += moe_rules.problems(spec.recipe, spec.world_size, cfg)  # MoE: ep, tp, pipeline, aux loss
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
     raise_if_errors(problems, f"{ds_json or spec.recipe_name} on this machine")

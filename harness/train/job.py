@@ -19,6 +19,7 @@ from harness.errors import UsageError
 from harness.log import say
 from harness.model import adapters
 from harness.model.attach import attach
+from harness.model.moe.wiring import prepare_model as prepare_moe
 from harness.profiling.trackers import start as start_trackers, summary_metrics
 from harness.train import checks, preempt, restarts
 from harness.train.metrics import MetricsLog
@@ -87,6 +88,8 @@ def build_engine(spec, startup):
     with startup.phase("build"):
         built = build(spec)
     startup.predicted = profiling.predict_build(spec, built)  # the base as built (ZeRO-3: partitioned)
+    if spec.pp == 1 and (line := prepare_moe(built.module, spec.recipe, spec.ds_config)):
+        spec.notes.append(f"moe: {line}")  # the router's loss; AutoEP's shim (harness/model/moe)
     if spec.pp == 1:  # LoRA; pipeline stages get theirs in pipe_engine.build_stage, once each is materialised
         mpu = built.mpu
         attach(built.module, spec, hf_model=built.module,

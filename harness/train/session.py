@@ -128,7 +128,18 @@ def prepare(args) -> RunSpec:
     """The run's spec, after every check that needs no process group (config, then this machine)."""
     spec = resolve_spec(args)
     checks.before_init(spec, args.ds_config)  # this machine: ops, model limits, paths and free space
+    spec.ds_config = moe_blocks(spec)
     return spec
+
+
+def moe_blocks(spec) -> dict:
+    """A MoE model's ZeRO-3 leaf table and AutoEP preset in the DeepSpeed config (harness/model/moe/wiring.py)."""
+    import torch
+
+    from harness.model.moe.wiring import engine_blocks
+
+    return engine_blocks(spec.ds_config, checks.model_config(spec.recipe["train"]["model"]),
+                         cuda=torch.cuda.is_available())
 
 
 def resolve_spec(args) -> RunSpec:

@@ -53,27 +53,50 @@ def fetch(split, rows) -> tuple[torch.Tensor, torch.Tensor]:
     return split[rows].tensors()
 
 
-def _loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _forward(engine, batch: tuple[torch.Tensor, torch.Tensor]):
     items = loss_items(batch[1])  # from the host copy: no device sync
     ids, labels = (t.to(engine.device) for t in batch)
-    return engine(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=items).loss
+    return engine(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=items)
 
 
-def micro_steps(engine, batches: list) -> torch.Tensor:
-    """One optimizer step as forward/backward/step per micro-batch; this rank's mean loss (a device tensor)."""
-    total = None
+def _loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return _forward(engine, batch).loss
+
+
+def _lm_aux(engine, out) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A MoE model trained with its balancing loss (harness/model/moe/wiring.py): (LM loss, aux loss), detached;
+    HF's loss is LM + router_aux_loss_coef x aux. None for every other model."""
+    aux = getattr(out, "aux_loss", None)
+    if aux is None:
+        return None
+    aux = aux.detach().float()
+    return out.loss.detach().float() - engine.module.router_aux_loss_coef * aux, aux
+
+
+def micro_steps(engine, batches: list):
+    """One optimizer step as forward/backward/step per micro-batch; this rank's mean loss (a device tensor), and
+    for a MoE model with its balancing loss on, (loss, {"lm_loss": ..., "aux_loss": ...}) means alike."""
+    total, parts = None, None
     for batch in batches:
-        loss = _loss(engine, batch)
-        engine.backward(loss)
+        out = _forward(engine, batch)
+        engine.backward(out.loss)
         engine.step()
-        total = loss.detach().float() if total is None else total + loss.detach().float()
-    return total / len(batches)
+        total = out.loss.detach().float() if total is None else total + out.loss.detach().float()
+        if (split := _lm_aux(engine, out)) is not None:
+            parts = list(split) if parts is None else [a + b for a, b in zip(parts, split)]
+    if parts is None:
+        return total / len(batches)
+    return total / len(batches), {"lm_loss": parts[0] / len(batches), "aux_loss": parts[1] / len(batches)}
 
 
 @torch.no_grad()
 def micro_eval(engine, batches: list) -> float:
-    """This rank's mean loss over its eval micro-batches."""
-    losses = [_loss(engine, batch).float().item() for batch in batches]
+    """This rank's mean LM loss over its eval micro-batches (a balancing loss is not part of it)."""
+    losses = []
+    for batch in batches:
+        out = _forward(engine, batch)
+        split = _lm_aux(engine, out)
+        losses.append((split[0] if split is not None else out.loss).float().item())
     return sum(losses) / len(losses)
 
 
@@ -114,17 +137,22 @@ class Trainer:
         start = time.perf_counter()
         lr = self.engine.get_lr()[0] if self.engine.lr_scheduler is not None else self.engine.optimizer.param_groups[0]["lr"]
         loss = self.step_fn(self.engine, [fetch(self.data.train, rows) for rows in self.plan.micro_batches(step)])
+        loss, parts = loss if isinstance(loss, tuple) else (loss, {})  # MoE: lm_loss and aux_loss apart
         step_time = time.perf_counter() - start
         norm = self.engine.get_global_grad_norm()
         norm = norm.detach().clone() if torch.is_tensor(norm) else norm  # read (synchronised) at the flush
-        return {"loss": loss, "lr": lr, "grad_norm": norm,
+        return {"loss": loss, **parts, "lr": lr, "grad_norm": norm,
                 "step_time_s": step_time, "tokens_per_s": self.tokens_per_step / step_time,
                 "samples_per_s": self.plan.global_batch / step_time}
 
     def flush(self, pending: list[tuple[int, float, dict]]) -> float:
         """Average the pending steps' losses over ranks (one all-reduce), check them, write their records.
         Returns the last step's loss."""
-        losses = mean_across_ranks([record["loss"] for _, _, record in pending])
+        moe = [(record, key) for _, _, record in pending for key in ("lm_loss", "aux_loss") if key in record]
+        values = mean_across_ranks([record["loss"] for _, _, record in pending] + [r[key] for r, key in moe])
+        losses = values[:len(pending)]
+        for (record, key), value in zip(moe, values[len(pending):]):
+            record[key] = value  # MoE: each rank's aux loss is of its own micro-batch; logged as the mean
         for (done, at, record), loss in zip(pending, losses):
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {done}; lower optimizer.lr or check the data")
