@@ -8,8 +8,7 @@ block as leaf module), trains one step and counts the model states the engine ho
 use). Beside each it writes what the planner predicts from the config dict alone (closed-form count, no live
 numbers): moe.model_state_bytes for EP, memory.model_state_bytes for ZeRO-3. The test compares them.
 
-transformers 5.24 + DeepSpeed 0.19.8: AutoEP calls the output-capturing registry's dict get(key, default), which
-transformers overrides as get(model); `_registry_get_shim` accepts the default (issue #26).
+transformers 5.24 + DeepSpeed 0.19.8 need the harness's one registry shim for AutoEP (harness/model/moe/compat.py).
 """
 
 from __future__ import annotations
@@ -28,23 +27,6 @@ CFG = {"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 64, "interme
        "output_router_logits": True}
 CASES = {"zero2 ep2": (2, 2), "zero3 leaves": (3, 1)}
 SEQ, MICRO = 16, 2
-
-
-def _registry_get_shim() -> None:
-    """DeepSpeed 0.19.8 auto_ep_presets/base.py calls registry.get(key, default) on transformers 5.24's
-    _CanRecordRegistry, whose get(model) takes no default: accept one and defer to dict.get for plain keys."""
-    from transformers.utils import output_capturing
-
-    cls = output_capturing._CanRecordRegistry
-    if getattr(cls.get, "_accepts_default", False):
-        return
-    original = cls.get
-
-    def get(self, key, *default):
-        return dict.get(self, key, *default) if default or isinstance(key, str) else original(self, key)
-
-    get._accepts_default = True
-    cls.get = get
 
 
 def ds_config(stage: int, ep: int) -> dict:
@@ -85,7 +67,9 @@ def main(out_path: str) -> int:
     from harness import dist as distmod
     from harness.profiling.memory import model_state_bytes
 
-    _registry_get_shim()
+    from harness.model.moe.compat import patch_output_capture_registry
+
+    patch_output_capture_registry()
     distmod.init(10)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     results = {}

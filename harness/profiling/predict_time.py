@@ -27,7 +27,9 @@ def _candidate(spec):
     if stage < 3:
         opt = "cpu" if opt == "nvme" else opt  # stages 1-2 treat nvme as cpu (deepspeed-facts.md)
     recipe = "3d" if spec.pp > 1 and spec.tp > 1 else "pipeline" if spec.pp > 1 else "tp" if spec.tp > 1 else "zero"
-    return layouts.Candidate(recipe, stage, opt, par, spec.tp, spec.pp)
+    autoep = spec.ds_config.get("expert_parallel") or {}
+    ep = int(autoep.get("autoep_size", 1)) if autoep.get("enabled") else 1  # MoE: DeepSpeed AutoEP (planner/moe.py)
+    return layouts.Candidate(recipe, stage, opt, par, spec.tp, spec.pp, ep)
 
 
 def for_run(spec, engine, device: str, device_name: str, device_mem_bytes: int) -> dict:
