@@ -5,7 +5,7 @@ Each rank builds the same tiny Qwen3-MoE (transformers' config class, fp32, rand
 deepspeed.initialize with a plain ds config per case (ZeRO-2 with DeepSpeed AutoEP at ep 2, ZeRO-3 with the sparse
 block as leaf module), trains one step and counts the model states the engine holds after it
 (harness.profiling.memory.model_state_bytes, the counter the dense "planner bytes equal the live engine's" tests
-use). Beside each it writes what the planner predicts from the config dict alone (closed-form count, no live
+use) and the all_to_all_single bytes DeepSpeed's comms logger recorded in that step. Beside each it writes what the planner predicts from the config dict alone (closed-form count, no live
 numbers): moe.model_state_bytes for EP, memory.model_state_bytes for ZeRO-3. The test compares them.
 
 transformers 5.24 + DeepSpeed 0.19.8 need the harness's one registry shim for AutoEP (harness/model/moe/compat.py).
@@ -40,6 +40,7 @@ def ds_config(stage: int, ep: int) -> dict:
     if ep > 1:
         out["expert_parallel"] = {"enabled": True, "autoep_size": ep, "preset_model": "qwen3_moe",
                                   "use_grouped_mm": False}
+        out["comms_logger"] = {"enabled": True, "verbose": False, "prof_all": True}
     return out
 
 
@@ -57,6 +58,24 @@ def predicted(stage: int, ep: int, dp: int, ds: dict) -> dict:
         return moe.model_state_bytes(count, ep=ep, **common)
     return memory.model_state_bytes(count.total, persistent_params=count.persistent_numel(
         b.param_persistence_threshold), **common)
+
+
+def all_to_all_logged() -> int:
+    """all_to_all_single bytes DeepSpeed's comms logger recorded (each call at its input: what this rank sends),
+    less AutoEP's exchange of per-expert token counts (E int64 per sparse block)."""
+    from deepspeed.comm import comms_logger
+
+    calls = comms_logger.comms_dict.get("all_to_all_single", {})
+    return sum(size * record[0] for size, record in calls.items() if size > 8 * CFG["num_experts"])
+
+
+def planned_all_to_all(ep: int) -> int:
+    from harness.planner import moe
+    from harness.planner.params import count_params
+
+    count = count_params({k: v for k, v in CFG.items() if k != "output_router_logits"})
+    return moe.all_to_all_bytes(count, CFG["hidden_size"], ep=ep, seq_len=SEQ, micro_batch=MICRO, micro_batches=1,
+                                precision="fp32", activation_checkpointing=False)
 
 
 def main(out_path: str) -> int:
@@ -80,11 +99,15 @@ def main(out_path: str) -> int:
             model = transformers.AutoModelForCausalLM.from_config(config).float()
             ds = ds_config(stage, ep)
             engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+            from deepspeed.comm import comms_logger
+
+            comms_logger.comms_dict.clear()
             ids = torch.randint(0, CFG["vocab_size"], (MICRO, SEQ), generator=torch.Generator().manual_seed(rank))
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
             results[name] = {"measured": model_state_bytes(engine), "predicted": predicted(stage, ep, world, ds),
+                             "all_to_all": all_to_all_logged(), "all_to_all_planned": planned_all_to_all(ep),
                              "loss": float(loss.detach()),
                              "autoep_layers": sum(type(m).__name__ == "AutoEPMoELayer" for m in engine.module.modules())}
             engine.destroy()

@@ -1,6 +1,7 @@
 """The planner's bytes per rank equal the live engine's for a MoE model (issue #26): a tiny Qwen3-MoE (fp32) on 2 CPU
 ranks under ZeRO-2 with DeepSpeed AutoEP at ep 2 and ZeRO-3 with the sparse block as leaf module, all in
-one process group (tests/moe_bytes_driver.py). The planner side is computed from the config dict alone."""
+one process group (tests/moe_bytes_driver.py), and the all-to-all bytes DeepSpeed's comms logger counted against
+the planner's. The planner side is computed from the config dict alone."""
 
 from __future__ import annotations
 
@@ -30,4 +31,13 @@ def test_planner_bytes_per_rank_equal_the_live_engines(tmp_path):
                 assert abs(got - want) <= RTOL * want, f"rank {rank} {name} {term}: engine {got} vs planner {want}"
                 print(f"rank {rank} {name} {term}: engine {got} planner {want}")
         # experts over ep: a rank holds its 2 of 4 experts per sparse block, so fewer bytes than without EP
-        assert sum(results["zero2 ep2"]["predicted"]["params"].values()) < 4 * 140_160  # the whole fp32 model (tests/moe_bytes_driver.CFG)
+        assert sum(results["zero2 ep2"]["predicted"]["params"].values()) < 4 * 140_160
+    # all-to-all: each call is logged at its input (what the rank sends). Dispatch and the combine's backward send
+    # tokens x top_k rows from every rank; the combine and the dispatch's backward send back what the rank's experts
+    # received, which depends on the routing. Summed over the expert-parallel group the bytes are the planner's
+    # (balanced) per-rank figure times ep, for any routing.
+    sent = [json.loads((tmp_path / f"bytes.json.rank{r}").read_text())["zero2 ep2"] for r in (0, 1)]
+    planned = sent[0]["all_to_all_planned"]
+    assert planned == 4 * 2 * 16 * 2 * 2 * 64 * 4  # 4 calls x 2 sparse blocks x (16 x 2 tokens) x top 2 x 64 x fp32
+    assert sent[0]["all_to_all"] + sent[1]["all_to_all"] == 2 * planned, [s["all_to_all"] for s in sent]
+    print("all_to_all_single bytes per rank (comms logger):", [s["all_to_all"] for s in sent], "planner", planned)  # the whole fp32 model (tests/moe_bytes_driver.CFG)

@@ -14,8 +14,10 @@ All-to-all (deepspeed/module_inject/auto_ep_layer.py, the all_to_all_single path
 micro-batch, forward sends each token's top_k routed copies to the ranks holding their experts (dispatch) and
 brings the expert outputs back (combine), two all_to_all_single calls of tokens x top_k x hidden elements in the
 training precision (_AllToAllV); backward runs both in reverse, two more; a recomputed forward (activation
-checkpointing) two more. The comms logger logs each call at its full size; the wire carries the (ep - 1) / ep of
-it bound for other ranks when routing is balanced. Also one all_to_all_single of the E token counts per sparse
+checkpointing) two more. The comms logger logs each call at its input (what the rank sends): tokens x top_k rows
+for the dispatch and the combine's backward, what its experts received for the other two, so a rank's figure is
+the balanced one and the sum over the expert-parallel group is exact for any routing (tests/test_moe_plan_bytes.py);
+the wire carries the (ep - 1) / ep of it bound for other ranks. Also one all_to_all_single of the E token counts per sparse
 block in forward (E int64: too small to model, like the scalar all-reduces).
 
 Imbalance: with ep > 1 the rank whose experts receive the most tokens sets the pace of every sparse block.
