@@ -45,10 +45,11 @@ LAYOUTS = {"ep2": ["--recipe", "zero2", "--set", "parallel.expert=2"], "zero3": 
 TOLERANCE, GOAL = 0.25, 0.98
 
 
-def run_layout(name: str, model: Path, run_dir: Path, steps: int, warmup: int, hardware: Path) -> dict:
+def run_layout(name: str, model: Path, run_dir: Path, steps: int, warmup: int, hardware: Path | None) -> dict:
     import os
 
-    os.environ["HARNESS_HARDWARE"] = str(hardware)
+    if hardware is not None:
+        os.environ["HARNESS_HARDWARE"] = str(hardware)
     shutil.rmtree(run_dir, ignore_errors=True)
     proc = deepspeed(2, "harness/run.py", *LAYOUTS[name], "--model", str(model), "--output-dir", str(run_dir),
                      "--set", f"train.steps={steps}", "--set", f"train.seq_len={SEQ_LEN}",
@@ -83,7 +84,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=2, help="runs of each layout (alternating order)")
-    parser.add_argument("--hardware", help="a calibrated profile (default: calibrate now)")
+    parser.add_argument("--hardware", help="a calibrated profile (default: calibrate now; 'none': measure only, "
+                                           "no prediction)")
     parser.add_argument("--work", default="/tmp/dsharness-bench-moe")
     parser.add_argument("--skip-raw", action="store_true")
     args = parser.parse_args()
@@ -92,7 +94,9 @@ def main() -> int:
     make_model(model, MODEL)
     print("uptime before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
     hardware = Path(args.hardware) if args.hardware else work / "hardware.json"
-    if not args.hardware:
+    if args.hardware == "none":
+        hardware = None
+    elif not args.hardware:
         calibrate(model, hardware, "fp32")
     runs: dict[str, list[dict]] = {"ep2": [], "zero3": []}
     ratios = []
