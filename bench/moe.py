@@ -3,7 +3,7 @@ the harness against a raw DeepSpeed AutoEP loop on the same config (issue #26).
 
     python bench/moe.py [--steps 12] [--warmup-steps 3] [--hardware FILE] [--pairs 2]
 
-Model: a random-weight Qwen3-MoE of ~7.4M parameters (8 routed experts, top 2, 4 sparse blocks, hidden 256, the
+Model: a random-weight Mixtral of ~7.4M parameters (8 routed experts, top 2, 4 sparse blocks, hidden 256, the
 built-in tokenizer) saved into --work. Unless --hardware is given, `harness calibrate` measures this machine at the
 model's shapes first. Layouts, same global batch (8 x 128 tokens):
   ep2     --recipe zero2 --set parallel.expert=2  (AutoEP, 4 experts per rank)
@@ -36,10 +36,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 from overhead import check_same_work, deepspeed, fail  # noqa: E402
 from time_model import calibrate, make_model  # noqa: E402
 
-MODEL = {"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
-         "moe_intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 512,
-         "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+# Mixtral, not Qwen3-MoE: transformers 5.24 saves Qwen3-MoE's num_experts as num_local_experts, which the run's
+# MoE checks (harness/model/moe/families.py, moe-core) do not read yet
+MODEL = {"model_type": "mixtral", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 256,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 8,
+         "num_experts_per_tok": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+         "tie_word_embeddings": False}
 SEQ_LEN, MICRO = 128, 4  # 2 ranks x 4 = 8 sequences per step
 LAYOUTS = {"ep2": ["--recipe", "zero2", "--set", "parallel.expert=2"], "zero3": ["--recipe", "zero3"]}
 TOLERANCE, GOAL = 0.25, 0.98
@@ -90,7 +92,7 @@ def main() -> int:
     parser.add_argument("--skip-raw", action="store_true")
     args = parser.parse_args()
     work = Path(args.work)
-    model = work / "qwen3-moe-7m"
+    model = work / "mixtral-7m"
     make_model(model, MODEL)
     print("uptime before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
     hardware = Path(args.hardware) if args.hardware else work / "hardware.json"

@@ -76,6 +76,15 @@ def test_every_family_counts_what_transformers_builds(family):
     assert count.active < count.total
 
 
+def test_a_saved_config_counts_the_same():
+    """transformers 5.24 saves Qwen3-MoE's num_experts as num_local_experts (config.json of a folder)."""
+    cfg = dict(FAMILIES["qwen3_moe"], model_type="qwen3_moe")
+    saved = transformers.AutoConfig.for_model(**cfg).to_dict()
+    assert "num_experts" not in saved or saved["num_experts"] is None
+    assert count_params(saved).total == count_params(cfg).total and count_params(saved).num_experts == 4
+    assert model_shape(saved)["num_experts"] == 4
+
+
 # name: published total, published active, the active figure's rounding unit, whether it counts the input embedding.
 # Sources: the models' cards / papers. Mixtral 46.7B / 12.9B (Mistral AI); Qwen3-30B-A3B 30.5B / 3.3B (Qwen card;
 # 3.35B to three figures); DeepSeek-V3 671B / 37B (2412.19437; MTP module excluded, as in HF); gpt-oss-120b

@@ -29,6 +29,19 @@ MOE_FAMILIES = {
 _DEFAULT_TOP_K = {"mixtral": 2, "qwen2_moe": 4, "qwen3_moe": 8, "olmoe": 8, "deepseek_v3": 8, "gpt_oss": 4}
 
 
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def num_experts(cfg: dict) -> int:
+    """Routed experts per sparse block. transformers 5.24 writes Qwen3-MoE's num_experts as num_local_experts in a
+    saved config.json (its attribute_map), so every spelling is read."""
+    first = MOE_FAMILIES.get(cfg.get("model_type"), (None,))[0]
+    for key in (first,) + _EXPERT_KEYS:
+        if cfg.get(key):
+            return int(cfg[key])
+    return 0
+
+
 def is_moe(cfg: dict) -> bool:
     return cfg.get("model_type") in MOE_FAMILIES
 
@@ -85,10 +98,10 @@ def moe_layout(cfg: dict) -> dict | None:
     if not is_moe(cfg):
         return None
     kind, h = cfg["model_type"], cfg["hidden_size"]
-    experts_key, width_key = MOE_FAMILIES[kind]
-    num_experts, inter = cfg[experts_key], cfg[width_key]
-    routed = expert_tensors(cfg, num_experts, inter)
-    router = [num_experts * h] + ([num_experts] if kind == "gpt_oss" else [])
+    width_key = MOE_FAMILIES[kind][1]
+    experts, inter = num_experts(cfg), cfg[width_key]
+    routed = expert_tensors(cfg, experts, inter)
+    router = [experts * h] + ([experts] if kind == "gpt_oss" else [])
     shared: list[int] = []
     if kind == "qwen2_moe" and cfg.get("shared_expert_intermediate_size"):
         shared = [h * cfg["shared_expert_intermediate_size"]] * 3 + [h]  # + shared_expert_gate (H -> 1)
@@ -98,8 +111,8 @@ def moe_layout(cfg: dict) -> dict | None:
     sparse = sparse_layers(cfg)
     tensors = {"attention": attention_tensors(cfg), "norms": [h, h], "routed": routed, "router": router,
                "shared": shared, "dense_mlp": [h * dense_inter] * 3}
-    return {"num_experts": num_experts, "top_k": cfg.get("num_experts_per_tok") or _DEFAULT_TOP_K[kind],
-            "expert": sum(routed) // num_experts, "router": sum(router), "shared": sum(shared),
+    return {"num_experts": experts, "top_k": cfg.get("num_experts_per_tok") or _DEFAULT_TOP_K[kind],
+            "expert": sum(routed) // experts, "router": sum(router), "shared": sum(shared),
             "attention": sum(tensors["attention"]), "norms": 2 * h, "tensors": tensors,
             "dense_mlp": 3 * h * dense_inter, "moe_layers": sum(sparse),
             "dense_layers": len(sparse) - sum(sparse), "sparse": sparse,

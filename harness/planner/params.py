@@ -325,8 +325,7 @@ def model_shape(cfg: dict) -> dict:
     shape["dropout_masks"] = shape["model_type"] == "gpt2" and cfg.get("resid_pdrop", 0.1) > 0
     shape["max_positions"] = cfg.get("max_position_embeddings", cfg.get("n_positions"))
     shape["learned_positions"] = shape["model_type"] == "gpt2"  # a longer sequence has no position vector
-    from harness.planner.moe_params import MOE_FAMILIES
+    from harness.planner.moe_params import is_moe, num_experts
 
-    experts_key = MOE_FAMILIES.get(shape["model_type"], (None,))[0]
-    shape["num_experts"] = cfg.get(experts_key) or 0 if experts_key else 0  # routed experts per sparse block
+    shape["num_experts"] = num_experts(cfg) if is_moe(cfg) else 0  # routed experts per sparse block
     return shape
