@@ -55,6 +55,9 @@ def main() -> None:
     zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
     model = build_model(train["model"], seed=train["seed"], zero3_init_config=ds_config if zero3 else None,
                         gradient_checkpointing=recipe["activation_checkpointing"])
+    from harness.model.moe.wiring import prepare_model
+
+    prepare_model(model, recipe, ds_config)  # a MoE model: the router's loss as the harness sets it, AutoEP's shim
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_config)
     micro, gas = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
     plan = BatchPlan(num_rows=rows.shape[0], global_batch=micro * gas * world, micro_batch=micro, grad_accum=gas,

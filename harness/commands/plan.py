@@ -96,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layout = parser.add_argument_group("one exact layout (evaluated instead of searched; any of these selects it)")
     layout.add_argument("--tp", type=int, help="tensor-parallel degree (inside a node)")
     layout.add_argument("--pp", type=int, help="pipeline stages")
+    layout.add_argument("--ep", type=int, help="expert-parallel degree (MoE models; DeepSpeed AutoEP)")
     layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
     layout.add_argument("--offload", choices=("none", "cpu", "nvme"), help="optimizer (ZeRO-3: and parameters) offload")
     parser.add_argument("--scaling", metavar="PNG", help="also draw predicted tokens/s per GPU against node count "
@@ -103,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-r", type=int,
                         help="plan LoRA fine-tuning: rank-R adapters on every attention and MLP projection, base "
                              "frozen (2 B/param in bf16, no gradient or optimizer state)")
+    parser.add_argument("--expert-imbalance", type=float,
+                        help="MoE: tokens on the busiest expert-parallel rank over the mean (default 1.1, the router's "
+                             "balancing loss on); scales the experts' compute and all-to-all of EP layouts")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -133,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--seq-len", args.seq_len),
                         ("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum),
                         ("--global-batch", args.global_batch), ("--tp", args.tp), ("--pp", args.pp),
-                        ("--lora-r", args.lora_r)):
+                        ("--lora-r", args.lora_r), ("--ep", args.ep)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1")
     cfg = resolve_model(args.model)
@@ -145,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
                       micro_batch=args.micro_batch, precision=args.precision,
                       activation_checkpointing=args.activation_checkpointing == "full", grad_accum=args.grad_accum,
                       model_name=args.model, hardware_profile=profile, global_batch=args.global_batch,
-                      layout=_layout(args), count=lora_count(cfg, args.lora_r), attention=args.attention)
+                      layout=_layout(args), count=lora_count(cfg, args.lora_r), attention=args.attention,
+                      expert_imbalance=args.expert_imbalance)
     except ValueError as e:
         raise UsageError(f"plan: {e}") from None
     if not args.hardware:
@@ -168,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _layout(args: argparse.Namespace) -> dict | None:
     """{zero, offload, tp, pp} when any layout flag is given (the rest default to 1 / ZeRO-0 / none)."""
-    if all(getattr(args, k) is None for k in ("tp", "pp", "zero", "offload")):
+    if all(getattr(args, k) is None for k in ("tp", "pp", "zero", "offload", "ep")):
         return None
-    return {"tp": args.tp or 1, "pp": args.pp or 1, "zero": args.zero or 0, "offload": args.offload or "none"}
+    return {"tp": args.tp or 1, "pp": args.pp or 1, "zero": args.zero or 0, "offload": args.offload or "none",
+            "ep": args.ep or 1}

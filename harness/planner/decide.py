@@ -53,7 +53,8 @@ class Plan:
 
 def evaluate_all(count: ParamCount, shape: dict, hw: dict, work: dict, model_name: str) -> list[dict]:
     out = []
-    for c in candidates(hw["world"], hw["gpus_per_node"], count.num_layers, shape, work["activation_offload"]):
+    for c in candidates(hw["world"], hw["gpus_per_node"], count.num_layers, shape, work["activation_offload"],
+                        num_experts=count.num_experts):
         result = longest.attach(evaluate(c, count, shape, hw, work), count, shape, hw, work)
         result["overrides"] = overrides(c, result, work)
         result["launch"] = launch_command(c.recipe, model_name, hw, result["overrides"])
@@ -123,17 +124,18 @@ def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: 
          micro_batch: int = 1, precision: str = "bf16", activation_checkpointing: bool = False,
          grad_accum: int = 1, model_name: str | None = None, count: ParamCount | None = None,
          hardware_profile: dict | None = None, global_batch: int | None = None, layout: dict | None = None,
-         attention: str = "flash", activation_offload: bool = True) -> Plan:
+         attention: str = "flash", activation_offload: bool = True, expert_imbalance: float | None = None) -> Plan:
     """Evaluate every strategy for this model and hardware; recommend the first that fits.
 
     cpu_mem_bytes / nvme_bytes are per node. CPU RAM not given: offload is not checked against it (its
     need is still reported). NVMe not given: there is none. `count` skips counting (e.g. a meta count).
     With `hardware_profile` the step-time model ranks the layouts and recommends the fastest (search.attach);
-    `layout` ({zero, offload, tp, pp}) evaluates that one layout instead. `attention` (flash, flex, sdpa, eager):
+    `layout` ({zero, offload, tp, pp, ep}) evaluates that one layout instead. `attention` (flash, flex, sdpa, eager):
     the kernel whose mask and scores count in the activations (planner/activations.py); activation_offload False
     leaves the offload rows out of the long-context rung (CPU ranks). Every layout reports the
     longest seq_len it holds (max_seq_len, planner/longest.py); for a sequence no earlier layout holds, the
     long-context rung (checkpointing, tiling, Ulysses SP inside a node, activation offload) comes last.
+    `expert_imbalance`: a MoE model's max / mean tokens per expert-parallel rank (default moe.DEFAULT_IMBALANCE).
     """
     from harness.planner.params import count_params, model_shape
 
@@ -146,6 +148,10 @@ def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: 
     work = {"seq_len": seq_len, "micro_batch": micro_batch, "precision": precision,
             "activation_checkpointing": activation_checkpointing, "grad_accum": grad_accum, "attention": attention,
             "activation_offload": activation_offload}
+    if expert_imbalance is not None:
+        if not expert_imbalance >= 1:
+            raise ValueError(f"expert_imbalance {expert_imbalance}: the busiest rank's tokens over the mean is >= 1")
+        work["expert_imbalance"] = expert_imbalance
     name = model_name or model_cfg.get("_name_or_path") or "MODEL"
     results = evaluate_all(count, shape, hw, work, name)
     best = next((r for r in results if r["fits"]), None)

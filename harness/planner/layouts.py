@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from harness.planner import comm, memory, pipeline, sequence
+from harness.planner import comm, memory, moe, pipeline, sequence
 from harness.planner.activations import TILE_TOKENS
 from harness.planner.params import ParamCount
 
@@ -28,6 +28,7 @@ class Candidate:
     sp: int = 1  # the long-context rung (sequence.py): Ulysses degree, tiled MLP and loss,
     tiled: bool = False  # activations "checkpoint" (forced on) or "offload" (checkpointed inputs in CPU RAM);
     act: str = ""  # "" = the workload's --activation-checkpointing
+    ep: int = 1  # expert parallelism (DeepSpeed AutoEP, parallel.expert): MoE models only (moe.py)
 
     @property
     def label(self) -> str:
@@ -38,6 +39,8 @@ class Candidate:
             parts.append(f"tp{self.tp}")
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.offload_optimizer != "none":
             parts.append(f"opt->{self.offload_optimizer}")
         if self.offload_param != "none":
@@ -63,16 +66,19 @@ def long_context_rung(gpus_per_node: int, shape: dict, offload: bool = True) -> 
 def candidate_of(r: dict) -> Candidate:
     """The Candidate an evaluated result describes."""
     return Candidate(r["recipe"], r["zero_stage"], r["offload_optimizer"], r["offload_param"], r["tp"], r["pp"],
-                     r.get("sp", 1), r.get("tiled", False), r.get("act", ""))
+                     r.get("sp", 1), r.get("tiled", False), r.get("act", ""), r.get("ep", 1))
 
 
 def candidates(world: int, gpus_per_node: int, num_layers: int, shape: dict | None = None,
-               activation_offload: bool = True) -> list[Candidate]:
+               activation_offload: bool = True, num_experts: int = 0) -> list[Candidate]:
     """Every strategy in decision order (cheapest in traffic and complexity first); with the model's shape, the
     long-context rung last (activation_offload False: without its offload rows, e.g. on CPU ranks, where DeepSpeed's
-    activation offload does nothing and the harness refuses it)."""
-    out = [Candidate("ddp", 0), Candidate("zero1", 1), Candidate("zero2", 2), Candidate("zero3", 3),
-           Candidate("zero2_offload", 2, "cpu"), Candidate("zero3_offload", 3, "cpu"),
+    activation offload does nothing and the harness refuses it). A MoE model's expert-parallel layouts come after
+    ZeRO-3 (with leaves), before offload."""
+    out = [Candidate("ddp", 0), Candidate("zero1", 1), Candidate("zero2", 2), Candidate("zero3", 3)]
+    out += [Candidate(f"zero{stage}", stage, ep=ep) for ep in moe.ep_degrees(world, gpus_per_node, num_experts)
+            for stage in moe.EP_STAGES]
+    out += [Candidate("zero2_offload", 2, "cpu"), Candidate("zero3_offload", 3, "cpu"),
            Candidate("zero3_offload", 3, "cpu", "cpu"), Candidate("zero3_nvme", 3, "nvme", "nvme")]
     tps = [t for t in range(2, gpus_per_node + 1) if gpus_per_node % t == 0]  # never across nodes
     out += [Candidate("tp", stage, tp=t) for t in tps for stage in (1, 2, 3)]
@@ -89,6 +95,8 @@ def not_applicable(c: Candidate, shape: dict) -> str | None:
     more stages than blocks)."""
     from harness.model_shapes import PIPELINE_FAMILIES, tp_problems
 
+    if c.ep > 1:
+        return moe.ep_problem(shape["model_type"], shape.get("num_experts", 0), c.ep)
     problems = tp_problems(shape, c.tp)
     if problems:
         return "; ".join(what for what, _ in problems)
@@ -103,6 +111,8 @@ def rank_params(c: Candidate, count: ParamCount) -> tuple[int, int]:
     """(parameters on the fullest rank before ZeRO sharding, its block count): the largest pipeline stage
     by DeepSpeed's own partition (planner/pipeline.py), block weights split by tp; embeddings, head and
     norms stay whole on each tensor-parallel rank, a tied embedding on both end stages."""
+    if c.ep > 1:
+        return moe.rank_params(count, c.ep), count.num_layers
     if c.pp == 1:
         return count.total - count.num_layers * (count.per_layer - count.block_params(c.tp)), count.num_layers
     fullest = max(pipeline.stages(count, c.pp, "parameters", c.tp), key=lambda s: s["params"])
@@ -124,18 +134,26 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
     buckets = memory.harness_buckets(shape["hidden_size"])
     persistent = count.persistent_numel(buckets.param_persistence_threshold) if c.stage == 3 else 0
     largest_layer = count.largest_layer
+    if c.stage == 3 and count.moe_block:  # ZeRO-3 with leaves gathers a sparse block whole (moe.py)
+        largest_layer = max(largest_layer, count.moe_block)
     if c.tp > 1:  # block matrices are split; the embedding and head are not
         largest_layer = max(count.largest_layer // c.tp, shape["vocab_size"] * shape["hidden_size"])
     common = dict(stage=c.stage, dp=dp, precision=work["precision"], offload_optimizer=c.offload_optimizer,
                   offload_param=c.offload_param, **count.lora_state_args(layers, c.tp))
     def states_at(phase: str) -> dict:
+        if c.ep > 1:
+            return moe.model_state_bytes(count, ep=c.ep, **common, largest_layer_params=largest_layer,
+                                         largest_tensor_params=count.largest_tensor, buckets=buckets,
+                                         grad_accum=m, phase=phase)
         return memory.model_state_bytes(params, **common, largest_layer_params=largest_layer,
                                         largest_tensor_params=count.largest_tensor, persistent_params=persistent,
                                         buckets=buckets, grad_accum=m, phase=phase)
 
     states = states_at("peak")
     seed = memory.model_state_bytes(params, **common, convention="seed")
-    acts = activations(c, shape, work, layers, min(c.pp, m))
+    moe_shape = dict(shape, intermediate_size=moe.activation_width(count, shape["hidden_size"],
+                                                                   shape["intermediate_size"]))
+    acts = activations(c, moe_shape, work, layers, min(c.pp, m))
     device = memory.by_device(states)
     device["cpu"] += acts["cpu_offload"]
     result = {
@@ -155,6 +173,12 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
         },
         "comm": _comm(c, count, params, layers, dp, m, persistent, shape, work),
     }
+    if count.num_experts:
+        result["ep"] = c.ep
+        result["moe"] = {"total_params": count.total, "active_params": count.active, "leaves": c.stage == 3,
+                         "optimizer_shard": moe.optimizer_shard(count, c.ep, c.stage, dp)}
+        if c.stage == 3:
+            result["label"] = f"{c.label} leaves"
     if c.pp > 1:  # every stage, so the text can show which one is the largest
         result["stages"] = [{k: s[k] for k in ("stage", "layers", "blocks", "params")}
                             for s in pipeline.stages(count, c.pp, "parameters", c.tp)]
@@ -178,6 +202,12 @@ def activations(c: Candidate, shape: dict, work: dict, layers: int, in_flight: i
 def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m: int, persistent: int,
           shape: dict, work: dict) -> dict:
     prec, seq, mb = work["precision"], work["seq_len"], work["micro_batch"]
+    if c.ep > 1:
+        rows = comm.comm_rows(moe.comm_groups(
+            count, ep=c.ep, stage=c.stage, dp=dp, precision=prec, grad_accum=m, hidden=shape["hidden_size"],
+            seq_len=seq, micro_batch=mb, activation_checkpointing=work["activation_checkpointing"]))
+        return {"rows": rows, "wire_bytes": sum(r["wire_bytes"] for r in rows),
+                "logged_bytes": sum(r["logged_bytes"] for r in rows)}
     groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, dp=dp, precision=prec, grad_accum=m,
                                               persistent_params=persistent,
                                               trainable_params=count.trainable_params(layers, c.tp)), dp)}
@@ -259,6 +289,8 @@ def overrides(c: Candidate, result: dict, work: dict) -> dict:
         out["parallel.tensor"] = c.tp
     if c.pp > 1:
         out["parallel.pipeline"] = c.pp
+    if c.ep > 1:
+        out["parallel.expert"] = c.ep
     return out
 
 

@@ -43,6 +43,16 @@ class ParamCount:
     # one block's weight tensors in the order the forward uses them, (numel, split by tensor parallelism?):
     # the order backward hooks see them in reverse, which is how ZeRO fills its reduce buckets (known families)
     block_tensors: tuple[tuple[int, bool], ...] = ()
+    # Mixture of Experts (moe_params.py; 0 for dense models): routed experts per sparse block and how many a
+    # token goes to, the parameters one token goes through, the routed experts' share of `total` (what AutoEP
+    # spreads over the expert-parallel ranks), one sparse block (ZeRO-3 gathers a leaf module whole), its count
+    num_experts: int = 0
+    top_k: int = 0
+    active: int = 0
+    routed_experts: int = 0
+    moe_block: int = 0
+    moe_layers: int = 0
+    active_blocks: int = 0  # of `active`, in the blocks
 
     def trainable_params(self, blocks: int, tp: int = 1) -> int | None:
         """Trainable parameters on a rank holding `blocks` blocks: None for full fine-tuning (all of them)."""
@@ -59,6 +69,18 @@ class ParamCount:
         return {"trainable_params": trainable, "largest_trainable_tensor": self.lora_largest_tensor,
                 "largest_trainable_layer": self.lora_largest_tensor}
 
+    @property
+    def active_params(self) -> int:
+        """Parameters one token goes through: all of them in a dense model."""
+        return self.active or self.total
+
+    def block_active(self, tp: int = 1) -> float:
+        """One block's parameters a token goes through, on one tensor-parallel rank (MoE: the mean over the
+        blocks, sparse and dense ones)."""
+        if not self.num_experts:
+            return self.block_params(tp)
+        return self.active_blocks / self.num_layers
+
     def block_params(self, tp: int = 1) -> int:
         """One block's parameters on one tensor-parallel rank."""
         return self.per_layer - self.per_layer_split + self.per_layer_split // tp
@@ -70,7 +92,9 @@ class ParamCount:
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in (
             "total", "num_layers", "per_layer", "embedding", "lm_head", "other",
-            "largest_layer", "largest_tensor", "method", "per_layer_split", "positions", "lora_per_layer")}
+            "largest_layer", "largest_tensor", "method", "per_layer_split", "positions", "lora_per_layer")} | (
+            {k: getattr(self, k) for k in ("num_experts", "top_k", "active", "routed_experts", "moe_block",
+                                           "moe_layers")} if self.num_experts else {})
 
 
 def _sizes(*groups: tuple[int, int]) -> dict[int, int]:
@@ -193,9 +217,37 @@ def with_lora(count: ParamCount, cfg: dict, r: int, targets=DEFAULT_LORA_TARGETS
                    lora_per_layer_split=split, lora_largest_tensor=max(r * max(i, o) for _, i, o, _ in chosen))
 
 
+def _moe_count(cfg: dict) -> ParamCount:
+    """Mixture-of-Experts families (moe_params.py). As in meta_count, per_layer is the first block (DeepSeek-V3's
+    first blocks are dense) and `other` what the blocks' count as num_layers x per_layer leaves out."""
+    from harness.planner.moe_params import moe_layout, moe_totals
+
+    m = moe_layout(cfg)
+    sums = moe_totals(m)
+    t, layers = m["tensors"], m["moe_layers"] + m["dense_layers"]
+    per_sparse = t["attention"] + t["norms"] + t["routed"] + t["router"] + t["shared"]
+    per_dense = t["attention"] + t["norms"] + t["dense_mlp"]
+    hist = _sizes(*[(n, m["moe_layers"]) for n in per_sparse], *[(n, m["dense_layers"]) for n in per_dense],
+                  (m["embedding"], 1 if m["tied"] else 2), (m["final_norm"], 1))
+    modules = [sum(t["routed"]), sum(t["router"]), m["embedding"]] + t["attention"] + t["dense_mlp"] + t["shared"]
+    first = sums["moe_layer"] if m["sparse"][0] else sums["dense_layer"]
+    lm_head = 0 if m["tied"] else m["embedding"]
+    return ParamCount(
+        total=sums["total"], num_layers=layers, per_layer=first, embedding=m["embedding"], lm_head=lm_head,
+        other=sums["total"] - m["embedding"] - lm_head - layers * first, active_blocks=sums["active"] - (
+            sums["total"] - m["moe_layers"] * sums["moe_layer"] - m["dense_layers"] * sums["dense_layer"]),
+        largest_layer=max(modules), largest_tensor=max(hist), tensor_sizes=hist, num_experts=m["num_experts"],
+        top_k=m["top_k"], active=sums["active"], routed_experts=sums["routed_experts"], moe_block=sums["moe_block"],
+        moe_layers=m["moe_layers"])
+
+
 def closed_form_count(cfg: dict) -> ParamCount | None:
     """Exact count for known families from the config alone; None for other architectures."""
+    from harness.planner.moe_params import is_moe
+
     family = cfg.get("model_type")
+    if is_moe(cfg):
+        return _moe_count(cfg)
     if family in LLAMA_LIKE:
         return _llama_count(cfg)
     if family == "gpt2":
@@ -273,4 +325,7 @@ def model_shape(cfg: dict) -> dict:
     shape["dropout_masks"] = shape["model_type"] == "gpt2" and cfg.get("resid_pdrop", 0.1) > 0
     shape["max_positions"] = cfg.get("max_position_embeddings", cfg.get("n_positions"))
     shape["learned_positions"] = shape["model_type"] == "gpt2"  # a longer sequence has no position vector
+    from harness.planner.moe_params import is_moe, num_experts
+
+    shape["num_experts"] = num_experts(cfg) if is_moe(cfg) else 0  # routed experts per sparse block
     return shape

@@ -43,6 +43,9 @@ def _header(plan: Plan) -> list[str]:
         f"{gb(hw['usable_gpu_bytes'])} usable ({hw['reserve_fraction']:.0%} reserve); CPU RAM {cpu}; NVMe {nvme}",
         f"workload  micro batch {w['micro_batch']} x {w['seq_len']} tokens, {w['precision']}, activation "
         f"checkpointing {'on' if w['activation_checkpointing'] else 'off'}, grad accum {w['grad_accum']}",
+        *([f"experts   {p['num_experts']} routed per sparse block, top {p['top_k']}, {p['moe_layers']} sparse "
+           f"blocks: {p['total'] / 1e9:.2f} B total, {p['active'] / 1e9:.2f} B active per token; step time and "
+           "MFU on active parameters"] if p.get("num_experts") else []),
         f"seed rule 16 B/param (model states only): DP {gb(seed['dp_bytes_per_gpu'])} per GPU; "
         f"ZeRO-3 over {seed['world']} GPUs {gb(seed['zero3_bytes_per_gpu'])} per GPU",
     ]

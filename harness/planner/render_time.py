@@ -9,7 +9,8 @@ from harness.planner.layouts import gb
 SHORT = {"forward_s": "fwd", "backward_s": "bwd", "recompute_s": "recompute", "tp_comm_s": "tp", "sp_a2a_s": "sp-a2a",
          "activation_offload_s": "act-offload",
          "bubble_s": "bubble", "p2p_s": "p2p", "dp_reduce_exposed_s": "dp-reduce", "dp_gather_exposed_s": "dp-gather",
-         "tied_embedding_s": "tied", "optimizer_s": "optimizer", "zero_hooks_s": "zero-hooks", "offload_pcie_s": "pcie", "nvme_s": "nvme"}
+         "tied_embedding_s": "tied", "optimizer_s": "optimizer", "zero_hooks_s": "zero-hooks", "offload_pcie_s": "pcie", "nvme_s": "nvme",
+         "all_to_all_s": "all-to-all", "expert_imbalance_s": "imbalance"}
 
 
 def breakdown_text(t: dict) -> str:

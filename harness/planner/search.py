@@ -73,7 +73,7 @@ def search(count, shape: dict, hw: dict, work: dict, profile: dict, model_name: 
     """Every fitting layout (best micro-batch per strategy and checkpointing), fastest first."""
     found = []
     for c in layouts.candidates(hw["world"], hw["gpus_per_node"], count.num_layers, shape,
-                                work.get("activation_offload", True)):
+                                work.get("activation_offload", True), num_experts=count.num_experts):
         found += _best_for(c, count, shape, hw, work, profile, model_name)
     return sorted(found, key=lambda r: -r["time"]["tokens_per_s"])
 
@@ -93,10 +93,16 @@ def compare(fastest: dict, first_fit: dict) -> dict:
             "why": why_faster(fastest, first_fit)}
 
 
-def candidate_for(zero: int, offload: str, tp: int, pp: int) -> "layouts.Candidate":
-    """The harness recipe that runs this layout (--zero/--offload/--tp/--pp), refused when none can."""
+def candidate_for(zero: int, offload: str, tp: int, pp: int, ep: int = 1) -> "layouts.Candidate":
+    """The harness recipe that runs this layout (--zero/--offload/--tp/--pp/--ep), refused when none can."""
     from harness.errors import UsageError
 
+    if ep > 1:
+        if tp > 1 or pp > 1 or offload != "none" or zero not in (1, 2):
+            raise UsageError(f"--ep {ep} with --zero {zero} --tp {tp} --pp {pp} --offload {offload}: the planner times "
+                             "expert parallelism (DeepSpeed AutoEP) on ZeRO-1 or 2 without tp, pipeline or offload "
+                             "(AutoEP refuses tensor parallel); use --zero 1 or 2 alone with --ep")
+        return layouts.Candidate(f"zero{zero}", zero, ep=ep)
     if offload != "none" and (zero < 2 or tp > 1 or pp > 1):
         raise UsageError(f"--offload {offload} needs --zero 2 or 3 without --tp/--pp (got --zero {zero}, --tp {tp}, "
                          f"--pp {pp}): DeepSpeed offloads ZeRO-2/3 states; the harness's tp and pipeline recipes "
@@ -120,7 +126,12 @@ def evaluate_layout(layout: dict, count, shape: dict, hw: dict, work: dict, prof
     """One layout given exactly: memory, verdict and step time; evaluated even when it does not fit."""
     from harness.errors import UsageError
 
-    c = candidate_for(layout["zero"], layout["offload"], layout["tp"], layout["pp"])
+    c = candidate_for(layout["zero"], layout["offload"], layout["tp"], layout["pp"], layout.get("ep", 1))
+    from harness.planner.moe import ep_problem
+
+    problem = ep_problem(shape["model_type"], shape.get("num_experts", 0), c.ep, hw["world"])
+    if problem:
+        raise UsageError(f"--ep {c.ep}: {problem}")
     if hw["world"] % (c.tp * c.pp):
         raise UsageError(f"--tp {c.tp} x --pp {c.pp} = {c.tp * c.pp} does not divide {hw['world']} GPUs "
                          f"({hw['nodes']} nodes x {hw['gpus_per_node']})")

@@ -80,7 +80,7 @@ OPT_STATE_WRITE_BYTES = 12  # fp32 master, exp_avg, exp_avg_sq
 def block_flops_per_token(count, shape: dict, seq_len: int, tp: int) -> float:
     """Forward FLOPs of one block per token on one tensor-parallel rank."""
     d_attn = shape["num_attention_heads"] * shape["head_dim"]
-    return 2 * count.block_params(tp) + 4 * seq_len * d_attn / tp
+    return 2 * count.block_active(tp) + 4 * seq_len * d_attn / tp  # MoE: the parameters a token goes through
 
 
 def head_flops_per_token(shape: dict) -> float:
@@ -130,8 +130,10 @@ def head_params(shape: dict, tp: int) -> float:
 def _placement(c, hw: dict) -> dict[str, tuple[int, bool]]:
     """(stride, spans nodes?) per group name used in the comm rows."""
     gpn, dp = hw["gpus_per_node"], hw["world"] // (c.tp * c.pp)
-    strides = {"tp": 1, "tp-pipe": 1, "dp": c.tp, "pp": c.tp * dp, "pp-tied": c.tp * dp * max(c.pp - 1, 1), "sp": 1}
-    sizes = {"tp": c.tp, "tp-pipe": c.tp, "dp": dp, "pp": c.pp, "pp-tied": 2, "sp": c.sp}
+    strides = {"tp": 1, "tp-pipe": 1, "dp": c.tp, "pp": c.tp * dp, "pp-tied": c.tp * dp * max(c.pp - 1, 1), "sp": 1,
+               "ep": 1, "edp": c.ep}  # expert parallel: ep neighbouring ranks; the same experts every ep-th rank
+    sizes = {"tp": c.tp, "tp-pipe": c.tp, "dp": dp, "pp": c.pp, "pp-tied": 2, "sp": c.sp, "ep": c.ep,
+             "edp": dp // c.ep}
     return {g: (strides[g], collectives.spans_nodes(strides[g], sizes[g], gpn)) for g in strides}
 
 
@@ -275,12 +277,17 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
     gathers = 1 if result["params_per_rank"] <= STAGE3_MAX_LIVE else 2  # profiling/predict.gathers_per_micro_step
     calls = dp_calls(c, count, blocks, m, buckets, buckets.param_persistence_threshold, gathers)
     dp = _dp_exposed(c, by_group.get("dp", []), profile, place["dp"][1], t_mb, m, buckets_bytes, calls)
+    if by_group.get("edp"):  # an expert-parallel layout's expert gradients, over their own group (moe.py)
+        edp = _dp_exposed(c, by_group["edp"], profile, place["edp"][1], t_mb, m, buckets_bytes, calls)
+        dp = {k: dp[k] + edp[k] for k in dp}
+    expert_s = _expert_parallel_s(c, count, profile, work, by_group.get("ep", []), place["ep"][1], m)
     hooks = hardware.measured(profile, "zero_overhead_s_per_tensor").get(str(c.stage), 0.0)
     hooks_s = m * len(rank_tensors(count, blocks, c.tp)) * hooks if c.stage and c.pp == 1 else 0.0
     hooks_s = max(hooks_s, -(dp["dp_reduce"] + dp["dp_gather"]))  # a correction never below no traffic at all
     tied_s = sum(_row_s(profile, r, place["pp-tied"][1]) for r in by_group.get("pp-tied", []))
     trainable = result.get("trainable_per_rank", result["params_per_rank"])  # LoRA: only adapters are stepped
     shard = trainable if c.stage == 0 else -(-trainable // result["dp"])
+    shard = result.get("moe", {}).get("optimizer_shard", shard) if c.ep > 1 else shard
     off = _offload_s(c, profile, hw, work, shard, m, t_mb)
     breakdown = {
         "forward_s": m * t_mb["forward"], "backward_s": m * t_mb["backward"], "recompute_s": m * t_mb["recompute"],
@@ -288,6 +295,7 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
         "bubble_s": (slots - m) * slot, "p2p_s": p2p_s,
         "dp_reduce_exposed_s": dp["dp_reduce"], "dp_gather_exposed_s": dp["dp_gather"], "tied_embedding_s": tied_s,
         "optimizer_s": off["optimizer"], "offload_pcie_s": off["pcie"], "nvme_s": off["nvme"], "zero_hooks_s": hooks_s,
+        **expert_s,
     }
     step = sum(breakdown.values())
     per_stage = []
@@ -296,7 +304,7 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
             busy = m * sum(t.values())
             per_stage.append({"stage": i, "compute_s": busy, "idle_s": max(0.0, step - busy), "busy": busy / step})
     tokens = work["global_batch"] * work["seq_len"]
-    peak = hardware.peak_flops(profile, work["precision"])
+    peak = hardware.peak_flops(profile, work["precision"])  # MFU on active parameters (model_flops_per_step)
     return {"step_time_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,
             "mfu": model_flops_per_step(count, shape, work["seq_len"], tokens) / (step * world * peak),
             "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"],
@@ -322,6 +330,22 @@ def tiled_mlp_recompute_s(shape: dict, profile: dict, work: dict, tp: int, block
     weights = (2 if shape["model_type"] == "gpt2" else 3) * shape["hidden_size"] * shape["intermediate_size"] / tp
     tokens = work["seq_len"] * work["micro_batch"]
     return 2 * weights * tokens * blocks / hardware.achieved_flops(profile, work["precision"])
+
+
+def _expert_parallel_s(c, count, profile: dict, work: dict, rows: list[dict], inter: bool, m: int) -> dict:
+    """An expert-parallel layout's all-to-all seconds per step (on the critical path: the experts wait for their
+    tokens) and the routed experts' extra compute on the busiest rank, both scaled by the imbalance (moe.py)."""
+    if c.ep <= 1:
+        return {"all_to_all_s": 0.0, "expert_imbalance_s": 0.0}
+    from harness.planner.moe import DEFAULT_IMBALANCE, all_to_all_calls, routed_flops_per_token
+
+    imbalance = work.get("expert_imbalance") or DEFAULT_IMBALANCE
+    calls = all_to_all_calls(count, micro_batches=m, activation_checkpointing=work["activation_checkpointing"])
+    a2a = sum(_row_s(profile, r, inter, calls) for r in rows)
+    tokens = work["seq_len"] * work["micro_batch"] * m
+    passes = 4 if work["activation_checkpointing"] else 3  # forward, backward (2x), recomputed forward
+    routed = passes * tokens * routed_flops_per_token(count) / hardware.achieved_flops(profile, work["precision"])
+    return {"all_to_all_s": a2a * imbalance, "expert_imbalance_s": routed * (imbalance - 1)}
 
 
 def _neighbours(pp: int) -> int:

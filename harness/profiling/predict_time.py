@@ -31,7 +31,9 @@ def _candidate(spec):
 
     seq = long_context(spec.recipe)
     act = "offload" if seq["offload"] else ""  # tiling alone keeps the recipe's checkpointing
-    return layouts.Candidate(recipe, stage, opt, par, spec.tp, spec.pp, seq["sp"], seq["tiled_mlp"], act)
+    autoep = spec.ds_config.get("expert_parallel") or {}
+    ep = int(autoep.get("autoep_size", 1)) if autoep.get("enabled") else 1  # MoE: DeepSpeed AutoEP (planner/moe.py)
+    return layouts.Candidate(recipe, stage, opt, par, spec.tp, spec.pp, seq["sp"], seq["tiled_mlp"], act, ep)
 
 
 def for_run(spec, engine, device: str, device_name: str, device_mem_bytes: int) -> dict:
