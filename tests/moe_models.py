@@ -51,8 +51,8 @@ def folder(family: str, path, seed: int = SEED) -> str:
 
 def reference(model: str, batches, *, lr: float, betas, eps: float, weight_decay: float, clip: float,
               aux: bool, chunks: int, seed: int = SEED) -> list[dict]:
-    """One process: per step {loss, lm_loss, aux_loss, grad_norm}; `batches` is a list of (ids, labels) global
-    batches, each split into `chunks` equal micro-batches whose losses are averaged (DeepSpeed's rank mean)."""
+    """One process: per step {loss, lm_loss, aux_loss, grad_norm}; `batches` is a list of (ids, labels[, position_ids])
+    global batches, each split into `chunks` equal micro-batches whose losses are averaged (DeepSpeed's rank mean)."""
     from harness.model.hf import build_model
 
     net = build_model(model, seed=seed).float().train()
@@ -60,8 +60,10 @@ def reference(model: str, batches, *, lr: float, betas, eps: float, weight_decay
     coef = net.config.router_aux_loss_coef if aux else 0.0
     opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     out = []
-    for ids, labels in batches:
-        parts = [net(input_ids=i, labels=l, use_cache=False) for i, l in zip(ids.chunk(chunks), labels.chunk(chunks))]
+    from harness.data.rows import model_inputs
+
+    for batch in batches:  # (ids, labels[, position_ids]) as Rows.tensors() gives them
+        parts = [net(**model_inputs(chunk), use_cache=False) for chunk in zip(*(t.chunk(chunks) for t in batch))]
         loss = torch.stack([p.loss for p in parts]).mean()
         aux_loss = torch.stack([p.aux_loss for p in parts]).mean().item() if aux else None
         opt.zero_grad()

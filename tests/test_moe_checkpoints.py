@@ -26,9 +26,9 @@ pytestmark = pytest.mark.multirank
 
 MODEL, STEPS, SEED, LR, RTOL = "tiny-qwen3-moe", 6, 1234, 1e-3, 1e-5
 # Weights after 6 Adam steps at lr 1e-3 from two fp32 paths (another reduction order): Adam's m / sqrt(v) turns the
-# rounding of near-zero gradients into up to ~5e-6 of weight (measured: adapters 4.5e-6, EP 2 vs ZeRO-2 3.6e-6);
-# a wrong layout or a lost update is off by ~1e-3 (one step).
-ADAM_ATOL = 1e-5
+# rounding of near-zero gradients into up to ~2e-5 of weight (measured: adapters 4.5e-6 on concat rows, 1.6e-5 on
+# document-packed rows; EP 2 vs ZeRO-2 3.6e-6); a wrong layout or a lost update is off by ~1e-3 (one step).
+ADAM_ATOL = 1e-4
 BASE = [*COMMON[:COMMON.index("--profile-steps")], "--set", "precision=fp32", "--set", f"train.model={MODEL}"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]

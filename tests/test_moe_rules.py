@@ -36,6 +36,10 @@ CASES = {  # name -> (model, world, sets, problem path, fragment of the message)
     "aux_coef_on_a_dense_model": ("tiny-llama", 2, ["moe.aux_loss_coef=0.01"], "moe.aux_loss", "has no router"),
     "ep_on_a_dense_model": ("tiny-llama", 2, ["parallel.expert=2"], "parallel.expert",
                             "is not a Mixture-of-Experts model"),
+    "moe_with_sequence_parallel": ("tiny-qwen3-moe", 2, ["parallel.sequence=2", "zero.stage=3"], "parallel.sequence",
+                                   "the router's balancing loss and the fused experts are not wired there"),
+    "moe_with_tiled_loss": ("tiny-qwen3-moe", 2, ["train.tiled_loss=true"], "train.tiled_loss",
+                            "the long-context path (harness/model/sequence)"),
 }
 
 
