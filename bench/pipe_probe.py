@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe = {"precision": args.precision, "activation_checkpointing": False, "monitor": {},
               "profile": {"steps": args.profile_steps, "memory": True},
-              "train": {"model": args.shape, "seq_len": args.seq_len, "steps": args.steps}}
+              "train": {"model": args.shape, "seq_len": args.seq_len, "steps": args.steps,
+                        "packing": "concat"}}  # the probe's layers pass hidden states only (no position ids)
     spec = SimpleNamespace(recipe=recipe, recipe_name="pipe_probe", world_size=dist.world_size,
                            dp=dist.world_size // (args.pp * args.tp), tp=args.tp, pp=args.pp, ds_config=ds_config(args, dist.world_size))
     spec.ds_config = {**spec.ds_config, **profiling.ds_overrides(spec, run_dir)}

@@ -150,9 +150,11 @@ def activation_elems(shape: dict, seq_len: int, micro_batch: int) -> int:
 
 
 def p2p_bytes(shape: dict, *, stage: int, pp: int, seq_len: int, micro_batch: int, micro_batches: int,
-              precision: str, tp: int = 1, partitioned: bool = True) -> dict[str, int]:
+              precision: str, tp: int = 1, partitioned: bool = True, position_ids: bool = True) -> dict[str, int]:
     """Logged bytes per step of one rank of `stage`: send, recv and (3D) the tp all-gathers that rebuild
-    partitioned activations. Steady state: the shape meta of the first step is left out."""
+    partitioned activations. Steady state: the shape meta of the first step is left out. Under document packing
+    (`position_ids`) every forward message also carries the micro-batch's int64 position ids, whole (DeepSpeed
+    partitions only the first tensor of a tuple; an integer tensor sends no gradient back)."""
     if pp <= 1:
         return {}
     lp = PRECISION_BYTES[precision]
@@ -164,6 +166,10 @@ def p2p_bytes(shape: dict, *, stage: int, pp: int, seq_len: int, micro_batch: in
     per_message = part + meta
     neighbours = (stage > 0) + (stage < pp - 1)
     out = {"send": neighbours * per_message * micro_batches, "recv": neighbours * per_message * micro_batches}
+    if position_ids:
+        ids = LONG_BYTES * seq_len * micro_batch * micro_batches
+        out["send"] += ids * (stage < pp - 1)
+        out["recv"] += ids * (stage > 0)
     if sliced:  # receive side rebuilds the input; the sending side its output and the gradient in backward
         gathers = (stage > 0) + 2 * (stage < pp - 1)
         out["all_gather_into_tensor"] = gathers * part * micro_batches

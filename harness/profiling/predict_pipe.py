@@ -46,7 +46,8 @@ def _add(total: dict, part: dict) -> None:
 
 def predict_rank(cfg: dict, ds: dict, *, stage: int, pp: int, tp: int, dp: int, precision: str, seq_len: int,
                  zero: dict, largest_tensor: int, activation_checkpointing: bool = False,
-                 bf16_optimizer: bool = False, counted_tp: int | None = None, adapter: dict | None = None) -> dict:
+                 bf16_optimizer: bool = False, counted_tp: int | None = None, adapter: dict | None = None,
+                 packing: str = "document") -> dict:
     """Model states (no activations) and logged comm bytes per step for one rank of `stage` (adapter: the recipe's
     LoRA block, whose adapters are then all that trains)."""
     count = _count(cfg, adapter)
@@ -67,7 +68,8 @@ def predict_rank(cfg: dict, ds: dict, *, stage: int, pp: int, tp: int, dp: int, 
                             trainable_params=trainable),
               "pp": pipeline.p2p_bytes(shape, stage=stage, pp=pp, seq_len=seq_len, micro_batch=micro,
                                        micro_batches=m, precision=precision, tp=tp,
-                                       partitioned=bool(pipe.get("pipe_partitioned", True))),
+                                       partitioned=bool(pipe.get("pipe_partitioned", True)),
+                                       position_ids=packing == "document"),
               "tp": {"all_reduce": pipeline.tp_allreduce_bytes(
                   shape, tp=tp, blocks=mine["blocks"], seq_len=seq_len, micro_batch=micro, micro_batches=m,
                   precision=precision, activation_checkpointing=activation_checkpointing)},
@@ -115,7 +117,7 @@ def for_pipeline(spec, engine, zero: dict, live: dict) -> dict:
                        activation_checkpointing=bool(spec.recipe.get("activation_checkpointing")),
                        bf16_optimizer=type(engine.optimizer).__name__ == "BF16_Optimizer",
                        counted_tp=_counted_tp(cfg, spec.ds_config, spec.pp, spec.tp, parts, spec.recipe.get("adapter")),
-                       adapter=spec.recipe.get("adapter"))
+                       adapter=spec.recipe.get("adapter"), packing=spec.recipe["train"].get("packing", "document"))
     out["parts_engine"] = parts
     if parts and parts != out["parts_planned"]:
         out["notes"].append(f"the engine split the layers {parts}, the planner {out['parts_planned']}: "
