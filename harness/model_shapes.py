@@ -16,20 +16,19 @@ TINY_VOCAB_SIZE = 512  # the built-in tokenizer's vocabulary (harness/assets/tok
 
 # Tiny presets are trained for real by tests and the demo. tiny-llama has 4 heads and 2 kv heads
 # so tensor parallel can split it 2 ways evenly.
+_TINY_DECODER = {  # what the tiny decoder presets share: 2 layers of width 64, 4 heads over 2 kv heads
+    "vocab_size": TINY_VOCAB_SIZE,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "attention_dropout": 0.0,
+}
 PRESETS: dict[str, dict] = {
-    "tiny-llama": {
-        "model_type": "llama",
-        "vocab_size": TINY_VOCAB_SIZE,
-        "hidden_size": 64,
-        "intermediate_size": 176,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        "attention_dropout": 0.0,
-    },
+    "tiny-llama": dict(_TINY_DECODER, model_type="llama", intermediate_size=176),
     "tiny-gpt2": {
         "model_type": "gpt2",
         "vocab_size": TINY_VOCAB_SIZE,
@@ -42,38 +41,10 @@ PRESETS: dict[str, dict] = {
         "attn_pdrop": 0.0,
     },
     # Tiny MoE presets (recipes moe_zero3, moe_ep): 4 routed experts, top-2, so EP 2 holds 2 experts per rank.
-    "tiny-qwen3-moe": {
-        "model_type": "qwen3_moe",
-        "vocab_size": TINY_VOCAB_SIZE,
-        "hidden_size": 64,
-        "intermediate_size": 176,
-        "moe_intermediate_size": 64,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        "attention_dropout": 0.0,
-    },
-    "tiny-mixtral": {
-        "model_type": "mixtral",
-        "vocab_size": TINY_VOCAB_SIZE,
-        "hidden_size": 64,
-        "intermediate_size": 64,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        "attention_dropout": 0.0,
-    },
+    "tiny-qwen3-moe": dict(_TINY_DECODER, model_type="qwen3_moe", intermediate_size=176, moe_intermediate_size=64,
+                           num_experts=4, num_experts_per_tok=2, head_dim=16),
+    "tiny-mixtral": dict(_TINY_DECODER, model_type="mixtral", intermediate_size=64, num_local_experts=4,
+                         num_experts_per_tok=2),
 }
 
 # Well-known models, shapes only (for planning and validation, never downloaded). Values are those of

@@ -132,7 +132,7 @@ def tied_head(module: EmbedPipe, hidden):
 
 def causal_lm_loss(logits, labels):
     """HF's own causal-LM loss, so the pipe's loss is the HF model's loss on the same batch (0, not NaN, when
-    no token of the micro-batch is a target, as in trainer._loss)."""
+    no token of the micro-batch is a target, as in trainer._forward)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     from harness.data.rows import loss_items
