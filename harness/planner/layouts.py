@@ -210,6 +210,7 @@ def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m:
                 "logged_bytes": sum(r["logged_bytes"] for r in rows)}
     groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, dp=dp, precision=prec, grad_accum=m,
                                               persistent_params=persistent,
+                                              gathers_per_micro_step=comm.zero3_gathers(params - persistent),
                                               trainable_params=count.trainable_params(layers, c.tp)), dp)}
     if c.tp > 1:
         groups["tp"] = ({"all_reduce": pipeline.tp_allreduce_bytes(

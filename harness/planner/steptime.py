@@ -70,7 +70,7 @@ read twice per micro-step, at nvme_read_gbps / nvme_write_gbps per node.
 
 from __future__ import annotations
 
-from harness.planner import collectives, hardware, memory, sequence
+from harness.planner import collectives, comm, hardware, memory, sequence
 from harness.planner.memory import PRECISION_BYTES
 
 OPT_STATE_READ_BYTES = 16  # fp32 master, exp_avg, exp_avg_sq, fp32 gradient
@@ -145,7 +145,6 @@ def _row_s(profile: dict, row: dict, inter: bool, calls: int = 1) -> float:
 
 ZERO0_BUCKET_ELEMS = 500_000_000  # deepspeed.runtime.engine MEMORY_OPT_ALLREDUCE_SIZE
 ALLGATHER_BUCKET_ELEMS = 200_000_000  # the recipes' allgather_bucket_size
-STAGE3_MAX_LIVE = 1_000_000_000  # stage3_max_live_parameters: above it ZeRO-3 gathers twice per micro-step
 
 
 def rank_tensors(count, blocks: int, tp: int, head: bool = True) -> list[int]:
@@ -274,7 +273,7 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
     buckets = memory.harness_buckets(shape["hidden_size"])
     buckets_bytes = PRECISION_BYTES[work["precision"]] * buckets.reduce_bucket_elems
     blocks = result.get("blocks_per_rank", count.num_layers)
-    gathers = 1 if result["params_per_rank"] <= STAGE3_MAX_LIVE else 2  # profiling/predict.gathers_per_micro_step
+    gathers = comm.zero3_gathers(result["params_per_rank"])  # as layouts._comm counts the gathered bytes
     calls = dp_calls(c, count, blocks, m, buckets, buckets.param_persistence_threshold, gathers)
     dp = _dp_exposed(c, by_group.get("dp", []), profile, place["dp"][1], t_mb, m, buckets_bytes, calls)
     if by_group.get("edp"):  # an expert-parallel layout's expert gradients, over their own group (moe.py)

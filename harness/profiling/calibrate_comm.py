@@ -1,12 +1,13 @@
 """Collective bus bandwidth per group size on the real backend, for `harness calibrate`.
 
 Starts `ranks` local processes (one per GPU on CUDA, NCCL; on the CPU accelerator the backend DeepSpeed picks
-there, gloo), initialises deepspeed.comm as training does, and times all_reduce, all_gather_into_tensor and
-reduce_scatter_tensor for each group size (2, 4, ... up to `ranks`, sub-groups of the first ranks), in the
-training dtype, at several message sizes: training sends messages of very different sizes (a ZeRO-1/2 bucket
-of hidden^2 elements, one module's ZeRO-3 gather, a tensor-parallel activation, the whole gradient at once
-under ZeRO-0), and bandwidth is far from flat in the size, over gloo most of all (measured here: a 0.7 MB
-all-reduce runs at a third of a 48 MB one's bus bandwidth). `seconds_by_bytes` keeps the curve, t per call
+there, gloo), initialises deepspeed.comm as training does, and times all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor and all_to_all_single (S: one rank's input, as the comms logger logs it) for each group
+size (2, 4, ... up to `ranks`, sub-groups of the first ranks), in the training dtype, at several message sizes:
+training sends messages of very different sizes (a ZeRO-1/2 bucket of hidden^2 elements, one module's ZeRO-3
+gather, a tensor-parallel activation, the whole gradient at once under ZeRO-0), and bandwidth is far from flat
+in the size, over gloo most of all (measured here: a 0.7 MB all-reduce runs at a third of a 48 MB one's bus
+bandwidth). `seconds_by_bytes` keeps the curve, t per call
 against the full buffer S; planner/collectives.py reads its time per call from it. Bus bandwidth follows
 nccl-tests (doc/PERFORMANCE.md): busbw = S / t x 2(n-1)/n for all-reduce and S / t x (n-1)/n for the others;
 `bus_gbps` is the largest message's. A small message gives the latency per ring step.
@@ -24,10 +25,13 @@ import statistics
 import tempfile
 import time
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+# all_to_all_single: expert parallelism's dispatch and combine (DeepSpeed AutoEP). Its own curve, not all_reduce's:
+# on the CPU accelerator DeepSpeed all-reduces through its shared-memory op while the all-to-all goes over gloo.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")
 FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-          "reduce_scatter": lambda n: (n - 1) / n}
-STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1}
+          "reduce_scatter": lambda n: (n - 1) / n, "all_to_all_single": lambda n: (n - 1) / n}
+STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
+         "all_to_all_single": lambda n: n - 1}
 
 
 def group_sizes(ranks: int) -> list[int]:
@@ -79,7 +83,8 @@ def _time_op(dist, op: str, nbytes: int, group, n: int, device: str, repeat: int
     shard = torch.ones(numel // n, dtype=dt, device=device)
     run = {"all_reduce": lambda: dist.all_reduce(full, group=group),
            "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=group),
-           "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group)}[op]
+           "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
+           "all_to_all_single": lambda: dist.all_to_all_single(torch.empty_like(full), full, group=group)}[op]
     run()
     times = []
     for _ in range(repeat):

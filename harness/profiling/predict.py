@@ -68,7 +68,7 @@ def _model_shape(module) -> dict | None:
 def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> int:
     """ZeRO-3 re-gathers parameters in backward only when it had to release them after forward: when the
     gathered parameters exceed stage3_max_live_parameters (measured: a small model gathers once)."""
-    return 1 if stage == 3 and gathered_params <= max_live else 2
+    return comm.zero3_gathers(gathered_params, max_live) if stage == 3 else 2
 
 
 def long_context(recipe: dict) -> dict:
