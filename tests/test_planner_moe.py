@@ -219,27 +219,49 @@ def test_expert_parallel_refusals_name_the_reason(capsys):
     assert "AutoEP" in layouts.not_applicable(layouts.Candidate("zero1", 1, ep=2), shape)
 
 
-def test_deepspeed_8064_two_rows():
-    """deepspeedai/DeepSpeed#8064: 2 x 8 H100, Qwen3.6-35B-A3B cut to 20 layers, seq 1K, global batch 64. Measured:
-    ZeRO-3 with leaves 1,746 tokens/s/GPU (52.2 GiB peak), ZeRO-1 with EP 8 3,588 (31.1 GiB). The planner has no
-    Qwen3.6 shape (hybrid Gated DeltaNet attention, 256 experts + a shared one): Qwen3-30B-A3B cut to 20 layers
-    stands in. What holds: EP ranks first, and EP's predicted peak lies within 15 % of the measured. What does not:
-    the model predicts EP at ~4x the measured tokens/s (ZeRO-3 with leaves happens to land on the measured figure):
-    the run's own compute (Qwen3.6's linear attention, AutoEP's permutations) is not in the model, which
-    is therefore an upper bound on EP's tokens/s."""
-    cfg = dict(KNOWN["qwen3-30b-a3b"], num_hidden_layers=20)
-    count, shape = count_params(cfg), model_shape(cfg)
+# Qwen3.6-35B-A3B (transformers 5.24's Qwen3_5MoeTextConfig defaults) cut to 20 layers, as a qwen2_moe the planner
+# sizes: 256 routed experts of width 512, top 8, one shared expert of 512, vocab 248,320, 16 query / 2 KV heads of
+# 256. Its Gated DeltaNet layers (3 of 4) become softmax attention (the planner has no linear attention): ~13M
+# fewer parameters per layer, 1.5 % of the total.
+QWEN36_CUT = {"model_type": "qwen2_moe", "vocab_size": 248320, "hidden_size": 2048, "intermediate_size": 5632,
+              "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_hidden_layers": 20,
+              "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "num_experts": 256,
+              "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": False,
+              "tie_word_embeddings": False}
+
+
+def predict_8064() -> dict:
+    count, shape = count_params(QWEN36_CUT), model_shape(QWEN36_CUT)
     hw = layouts.hardware(8, 2, 80 * 10**9, None, None)
-    profile = hardware.load("h100-80gb-sxm")
-    got = {}
-    for name, c in (("zero3", layouts.Candidate("zero3", 3)), ("ep", layouts.Candidate("zero1", 1, ep=8))):
-        work = {"seq_len": 1024, "micro_batch": 4, "grad_accum": 1, "precision": "bf16",
-                "activation_checkpointing": False, "global_batch": 64}
-        got[name] = search.timed(c, count, shape, hw, work, profile, "m")
+    work = {"seq_len": 1024, "micro_batch": 1, "grad_accum": 4, "precision": "bf16",
+            "activation_checkpointing": False, "global_batch": 64}  # micro 1 x 16 GPUs x 4 = 64 (the PR's text)
+    return {name: search.timed(c, count, shape, hw, work, hardware.load("h100-80gb-sxm"), "m")
+            for name, c in (("zero3", layouts.Candidate("zero3", 3)), ("ep", layouts.Candidate("zero1", 1, ep=8)))}
+
+
+def test_deepspeed_8064_two_rows():
+    """deepspeedai/DeepSpeed#8064 (tohtana, 2026-07-08): 2 x 8 H100, Qwen3.6-35B-A3B cut to 20 layers, seq 1K,
+    global batch 64, micro-batch 1 (so 4 micro-steps). Measured: ZeRO-3 with leaves 1,746 tokens/s/GPU (52.2 GiB
+    peak), ZeRO-1 with EP 8 3,588 (31.1 GiB). Predicted on the h100-80gb-sxm profile (QWEN36_CUT): ZeRO-3 with leaves
+    ~404 tokens/s/GPU (24 GiB), EP 8 ~8,430 (31.4 GiB). What holds: EP ranks first; EP's peak memory within 15 %.
+    What does not, and why (not fitted away):
+    - EP is predicted 2.3x too fast. Its exposed traffic is small (the all-to-all stays in the node); the gap is
+      compute the model does not see: ~285 ms measured per micro-step of 1,024 tokens against ~24 ms of GEMMs at
+      0.45 of peak. Not in the model: the Gated DeltaNet layers (HF's torch fallback without flash-linear-attention
+      is a Python loop over chunks), AutoEP's routing, permutations and the host sync for its split sizes each
+      layer. Not separable from these two published rows: treat EP speed as an upper bound.
+    - ZeRO-3 with leaves is predicted 4.3x too slow: per step it all-gathers the 17.6B parameters twice per
+      micro-step and reduce-scatters their gradients each micro-step (~400 GB per rank), which at the profile's
+      45 GB/s per GPU across nodes is ~9 s, while the run took 2.35 s: its collectives across the two nodes moved
+      at >= 3.7x one NIC's rate (as NCCL's rings, one per NIC, would, sharing the node's eight NICs). The Megatron rows of
+      test_published_runs.py (A1: data parallel over 4 nodes) fall outside +-15 % with that aggregate bandwidth, so
+      the profile keeps the per-GPU figure: treat ZeRO-3-across-nodes speed as a lower bound."""
+    got = predict_8064()
     ep, z3 = got["ep"], got["zero3"]
     assert ep["time"]["tokens_per_s_per_gpu"] > z3["time"]["tokens_per_s_per_gpu"]
     assert abs(ep["memory"]["gpu_bytes"] / 2**30 / 31.1 - 1) <= 0.15, ep["memory"]["gpu_bytes"] / 2**30
     assert ep["time"]["tokens_per_s_per_gpu"] >= 3588  # an upper bound (docstring)
+    assert z3["time"]["tokens_per_s_per_gpu"] <= 1746  # a lower bound (docstring)
     print(f"#8064 predicted tokens/s/GPU: ZeRO-3 leaves {z3['time']['tokens_per_s_per_gpu']:.0f} (measured 1,746), "
           f"EP 8 {ep['time']['tokens_per_s_per_gpu']:.0f} (measured 3,588); peak GiB: ZeRO-3 leaves "
           f"{z3['memory']['gpu_bytes'] / 2**30:.1f} (52.2), EP 8 {ep['memory']['gpu_bytes'] / 2**30:.1f} (31.1)")
