@@ -42,6 +42,7 @@ JOBS = {
     "qwen3_zero3": ("qwen3_moe", "zero3", AUX),
     "qwen3_ep2_zero1": ("qwen3_moe", "zero1", AUX + EP2 + ["--profile-steps", "2-3"]),
     "qwen3_ep2_zero2": ("qwen3_moe", "zero2", AUX + EP2),
+    "qwen3_ep2_zero3": ("qwen3_moe", "zero3", AUX + EP2 + ["--profile-steps", "2-3"]),  # AutoEP on ZeRO-3
     "mixtral_ep2": ("mixtral", "zero2", AUX + EP2),
     "olmoe_ep2": ("olmoe", "zero2", EP2),  # no aux loss under AutoEP for OLMoE (refused)
     "qwen2_zero3_offload": ("qwen2_moe", "zero3_offload", AUX),
@@ -118,6 +119,19 @@ def test_leaf_table_and_autoep_preset_reach_deepspeed(runs):
     assert z3["zero_optimization"]["leaf_module"] == {"classes": ["GptOssMLP"]}
     ep = json.loads((root / "olmoe_ep2" / "ds_config.json").read_text())["expert_parallel"]
     assert ep == {"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe", "use_grouped_mm": False}
+
+
+def test_expert_parallel_on_zero3_splits_the_experts(runs):
+    """ZeRO-3 + AutoEP (DeepSpeed 0.19.8 allows it without SP, hpZ, qgZ): the engine ran stage 3 with the leaf
+    table and EP 2 (AutoEP's all_to_all_single on the profiled steps, the same count as on ZeRO-1), and
+    test_parity_with_one_process holds it to one process like every other layout."""
+    root, _, _ = runs
+    ds = json.loads((root / "qwen3_ep2_zero3" / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 3 and ds["expert_parallel"]["autoep_size"] == 2
+    calls = [json.loads((root / name / "summary.json").read_text())["comm"]["count_per_rank"]
+             for name in ("qwen3_ep2_zero3", "qwen3_ep2_zero1")]
+    assert all(rank["all_to_all_single"] > 0 for rank in calls[0])
+    assert [r["all_to_all_single"] for r in calls[0]] == [r["all_to_all_single"] for r in calls[1]]
 
 
 def test_zero3_ranks_routing_to_disjoint_experts(runs):

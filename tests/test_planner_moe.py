@@ -253,7 +253,8 @@ def test_deepspeed_8064_two_rows():
     - ZeRO-3 with leaves is predicted 4.3x too slow: per step it all-gathers the 17.6B parameters twice per
       micro-step and reduce-scatters their gradients each micro-step (~400 GB per rank), which at the profile's
       45 GB/s per GPU across nodes is ~9 s, while the run took 2.35 s: its collectives across the two nodes moved
-      at >= 3.7x one NIC's rate (as NCCL's rings, one per NIC, would, sharing the node's eight NICs). The Megatron rows of
+      at >= 3.7x one NIC's rate (>= 2.5x had it kept the parameters for backward: ~260 GB), as NCCL's rings, one
+      per NIC, would, sharing the node's eight NICs. The Megatron rows of
       test_published_runs.py (A1: data parallel over 4 nodes) fall outside +-15 % with that aggregate bandwidth, so
       the profile keeps the per-GPU figure: treat ZeRO-3-across-nodes speed as a lower bound."""
     got = predict_8064()
