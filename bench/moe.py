@@ -1,9 +1,9 @@
 """MoE on 2 CPU ranks: expert parallelism (DeepSpeed AutoEP) against ZeRO-3 with leaves, measured and predicted, and
 the harness against a raw DeepSpeed AutoEP loop on the same config (issue #26).
 
-    python bench/moe.py --part calibrate               # once: `harness calibrate` at the model's shapes (~95 s)
-    python bench/moe.py --part layouts [--pairs 2]     # ep2 / zero3 alternating, prediction vs measured (~60 s a pair)
-    python bench/moe.py --part raw [--pairs 2]         # harness ep2 / raw AutoEP alternating (~70 s a pair)
+    python bench/moe.py --part calibrate               # once: `harness calibrate` at the model's shapes (50-95 s)
+    python bench/moe.py --part layouts [--pairs 2]     # ep2 / zero3 alternating, prediction vs measured (~55 s a pair)
+    python bench/moe.py --part raw [--pairs 2]         # harness ep2 / raw AutoEP alternating (~55 s a pair)
     python bench/moe.py --part report                  # the tables over every run recorded so far
     (--part all: the three in one go, for a machine nobody shares; --fresh forgets earlier records)
 

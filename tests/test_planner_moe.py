@@ -12,7 +12,7 @@ import transformers
 
 from harness.errors import UsageError
 from harness.model_shapes import KNOWN
-from harness.planner import hardware, layouts, moe, plan, search, steptime
+from harness.planner import comm, hardware, layouts, moe, plan, search, steptime
 from harness.planner.memory import harness_buckets, zero3_gathered_elems
 from harness.planner.params import count_params, meta_count, model_shape
 
@@ -134,6 +134,29 @@ def test_zero3_with_leaves_gathers_one_sparse_block_whole():
     assert r["label"] == "zero3 leaves" and r["moe"]["leaves"]
 
 
+@pytest.mark.parametrize("name, gpus, passes", [("bench", 2, 1), ("qwen3-30b-a3b", 8, 2)])
+def test_zero3_gathered_bytes_count_the_passes_the_calls_do(name, gpus, passes):
+    """ZeRO-3 all-gathers parameters in forward only while they fit in stage3_max_live_parameters (1e9; measured on
+    bench/moe.py's 7.4M Mixtral: the comms logger's all_gather_into_tensor bytes per step are one pass), in forward
+    and backward above it: the bytes the step time is priced on and the call count follow the same rule."""
+    cfg = BENCH_MIXTRAL if name == "bench" else KNOWN[name]
+    count, shape = count_params(cfg), model_shape(cfg)
+    hw = layouts.hardware(gpus, 1, 80 * 10**9, None, None)
+    work = {"seq_len": 128, "micro_batch": 4, "precision": "fp32", "activation_checkpointing": False,
+            "grad_accum": 3, "global_batch": 12 * gpus}
+    c = layouts.Candidate("zero3", 3)
+    r = layouts.evaluate(c, count, shape, hw, work)
+    b = harness_buckets(shape["hidden_size"])
+    gathered = count.total - count.persistent_numel(b.param_persistence_threshold)
+    persistent = count.total - gathered
+    row = next(x for x in r["comm"]["rows"] if x["collective"] == "all_gather_into_tensor")
+    assert row["logged_bytes"] == 4 * (-(-gathered // gpus) * passes * 3 + -(-persistent // gpus))
+    calls = steptime.dp_calls(c, count, count.num_layers, 3, b, b.param_persistence_threshold,
+                              comm.zero3_gathers(r["params_per_rank"]))
+    assert calls["all_gather_into_tensor"] == passes * 3 * sum(
+        1 for n in steptime.rank_tensors(count, count.num_layers, 1) if n > b.param_persistence_threshold)
+
+
 def test_all_to_all_bytes_per_step_by_hand():
     count = count_params(TINY_QWEN2_MOE)
     per_call = 8 * 2 * 2 * 64 * 4  # seq 8 x micro-batch 2 tokens x top 2 x hidden 64 x fp32
@@ -228,6 +251,11 @@ QWEN36_CUT = {"model_type": "qwen2_moe", "vocab_size": 248320, "hidden_size": 20
               "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "num_experts": 256,
               "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": False,
               "tie_word_embeddings": False}
+
+
+BENCH_MIXTRAL = {"model_type": "mixtral", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 256,
+                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 8,
+                 "num_experts_per_tok": 2, "tie_word_embeddings": False}  # bench/moe.py's model
 
 
 def predict_8064() -> dict:
