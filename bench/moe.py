@@ -178,6 +178,12 @@ def report(work: Path) -> bool:
         each = " ".join(f"{r['measured_s']:.3f}" for r in mine)
         print(f"| {name} | {len(mine)} | {tokens / measured:.0f} | {tokens / predicted:.0f} | {ratio:.2f} | {each} | "
               f"{terms} |")
+    if runs and (work / "hardware.json").is_file():  # the calibrated residuals the predictions lean on most
+        m = json.loads((work / "hardware.json").read_text())["measured"]
+        print("calibration: ZeRO hooks per tensor and micro-step " + ", ".join(
+            f"ZeRO-{k} {v * 1e3:.2f} ms" for k, v in m.get("zero_overhead_s_per_tensor", {}).items())
+              + "; optimizer " + ", ".join(f"ZeRO-{k} {v / 1e6:.0f} M params/s"
+                                           for k, v in m.get("optimizer_params_per_s", {}).items()))
     pairs = records(work / "raw.jsonl")
     if pairs:
         print("\n| pair | order | harness tok/s | raw AutoEP tok/s | ratio | ratio of median steps | load before |\n"
