@@ -88,6 +88,8 @@ def build_engine(spec, startup):
     with startup.phase("build"):
         built = build(spec)
     startup.predicted = profiling.predict_build(spec, built)  # the base as built (ZeRO-3: partitioned)
+    if built.note:
+        spec.notes.append(built.note)
     if spec.pp == 1 and (line := prepare_moe(built.module, spec.recipe, spec.ds_config)):
         spec.notes.append(f"moe: {line}")  # the router's loss; AutoEP's shim (harness/model/moe)
     if spec.pp == 1:  # LoRA; pipeline stages get theirs in pipe_engine.build_stage, once each is materialised
