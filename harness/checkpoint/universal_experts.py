@@ -51,7 +51,13 @@ def _states(folder: Path) -> list[str]:
 
 
 def _load(path: Path):
-    return torch.load(path, weights_only=False)  # DeepSpeed's own pickles (ints, dicts of tensors)
+    """A file ds_to_universal wrote: tensors and plain data, and in optimizer_state.pt DeepSpeed's loss scaler
+    and ZeRO stage enum (allowed by name; nothing else unpickles)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum]):
+        return torch.load(path, weights_only=True)
 
 
 def _write(zero: Path, name: str, states: dict[str, object]) -> None:
