@@ -60,6 +60,14 @@ def predicted(stage: int, ep: int, dp: int, ds: dict) -> dict:
         b.param_persistence_threshold), **common)
 
 
+def run_predicted(engine, ds: dict, world: int) -> dict:
+    """What the run's own report predicts (harness/profiling/predict.py, read off the live engine)."""
+    from harness.profiling import predict
+
+    count = predict.live_count(engine.module, engine.optimizer)
+    return predict.predict(count, ds, dp=world, precision="fp32", shape=None, seq_len=SEQ)["after_step"]
+
+
 def all_to_all_logged() -> int:
     """all_to_all_single bytes DeepSpeed's comms logger recorded (each call at its input: what this rank sends),
     less AutoEP's exchange of per-expert token counts (E int64 per sparse block)."""
@@ -108,7 +116,7 @@ def main(out_path: str) -> int:
             engine.step()
             results[name] = {"measured": model_state_bytes(engine), "predicted": predicted(stage, ep, world, ds),
                              "all_to_all": all_to_all_logged(), "all_to_all_planned": planned_all_to_all(ep),
-                             "loss": float(loss.detach()),
+                             "loss": float(loss.detach()), "run_predicted": run_predicted(engine, ds, world),
                              "autoep_layers": sum(type(m).__name__ == "AutoEPMoELayer" for m in engine.module.modules())}
             engine.destroy()
             del engine, model

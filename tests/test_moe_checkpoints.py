@@ -5,12 +5,14 @@ table) full fine-tuning with a resume from step 3 each, AutoEP (parallel.expert=
 target_parameters) on ZeRO-2 with the router frozen, and on ZeRO-3 with adapter.train_router. Asserted: exact
 resume, exported folders (transformers' fused layout, AutoEP included) equal to the engine's weights and loading
 in AutoModelForCausalLM with the engine's logits, LoRA parity with one peft process (losses and final adapters),
-and the refusal of a resume on another expert-parallel degree.
+exact resume across expert-parallel degrees (EP 2 -> EP 1 and EP 1 -> EP 2 through the universal form) and the
+refusal of one the harness has not built (ZeRO-3).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -47,6 +49,10 @@ def _cases(root) -> list[list[str]]:
         ["--recipe", "lora_zero3", "--output-dir", str(root / "lora_zero3_router"), *BASE, *LORA,
          "--set", "adapter.train_router=true"],
         ["--recipe", "zero2", "--output-dir", str(root / "ep2"), *BASE, "--set", "parallel.expert=2"],
+        # another expert degree: through the universal form, its experts rewritten (checkpoint/universal_experts.py)
+        ["--recipe", "zero2", "--output-dir", str(root / "ep2_to_ep1"), "--resume", step3("ep2"), *BASE],
+        ["--recipe", "zero2", "--output-dir", str(root / "ep1_to_ep2"), "--resume", step3("zero2"), *BASE,
+         "--set", "parallel.expert=2"],
     ]
 
 
@@ -166,13 +172,74 @@ def test_expert_lora_matches_one_peft_process(launched, name, router, tmp_path):
     print(f"moe expert lora {name}: max relative loss difference vs one peft process {worst:.2e}")
 
 
-def test_resume_on_another_expert_degree_is_refused(launched, tmp_path):
-    """An AutoEP (EP 2) checkpoint asked to resume on parallel.expert=1: exit 2 before any rank starts, naming both
-    degrees and the fix (DeepSpeed's universal form keeps AutoEP's expert names, which EP 1 does not load)."""
+def _train(run_dir) -> dict[int, tuple[float, float]]:
+    from launch import records
+
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records(run_dir, "train")}
+
+
+@pytest.mark.parametrize("name,source,straight,form", [("ep2_to_ep1", "ep2", "ep2", "transformers"),
+                                                       ("ep1_to_ep2", "zero2", "zero2", "autoep")])
+def test_resume_on_another_expert_degree(launched, name, source, straight, form):
+    """Step 3 of an EP 2 run resumed on EP 1 (and of an EP 1 run on EP 2) continues the uninterrupted run: losses and
+    grad norms of steps 4-6 within 1e-6 relative (measured: losses equal, grad norms 1e-7), so the fp32 weights and
+    both Adam moments of every fused expert came across; the universal folder's experts are in the loading side's
+    layout (gate_up_proj/down_proj for EP 1, AutoEP's w1/w2/w3 for EP 2)."""
+    root = finished(launched, name, source, straight)
+    resumed, reference = _train(root / name), _train(root / straight)
+    assert sorted(resumed) == [4, 5, 6]
+    for step, (loss, norm) in resumed.items():
+        assert loss == pytest.approx(reference[step][0], rel=1e-6), (step, resumed, reference)
+        assert norm == pytest.approx(reference[step][1], rel=1e-6), (step, resumed, reference)
+    universal = root / source / "checkpoints" / "universal" / "global_step3"
+    assert json.loads((universal / "converted.json").read_text())["experts"] == form
+    names = {p.name for p in (universal / "zero").iterdir()}
+    fused = {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.gate.weight"}
+    grouped = {"model.layers.0.mlp.experts.w1", "model.layers.0.mlp.experts.w3",
+               "model.layers.0.mlp.router.gate.weight"}
+    assert (fused, grouped)[form == "autoep"] <= names and not (grouped, fused)[form == "autoep"] & names
+
+
+def test_universal_expert_rewrite_is_exact_and_its_own_inverse(launched, tmp_path):
+    """The EP 2 checkpoint's universal form, rewritten to transformers' layout (by the EP 1 resume) and back to
+    AutoEP's here, equals DeepSpeed's own conversion bit for bit (every state file of every parameter, and the
+    optimizer's param groups); its gate_up_proj holds w1 rows then w3 rows."""
+    from harness.checkpoint import resume, universal_experts
+    from harness.model.moe import families
+
+    root = finished(launched, "ep2_to_ep1")
+    rewritten = root / "ep2" / "checkpoints" / "universal" / "global_step3"
+    fresh = tmp_path / "global_step3"
+    resume._convert(root / "ep2" / "checkpoints" / "global_step3", tmp_path, fresh)
+    gate_up = torch.load(rewritten / "zero" / "model.layers.1.mlp.experts.gate_up_proj" / "exp_avg.pt")["param"]
+    w1, w3 = (torch.load(fresh / "zero" / f"model.layers.1.mlp.experts.{w}" / "exp_avg.pt")["param"]
+              for w in ("w1", "w3"))
+    assert torch.equal(gate_up, torch.cat([w1, w3], dim=1))
+    back = tmp_path / "back"
+    shutil.copytree(rewritten, back)
+    family = families.FAMILIES["qwen3_moe"]
+    assert universal_experts.rewrite(back, {"experts": "transformers"}, family, 2) == ("transformers", "autoep", 2)
+    want = sorted(p.relative_to(fresh) for p in (fresh / "zero").rglob("*.pt"))
+    assert sorted(p.relative_to(back) for p in (back / "zero").rglob("*.pt")) == want
+    for rel in want:
+        a, b = torch.load(back / rel, weights_only=False), torch.load(fresh / rel, weights_only=False)
+        if rel.name == "optimizer_state.pt":  # spare expert groups (DeepSpeed may cut experts in several)
+            groups = [[{k: v for k, v in g.items() if k != "params"} for g in x["param_groups"]] for x in (a, b)]
+            assert groups[0][:len(groups[1])] == groups[1] and all(g == groups[1][-1] for g in groups[0][1:])
+        elif isinstance(a, dict):
+            assert set(a) == set(b) and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+                                            for k in a), rel
+        else:
+            assert a == b, rel
+
+
+def test_resume_on_another_expert_degree_under_zero3_is_refused(launched, tmp_path):
+    """An AutoEP (EP 2, ZeRO-2) checkpoint asked to resume on parallel.expert=1 under ZeRO-3: exit 2 before any rank
+    starts, naming both degrees, the stage and the fix (the expert rewrite is built for ZeRO-1/2)."""
     tag = finished(launched, "ep2") / "ep2" / "checkpoints" / "global_step3"
-    proc = subprocess.run([sys.executable, "harness/run.py", "--recipe", "zero2", "--resume", str(tag),
+    proc = subprocess.run([sys.executable, "harness/run.py", "--recipe", "zero3", "--resume", str(tag),
                            "--output-dir", str(tmp_path / "out"), *BASE], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "parallel.expert=2" in proc.stderr and "parallel.expert=1" in proc.stderr and "fix:" in proc.stderr
+    assert "parallel.expert=2" in proc.stderr and "parallel.expert=1 (ZeRO-3)" in proc.stderr and "fix:" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "metrics.jsonl").exists()

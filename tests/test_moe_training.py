@@ -63,7 +63,8 @@ def runs(tmp_path_factory):
     cases = root / "cases.json"
     cases.write_text(json.dumps({"jobs": jobs, "disjoint": disjoint,
                                  "disjoint_shape": {"steps": STEPS, "micro": MICRO, "seq_len": SEQ_LEN}}))
-    launch(str(cases), str(root / "result.json"), script="tests/moe_driver.py", timeout_s=600)
+    proc = launch(str(cases), str(root / "result.json"), script="tests/moe_driver.py", timeout_s=600)
+    (root / "launch.log").write_text(proc.stdout)
     return root, folders, json.loads((root / "result.json").read_text())
 
 
@@ -111,6 +112,20 @@ def test_parity_with_one_process(runs, references, name):
     worst = _compare(got, references[(fam, aux)], aux)
     print(f"moe {name}: worst |loss diff| {worst['loss']:.2e}, aux {worst['aux_loss']:.2e}, "
           f"grad norm rel {worst['grad_norm']:.2e}")
+
+
+def test_zero3_moe_folders_load_by_module(runs):
+    """ZeRO-3 of a MoE folder is partitioned at construction and filled module by module (load/zero3.py), the
+    per-expert tensors transformers 5.24 saves read as the fused gate_up_proj/down_proj (load/experts.py); gpt-oss,
+    stored fused, reads as stored. The weights are the folder's: test_parity_with_one_process compares these runs'
+    first losses with from_pretrained of the same folder."""
+    root, folders, _ = runs
+    log = (root / "launch.log").read_text()
+    for fam, fused in (("qwen3_moe", True), ("qwen2_moe", True), ("gpt_oss", False)):
+        line = next((x for x in log.splitlines() if "load: ZeRO-3 filled module by module from "
+                     f"{folders[fam]}/model.safetensors" in x), None)
+        assert line is not None, (fam, [x for x in log.splitlines() if "load:" in x])
+        assert ("experts of 2 MoE blocks fused from per-expert keys" in line) == fused, line
 
 
 def test_leaf_table_and_autoep_preset_reach_deepspeed(runs):

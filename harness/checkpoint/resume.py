@@ -87,22 +87,29 @@ def needs_universal(point: ResumePoint, world_size: int, pp: int, tp: int) -> bo
     return any(point.folder.glob("*optim_states.pt"))
 
 
-def check_expert(point: ResumePoint, ds: dict) -> None:
-    """An AutoEP checkpoint (one file per expert, expert optimizer state per EP rank) loads on its own
-    parallel.expert only: refused here, before any rank starts. DeepSpeed 0.19.8's ds_to_universal converts it
-    (per-expert files consolidated under AutoEP's names experts.w1/w2/w3), but a launch without AutoEP then looks
-    for universal/.../zero/<layer>.mlp.experts.gate_up_proj and fails (FileNotFoundError in
-    universal_checkpoint.load_hp_checkpoint_state): nothing folds w1/w3 back into transformers' fused tensors."""
+def check_expert(point: ResumePoint, ds: dict) -> bool:
+    """True when the checkpoint's expert degree (DeepSpeed AutoEP's parallel.expert) differs from this launch's: it
+    then loads through the universal form, rewritten by rank 0 into this launch's expert layout
+    (checkpoint/universal_experts.py). Refused before any rank starts where that path is not built or not tested:
+    ZeRO-0 and ZeRO-3 on either side (ZeRO-3 AutoEP keeps experts partitioned in its own format) and LoRA."""
     from harness.checkpoint.save import expert_degree
 
     saved, here = int(point.manifest.get("ep", 1)), expert_degree(ds)
-    if saved != here:
-        raise UsageError(f"--resume {point.folder}: saved with parallel.expert={saved} (DeepSpeed AutoEP), this "
-                         f"launch asks parallel.expert={here}: DeepSpeed loads AutoEP model and optimizer state only "
-                         "on the same degree, and its universal form keeps AutoEP's expert names, which a launch on "
-                         "another degree does not load\n"
-                         f"    fix: --set parallel.expert={saved}, or `harness export {point.folder} --out DIR` and "
-                         "start a new run from DIR (train.model=DIR; the optimizer state starts afresh)")
+    if saved == here:
+        return False
+    stages = (int(point.manifest.get("zero_stage", 0)), int(ds.get("zero_optimization", {}).get("stage", 0)))
+    lora = point.manifest.get("adapter", {}).get("type", "none") != "none"
+    why = ("ZeRO-3 or ZeRO-0" if not all(s in (1, 2) for s in stages) else "LoRA" if lora else None)
+    if why is not None:
+        raise UsageError(f"--resume {point.folder}: saved with parallel.expert={saved} (ZeRO-{stages[0]}), this "
+                         f"launch asks parallel.expert={here} (ZeRO-{stages[1]}): changing the expert degree goes "
+                         "through DeepSpeed's universal checkpoint with the experts rewritten between AutoEP's "
+                         f"and transformers' layout, built and tested for full fine-tuning on ZeRO-1/2 only ({why} "
+                         "here)\n"
+                         f"    fix: --set parallel.expert={saved}, or resume on ZeRO-1/2 on both sides, or `harness "
+                         f"export {point.folder} --out DIR` and start a new run from DIR (train.model=DIR; the "
+                         "optimizer state starts afresh)")
+    return True
 
 
 def batch_overrides(point: ResumePoint, recipe: dict, batch_world: int) -> tuple[list[str], str | None]:
@@ -144,24 +151,56 @@ def check_batch(point: ResumePoint, ds: dict, source: str) -> None:
                          f"    fix: train_batch_size {saved} (micro x accum x data-parallel ranks), or start a new run")
 
 
-def universal(point: ResumePoint, dist) -> tuple[Path, str]:
-    """(checkpoints folder, tag) of the universal form of `point`, converting it once (rank 0; the others wait).
-    Atomic: built in a hidden folder, marked complete, then renamed into place; a finished one is reused."""
+def universal(point: ResumePoint, dist, ep: int = 1) -> tuple[Path, str]:
+    """(checkpoints folder, tag) of the universal form of `point`, converting it once (rank 0; the others wait),
+    its MoE experts in the layout of a launch on parallel.expert=ep. Atomic: built in a hidden folder, marked
+    complete, then renamed into place; a finished one is reused (an interrupted expert rewrite is redone)."""
+    from harness.checkpoint import universal_experts
     from harness.dist import barrier
     from harness.log import say
 
     root = point.ckpt_dir / UNIVERSAL
     out = root / point.tag
     if dist.is_main:
-        if (out / CONVERTED).is_file():
+        marker = _marker(out)
+        if marker is not None and universal_experts.form(marker) not in universal_experts.FORMS:
+            say("ckpt", f"{out}: an expert rewrite was interrupted; converting again")
+            shutil.rmtree(out)
+            marker = None
+        if marker is not None:
             say("ckpt", f"reusing the universal form of {point.tag} in {out}")
         else:
             world, pp, tp = point.layout()
-            say("ckpt", f"{point.folder} was saved on world size {world} (pp {pp}, tp {tp}): converting it once to "
-                        f"DeepSpeed's universal checkpoint in {out}, which loads on any world size")
+            say("ckpt", f"{point.folder} was saved on world size {world} (pp {pp}, tp {tp}, expert "
+                        f"{point.manifest.get('ep', 1)}): converting it once to DeepSpeed's universal checkpoint in "
+                        f"{out}, which loads on any world size")
             _convert(point.folder, root, out)
+            marker = _marker(out)
+        _expert_layout(point, out, marker, ep, say)
     barrier()
     return root, point.tag
+
+
+def _marker(out: Path) -> dict | None:
+    return json.loads((out / CONVERTED).read_text()) if (out / CONVERTED).is_file() else None
+
+
+def _expert_layout(point: ResumePoint, out: Path, marker: dict, ep: int, say) -> None:
+    """MoE: the universal folder rewritten for a launch on parallel.expert=ep (nothing to do for a dense model or
+    when it is in that layout already); the marker says 'rewriting' while it runs."""
+    from harness.checkpoint import universal_experts
+    from harness.model.moe import families
+
+    config = point.ckpt_dir / "hf" / "config.json"
+    family = families.family_of(json.loads(config.read_text())) if config.is_file() else None
+    want = universal_experts.layout_for(ep)
+    if family is None or family.autoep_preset is None or universal_experts.form(marker) == want:
+        return
+    (out / CONVERTED).write_text(json.dumps({**marker, universal_experts.FORM: "rewriting"}) + "\n")
+    was, now, blocks = universal_experts.rewrite(out, marker, family, ep)
+    (out / CONVERTED).write_text(json.dumps({**marker, universal_experts.FORM: now}) + "\n")
+    say("ckpt", f"universal {point.tag}: experts of {blocks} MoE blocks rewritten from {was}'s layout to {now}'s "
+                f"(parallel.expert={ep})")
 
 
 def _convert(source: Path, root: Path, out: Path) -> None:
@@ -175,7 +214,10 @@ def _convert(source: Path, root: Path, out: Path) -> None:
     with open(tmp / "conversion.log", "w") as log, contextlib.redirect_stdout(log):
         ds_to_universal.main(args)  # in this process: worker pools would fork a rank holding a process group
     (root / "latest_universal").unlink(missing_ok=True)  # it writes one naming the hidden folder; tags are explicit
-    (tmp / CONVERTED).write_text(json.dumps({"source": str(source)}) + "\n")
+    from harness.checkpoint import universal_experts
+
+    (tmp / CONVERTED).write_text(json.dumps({"source": str(source), universal_experts.FORM:
+                                             universal_experts.source_form(tmp / "zero")}) + "\n")
     if out.exists():  # a conversion interrupted before its marker
         shutil.rmtree(out)
     os.replace(tmp, out)

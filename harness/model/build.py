@@ -42,10 +42,14 @@ def build_zero3(spec) -> Built:
     del checked  # the meta model served the key check; zero.Init builds the real one
     with zero3.large_tensors_mapped():
         model = zero3.construct(config, meta.train_dtype(spec.recipe["precision"]), spec.ds_config)
-        zero3.fill(model, source)
+        read = zero3.fill(model, source)
     if spec.recipe["activation_checkpointing"]:
         enable_activation_checkpointing(model)
-    return Built(model, info)
+    fused = len(getattr(source, "fused", ())) // 2
+    note = (f"load: ZeRO-3 filled module by module from {source.where}: rank 0 read {read / 2**20:.2f} MiB, the "
+            "other ranks nothing" + (f"; the experts of {fused} MoE blocks fused from per-expert keys "
+                                     "(load/experts.py)" if fused else ""))
+    return Built(model, info, note=note)
 
 
 def zero3_by_module(spec) -> bool:
@@ -53,17 +57,8 @@ def zero3_by_module(spec) -> bool:
     name = spec.recipe["train"]["model"]
     if spec.zero_stage != 3 or model_shapes.is_preset(name):
         return False
-    folder = Path(name)
-    if _moe(name):  # transformers 5.24 saves per-expert keys and fuses them in from_pretrained; load/ reads fused
-        return False  # names only, so a MoE folder goes through from_pretrained under zero.Init (whole files)
+    folder = Path(name)  # MoE folders too: load/experts.py reads per-expert keys as the fused tensors
     return not folder.is_dir() or (folder / sources.INDEX).is_file() or (folder / sources.SINGLE).is_file()
-
-
-def _moe(name: str) -> bool:
-    from harness.model.hf import load_model_config
-    from harness.model.moe.families import family_of
-
-    return family_of(load_model_config(name)) is not None
 
 
 def build_whole(spec) -> Built:

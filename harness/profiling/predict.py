@@ -8,8 +8,10 @@ between predicted and measured is a gap in the planner's model, not in its input
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from harness.errors import UsageError
-from harness.planner import comm, memory, pipeline, sequence
+from harness.planner import comm, memory, moe, pipeline, sequence
 
 STAGE3_DEFAULT_MAX_LIVE = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default
 
@@ -30,7 +32,15 @@ def live_count(module, optimizer=None) -> dict:
             "partition_whole": sum(p.numel() for group in in_partition for p in group) if in_partition else None,
             "trainable": sum(trainable) if frozen else None,
             "largest_trainable_tensor": max(trainable, default=0) if frozen else None,
-            "largest_trainable_layer": max(own_trainable, default=0) if frozen else None}
+            "largest_trainable_layer": max(own_trainable, default=0) if frozen else None,
+            "experts": sum(n for p, n in zip(params, numel) if _is_expert(p))}
+
+
+def _is_expert(param) -> bool:
+    """A DeepSpeed AutoEP expert tensor (this rank's experts; module_inject/auto_ep_layer.py marks them
+    allreduce=False, reduced over the expert-data-parallel group)."""
+    return getattr(param, "allreduce", True) is False or getattr(param, "ds_zero_placement_family", "") == \
+        "autoep_expert"
 
 
 def _zero_settings(ds: dict) -> dict:
@@ -101,10 +111,17 @@ def predict(count: dict, ds: dict, *, dp: int, precision: str, shape: dict | Non
                   trainable_params=count.get("trainable"), largest_trainable_tensor=count.get("largest_trainable_tensor"),
                   largest_trainable_layer=count.get("largest_trainable_layer"))
 
+    from harness.checkpoint.save import expert_degree
+
+    ep, experts = expert_degree(ds), count.get("experts", 0)
+
     def states(stage: int, phase: str) -> dict:
-        return memory.model_state_bytes(
-            count["total"], stage=stage, phase=phase, offload_param=z["offload_param"] if stage == 3 else "none",
-            persistent_params=count["persistent"] if stage == 3 else 0, **common)
+        kw = dict(stage=stage, phase=phase, offload_param=z["offload_param"] if stage == 3 else "none",
+                  persistent_params=count["persistent"] if stage == 3 else 0, **common)
+        if ep > 1 and experts:  # AutoEP: this rank's experts shard over dp / ep ranks (planner/moe.py)
+            return moe.model_state_bytes(SimpleNamespace(total=count["total"] - experts + experts * ep,
+                                                         routed_experts=experts * ep), ep=ep, **kw)
+        return memory.model_state_bytes(count["total"], **kw)
 
     out: dict = {"params_per_rank": count["total"], "dp": dp, "stage": z["stage"],
                  "after_step": states(z["stage"], "after_step"), "peak": states(z["stage"], "peak")}
@@ -113,6 +130,9 @@ def predict(count: dict, ds: dict, *, dp: int, precision: str, shape: dict | Non
     out["comm"] = comm.comm_bytes_per_step(count["total"], stage=z["stage"], dp=dp, precision=precision,
                                            grad_accum=grad_accum, persistent_params=count["persistent"],
                                            gathers_per_micro_step=gathers, trainable_params=count.get("trainable"))
+    if ep > 1 and experts:
+        notes.append(f"expert parallel {ep}: {experts:,} expert parameters on this rank shard over {max(1, dp // ep)}"
+                     " expert-data-parallel ranks (model states); the comm bytes count them over dp")
     if z["stage"] == 3:
         notes.append(f"ZeRO-3 all-gathers parameters {gathers}x per micro-step "
                      f"({count['total'] - count['persistent']:,} gathered params vs "

@@ -88,6 +88,8 @@ def build_engine(spec, startup):
     with startup.phase("build"):
         built = build(spec)
     startup.predicted = profiling.predict_build(spec, built)  # the base as built (ZeRO-3: partitioned)
+    if built.note:
+        spec.notes.append(built.note)
     if spec.pp == 1 and (line := prepare_moe(built.module, spec.recipe, spec.ds_config)):
         spec.notes.append(f"moe: {line}")  # the router's loss; AutoEP's shim (harness/model/moe)
     if spec.pp == 1:  # LoRA; pipeline stages get theirs in pipe_engine.build_stage, once each is materialised
@@ -112,7 +114,7 @@ def start_step(engine, spec, dist, run_dir: Path) -> int:
     for tag in point.skipped if dist.is_main else ():
         say("ckpt", f"skipped {point.ckpt_dir / tag}: incomplete (no {ckpt_files.MANIFEST}, its save was interrupted)")
     if spec.ds_config.get("checkpoint", {}).get("load_universal"):
-        ckpt_dir, tag = resume.universal(point, dist)
+        ckpt_dir, tag = resume.universal(point, dist, ep=checkpoint.expert_degree(spec.ds_config))
         client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder,
                                  strict=not checkpoint.frozen_excluded(spec))
     else:

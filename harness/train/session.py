@@ -112,12 +112,13 @@ def _resume_layout(ds: dict, source: str, point, world: int, pp: int, tp: int, n
     if point is None:
         return ds
     resumemod.check_batch(point, ds, source)
-    resumemod.check_expert(point, ds)  # MoE: AutoEP state loads on its own expert degree only
-    if not resumemod.needs_universal(point, world, pp, tp):
+    expert = resumemod.check_expert(point, ds)  # MoE: another expert degree goes through the universal form
+    if not expert and not resumemod.needs_universal(point, world, pp, tp):
         return ds
     saved = point.layout()
-    notes.append(f"resume: {point.tag} was saved on world {saved[0]} (pp {saved[1]}, tp {saved[2]}), this launch "
-                 f"is world {world} (pp {pp}, tp {tp}): loading it through DeepSpeed's universal checkpoint")
+    notes.append(f"resume: {point.tag} was saved on world {saved[0]} (pp {saved[1]}, tp {saved[2]}, expert "
+                 f"{point.manifest.get('ep', 1)}), this launch is world {world} (pp {pp}, tp {tp}): loading it "
+                 "through DeepSpeed's universal checkpoint")
     return {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
 
 

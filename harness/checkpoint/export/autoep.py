@@ -9,10 +9,14 @@ module's weights in the training dtype), and describes the layers in the model s
 transformers' layout (repack_expert_weights in deepspeed/moe/ep_repack.py read backwards):
     gate_up_proj [E, 2I, H] = cat(w1[e], w3[e]) per expert, gate rows first;   down_proj [E, H, I] = w2[e]
 Each fused tensor reads one slice per expert file when its shard is written: memory is one tensor, as for dense.
+
+The names and the fusion here (hf_name/autoep_name, fuse_gate_up/split_gate_up) are the one mapping between AutoEP's
+layer and transformers' MoE block; checkpoint/universal_experts.py applies the same to a universal checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -20,8 +24,71 @@ import torch
 
 from harness.checkpoint.export.ckpt_tensors import Lazy, MappedFiles, lazy
 from harness.errors import UsageError
+from harness.model.moe import families
 
 EXPERT_PARAM = re.compile(r"\.experts\.w[123]$")  # DeepSpeed's expert_parameter_patterns for AutoEP
+GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"  # transformers' fused tensors under a MoE block
+W1, W2, W3 = "experts.w1", "experts.w2", "experts.w3"  # AutoEP's GroupedExperts (gate, down, up)
+
+
+def fuse_gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """[..., I, H] gate and up -> transformers' [..., 2I, H], gate rows first (one expert or all of them)."""
+    return torch.cat([w1, w3], dim=-2)
+
+
+def split_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' [..., 2I, H] -> AutoEP's (w1, w3), each [..., I, H]."""
+    w1, w3 = gate_up.chunk(2, dim=-2)
+    return w1.contiguous(), w3.contiguous()
+
+
+def renames(family) -> list[tuple[str, str]]:
+    """(AutoEP suffix, transformers suffix) under one MoE block for what is not a routed expert. AutoEPMoELayer
+    (deepspeed/module_inject/auto_ep_layer.py) keeps the router as router.gate, the shared experts as
+    shared_experts / shared_experts_gate; the block's own attribute names come from the family's AutoEP preset."""
+    from deepspeed.module_inject.auto_ep_presets.registry import get_preset
+
+    preset = get_preset(family.autoep_preset)
+    out = [("router.gate.", f"{family.router}.")]
+    if preset.has_shared_experts and preset.shared_experts_pattern:
+        out.append(("shared_experts.", f"{preset.shared_experts_pattern}."))
+    if preset.shared_experts_gate_pattern:
+        out.append(("shared_experts_gate.", f"{preset.shared_experts_gate_pattern}."))
+    return out
+
+
+def _block(name: str, blocks) -> tuple[str, str] | None:
+    for block in blocks:
+        if name.startswith(block + "."):
+            return block, name[len(block) + 1:]
+    return None
+
+
+def hf_name(name: str, blocks, family) -> str | None:
+    """An AutoEP training name -> transformers' (None: the router again under its HF attribute, an alias AutoEP
+    adds: <block>.<router>.gate.*). Routed experts (w1/w2/w3) are not renamed here: they are fused."""
+    found = _block(name, blocks)
+    if found is None:
+        return name
+    block, rest = found
+    if rest.startswith(f"{family.router}.gate."):
+        return None
+    for autoep, hf in renames(family):
+        if rest.startswith(autoep):
+            return f"{block}.{hf}{rest[len(autoep):]}"
+    return name
+
+
+def autoep_name(name: str, blocks, family) -> str:
+    """transformers' name under a MoE block -> AutoEP's (the inverse of hf_name for what is not a routed expert)."""
+    found = _block(name, blocks)
+    if found is None:
+        return name
+    block, rest = found
+    for autoep, hf in renames(family):
+        if rest.startswith(hf):
+            return f"{block}.{autoep}{rest[len(hf):]}"
+    return name
 
 
 def _model_states(tag_dir: Path) -> Path:
@@ -47,13 +114,15 @@ def fused_state(files: MappedFiles, tag_dir: Path, dense: dict[str, Lazy], zero_
         raise UsageError(f"{tag_dir}: exporting an AutoEP checkpoint trained under ZeRO-3 is not implemented (its "
                          "expert weights are partitioned inside the optimizer groups)\n    fix: export a ZeRO-1/2 "
                          "AutoEP checkpoint, or train the MoE model on ZeRO-3 without parallel.expert")
-    out = {k: v for k, v in dense.items() if not EXPERT_PARAM.search(k)}
+    family = families.family_of(json.loads((tag_dir.parent / "hf" / "config.json").read_text()))
+    blocks = [layer["module_path"] for layer in found]
+    out = {}
+    for key, value in dense.items():
+        name = None if EXPERT_PARAM.search(key) else hf_name(key, blocks, family)
+        if name is not None:
+            out[name] = value
     for layer in found:
-        path, prefix, count = layer["module_path"], layer["expert_key_prefix"], int(layer["num_experts"])
-        out.pop(f"{path}.gate.gate.weight", None)  # the same router under a second name
-        router = out.pop(f"{path}.router.gate.weight", None)
-        if router is not None:
-            out[f"{path}.gate.weight"] = router
+        prefix, count = layer["expert_key_prefix"], int(layer["num_experts"])
         paths = [_expert_file(tag_dir, layer, e) for e in range(count)]
         missing = [p.name for p in paths if not p.is_file()]
         if missing:
@@ -63,7 +132,7 @@ def fused_state(files: MappedFiles, tag_dir: Path, dense: dict[str, Lazy], zero_
         inter, hidden = w1.shape
 
         def gate_up(paths=paths, prefix=prefix) -> torch.Tensor:
-            return torch.stack([torch.cat([files[p][f"{prefix}.w1.{e}"], files[p][f"{prefix}.w3.{e}"]])
+            return torch.stack([fuse_gate_up(files[p][f"{prefix}.w1.{e}"], files[p][f"{prefix}.w3.{e}"])
                                 for e, p in enumerate(paths)])
 
         def down(paths=paths, prefix=prefix) -> torch.Tensor:

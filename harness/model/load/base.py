@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import model_shapes
-from harness.model.load import meta, source as sources
+from harness.model.load import experts, meta, source as sources
 
 
 @dataclass
@@ -17,6 +17,7 @@ class Built:
     module: object  # what deepspeed.initialize gets: the HF model, its TP shard, or the PipelineModule stage
     info: meta.ModelInfo
     mpu: object = None  # tensor.TensorDataMPU for tp
+    note: str | None = None  # how it was loaded, for the run's log (ZeRO-3 by module)
 
 
 def open_source(name: str, seed: int):
@@ -46,7 +47,7 @@ def open_model(spec):
 
     train = spec.recipe["train"]
     model = meta.build_on_meta(load_model_config(train["model"]))
-    source = open_source(train["model"], train["seed"])
+    source = experts.fused_view(open_source(train["model"], train["seed"]), model.config)  # MoE: per-expert keys
     sources.check_keys(source, model)
     info = meta.ModelInfo(config=model.config, num_params=meta.num_params(model), checkpoint_dtype=source.dtype(),
                           train_dtype=meta.dtype_name(meta.train_dtype(spec.recipe["precision"])))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.model.hf import ATTN_IMPLEMENTATION, _zero3_context
+from harness.model.moe.families import attn_implementation
 
 TRAIN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,7 +44,8 @@ def build_on_meta(config):
     # never under zero.Init: an earlier ZeRO-3 build in this process (a driver running several jobs) leaves
     # transformers' DeepSpeed config registered, and zero.Init cannot partition meta tensors
     with _zero3_context(None), init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation(config,
+                                                                                      ATTN_IMPLEMENTATION))
     # init_empty_weights re-registers every parameter as a new meta Parameter, so the tie made during
     # construction (lm_head.weight = embed.weight) is lost; tie again now, outside its patch
     model.tie_weights()
