@@ -44,8 +44,7 @@ def problems(recipe: dict, world: int, model_config) -> list[Problem]:
     if pp > 1:
         out.append(Problem("parallel.pipeline", f"parallel.pipeline={pp} with the MoE model {model} "
                            f"({family.name}): pipeline stages pass hidden states only, so the router logits (the aux "
-                           "loss of every stage) would be dropped; stages load by share, which reads fused expert "
-                           "tensors while transformers saves one tensor per expert; AutoEP is untested under "
+                           "loss of every stage) would be dropped; AutoEP is untested under "
                            "DeepSpeed's pipeline engine", "set parallel.pipeline=1 (ZeRO-3 with leaves, or "
                            "parallel.expert)"))
     if ep <= 1:
