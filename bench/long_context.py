@@ -3,7 +3,7 @@ the harness against a plain DeepSpeed loop, and the predicted step time against 
 
     python bench/long_context.py --part memory   [--seq-lens 2048,4096,8192] [--ckpt off,on] [--sp 1,2] [--tiled off,on]
     python bench/long_context.py --part longest  [--cap-mb 256]
-    python bench/long_context.py --part overhead [--seq-len 4096] [--pairs 2] [--steps 12]
+    python bench/long_context.py --part overhead [--seq-len 4096] [--pairs 3] [--steps 12] [--sp 2]
     python bench/long_context.py --part steptime [--seq-len 4096]
 
 Each part launches real `deepspeed` ranks (wrap it in `flock /tmp/dsharness-ranks.lock`; each part is sized to take
@@ -173,7 +173,11 @@ def part_longest(args, model: str, tmp: Path) -> list[dict]:
 
 
 def part_overhead(args, model: str, tmp: Path) -> list[dict]:
-    sets = config_sets(args.seq_len, True, 1, False)
+    """Pairs at sp = max(--sp) (default 2): the raw side is then DeepSpeed's Ulysses tutorial loop (see
+    bench/raw_deepspeed.py), exact on ZeRO-3 like the harness, so the losses must agree step for step."""
+    sets = config_sets(args.seq_len, True, max(args.sp), False)
+    if isinstance(sets, str):
+        raise SystemExit(sets)
     rows = []
     for pair in range(args.pairs):
         got = {}
