@@ -180,9 +180,8 @@ class Trainer:
         return (every > 0 and step % every == 0) or step == last
 
     def save(self, step: int) -> None:
-        # no export probe under SP: a 16-token forward on one row does not fit the Ulysses wrapper's shard shape
-        probe = None if self.spec.sp > 1 else fetch(self.data.eval if self.data.eval.shape[0] else self.data.train,
-                                                    slice(0, 1))[0][:, :16]
+        # under SP checkpoint.save shards the probe over the SP ranks (model/sequence/ulysses.probe_logits)
+        probe = fetch(self.data.eval if self.data.eval.shape[0] else self.data.train, slice(0, 1))[0][:, :16]
         path = checkpoint.save(self.engine, self.spec, self.dist, self.run_dir / "checkpoints", step,
                                {"step": step, "epoch": self.plan.epoch_of(max(step - 1, 0))}, probe_ids=probe)
         if self.dist.is_main:
