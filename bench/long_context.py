@@ -54,6 +54,7 @@ import overhead  # noqa: E402
 
 PEAK_TOL, TIME_TOL, GOAL = 0.15, 0.25, 0.98
 POSITIONS = 32768
+PACKING = ["document"]  # --packing: document (the default: s^2 masks) or concat (sp 1 sdpa runs causal, no mask)
 TILE = 512  # train.tile_tokens when tiled: the default 4096 would leave these lengths in one tile
 
 
@@ -83,7 +84,8 @@ def schema_has(key: str) -> bool:
 def config_sets(seq_len: int, ckpt: bool, sp: int, tiled: bool) -> list[str] | str:
     """--set overrides of one configuration, or why this checkout cannot run it."""
     sets = [f"train.seq_len={seq_len}", f"activation_checkpointing={str(ckpt).lower()}", "precision=fp32",
-            "batch.micro_batch_per_gpu=1", "batch.grad_accum_steps=1", "train.eval_every=0", "train.eval_batches=1"]
+            "batch.micro_batch_per_gpu=1", "batch.grad_accum_steps=1", "train.eval_every=0", "train.eval_batches=1",
+            f"train.packing={PACKING[0]}"]
     if sp > 1:
         if not schema_has("parallel.sequence"):
             return "skipped: parallel.sequence is not a recipe key in this checkout (sp-core's branch adds it)"
@@ -175,8 +177,11 @@ def planner_longest(model: str, cap: int, ckpt: bool, sp: int, tiled: bool) -> i
     cfg = load_model_config(model)
     count, shape = count_params(cfg), model_shape(cfg)
     hw = layouts.hardware(2, 1, int(cap / (1 - layouts.RESERVE_FRACTION)) + 1, None, None)
+    from harness.profiling.predict import long_context
+
+    recipe = {"train": {"packing": PACKING[0]}, "parallel": {"sequence": sp}}
     work = {"seq_len": 2048, "micro_batch": 1, "precision": "fp32", "activation_checkpointing": ckpt, "grad_accum": 1,
-            "attention": "sdpa"}
+            "attention": long_context(recipe)["attention"]}
     c = layouts.Candidate("zero3", 3, sp=sp, tiled=tiled)
     return longest.max_seq_len(c, count, shape, hw, work)
 
@@ -337,8 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--packing", choices=("document", "concat"), default="document")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    PACKING[0] = args.packing
     with tempfile.TemporaryDirectory(prefix="long_context_") as tmp:
         model = model_folder(Path(tmp) / "model")
         rows = globals()[f"part_{args.part}"](args, model, Path(tmp))

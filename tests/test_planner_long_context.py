@@ -247,3 +247,23 @@ def test_a_runs_prediction_carries_the_sp_all_to_all_into_the_reports_comm_table
         summary = {"comm": {"predicted": out["comm"], "measured_per_rank": [{"all_to_all_single": measured}] * 2}}
         row = next(r for r in comm_rows(Run(Path("."), [], summary, recipe, ds)) if r["collective"] == "all_to_all_single")
         assert row["predicted"] == a2a and row["ratio"] == [measured / a2a] * 2 and bool(row["flag"]) == flagged
+
+
+def test_concat_rows_at_sp1_have_no_mask_terms_document_rows_and_sp_do():
+    """sdpa at sp 1 on concat rows runs causal without a mask (no s^2 terms); document rows, or any row under SP
+    (the harness's document_sdpa builds the mask from the gathered positions), keep the s^2 mask and its copy."""
+    from harness.planner import memory
+    from harness.profiling.predict import long_context
+
+    shape = model_shape(PRESETS["tiny-llama"])
+    got = {}
+    for packing in ("concat", "document"):
+        for sp in (1, 2):
+            seq = long_context({"parallel": {"sequence": sp}, "train": {"packing": packing}})
+            got[packing, sp] = memory.activation_bytes(shape, seq_len=1024, micro_batch=1, precision="fp32",
+                                                       activation_checkpointing=True, **seq)
+    assert long_context({"train": {"packing": "concat"}})["attention"] == "flash"
+    assert got["concat", 1]["mask"] == 0
+    assert got["document", 1]["mask"] == got["concat", 2]["mask"] == got["document", 2]["mask"] == 1024 * 1024
+    # the float copy of the mask torch's sdpa saves, in the one recomputed block
+    assert got["document", 1]["recompute"] - got["concat", 1]["recompute"] == 1024 * 1024 * 4
