@@ -267,3 +267,20 @@ def test_concat_rows_at_sp1_have_no_mask_terms_document_rows_and_sp_do():
     assert got["document", 1]["mask"] == got["concat", 2]["mask"] == got["document", 2]["mask"] == 1024 * 1024
     # the float copy of the mask torch's sdpa saves, in the one recomputed block
     assert got["document", 1]["recompute"] - got["concat", 1]["recompute"] == 1024 * 1024 * 4
+
+
+def test_a_masked_attention_counts_every_score_and_reads_its_mask():
+    """sdpa with a materialised mask (document packing, document_sdpa under SP) computes the full s x s where the
+    causal kernel calibrate times skips half: twice the attention FLOPs, plus the float mask read per head."""
+    from harness.planner import steptime
+    from harness.planner.params import count_params
+
+    cfg = PRESETS["tiny-llama"]
+    shape, count = model_shape(cfg), count_params(cfg)
+    plain = steptime.block_flops_per_token(count, shape, 4096, 1)
+    masked = steptime.block_flops_per_token(count, shape, 4096, 1, masked=True)
+    assert masked - plain == 4 * 4096 * 64  # heads x head_dim = 64
+    work = {"seq_len": 4096, "precision": "fp32"}
+    extra = (steptime.elementwise_bytes_per_token(shape, dict(work, attention="sdpa"), 1)
+             - steptime.elementwise_bytes_per_token(shape, dict(work, attention="flash"), 1))
+    assert extra == 4 * 4096 * 4  # 4 heads x s x fp32

@@ -77,10 +77,19 @@ OPT_STATE_READ_BYTES = 16  # fp32 master, exp_avg, exp_avg_sq, fp32 gradient
 OPT_STATE_WRITE_BYTES = 12  # fp32 master, exp_avg, exp_avg_sq
 
 
-def block_flops_per_token(count, shape: dict, seq_len: int, tp: int) -> float:
-    """Forward FLOPs of one block per token on one tensor-parallel rank."""
+MASKED = ("sdpa", "eager")  # attention given a materialised s x s mask (planner/activations.py's mask terms)
+
+
+def block_flops_per_token(count, shape: dict, seq_len: int, tp: int, masked: bool = False) -> float:
+    """Forward FLOPs of one block per token on one tensor-parallel rank. `masked`: the attention gets a
+    materialised s x s mask (sdpa with the document mask, the harness's document_sdpa, eager), so its kernel
+    computes every score, where the causal mask-free kernel `harness calibrate` times (and every causal flash
+    kernel) skips the upper half: the attention term counts twice (measured on this CPU, torch 2.13, s 4096,
+    2 heads of 16: bool-masked sdpa forward + backward 226 ms against 76 ms causal; the rest of the 2.98x is the
+    mask's reads, elementwise_bytes_per_token)."""
     d_attn = shape["num_attention_heads"] * shape["head_dim"]
-    return 2 * count.block_active(tp) + 4 * seq_len * d_attn / tp  # MoE: the parameters a token goes through
+    attention = 4 * seq_len * d_attn / tp * (2 if masked else 1)
+    return 2 * count.block_active(tp) + attention  # MoE: the parameters a token goes through
 
 
 def head_flops_per_token(shape: dict) -> float:
@@ -101,7 +110,10 @@ def elementwise_bytes_per_token(shape: dict, work: dict, tp: int) -> float:
 
     lp = PRECISION_BYTES[work["precision"]]
     scores = 5 * shape["num_attention_heads"] * work["seq_len"] / tp if work.get("attention") == "materialized" else 0
-    return lp * _layer_token_elems(shape, tp) + scores
+    # a materialised mask: torch's sdpa reads its float copy (one s-long row per query) for every head, once in
+    # forward and twice in backward (the passes compute_s charges elementwise bytes for)
+    mask = shape["num_attention_heads"] * work["seq_len"] * lp / tp if work.get("attention") in MASKED else 0
+    return lp * _layer_token_elems(shape, tp) + scores + mask
 
 
 def compute_s(count, shape: dict, profile: dict, work: dict, tp: int, blocks: int, head: bool) -> dict:
@@ -111,7 +123,8 @@ def compute_s(count, shape: dict, profile: dict, work: dict, tp: int, blocks: in
     written and read in backward (3 passes over hbm_gbps), once more when recomputed."""
     tokens = work["seq_len"] * work["micro_batch"]
     rate = hardware.achieved_flops(profile, work["precision"])
-    block = tokens * blocks * block_flops_per_token(count, shape, work["seq_len"], tp)
+    block = tokens * blocks * block_flops_per_token(count, shape, work["seq_len"], tp,
+                                                    masked=work.get("attention") in MASKED)
     fwd = block + (tokens * head_flops_per_token(shape) / tp if head else 0.0)
     elem = tokens * blocks * elementwise_bytes_per_token(shape, work, tp) / (profile["hbm_gbps"] * 1e9)
     recompute = block / rate + elem if work["activation_checkpointing"] else 0.0

@@ -125,6 +125,8 @@ def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
     dp_rank, dp_size = dp_coords(spec, dist)
     per_rank = max(1, min(spec.recipe["train"]["eval_batches"] * micro, data.eval.shape[0] // dp_size))
     rows = data.eval[dp_rank::dp_size][:per_rank]
+    if rows.shape[0] == 0:  # fewer eval rows than replicas (long rows, a small set): this one repeats a row
+        rows = data.eval[dp_rank % data.eval.shape[0]:][:1]
     engine.eval()
     loss = strategy(spec)[1](engine, [fetch(rows, slice(i, i + micro)) for i in range(0, rows.shape[0], micro)])
     engine.train()
