@@ -284,3 +284,10 @@ def test_a_masked_attention_counts_every_score_and_reads_its_mask():
     extra = (steptime.elementwise_bytes_per_token(shape, dict(work, attention="sdpa"), 1)
              - steptime.elementwise_bytes_per_token(shape, dict(work, attention="flash"), 1))
     assert extra == 4 * 4096 * 4  # 4 heads x s x fp32
+
+
+def test_fp32_logits_have_no_upcast_copy():
+    shape = model_shape(PRESETS["tiny-llama"])
+    args = dict(seq_len=1024, micro_batch=1, activation_checkpointing=True)
+    assert activation_bytes(shape, precision="fp32", **args)["logits"] == 1024 * 512 * (4 + 4)  # logits, log-softmax
+    assert activation_bytes(shape, precision="bf16", **args)["logits"] == 1024 * 512 * (2 + 4 + 4)
