@@ -269,21 +269,23 @@ def test_concat_rows_at_sp1_have_no_mask_terms_document_rows_and_sp_do():
     assert got["document", 1]["recompute"] - got["concat", 1]["recompute"] == 1024 * 1024 * 4
 
 
-def test_a_masked_attention_counts_every_score_and_reads_its_mask():
-    """sdpa with a materialised mask (document packing, document_sdpa under SP) computes the full s x s where the
-    causal kernel calibrate times skips half: twice the attention FLOPs, plus the float mask read per head."""
+def test_a_masked_attention_costs_the_profiles_measured_factor():
+    """sdpa with a materialised mask (document packing, document_sdpa under SP) computes every score and reads the
+    mask where the causal kernel calibrate times skips half: its attention term is scaled by the profile's
+    masked_attention_factor (default 2)."""
     from harness.planner import steptime
     from harness.planner.params import count_params
 
     cfg = PRESETS["tiny-llama"]
     shape, count = model_shape(cfg), count_params(cfg)
     plain = steptime.block_flops_per_token(count, shape, 4096, 1)
-    masked = steptime.block_flops_per_token(count, shape, 4096, 1, masked=True)
-    assert masked - plain == 4 * 4096 * 64  # heads x head_dim = 64
-    work = {"seq_len": 4096, "precision": "fp32"}
-    extra = (steptime.elementwise_bytes_per_token(shape, dict(work, attention="sdpa"), 1)
-             - steptime.elementwise_bytes_per_token(shape, dict(work, attention="flash"), 1))
-    assert extra == 4 * 4096 * 4  # 4 heads x s x fp32
+    assert steptime.block_flops_per_token(count, shape, 4096, 1, masked=3.0) - plain == 2 * 4 * 4096 * 64
+    profile = hardware.load("h100-80gb-sxm")
+    work = {"seq_len": 4096, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False}
+    times = {(a, f): steptime.compute_s(count, shape, dict(profile, **({"masked_attention_factor": f} if f else {})),
+                                        dict(work, attention=a), 1, 2, False)["forward"]
+             for a, f in (("flash", None), ("flash", 3.0), ("sdpa", None), ("sdpa", 3.0))}
+    assert times["flash", None] == times["flash", 3.0] < times["sdpa", None] < times["sdpa", 3.0]
 
 
 def test_fp32_logits_have_no_upcast_copy():
