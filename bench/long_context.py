@@ -9,7 +9,8 @@ the harness against a plain DeepSpeed loop, and the predicted step time against 
 Each part launches real `deepspeed` ranks (wrap it in `flock /tmp/dsharness-ranks.lock`; each part is sized to take
 under 5 minutes on 2 shared cores) and prints a table; --json also writes the rows. The model: tiny-llama's shape
 (hidden 64, 4 heads, 2 kv heads, 2 blocks, vocab 512) with 32768 positions, written with save_pretrained to a temp
-folder; ZeRO-3, fp32, micro-batch 1, the builtin corpus packed to seq_len, sdpa (the harness's attention).
+folder; ZeRO-3, fp32, micro-batch 1, the builtin corpus packed to seq_len (--packing, document by default), sdpa at
+sp 1 and the harness's document_sdpa under SP (attention auto).
 
 - memory: each rank's training peak of memory in use (RssAnon less what malloc holds free, sampled) above the memory
   in use once its engine was built (startup's engine_setup in_use_after_bytes), against the planner's peak for the
