@@ -196,6 +196,7 @@ def _check_startup(summary: dict, owned_per_rank: list[int], train_bytes: int) -
             assert r["seconds"] > 0 and r["hwm_reset"] is True, (rank, phase, r)
             assert r["peak_rss_anon_bytes"] >= r["rss_anon_after_bytes"], (rank, phase, r)
             assert r["peak_rss_bytes"] >= r["peak_rss_anon_bytes"], (rank, phase, r)
+            assert 0 < r["in_use_after_bytes"] <= r["rss_anon_after_bytes"], (rank, phase, r)  # less malloc's free
         assert startup["predicted_per_rank"][rank]["build_terms"]["owned"] == owned_per_rank[rank] * train_bytes
 
 

@@ -247,3 +247,49 @@ def test_a_runs_prediction_carries_the_sp_all_to_all_into_the_reports_comm_table
         summary = {"comm": {"predicted": out["comm"], "measured_per_rank": [{"all_to_all_single": measured}] * 2}}
         row = next(r for r in comm_rows(Run(Path("."), [], summary, recipe, ds)) if r["collective"] == "all_to_all_single")
         assert row["predicted"] == a2a and row["ratio"] == [measured / a2a] * 2 and bool(row["flag"]) == flagged
+
+
+def test_concat_rows_at_sp1_have_no_mask_terms_document_rows_and_sp_do():
+    """sdpa at sp 1 on concat rows runs causal without a mask (no s^2 terms); document rows, or any row under SP
+    (the harness's document_sdpa builds the mask from the gathered positions), keep the s^2 mask and its copy."""
+    from harness.planner import memory
+    from harness.profiling.predict import long_context
+
+    shape = model_shape(PRESETS["tiny-llama"])
+    got = {}
+    for packing in ("concat", "document"):
+        for sp in (1, 2):
+            seq = long_context({"parallel": {"sequence": sp}, "train": {"packing": packing}})
+            got[packing, sp] = memory.activation_bytes(shape, seq_len=1024, micro_batch=1, precision="fp32",
+                                                       activation_checkpointing=True, **seq)
+    assert long_context({"train": {"packing": "concat"}})["attention"] == "flash"
+    assert got["concat", 1]["mask"] == 0
+    assert got["document", 1]["mask"] == got["concat", 2]["mask"] == got["document", 2]["mask"] == 1024 * 1024
+    # the float copy of the mask torch's sdpa saves, in the one recomputed block
+    assert got["document", 1]["recompute"] - got["concat", 1]["recompute"] == 1024 * 1024 * 4
+
+
+def test_a_masked_attention_costs_the_profiles_measured_factor():
+    """sdpa with a materialised mask (document packing, document_sdpa under SP) computes every score and reads the
+    mask where the causal kernel calibrate times skips half: its attention term is scaled by the profile's
+    masked_attention_factor (default 2)."""
+    from harness.planner import steptime
+    from harness.planner.params import count_params
+
+    cfg = PRESETS["tiny-llama"]
+    shape, count = model_shape(cfg), count_params(cfg)
+    plain = steptime.block_flops_per_token(count, shape, 4096, 1)
+    assert steptime.block_flops_per_token(count, shape, 4096, 1, masked=3.0) - plain == 2 * 4 * 4096 * 64
+    profile = hardware.load("h100-80gb-sxm")
+    work = {"seq_len": 4096, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False}
+    times = {(a, f): steptime.compute_s(count, shape, dict(profile, **({"masked_attention_factor": f} if f else {})),
+                                        dict(work, attention=a), 1, 2, False)["forward"]
+             for a, f in (("flash", None), ("flash", 3.0), ("sdpa", None), ("sdpa", 3.0))}
+    assert times["flash", None] == times["flash", 3.0] < times["sdpa", None] < times["sdpa", 3.0]
+
+
+def test_fp32_logits_have_no_upcast_copy():
+    shape = model_shape(PRESETS["tiny-llama"])
+    args = dict(seq_len=1024, micro_batch=1, activation_checkpointing=True)
+    assert activation_bytes(shape, precision="fp32", **args)["logits"] == 1024 * 512 * (4 + 4)  # logits, log-softmax
+    assert activation_bytes(shape, precision="bf16", **args)["logits"] == 1024 * 512 * (2 + 4 + 4)

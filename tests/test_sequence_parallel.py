@@ -124,7 +124,7 @@ def test_sp2_update_equals_sp1(parity, stage):
 def test_harness_runs_lora_at_sp2_like_sp1_and_resumes_exactly(tmp_path):
     """The real entry (session.prepare -> job.run) in ONE process group (tests/jobs_driver.py): LoRA on ZeRO-3 at
     sp=1 (dp 2, micro 1) and sp=2 (dp 1, micro 2: the same 2 sequences per step) log the same losses; the sp=2 run
-    resumed from its step-2 checkpoint logs steps 3-4 exactly as the uninterrupted run did."""
+    resumed from its step-2 checkpoint logs steps 3-4 exactly as the uninterrupted run did; its export equals sp=1's."""
     sets = ["precision=fp32", "train.seq_len=64", "train.steps=4", "train.log_every=1", "train.eval_every=4",
             "train.save_every=2", "batch.train_batch_size=2", "batch.grad_accum_steps=1"]
     common = ["--recipe", "lora_zero3", *(a for s in sets for a in ("--set", s))]
@@ -145,6 +145,29 @@ def test_harness_runs_lora_at_sp2_like_sp1_and_resumes_exactly(tmp_path):
     assert first[4] != first[1]  # it trained
     evals = records(sp2, "eval")
     assert abs(evals[0]["eval_loss"] - records(sp1, "eval")[0]["eval_loss"]) < 1e-5  # eval sharded like training
+    _export_matches_sp1(sp1, sp2, tmp_path)
+
+
+def _export_matches_sp1(sp1: Path, sp2: Path, tmp_path: Path) -> None:
+    """`harness export` of the sp=2 run (LoRA merged): the checkpoint carries a probe the SP ranks computed
+    together, which export checks against the written folder; the folder loads in AutoModelForCausalLM and gives
+    the sp=1 run's exported logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from harness.checkpoint.export.folder import export
+
+    assert (sp2 / "checkpoints" / "global_step4" / "probe.pt").is_file()
+    got = {name: export(run / "checkpoints" / "global_step4", tmp_path / f"export_{name}")
+           for name, run in (("sp1", sp1), ("sp2", sp2))}
+    assert got["sp2"]["max_logit_diff"] is not None and got["sp2"]["max_logit_diff"] <= got["sp2"]["tolerance"]
+    probe = torch.load(sp2 / "checkpoints" / "global_step4" / "probe.pt", weights_only=True)
+    assert probe["input_ids"].shape == (1, 16)
+    with torch.no_grad():
+        logits = {name: AutoModelForCausalLM.from_pretrained(info["out"]).eval()(input_ids=probe["input_ids"]).logits
+                  for name, info in got.items()}
+    assert torch.allclose(logits["sp2"], probe["logits"], atol=1e-5)  # the sp=2 engine's own logits
+    assert torch.allclose(logits["sp2"], logits["sp1"], atol=1e-5)
 
 
 @pytest.mark.multirank

@@ -95,6 +95,12 @@ def probe_logits(engine, probe_ids: torch.Tensor) -> torch.Tensor | None:
         return pipe_engine.probe_logits(engine, probe_ids)
     was_training = engine.training
     engine.eval()
+    if getattr(engine, "sequence_parallel_size", 1) > 1:  # Ulysses: each SP rank its slice, gathered
+        from harness.model.sequence.ulysses import probe_logits as sequence_probe
+
+        logits = sequence_probe(engine, probe_ids)
+        engine.train(was_training)
+        return logits
     logits = engine(input_ids=probe_ids.to(engine.device), use_cache=False).logits.float().cpu()
     engine.train(was_training)
     return logits
@@ -114,6 +120,9 @@ def save(engine, spec, dist: DistInfo, ckpt_dir: Path, step: int, client_state: 
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False,
                            exclude_frozen_parameters=frozen_excluded(spec))
     torch.save(_rng_state(), folder / f"rng_rank{dist.rank}.pt")
+    sp = getattr(engine, "sequence_parallel_size", 1)
+    if probe_ids is not None and sp > 1:  # the probe's tokens split over the SP ranks
+        probe_ids = probe_ids[:, :probe_ids.shape[1] - probe_ids.shape[1] % sp] if probe_ids.shape[1] >= sp else None
     if probe_ids is not None:  # lets `harness export` verify the exported weights against this engine
         logits = probe_logits(engine, probe_ids)
         if dist.is_main:

@@ -14,7 +14,7 @@ element of the training precision:
 - Tiled MLP (ALST s3.3, DeepSpeed's TiledMLP; the harness's train.tiled_mlp): the MLP runs over tiles of
   train.tile_tokens tokens and is recomputed in backward, so a block keeps none of its MLP intermediates; one tile
   holds them (and their gradients, x2) in the block being computed.
-- Logits: 16-bit logits, their fp32 upcast and log-softmax (memory.activation_bytes), for all t tokens; tiled loss
+- Logits: 16-bit logits, their fp32 upcast (none in fp32 training) and log-softmax, for all t tokens; tiled loss
   (ALST s3.3; the harness's train.tiled_loss) holds one tile of train.tile_tokens tokens, plus one lm_head-sized
   gradient buffer.
 - Attention masks: flash-attention varlen and flex build none (flex's block mask is O((s/128)^2), left out).
@@ -62,12 +62,14 @@ def mlp_tile_bytes(shape: dict, tokens: int, lp: int, tp: int, tile_tokens: int 
 
 
 def logits_bytes(tokens: int, shape: dict, lp: int, tiled: bool, tile_tokens: int = TILE_TOKENS) -> int:
-    """The 16-bit logits plus the fp32 upcast and log-softmax HF's loss keeps, for every token; tiled: for one tile,
-    plus the lm_head-sized gradient buffer the tiled loss keeps."""
+    """The 16-bit logits plus the fp32 upcast and log-softmax HF's loss keeps, for every token (in fp32 training
+    `.float()` returns the logits themselves: no upcast copy; measured, bench/long_context.py concat rows); tiled:
+    for one tile, plus the lm_head-sized gradient buffer the tiled loss keeps."""
     vocab = shape["vocab_size"]
+    per = lp + (4 if lp < 4 else 0) + 4
     if not tiled:
-        return int(tokens * vocab * (lp + 2 * 4))
-    return int(min(tokens, tile_tokens) * vocab * (lp + 2 * 4) + vocab * shape["hidden_size"] * lp)
+        return int(tokens * vocab * per)
+    return int(min(tokens, tile_tokens) * vocab * per + vocab * shape["hidden_size"] * lp)
 
 
 def mask_bytes(attention: str, seq_len: int, sp: int, micro_batch: int, lp: int) -> int:

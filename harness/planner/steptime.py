@@ -77,10 +77,22 @@ OPT_STATE_READ_BYTES = 16  # fp32 master, exp_avg, exp_avg_sq, fp32 gradient
 OPT_STATE_WRITE_BYTES = 12  # fp32 master, exp_avg, exp_avg_sq
 
 
-def block_flops_per_token(count, shape: dict, seq_len: int, tp: int) -> float:
-    """Forward FLOPs of one block per token on one tensor-parallel rank."""
+MASKED = ("sdpa", "eager")  # attention given a materialised s x s mask (planner/activations.py's mask terms)
+
+
+MASKED_DEFAULT = 2.0  # every score against the causal kernel's half, where the profile did not measure it
+
+
+def block_flops_per_token(count, shape: dict, seq_len: int, tp: int, masked: float = 1.0) -> float:
+    """Forward FLOPs of one block per token on one tensor-parallel rank, in causal-kernel equivalents. `masked`:
+    the attention gets a materialised s x s mask (sdpa with the document mask, the harness's document_sdpa,
+    eager), so its kernel computes every score and reads the mask, where the causal mask-free kernel `harness
+    calibrate` times for the efficiency (and every causal flash kernel) skips the upper half: the attention term
+    is multiplied by the profile's masked_attention_factor (calibrate measures it: masked over causal sdpa
+    forward + backward at the model's shape; 2.98 on this CPU, torch 2.13, s 4096, 2 heads of 16), default 2."""
     d_attn = shape["num_attention_heads"] * shape["head_dim"]
-    return 2 * count.block_active(tp) + 4 * seq_len * d_attn / tp  # MoE: the parameters a token goes through
+    attention = 4 * seq_len * d_attn / tp * masked
+    return 2 * count.block_active(tp) + attention  # MoE: the parameters a token goes through
 
 
 def head_flops_per_token(shape: dict) -> float:
@@ -111,7 +123,8 @@ def compute_s(count, shape: dict, profile: dict, work: dict, tp: int, blocks: in
     written and read in backward (3 passes over hbm_gbps), once more when recomputed."""
     tokens = work["seq_len"] * work["micro_batch"]
     rate = hardware.achieved_flops(profile, work["precision"])
-    block = tokens * blocks * block_flops_per_token(count, shape, work["seq_len"], tp)
+    masked = profile.get("masked_attention_factor", MASKED_DEFAULT) if work.get("attention") in MASKED else 1.0
+    block = tokens * blocks * block_flops_per_token(count, shape, work["seq_len"], tp, masked=masked)
     fwd = block + (tokens * head_flops_per_token(shape) / tp if head else 0.0)
     elem = tokens * blocks * elementwise_bytes_per_token(shape, work, tp) / (profile["hbm_gbps"] * 1e9)
     recompute = block / rate + elem if work["activation_checkpointing"] else 0.0

@@ -32,7 +32,8 @@ profiled steps and once at close, so there are no per-rank files and no gathers 
 
   summary.json:
     startup      {"per_rank": [{"build"|"engine_setup": {"seconds", "peak_rss_bytes", "peak_rss_anon_bytes",
-                  "rss_anon_before_bytes", "rss_anon_after_bytes", "cuda_peak_allocated_bytes"}}],
+                  "rss_anon_before_bytes", "rss_anon_after_bytes", "in_use_after_bytes",
+                  "cuda_peak_allocated_bytes"}}],
                   "predicted_per_rank": [{"build_bytes", "build_terms", "owned_params"}]}      (startup.py)
     profile      {"window": [A, B] or null, "step_numbering": "..."}
     comm         {"profiled_steps": [...], "measured_per_rank": [{collective: bytes per step}],

@@ -98,6 +98,25 @@ def measure_block_step(cfg: dict, seq_len: int, micro_batch: int, precision: str
     return {"seconds": timeit(step, device, repeat=3), "layers": layers, "tokens": ids.numel(), "seq_len": seq_len}
 
 
+def measure_masked_attention(shape: dict, seq_len: int, micro_batch: int, precision: str, device: str) -> dict:
+    """sdpa forward + backward with a materialised causal boolean mask over the same without a mask (is_causal),
+    at the model's heads, head_dim and seq_len: what a run with document masks (sdpa, document_sdpa) pays per
+    attention over the causal kernel measure_block_step times (planner/steptime.py)."""
+    import torch
+
+    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision])
+    q, k, v = (torch.randn(micro_batch, shape["num_attention_heads"], seq_len, shape["head_dim"], device=device,
+                           dtype=dtype, requires_grad=True) for _ in range(3))
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+
+    def step(**kw):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw).sum().backward()
+
+    causal = timeit(lambda: step(is_causal=True), device, repeat=3)
+    masked = timeit(lambda: step(attn_mask=mask), device, repeat=3)
+    return {"causal_s": causal, "masked_s": masked, "factor": masked / causal, "seq_len": seq_len}
+
+
 def block_efficiency(cfg: dict, block: dict, peak_tflops: float, hbm_gbps: float, precision: str) -> float:
     """The efficiency at which the time model's compute term (planner/steptime.py) reproduces the measured
     forward + backward: its FLOPs over (measured time - its memory-bound term) at the GEMM peak."""
@@ -227,6 +246,8 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
     log(f"  device memory copy: {hbm:.1f} GB/s")
     block = measure_block_step(cfg, seq_len, micro_batch, precision, device)
     log(f"  forward + backward of {block['layers']} blocks + head: {block['seconds'] * 1e3:.1f} ms")
+    masked = measure_masked_attention(shape, seq_len, micro_batch, precision, device)
+    log(f"  sdpa with a materialised mask: {masked['factor']:.2f}x the causal kernel (forward + backward)")
     copy = measure_host_copy(device)
     log(f"  host<->device: {copy['gbps']:.1f} GB/s" + (f" ({copy['note']})" if "note" in copy else ""))
     adam = measure_cpu_adam()
@@ -255,12 +276,14 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
         "name": name, "description": f"measured by `harness calibrate` on {host['hostname']} ({device_name})",
         "device": "cpu" if device == "cpu" else "gpu", "gpu_mem_bytes": int(gpu_mem), "gpus_per_node": ranks,
         "peak_tflops": {precision: peak}, "gemm_efficiency": eff, "hbm_gbps": hbm,
+        "masked_attention_factor": masked["factor"],
         **({"device_adam_params_per_s": adam["params_per_s_per_process"]} if device == "cpu" else {}),
         "intra_node_gbps": comm["bus_gbps"]["all_reduce"][largest], "inter_node_gbps": comm["bus_gbps"]["all_reduce"][largest],
         "intra_latency_us": latency, "inter_latency_us": latency, "pcie_gbps": copy["gbps"],
         "cpu_adam_params_per_s": per_node, "nvme_read_gbps": read, "nvme_write_gbps": write,
         "comm_overlap": device != "cpu",
-        "measured": {"gemm": gemm, "block_step": block, "memory_copy_gbps": hbm, "host_copy": copy, "cpu_adam": adam, "nvme": nvme,
+        "measured": {"gemm": gemm, "block_step": block, "masked_attention": masked,
+                     "memory_copy_gbps": hbm, "host_copy": copy, "cpu_adam": adam, "nvme": nvme,
                      "backend": comm["backend"], "bus_gbps": comm["bus_gbps"], "latency_us": comm["latency_us"],
                      "host": host, "model_tokens": seq_len * micro_batch},
         "source": f"harness calibrate, {time.strftime('%Y-%m-%d %H:%M')}: peak from {peak_source}; one node, so the "

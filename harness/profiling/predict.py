@@ -89,7 +89,13 @@ def long_context(recipe: dict) -> dict:
     train = recipe.get("train", {})
     attention = str(train.get("attention") or "auto").lower()  # auto on CPU: sdpa, document_sdpa under SP
     kind = next((k for k in ("flash", "flex", "eager") if k in attention), "sdpa")
-    return {"sp": int(recipe.get("parallel", {}).get("sequence") or 1), "tiled_mlp": bool(train.get("tiled_mlp")),
+    sp = int(recipe.get("parallel", {}).get("sequence") or 1)
+    if kind == "sdpa" and sp == 1 and train.get("packing", "document") == "concat":
+        # concat rows carry no position ids: transformers' sdpa runs is_causal without a mask (torch's flash
+        # kernel), so neither the s^2 bool mask nor its float copy exists: the activation model's "flash" terms
+        # (measured, bench/long_context.py: the s^2 terms made the planner's longest 6,211 where 8,192 fit)
+        kind = "flash"
+    return {"sp": sp, "tiled_mlp": bool(train.get("tiled_mlp")),
             "tiled_loss": bool(train.get("tiled_loss")), "attention": kind,
             "offload": bool(train.get("activation_offload")),
             "tile_tokens": int(train.get("tile_tokens") or TILE_TOKENS)}

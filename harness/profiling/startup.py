@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from harness.profiling.proc import RssAnonPeak, reset_vm_hwm, status_bytes
+from harness.profiling.proc import RssAnonPeak, malloc_free_bytes, reset_vm_hwm, status_bytes
 from harness.profiling.ranks import gather
 
 SAMPLE_S = 0.005
@@ -47,9 +47,12 @@ class Startup:
             seconds = time.perf_counter() - start
             peak = sampler.stop()
             after = status_bytes("RssAnon")
+            free = malloc_free_bytes()
             record = {"seconds": round(seconds, 3), "peak_rss_bytes": status_bytes("VmHWM"),
                       "peak_rss_anon_bytes": max(peak, after or 0), "rss_anon_before_bytes": before,
-                      "rss_anon_after_bytes": after, "hwm_reset": reset}
+                      "rss_anon_after_bytes": after, "hwm_reset": reset,
+                      # in use (RssAnon less malloc's free bytes), the unit of memory.peak_in_use_bytes
+                      "in_use_after_bytes": None if after is None or free is None else after - free}
             if self.cuda:
                 record["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
             self.records[name] = record

@@ -125,6 +125,8 @@ def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
     dp_rank, dp_size = dp_coords(spec, dist)
     per_rank = max(1, min(spec.recipe["train"]["eval_batches"] * micro, data.eval.shape[0] // dp_size))
     rows = data.eval[dp_rank::dp_size][:per_rank]
+    if rows.shape[0] == 0:  # fewer eval rows than replicas (long rows, a small set): this one repeats a row
+        rows = data.eval[dp_rank % data.eval.shape[0]:][:1]
     engine.eval()
     loss = strategy(spec)[1](engine, [fetch(rows, slice(i, i + micro)) for i in range(0, rows.shape[0], micro)])
     engine.train()
@@ -180,9 +182,8 @@ class Trainer:
         return (every > 0 and step % every == 0) or step == last
 
     def save(self, step: int) -> None:
-        # no export probe under SP: a 16-token forward on one row does not fit the Ulysses wrapper's shard shape
-        probe = None if self.spec.sp > 1 else fetch(self.data.eval if self.data.eval.shape[0] else self.data.train,
-                                                    slice(0, 1))[0][:, :16]
+        # under SP checkpoint.save shards the probe over the SP ranks (model/sequence/ulysses.probe_logits)
+        probe = fetch(self.data.eval if self.data.eval.shape[0] else self.data.train, slice(0, 1))[0][:, :16]
         path = checkpoint.save(self.engine, self.spec, self.dist, self.run_dir / "checkpoints", step,
                                {"step": step, "epoch": self.plan.epoch_of(max(step - 1, 0))}, probe_ids=probe)
         if self.dist.is_main:

@@ -62,3 +62,26 @@ def shard(batch, sp_rank: int, sp: int):
     part = seq // sp
     cut = slice(sp_rank * part, (sp_rank + 1) * part)
     return ids[:, cut].contiguous(), shifted[:, cut].contiguous(), positions[:, cut].contiguous()
+
+
+def probe_logits(engine, probe_ids):
+    """The engine's logits on `probe_ids` [1, L] under Ulysses (every SP rank calls: the wrapper's all-to-alls are
+    collective): the row repeated to the micro-batch the wrapper was set up for, each SP rank its contiguous
+    slice with its global position ids, the slices' logits all-gathered over the SP group. L must split over sp
+    (the caller cuts it). Returns [1, L, vocab] float32 on the CPU, on every rank."""
+    import torch
+    import torch.distributed as tdist
+
+    sp, group = engine.sequence_parallel_size, engine.seq_parallel_group
+    micro, length = engine.train_micro_batch_size_per_gpu(), probe_ids.shape[1]
+    if length % sp:
+        raise ValueError(f"probe length {length} does not split over sequence-parallel degree {sp}")
+    ids = probe_ids[:1].expand(micro, -1)
+    part = length // sp
+    cut = slice(tdist.get_rank(group) * part, (tdist.get_rank(group) + 1) * part)
+    positions = default_positions(ids)[:, cut].contiguous()
+    logits = engine(input_ids=ids[:, cut].contiguous().to(engine.device), position_ids=positions.to(engine.device),
+                    use_cache=False).logits.float().contiguous()
+    parts = [torch.empty_like(logits) for _ in range(sp)]
+    tdist.all_gather(parts, logits, group=group)
+    return torch.cat(parts, dim=1)[:1].cpu()
