@@ -203,3 +203,27 @@ def test_profiled_steps_count_tokens_per_expert_and_the_report_shows_the_imbalan
             assert record["expert_imbalance"][layer] == pytest.approx(max(counts) / (sum(counts) / 4))
     text = write_report(root / "qwen3_zero2").read_text()
     assert "## Expert load on profiled steps" in text and "model.layers.1.mlp.gate" in text
+
+
+def test_expert_parallel_profiled_steps_count_the_same_tokens_per_expert(runs):
+    """Under AutoEP (EP 2 on ZeRO-1 and ZeRO-3) the counter hooks AutoEP's router (global expert ids of each rank's
+    tokens, summed over the ranks) under the HF router's name: the same data routes the same way, so the profiled
+    steps' integer counts equal the data-parallel ZeRO-2 run's exactly, and the report shows the imbalance."""
+    from harness.report import write_report
+
+    root, _, _ = runs
+    want = {r["step"]: r["expert_tokens"] for r in records(root / "qwen3_zero2", "train") if r.get("profiled")}
+    assert sorted(want) == [2, 3] and all(len(t) == 2 for t in want.values())
+    for name in ("qwen3_ep2_zero1", "qwen3_ep2_zero3"):
+        got = {r["step"]: r for r in records(root / name, "train") if r.get("profiled")}
+        assert {step: r["expert_tokens"] for step, r in got.items()} == want, name
+        for record in got.values():
+            for layer, counts in record["expert_tokens"].items():
+                assert record["expert_imbalance"][layer] == pytest.approx(max(counts) / (sum(counts) / 4))
+        summary = json.loads((root / name / "summary.json").read_text())["experts"]
+        totals = {layer: [a + b for a, b in zip(want[2][layer], want[3][layer])] for layer in want[2]}
+        assert summary["tokens_per_layer"] == totals, name
+        text = write_report(root / name).read_text()
+        line = next(x for x in text.splitlines() if "model.layers.1.mlp.gate" in x)
+        assert f"{max(totals['model.layers.1.mlp.gate']) / (sum(totals['model.layers.1.mlp.gate']) / 4):.2f}" in line
+        print(f"moe {name}: profiled tokens per expert {summary['tokens_per_layer']} == ZeRO-2's")

@@ -3,7 +3,8 @@
 The hooks are attached only inside the profile window (each count copies the router's top-k indices to the host).
 Each profiled step's record gets "expert_tokens" {layer: [tokens per expert]} (all ranks) and "expert_imbalance"
 {layer: max / mean}; the summary gets the per-layer imbalance over the window, which `harness report` shows. Under
-DeepSpeed AutoEP the HF routers are replaced by AutoEP's own, which this hook does not count (nothing recorded).
+DeepSpeed AutoEP the hook sits on AutoEP's router instead (global expert ids of each rank's own tokens), so the sum
+over all ranks is the same table as without expert parallelism.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class ExpertHook:
 
         table = self.counter.table()
         self.counter.reset()
-        if not table:  # AutoEP replaced the HF routers
+        if not table:  # no router ran (no MoE block in this model)
             return None
         layers = sorted(table)
         counts = torch.tensor([table[name] for name in layers], dtype=torch.float64)

@@ -1,12 +1,17 @@
 """Tokens per expert per MoE layer, counted by a forward hook on each HF router (its forward returns the router
-logits, the top-k scores and the top-k expert indices, in every family of families.py). Used on profiled steps
-(the report's imbalance, max / mean per layer) and by the tests that route ranks to disjoint experts."""
+logits, the top-k scores and the top-k expert indices, in every family of families.py) or, under DeepSpeed AutoEP
+(parallel.expert > 1), on each AutoEPMoELayer's router (TokenChoiceTopKRouter: top-k scores, the top-k GLOBAL expert
+indices of this rank's tokens, a histogram), named after the HF router it replaced so both layouts report the same
+layers. Used on profiled steps (the report's imbalance, max / mean per layer) and by the tests that route ranks to
+disjoint experts."""
 
 from __future__ import annotations
 
 import torch
 
 from harness.model.moe import families
+
+AUTOEP_LAYER = "AutoEPMoELayer"  # deepspeed/module_inject/auto_ep_layer.py: replaces the HF MoE block
 
 
 class ExpertCounter:
@@ -16,12 +21,16 @@ class ExpertCounter:
     def __init__(self, model, family: families.Family, num_experts: int):
         self.num_experts = num_experts
         self.counts: dict[str, torch.Tensor] = {}
-        self.handles = [module.register_forward_hook(self._hook(name)) for name, module in model.named_modules()
-                        if type(module).__name__ == family.router_class]
+        self.handles = []
+        for name, module in model.named_modules():
+            if type(module).__name__ == family.router_class:  # HF: (logits, scores, indices)
+                self.handles.append(module.register_forward_hook(self._hook(name, -1)))
+            elif type(module).__name__ == AUTOEP_LAYER:  # AutoEP: (scores, indices, histogram)
+                self.handles.append(module.router.register_forward_hook(self._hook(f"{name}.{family.router}", 1)))
 
-    def _hook(self, name: str):
+    def _hook(self, name: str, index: int):
         def count(module, args, output):
-            indices = output[-1].detach().reshape(-1).to("cpu", torch.long)
+            indices = output[index].detach().reshape(-1).to("cpu", torch.long)
             seen = torch.bincount(indices, minlength=self.num_experts)
             self.counts[name] = self.counts[name] + seen if name in self.counts else seen
         return count
