@@ -8,8 +8,8 @@ deepspeed.initialize at ZeRO stage 0, 1, 2 and 3 in the training precision with 
 (AdamW, clipping 1.0), and ZeRO-2 with the optimizer offloaded (DeepSpeedCPUAdam and its copies), and times
 forward + backward and engine.step() over a few steps, all ranks together as in training (memory bandwidth is
 shared). Stage 0's engine stays up, and each step of stages 1-3 follows one of its steps, so the difference
-the hook overhead comes from is taken under the same load (calibrate_hooks.py). The slowest rank's medians
-are kept, and each step's times beside. calibrate.py turns them into
+the hook overhead comes from is taken under the same load (calibrate_hooks.py). Each step's slowest rank is
+kept, with the medians and fastest steps over them. calibrate.py turns them into
 optimizer_params_per_s and zero_overhead_s_per_tensor, taking out the collectives the time model prices
 separately.
 """
@@ -57,8 +57,8 @@ def ds_config(case: str, precision: str, micro_batch: int, world: int, hidden: i
 
 def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micro_batch: int, precision: str,
             layers: int = 2, steps: int = 8, pairs: int = 5) -> dict:
-    """{"layers", "params", "stages": {stage: {"fwd_bwd_s", "step_s", ...}}}: the slowest rank's medians, and each
-    step's times; stages 1-3 time `pairs` steps, each right after a stage-0 step (wall time as 8 steps alone)."""
+    """{"layers", "params", "stages": {stage: {"fwd_bwd_s", "step_s", ...}}}: medians of each step's slowest
+    rank, and each step's times; stages 1-3 time `pairs` steps, each right after a stage-0 step."""
     import deepspeed
     import torch
     from deepspeed import comm as dist
