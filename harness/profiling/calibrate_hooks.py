@@ -32,7 +32,8 @@ def hook_overhead(stage: dict, base: dict, comm_stage_s: float, comm_base_s: flo
     pairs = list(zip(stage.get("fwd_bwd_samples_s", []), stage.get("base_fwd_bwd_samples_s", [])))
     if pairs:  # the spread a single pair would have given: how much the minimum saved
         why["pair_differences_ms"] = [round((a - b) * 1e3, 2) for a, b in pairs]
-        why["median_pair_s_per_tensor"] = (statistics.median(a - b for a, b in pairs) - comm_stage_s + comm_base_s) / tensors
+        pair = statistics.median(a - b for a, b in pairs)
+        why["median_pair_s_per_tensor"] = (pair - comm_stage_s + comm_base_s) / tensors
     if raw < 0:
         why["clamped"] = (f"{raw * 1e3:.3f} ms per tensor measured below zero (noise, or the collective curves "
                           "overprice this stage's calls): stored 0")
