@@ -68,3 +68,32 @@ def test_calibrate_link_refuses_what_it_cannot_measure(tmp_path, capsys):
                  "--out", str(tmp_path / "p.json")]) == 2
     assert f"{tmp_path / 'none.json'} does not exist: run `harness calibrate` on this node first" \
         in capsys.readouterr().err
+
+
+def test_hook_overhead_from_interleaved_fastest_steps_is_stable_and_never_negative():
+    """The ZeRO hook overhead (calibrate_hooks.py) on given step times, no timing: stage 0 timed alone while
+    another job ran, ZeRO-2's steps each right after a stage-0 step later, with one disturbed step. The true
+    overhead here is 20 ms over 10 tensors = 2 ms per tensor."""
+    import statistics
+
+    from harness.profiling.calibrate_hooks import hook_overhead
+
+    base = {"fwd_bwd_samples_s": [0.50, 0.52, 0.49, 0.51, 0.55, 0.50, 0.53, 0.52]}  # loaded machine
+    stage2 = {"fwd_bwd_samples_s": [0.43, 0.42, 0.50, 0.45, 0.44],
+              "base_fwd_bwd_samples_s": [0.41, 0.40, 0.47, 0.43, 0.42]}
+    old = (statistics.median(stage2["fwd_bwd_samples_s"]) - statistics.median(base["fwd_bwd_samples_s"])) / 10
+    assert old == pytest.approx(-0.0075)  # the difference of medians timed apart: impossible
+    value, why = hook_overhead(stage2, base, 0.0, 0.0, 10)
+    assert value == pytest.approx(0.002) and "clamped" not in why
+    assert why["pair_differences_ms"] == [20.0, 20.0, 30.0, 20.0, 20.0]
+    # the collectives the time model prices apart come off each side
+    assert hook_overhead(stage2, base, 0.005, 0.001, 10)[0] == pytest.approx(0.0016)
+
+    # noise the minimum cannot remove: below zero is stored as 0, and said so
+    quiet_base = dict(stage2, base_fwd_bwd_samples_s=[0.44, 0.43, 0.45, 0.46, 0.44])
+    value, why = hook_overhead(quiet_base, base, 0.0, 0.0, 10)
+    assert value == 0.0 and why["raw_s_per_tensor"] == pytest.approx(-0.001) and "stored 0" in why["clamped"]
+
+    # a profile from before the interleaving: each side's fastest step
+    assert hook_overhead({"fwd_bwd_s": 0.44, "fwd_bwd_min_s": 0.42}, {"fwd_bwd_s": 0.515, "fwd_bwd_min_s": 0.40},
+                         0.0, 0.0, 10)[0] == pytest.approx(0.002)

@@ -302,19 +302,22 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
             + " per rank; ZeRO hooks "
             + ", ".join(f"ZeRO-{s} {v * 1e3:.2f} ms" for s, v in m["zero_overhead_s_per_tensor"].items())
             + " per tensor and micro-step")
+        for s, w in m["zero_overhead_estimate"].items():
+            if "clamped" in w:
+                log(f"  warning: ZeRO-{s} hooks {w['clamped']}; rerun `harness calibrate` on a quieter machine")
     return profile
 
 
 def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: int) -> dict:
     """From calibrate_engine's times on the cut model: the optimizer step rate per ZeRO stage (parameters
     stepped per second, the ZeRO-1/2 all-gather after the step taken out) and what ZeRO's hooks add to
-    forward + backward per parameter tensor (stage s minus stage 0, each less its collectives as the time model
-    prices them on this profile's curves: the residual also corrects what the curves misprice for this stage's
-    call pattern, so it can be negative)."""
+    forward + backward per parameter tensor (stage s minus stage 0, each its fastest interleaved step less its
+    collectives as the time model prices them on this profile's curves; never below 0: calibrate_hooks.py)."""
     from harness.planner import collectives, steptime
     from harness.planner.memory import PRECISION_BYTES, harness_buckets
     from harness.planner.params import count_params
 
+    from harness.profiling import calibrate_hooks
     from harness.profiling.calibrate_engine import cut_config
 
     count = count_params(cut_config(cfg, engine["layers"]))
@@ -335,14 +338,13 @@ def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: 
     gather = cs("all_gather_into_tensor", lp * shard, 1)
     step_comm = {"1": gather, "2": gather, "2-offload": gather}
     stages = engine["stages"]
-    base = stages["0"]["fwd_bwd_s"] - comm_fb["0"]
-    rates, hooks = {}, {}
+    rates, hooks, why = {}, {}, {}
     for s, t in stages.items():
         seconds = t["step_s"] - step_comm.get(s, 0.0)
         rates[s] = (total if s == "0" else shard) / max(seconds, 0.05 * t["step_s"])
-        if s in comm_fb and s != "0":  # negative where the engine's collectives beat the curves' price
-            hooks[s] = (t["fwd_bwd_s"] - comm_fb[s] - base) / len(tensors)
-    return {"optimizer_params_per_s": rates, "zero_overhead_s_per_tensor": hooks}
+        if s in comm_fb and s != "0":
+            hooks[s], why[s] = calibrate_hooks.hook_overhead(t, stages["0"], comm_fb[s], comm_fb["0"], len(tensors))
+    return {"optimizer_params_per_s": rates, "zero_overhead_s_per_tensor": hooks, "zero_overhead_estimate": why}
 
 
 def tempfile_dir() -> str:

@@ -7,7 +7,9 @@ per-module fetch and release). Each rank builds the model cut to `layers` blocks
 deepspeed.initialize at ZeRO stage 0, 1, 2 and 3 in the training precision with the recipes' optimizer
 (AdamW, clipping 1.0), and ZeRO-2 with the optimizer offloaded (DeepSpeedCPUAdam and its copies), and times
 forward + backward and engine.step() over a few steps, all ranks together as in training (memory bandwidth is
-shared). The slowest rank's medians are kept (and its fastest step beside). calibrate.py turns them into
+shared). Stage 0's engine stays up, and each step of stages 1-3 follows one of its steps, so the difference
+the hook overhead comes from is taken under the same load (calibrate_hooks.py). Each step's slowest rank is
+kept, with the medians and fastest steps over them. calibrate.py turns them into
 optimizer_params_per_s and zero_overhead_s_per_tensor, taking out the collectives the time model prices
 separately.
 """
@@ -19,6 +21,7 @@ import statistics
 import time
 
 STAGES = ("0", "1", "2", "3", "2-offload")  # ZeRO stage; "2-offload": ZeRO-2 with DeepSpeedCPUAdam on the host
+HOOKED = ("1", "2", "3")  # the stages whose hook overhead is estimated: their steps alternate with stage 0's
 
 
 def cut_config(cfg: dict, layers: int) -> dict:
@@ -53,8 +56,9 @@ def ds_config(case: str, precision: str, micro_batch: int, world: int, hidden: i
 
 
 def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micro_batch: int, precision: str,
-            layers: int = 2, steps: int = 8) -> dict:
-    """{"layers", "params", "stages": {stage: {"fwd_bwd_s", "step_s", ...}}}: the slowest rank's medians."""
+            layers: int = 2, steps: int = 8, pairs: int = 5) -> dict:
+    """{"layers", "params", "stages": {stage: {"fwd_bwd_s", "step_s", ...}}}: medians of each step's slowest
+    rank, and each step's times; stages 1-3 time `pairs` steps, each right after a stage-0 step."""
     import deepspeed
     import torch
     from deepspeed import comm as dist
@@ -64,6 +68,18 @@ def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micr
     world = dist.get_world_size()
     hidden = cfg.get("hidden_size") or cfg.get("n_embd")
     out: dict = {"layers": layers, "stages": {}}
+    base = None  # stage 0's engine, kept to interleave its steps with each hooked stage's (calibrate_hooks.py)
+
+    def timed(engine, ids) -> tuple[float, float]:
+        dist.barrier()
+        start = time.perf_counter()
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        accel.synchronize()
+        middle = time.perf_counter()
+        engine.step()
+        accel.synchronize()
+        return middle - start, time.perf_counter() - middle
+
     for stage in STAGES:
         torch.manual_seed(0)
         model = cut_model(cfg, layers)
@@ -71,25 +87,32 @@ def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micr
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(stage, precision, micro_batch, world, hidden))
         ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len), device=engine.device)
-        fwd_bwd, step = [], []
-        for i in range(steps + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            engine.backward(engine(input_ids=ids, labels=ids).loss)
-            accel.synchronize()
-            middle = time.perf_counter()
-            engine.step()
-            accel.synchronize()
+        paired = stage in HOOKED and base is not None
+        n = pairs if paired else steps
+        fwd_bwd, step, base_fwd_bwd = [], [], []
+        for i in range(n + 1):
+            if paired:  # stage 0 right before, under the same load
+                b = timed(base, ids)[0]
+            f, s = timed(engine, ids)
             if i:  # the first step warms up (ZeRO-3 traces the module order)
-                fwd_bwd.append(middle - start)
-                step.append(time.perf_counter() - middle)
-        # medians, as training's step times are compared by their median; the fastest step beside them
-        times = torch.tensor([statistics.median(fwd_bwd), statistics.median(step), min(fwd_bwd), min(step)],
-                             dtype=torch.float64, device=engine.device)
+                fwd_bwd.append(f)
+                step.append(s)
+                if paired:
+                    base_fwd_bwd.append(b)
+        # each step's slowest rank (the ranks start each step together)
+        times = torch.tensor(fwd_bwd + step + base_fwd_bwd, dtype=torch.float64, device=engine.device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        out["stages"][stage] = {"fwd_bwd_s": float(times[0]), "step_s": float(times[1]),
-                                "fwd_bwd_min_s": float(times[2]), "step_min_s": float(times[3])}
+        fwd_bwd, step, base_fwd_bwd = (times[:n].tolist(), times[n:2 * n].tolist(), times[2 * n:].tolist())
+        # medians, as training's step times are compared by their median; the fastest step beside them
+        out["stages"][stage] = {"fwd_bwd_s": statistics.median(fwd_bwd), "step_s": statistics.median(step),
+                                "fwd_bwd_min_s": min(fwd_bwd), "step_min_s": min(step), "fwd_bwd_samples_s": fwd_bwd,
+                                **({"base_fwd_bwd_samples_s": base_fwd_bwd} if paired else {})}
+        if stage == "0":
+            base = engine
+            continue
         engine.destroy()
         del engine, model
         gc.collect()
+    if base is not None:
+        base.destroy()
     return out
