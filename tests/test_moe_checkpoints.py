@@ -1,7 +1,7 @@
 """MoE checkpoints, export and LoRA on experts, on real DeepSpeed ranks (tiny-qwen3-moe: 4 fused experts, top 2, fp32).
 
 One 2-rank launch runs every job in one process group (tests/jobs_driver.py): ZeRO-2 and ZeRO-3 (the family's leaf
-table) full fine-tuning with a resume from step 3 each, AutoEP (parallel.expert=2, ZeRO-2), LoRA on attention + the fused experts (peft
+table) full fine-tuning with a resume from step 3 each, AutoEP (parallel.expert=2, ZeRO-2 and ZeRO-3), LoRA on attention + the fused experts (peft
 target_parameters) on ZeRO-2 with the router frozen, and on ZeRO-3 with adapter.train_router. Asserted: exact
 resume, exported folders (transformers' fused layout, AutoEP included) equal to the engine's weights and loading
 in AutoModelForCausalLM with the engine's logits, LoRA parity with one peft process (losses and final adapters),
@@ -49,6 +49,7 @@ def _cases(root) -> list[list[str]]:
         ["--recipe", "lora_zero3", "--output-dir", str(root / "lora_zero3_router"), *BASE, *LORA,
          "--set", "adapter.train_router=true"],
         ["--recipe", "zero2", "--output-dir", str(root / "ep2"), *BASE, "--set", "parallel.expert=2"],
+        ["--recipe", "zero3", "--output-dir", str(root / "ep2_zero3"), *BASE, "--set", "parallel.expert=2"],
         # another expert degree: through the universal form, its experts rewritten (checkpoint/universal_experts.py)
         ["--recipe", "zero2", "--output-dir", str(root / "ep2_to_ep1"), "--resume", step3("ep2"), *BASE],
         ["--recipe", "zero2", "--output-dir", str(root / "ep1_to_ep2"), "--resume", step3("zero2"), *BASE,
@@ -129,6 +130,32 @@ def test_autoep_export_gathers_the_expert_files(launched, tmp_path):
     for key, tensor in dense.items():
         torch.testing.assert_close(got[key], tensor, rtol=0, atol=ADAM_ATOL)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "ep").model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+
+
+def test_autoep_zero3_export_gathers_the_expert_partitions(launched, tmp_path):
+    """AutoEP on ZeRO-3 writes no per-expert files: each rank's fp32 partitions hold its ep rank's experts. The
+    export gathers them into [E, 2I, H] / [E, H, I]; the folder loads with the engine's logits (probe) and equals
+    the same training's EP 2 ZeRO-2 export (DeepSpeed's own per-expert files) and ZeRO-3 export, to Adam's
+    rounding (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from harness.checkpoint.export.folder import export
+    from harness.checkpoint.export.hf_shards import read_sharded
+
+    root = finished(launched, "ep2_zero3", "ep2", "zero3")
+    tag = root / "ep2_zero3" / "checkpoints" / "global_step6"
+    assert not list(tag.glob("layer_*_expert_*")) and len(list(tag.glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    info = export(root / "ep2_zero3", tmp_path / "ep", max_shard_size="64KB")
+    assert info["max_logit_diff"] <= 1e-5 and info["shards"] > 1, info
+    got = dict(read_sharded(tmp_path / "ep"))
+    for other in ("ep2", "zero3"):
+        export(root / other, tmp_path / other, max_shard_size="64KB")
+        want = dict(read_sharded(tmp_path / other))
+        assert set(got) == set(want)
+        for key, tensor in want.items():
+            torch.testing.assert_close(got[key], tensor, rtol=0, atol=ADAM_ATOL, msg=f"{other}: {key}")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ep")
+    assert model.model.layers[1].mlp.experts.gate_up_proj.shape == got["model.layers.1.mlp.experts.gate_up_proj"].shape
 
 
 @pytest.mark.parametrize("name,router", [("lora_zero2", False), ("lora_zero3_router", True)])

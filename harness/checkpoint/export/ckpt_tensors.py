@@ -177,18 +177,29 @@ def zero12_source(files: MappedFiles, tag_dir: Path, mp_rank: int) -> dict[str, 
     return out
 
 
-def zero3_source(files: MappedFiles, tag_dir: Path, mp_rank: int) -> dict[str, Lazy]:
-    paths, models = _optim_paths(tag_dir, mp_rank), rank_files(tag_dir, "model", mp_rank)
-    _check_count(files, paths)
-    world, states = len(paths), files[models[0]]
-    out: dict[str, Lazy] = {}
+def zero3_offsets(states: dict, partition_size: Callable[[str], int]) -> dict[str, tuple[int, int, tuple]]:
+    """{name: (start in the rank's concatenated fp32_flat_groups, elements per rank, shape)}: each parameter holds
+    ceil(numel / its partition group's size) elements on every rank (the dp world; AutoEP's experts: their
+    expert-data-parallel group), in param_shapes order."""
+    out, offset = {}, 0
+    for name, shape in ((n, s) for group in states["param_shapes"] for n, s in group.items()):
+        per_rank = math.ceil(_numel(shape) / partition_size(name))
+        out[name] = (offset, per_rank, tuple(shape))
+        offset += per_rank
+    return out
 
-    def gathered(shape, slices) -> torch.Tensor:
-        return torch.cat(slices).narrow(0, 0, _numel(shape)).view(shape)
 
-    def gathered_as(shape, slices, dtype) -> torch.Tensor:
-        out, offset, numel = torch.empty(_numel(shape), dtype=dtype), 0, _numel(shape)
-        for piece in slices:
+def zero3_gathered(files: MappedFiles, paths: list[Path], start: int, per_rank: int, shape) -> Lazy:
+    """One ZeRO-3 parameter: the `paths` ranks' slices [start, start + per_rank) in partition-rank order, cut to
+    numel (tail padding), assembled in the dtype asked for."""
+    numel = _numel(shape)
+
+    def slices() -> list[torch.Tensor]:
+        return [_read_range(files[p]["optimizer_state_dict"]["fp32_flat_groups"], start, per_rank) for p in paths]
+
+    def gathered_as(dtype) -> torch.Tensor:
+        out, offset = torch.empty(numel, dtype=dtype), 0
+        for piece in slices():
             take = min(piece.numel(), numel - offset)
             if take > 0:
                 out.narrow(0, offset, take).copy_(piece.narrow(0, 0, take))
@@ -196,18 +207,27 @@ def zero3_source(files: MappedFiles, tag_dir: Path, mp_rank: int) -> dict[str, L
             offset += take
         return out.view(shape)
 
-    for name, shape in (states.get("frozen_param_shapes") or {}).items():
-        out[name] = lazy(files, shape, lambda n=name, s=tuple(shape): gathered(
-            s, [files[m]["frozen_param_fragments"][n].reshape(-1) for m in models]))
-    offset = 0
-    for name, shape in ((n, s) for group in states["param_shapes"] for n, s in group.items()):
-        per_rank = math.ceil(_numel(shape) / world)
-        def slices(start=offset, k=per_rank):
-            return [_read_range(files[p]["optimizer_state_dict"]["fp32_flat_groups"], start, k) for p in paths]
+    def gathered() -> torch.Tensor:
+        return torch.cat(slices()).narrow(0, 0, numel).view(shape)
 
-        out[name] = Lazy(tuple(shape), partial(_counted, files, lambda s=tuple(shape), sl=slices: gathered(s, sl())),
-                         lambda dtype, s=tuple(shape), sl=slices: gathered_as(s, sl(), dtype))
-        offset += per_rank
+    return Lazy(tuple(shape), partial(_counted, files, gathered), gathered_as)
+
+
+def zero3_source(files: MappedFiles, tag_dir: Path, mp_rank: int,
+                 partition_size: Callable[[str], int] | None = None,
+                 leave_out: Callable[[str], bool] = lambda name: False) -> dict[str, Lazy]:
+    """partition_size(name): its partition group's size (default: the dp world); leave_out(name): not returned."""
+    paths, models = _optim_paths(tag_dir, mp_rank), rank_files(tag_dir, "model", mp_rank)
+    _check_count(files, paths)
+    world, states = len(paths), files[models[0]]
+    size_of = partition_size or (lambda name: world)
+    out: dict[str, Lazy] = {}
+    for name, shape in (states.get("frozen_param_shapes") or {}).items():
+        out[name] = lazy(files, shape, lambda n=name, s=tuple(shape): torch.cat(
+            [files[m]["frozen_param_fragments"][n].reshape(-1) for m in models]).narrow(0, 0, _numel(s)).view(s))
+    for name, (start, per_rank, shape) in zero3_offsets(states, size_of).items():
+        if not leave_out(name):
+            out[name] = zero3_gathered(files, paths, start, per_rank, shape)
     _extras(files, models[0], out)
     return out
 
