@@ -192,3 +192,14 @@ def tp_problems(shape: dict, tp: int, name: str = "") -> list[tuple[str, str]]:
             out.append((f"{field} ({n}) of {model}must be divisible by the tensor degree ({tp}): "
                         f"{n} / {tp} = {n / tp:g} per rank", f"use a tensor degree that divides {n}"))
     return out
+
+
+# Ulysses sequence parallelism (DeepSpeed's UlyssesSPAttentionHF) switches attention from sequence-split to
+# head-split: each of the sp ranks takes heads / sp attention heads, and the kv heads are split over the sp ranks
+# or replicated sp / kv times (ulysses_sp.py kv_replication_factor). The planner and the run's checks both ask here.
+def ulysses_splits_heads(heads: int, sp: int) -> bool:
+    return heads % sp == 0
+
+
+def ulysses_splits_kv_heads(kv_heads: int, sp: int) -> bool:
+    return kv_heads % sp == 0 or sp % kv_heads == 0

@@ -121,13 +121,13 @@ def build(recipe: dict) -> dict:
     if parallel["pipeline"] > 1:
         ds["pipeline"] = {"stages": parallel["pipeline"], "partition": parallel["partition_method"],
                           "activation_checkpoint_interval": 1 if recipe["activation_checkpointing"] else 0}
-    if parallel.get("expert", 1) > 1:  # DeepSpeed AutoEP; preset_model and use_grouped_mm are filled at launch
+    if parallel["expert"] > 1:  # DeepSpeed AutoEP; preset_model and use_grouped_mm are filled at launch
         ds["expert_parallel"] = {"enabled": True, "autoep_size": parallel["expert"]}  # (harness/model/moe/wiring.py)
     # parallel.tensor emits nothing: the runner splits the layers itself (harness/model/parallel/tensor.py,
     # also inside pipeline stages, where DeepSpeed 0.19's AutoTP cannot go) and hands DeepSpeed an mpu.
-    if parallel.get("sequence", 1) > 1:  # Ulysses: the batch arithmetic counts world / sp data-parallel ranks
+    if parallel["sequence"] > 1:  # Ulysses: the batch arithmetic counts world / sp data-parallel ranks
         ds["sequence_parallel_size"] = parallel["sequence"]
-        if parallel.get("sequence_comm_dtype", "auto") != "auto":
+        if parallel["sequence_comm_dtype"] != "auto":
             ds["seq_parallel_communication_data_type"] = parallel["sequence_comm_dtype"]
     ds["wall_clock_breakdown"] = False
     return deep_merge(ds, recipe["deepspeed"])

@@ -37,12 +37,13 @@ def cut_model(cfg: dict, layers: int):
 
 
 def ds_config(case: str, precision: str, micro_batch: int, world: int, hidden: int) -> dict:
+    from harness.config.defaults import ALLGATHER_BUCKET_ELEMS
     from harness.planner.memory import harness_buckets
 
     b = harness_buckets(hidden)
     stage = int(case.split("-")[0])
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-            "reduce_bucket_size": b.reduce_bucket_elems, "allgather_bucket_size": 200_000_000}
+            "reduce_bucket_size": b.reduce_bucket_elems, "allgather_bucket_size": ALLGATHER_BUCKET_ELEMS}
     if case.endswith("offload"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if stage == 3:

@@ -1,6 +1,7 @@
 """The one table of MoE families the harness trains: per HF model_type, what ZeRO-3 must treat as one leaf, which
 DeepSpeed AutoEP preset places its experts (None: AutoEP cannot), where the routed experts and the router live, and
-whether the model has a load-balancing (aux) loss. Pure data plus look-ups: no torch.
+whether the model has a load-balancing (aux) loss. Pure data plus look-ups: no torch. The planner (planner/moe.py)
+and the run (model/moe/, checkpoint/) both read it.
 
 Read from transformers 5.24 (fused experts: one `*Experts` module with 3D gate_up_proj/down_proj per MoE block) and
 DeepSpeed 0.19.8 (module_inject/auto_ep_presets/: mixtral, qwen3_moe (also Qwen2-MoE; OLMoE runs under it),
@@ -46,6 +47,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "num_local_experts", "num_experts_per_tok", aux_loss=True,
            note="experts interleaved and transposed, with biases; no AutoEP preset detects them"),
 )}
+
+
+AUTOEP_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.autoep_preset)  # model types AutoEP can place
 
 
 def field(model_config, key: str, default=None):
