@@ -1,0 +1,168 @@
+"""The run as one typed, frozen value: which model, on how many ranks split how, with which ZeRO settings, batch,
+precision and sequence handling.
+
+Built once per launch from the resolved recipe and DeepSpeed dict (`RunModel.from_resolved`), after every "auto"
+is filled. The planner takes the same value (`harness plan`, `--recipe auto` and the run's own prediction all
+evaluate a RunModel), so a fact the run trains with and the fact the planner prices are one field, read once.
+
+Degrees have one meaning each (Degrees): `dp` is the number of data-parallel replicas (each reads its own
+micro-batches); ZeRO partitions over `zero_shards` = dp x sp ranks (a sequence-parallel group shares one
+replica's batch but shards its states); AutoEP experts over `expert_shards` = zero_shards / ep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from harness.config.resolve import degrees as pipe_tensor_degrees
+from harness.config.resolve import sequence_parallel
+
+STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed 0.19.8's stage3_max_live_parameters default
+
+
+@dataclass(frozen=True)
+class ZeroBuckets:
+    """ZeRO buffer sizes in elements. Defaults are DeepSpeed 0.19.8's (what a DeepSpeed dict without the key gets)."""
+
+    reduce_bucket_elems: int = 500_000_000
+    prefetch_bucket_elems: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    sub_group_elems: int = 1_000_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default (on for stage 3 only)
+    optimizer_swap_buffer_count: int = 4  # offload_optimizer.buffer_count
+    param_swap_buffer_count: int = 5  # offload_param.buffer_count
+    param_swap_buffer_elems: int = 100_000_000  # offload_param.buffer_size
+    max_reuse_distance_elems: int = 1_000_000_000  # stage3_max_reuse_distance
+
+    @classmethod
+    def of(cls, zo: Mapping) -> "ZeroBuckets":
+        """The buckets a resolved zero_optimization block configures (DeepSpeed's default where a key is absent)."""
+        d = cls()
+        opt, par = zo.get("offload_optimizer") or {}, zo.get("offload_param") or {}
+        return cls(reduce_bucket_elems=int(zo.get("reduce_bucket_size", d.reduce_bucket_elems)),
+                   prefetch_bucket_elems=int(zo.get("stage3_prefetch_bucket_size", d.prefetch_bucket_elems)),
+                   param_persistence_threshold=int(zo.get("stage3_param_persistence_threshold",
+                                                          d.param_persistence_threshold)),
+                   sub_group_elems=int(zo.get("sub_group_size", d.sub_group_elems)),
+                   overlap_comm=zo.get("overlap_comm"),
+                   optimizer_swap_buffer_count=int(opt.get("buffer_count", d.optimizer_swap_buffer_count)),
+                   param_swap_buffer_count=int(par.get("buffer_count", d.param_swap_buffer_count)),
+                   param_swap_buffer_elems=int(par.get("buffer_size", d.param_swap_buffer_elems)),
+                   max_reuse_distance_elems=int(zo.get("stage3_max_reuse_distance", d.max_reuse_distance_elems)))
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """How the world is split. world = tp x pp x sp x dp; ep splits the experts inside the ZeRO group."""
+
+    world: int
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        if self.world % (self.tp * self.pp * self.sp):
+            raise ValueError(f"tp({self.tp}) x pp({self.pp}) x sp({self.sp}) does not divide world({self.world})")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: each trains its own micro-batches."""
+        return self.world // (self.tp * self.pp * self.sp)
+
+    @property
+    def zero_shards(self) -> int:
+        """Ranks one ZeRO partition spans: the replicas and, inside each, its sequence-parallel ranks."""
+        return self.dp * self.sp
+
+    @property
+    def expert_shards(self) -> int:
+        """Ranks one AutoEP expert's states shard over (expert-data-parallel group)."""
+        return max(1, self.zero_shards // self.ep)
+
+
+@dataclass(frozen=True)
+class Zero:
+    stage: int = 0
+    offload_optimizer: str = "none"  # none | cpu | nvme, as the DeepSpeed dict says
+    offload_param: str = "none"  # ZeRO-3 only
+    buckets: ZeroBuckets = field(default_factory=ZeroBuckets)
+    max_live_params: int = STAGE3_MAX_LIVE_PARAMETERS
+
+    @classmethod
+    def of(cls, ds: Mapping) -> "Zero":
+        zo = ds.get("zero_optimization", {}) or {}
+        stage = int(zo.get("stage", 0))
+        opt = (zo.get("offload_optimizer") or {}).get("device", "none") if stage >= 1 else "none"
+        par = (zo.get("offload_param") or {}).get("device", "none") if stage == 3 else "none"
+        return cls(stage, opt or "none", par or "none", ZeroBuckets.of(zo),
+                   int(zo.get("stage3_max_live_parameters", STAGE3_MAX_LIVE_PARAMETERS)))
+
+
+@dataclass(frozen=True)
+class Batch:
+    micro_batch: int  # sequences per rank per micro-step (train_micro_batch_size_per_gpu)
+    grad_accum: int  # micro-steps per optimizer step (a pipeline's micro-batches)
+    global_batch: int  # sequences per optimizer step over all replicas
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """How one sequence is handled: its length, packing, the attention the recipe asks for, long-context tiling and
+    activation checkpointing/offload."""
+
+    seq_len: int
+    packing: str = "document"  # document (position ids restart per document) | concat
+    attention: str = "auto"  # the recipe's train.attention
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
+    tile_tokens: int = 4096
+    activation_checkpointing: bool = False
+    activation_offload: bool = False
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """LoRA (peft): only the adapters train."""
+
+    r: int
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RunModel:
+    model: str  # hub id, folder or preset name (train.model)
+    model_config: Mapping[str, Any]  # the model's HF config as a dict, read once (read-only)
+    precision: str  # bf16 | fp16 | fp32
+    degrees: Degrees
+    zero: Zero
+    batch: Batch
+    sequence: Sequence
+    adapter: Adapter | None = None
+    pipeline_partition: str = "parameters"
+
+    @classmethod
+    def from_resolved(cls, recipe: Mapping, ds: Mapping, world: int, model_config: Mapping) -> "RunModel":
+        """The run a resolved recipe and its resolved DeepSpeed dict describe on `world` ranks (degrees, ZeRO and
+        batch as the DeepSpeed dict says: a --ds-config file may set them without the recipe)."""
+        pp, tp = pipe_tensor_degrees(ds, recipe)
+        train = recipe["train"]
+        auto_ep = ds.get("expert_parallel") or {}
+        ep = int(auto_ep.get("autoep_size", 1)) if auto_ep.get("enabled") else 1
+        d = Degrees(world=world, tp=tp, pp=pp, sp=sequence_parallel(ds), ep=ep)
+        micro = int(ds.get("train_micro_batch_size_per_gpu", 1))
+        accum = int(ds.get("gradient_accumulation_steps", 1))
+        batch = Batch(micro, accum, int(ds.get("train_batch_size", micro * accum * d.dp)))
+        seq = Sequence(seq_len=int(train["seq_len"]), packing=train["packing"], attention=train["attention"],
+                       tiled_mlp=bool(train["tiled_mlp"]), tiled_loss=bool(train["tiled_loss"]),
+                       tile_tokens=int(train["tile_tokens"]),
+                       activation_checkpointing=bool(recipe["activation_checkpointing"]),
+                       activation_offload=bool(train["activation_offload"]))
+        lora = recipe["adapter"]
+        adapter = Adapter(int(lora["r"]), tuple(lora["target_modules"])) if lora["type"] == "lora" else None
+        pipe = ds.get("pipeline") or {}
+        return cls(model=train["model"], model_config=MappingProxyType(dict(model_config)),
+                   precision=recipe["precision"], degrees=d, zero=Zero.of(ds), batch=batch, sequence=seq,
+                   adapter=adapter, pipeline_partition=pipe.get("partition", recipe["parallel"]["partition_method"]))
