@@ -171,7 +171,7 @@ DEFINED_ONCE = {name: "harness.config.defaults" for name in (
     "MAX_REUSE_DISTANCE_ELEMS", "OPTIMIZER_SWAP_BUFFER_COUNT", "PARAM_SWAP_BUFFER_COUNT", "PARAM_SWAP_BUFFER_ELEMS",
     "MODEL_SIZED_BUCKETS", "PRECISION_BYTES", "PRECISION_DTYPES")}
 DEFINED_ONCE.update({"FAMILIES": "harness.config.moe_families", "AUTOEP_FAMILIES": "harness.config.moe_families",
-                     "LLAMA_LIKE": "harness.model_shapes"})
+                     "LLAMA_LIKE": "harness.model_shapes", "ZeroBuckets": "harness.config.run_model"})
 # the same facts under the names they had before (a new copy would likely take one of them)
 RETIRED = ("ZERO0_BUCKET_ELEMS", "STAGE3_MAX_LIVE", "STAGE3_DEFAULT_MAX_LIVE", "TRAIN_DTYPES", "DTYPES",
            "MOE_FAMILIES", "TP_FAMILIES")
@@ -183,9 +183,10 @@ PRECISIONS = {"bf16", "fp16", "fp32"}
 
 
 def module_assignments(path: Path) -> set[str]:
-    """Names bound at module level by `NAME = ...` or `NAME: type = ...`."""
-    names = set()
-    for node in ast.parse(path.read_text()).body:
+    """Names bound at module level by `NAME = ...`, `NAME: type = ...` or `class NAME`."""
+    tree = ast.parse(path.read_text())
+    names = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
             else []
         names |= {t.id for t in targets if isinstance(t, ast.Name)}
@@ -244,3 +245,10 @@ def test_no_module_writes_a_shared_default_again():
     homes = {"harness.config.defaults"}
     copies = {name: hits for name, path in MODULES.items() if name not in homes and (hits := literal_copies(path))}
     assert not copies, f"defaults written again (read them from harness.config.defaults): {copies}"
+
+
+def test_recipe_defaults_that_restate_deepspeeds_agree():
+    """The recipes keep DeepSpeed's stage3_max_live_parameters; the planner prices the one value for both."""
+    from harness.config.defaults import STAGE3_MAX_LIVE_PARAMETERS, recipe_default
+
+    assert recipe_default("zero.stage3_max_live_parameters") == STAGE3_MAX_LIVE_PARAMETERS

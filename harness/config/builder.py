@@ -8,16 +8,18 @@ report it.
 
 from __future__ import annotations
 
+from harness.config.defaults import ds_default
 from harness.config.recipes import deep_merge
 
 SCHEMA_REF = "../harness/schemas/ds_config.schema.json"
 STEPS_PER_PRINT = 100_000  # the harness logs progress itself; keep DeepSpeed's own step lines quiet
 
 OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam", "lamb": "Lamb", "lion": "Lion", "adagrad": "Adagrad"}
-FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
-                 "min_loss_scale": 1}
-AIO_DEFAULTS = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True,
-                "intra_op_parallelism": 1}
+# DeepSpeed's own defaults, written out in an fp16 / NVMe recipe's DeepSpeed dict so a reader sees them
+FP16_DEFAULTS = {k: ds_default(f"fp16.{k}") for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
+                                                       "hysteresis", "min_loss_scale")}
+AIO_DEFAULTS = {k: ds_default(f"aio.{k}") for k in ("block_size", "queue_depth", "single_submit", "overlap_events",
+                                                     "intra_op_parallelism")}
 
 # Where each DeepSpeed key comes from in a recipe, so problems found on the DeepSpeed dict can name
 # the recipe key the user actually wrote.

@@ -19,10 +19,8 @@ phase="backward" is what backward holds (with the activations), phase="step" wha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from harness.config import defaults as dd
-from harness.config.defaults import PRECISION_BYTES, TILE_TOKENS, ZERO0_ALLREDUCE_BUCKET_ELEMS
+from harness.config.defaults import PRECISION_BYTES, TILE_TOKENS, ZERO0_ALLREDUCE_BUCKET_ELEMS, model_sized_buckets
+from harness.config.run_model import ZeroBuckets
 from harness.planner import activations as la
 
 FP32_BYTES = 4
@@ -39,26 +37,11 @@ _ALIVE = {"after_step": {ALWAYS}, "peak": {ALWAYS, BACKWARD, STEP, BOTH}, "backw
           "step": {ALWAYS, STEP, BOTH}}
 
 
-@dataclass(frozen=True)
-class ZeroBuckets:
-    """ZeRO buffer sizes in elements. Defaults are DeepSpeed 0.19.8's; see `harness_buckets`."""
-
-    reduce_bucket_elems: int = dd.REDUCE_BUCKET_ELEMS
-    prefetch_bucket_elems: int = dd.PREFETCH_BUCKET_ELEMS
-    param_persistence_threshold: int = dd.PARAM_PERSISTENCE_THRESHOLD
-    sub_group_elems: int = dd.SUB_GROUP_ELEMS
-    overlap_comm: bool | None = None  # None: DeepSpeed's default (on for stage 3 only)
-    optimizer_swap_buffer_count: int = dd.OPTIMIZER_SWAP_BUFFER_COUNT  # offload_optimizer.buffer_count
-    param_swap_buffer_count: int = dd.PARAM_SWAP_BUFFER_COUNT  # offload_param.buffer_count
-    param_swap_buffer_elems: int = dd.PARAM_SWAP_BUFFER_ELEMS  # offload_param.buffer_size
-    max_reuse_distance_elems: int = dd.MAX_REUSE_DISTANCE_ELEMS  # stage3_max_reuse_distance
-
-
 def harness_buckets(hidden_size: int) -> ZeroBuckets:
     """What the harness's recipes resolve to (harness/config/resolve.py, like the HF integration's "auto"): buckets
     sized from the model, so a small model does not carry a 1 GB ZeRO-3 bucket (DeepSpeed issues #3734,
     #6936); overlap_comm on for every stage (two reduce buffers in stages 1-2)."""
-    sized = dd.model_sized_buckets(hidden_size)
+    sized = model_sized_buckets(hidden_size)
     return ZeroBuckets(reduce_bucket_elems=sized["reduce_bucket_size"],
                        prefetch_bucket_elems=sized["stage3_prefetch_bucket_size"],
                        param_persistence_threshold=sized["stage3_param_persistence_threshold"], overlap_comm=True)
