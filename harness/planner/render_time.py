@@ -20,7 +20,7 @@ def breakdown_text(t: dict) -> str:
 def layout_line(i: int | str, r: dict) -> str:
     t = r["time"]
     ckpt = "full" if r["activation_checkpointing"] else "none"
-    return (f"  {i:>2}  {r['label']:<32}{ckpt:<6}{r['micro_batch']:>5}{r['micro_batches']:>6}"
+    return (f"  {i:>2}  {r['label'] + ' ':<32}{ckpt:<6}{r['micro_batch']:>5}{r['micro_batches']:>6}"
             f"{gb(r['memory']['gpu_bytes']):>10}{seq_text(r.get('max_seq_len')):>9}{t['step_time_s']:>9.3g}"
             f"{t['tokens_per_s_per_gpu']:>10.0f}"
             f"{t['mfu']:>7.1%}  {breakdown_text(t)}")
