@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
+from functools import partial
 
 from harness.planner import comm, memory, moe, pipeline, sequence
 from harness.planner.activations import TILE_TOKENS
@@ -64,9 +65,7 @@ def long_context_rung(gpus_per_node: int, shape: dict, offload: bool = True, nvm
     states = [("zero3", "none"), ("zero3_offload", "cpu")] + [("zero3_nvme", "nvme")] * nvme
     out = []
     for recipe, device in states:
-        def z3(**kw) -> Candidate:
-            return Candidate(recipe, 3, device, device, **kw)
-
+        z3 = partial(Candidate, recipe, 3, device, device)
         out += [z3(act="checkpoint"), z3(tiled=True, act="checkpoint")]
         out += [z3(sp=s, tiled=True, act="checkpoint") for s in sps[1:]]
         out += [z3(sp=s, tiled=True, act="offload") for s in sps if offload]
