@@ -16,11 +16,12 @@ with `shift_labels`), the model's own `loss_function` on the slice's logits, the
 differentiable `torch.distributed.nn.functional.all_gather` of the per-rank losses and valid-token counts, weighted.
 Its loss VALUE is the replica's token mean (equal to the harness's); its gradient is sp times the true one under
 ZeRO-0/1/2 (the engine averages over dp = world / sp only, and every SP rank backpropagates the full total) and
-exact under ZeRO-3 (README trap 2). That scale does not change the work, so tokens/s compare either way; the bench
-pairs it on ZeRO-3, where both are exact. The only harness code it uses is in setup: the model, the rows, and the
-run's attention implementation (document_sdpa on CPU under SP, registered by name so DeepSpeed wraps the same
-function the harness's run used); the training loop is DeepSpeed + torch only. Each rank's DataLoader yields the
-rows the harness's replica trains in the same order (adapter step i runs the row of SP rank i % sp).
+exact under ZeRO-3 (docs/deepspeed-facts.md, "Sequence parallelism"). That scale does not change the work, so
+tokens/s compare either way; the bench pairs it on ZeRO-3, where both are exact. The only harness code it uses is
+in setup: the model, the rows, and the run's attention implementation (document_sdpa on CPU under SP, registered
+by name so DeepSpeed wraps the same function the harness's run used); the training loop is DeepSpeed + torch only.
+Each rank's DataLoader yields the rows the harness's replica trains in the same order (adapter step i runs the row
+of SP rank i % sp).
 """
 
 from __future__ import annotations

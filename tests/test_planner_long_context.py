@@ -187,8 +187,10 @@ def test_plan_a_million_tokens_on_eight_h100s_in_under_five_seconds():
         main(["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu-mem", "80GB", "--seq-len", "1000000"])
     table = text.getvalue()
     assert "max seq" in table and re.search(r"[\d.]+M  <- seeds' first fit", table)
-    longest_line = re.search(r"longest sequence of any layout: zero3 sp8 tiled ckpt->cpu holds ([\d,]+) tokens", table)
-    assert longest_line and 3_000_000 <= int(longest_line.group(1).replace(",", "")) <= 4_500_000
+    # the optimizer and parameters in CPU RAM leave sp8 tiled ckpt->cpu's 3.87M more room (ALST: 3.7M)
+    longest_line = re.search(r"longest sequence of any layout: zero3 opt->cpu params->cpu sp8 tiled ckpt->cpu holds "
+                             r"([\d,]+) tokens", table)
+    assert longest_line and 3_870_000 <= int(longest_line.group(1).replace(",", "")) <= 2 * 3_700_000
 
 
 def test_auto_recipe_picks_sequence_parallel_for_a_long_sequence():

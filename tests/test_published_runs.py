@@ -4,7 +4,7 @@ One named profile (harness/planner/profiles/a100-80gb-sxm.json) with its one eff
 (gemm_efficiency), the same for every row: nothing here is fitted per row. Each predicted iteration time must
 lie within +-15 % of the published one.
 
-Where the figures come from (../shared/docs/published-runs.md has the full setups):
+Where the figures come from (docs/published-runs.md has the full setups):
 - A1-A10: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM", arXiv 2104.04473, Table 1 (weak scaling), as published in NVIDIA/Megatron-LM
   images/cases_april2021.png (commit 50a4b5fa02, 2021-04-08). The table gives achieved teraFLOP/s per GPU in

@@ -1,4 +1,5 @@
-"""`harness build [--check]`: regenerate ds_configs/ from recipes/ (or check they are in sync)."""
+"""`harness build [--check]`: regenerate ds_configs/ and docs/recipes.md from recipes/ and the recipe schema (or
+check they are in sync)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from harness.config import builder
+from harness.config import builder, recipes_doc
 from harness.commands.common import context
 from harness.errors import UsageError
 from harness.config.jsonio import dump_json
@@ -19,7 +20,8 @@ def ds_config_dir() -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--check", action="store_true", help="exit 1 if any ds_configs/ file differs (writes nothing)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if any ds_configs/ file or docs/recipes.md differs (writes nothing)")
 
 
 def expected_files() -> dict[Path, str]:
@@ -36,22 +38,22 @@ def expected_files() -> dict[Path, str]:
 
 def run(args: argparse.Namespace) -> int:
     expected, ds_dir = expected_files(), ds_config_dir()
-    existing = set(ds_dir.glob("*.json"))
-    stale = sorted(existing - set(expected))
-    changed = sorted(p for p, text in expected.items() if not p.is_file() or p.read_text() != text)
+    stale = sorted(set(ds_dir.glob("*.json")) - set(expected))
+    generated = {**expected, project_root() / recipes_doc.DOC_PATH: recipes_doc.render()}  # every file build owns
+    changed = sorted(p for p, text in generated.items() if not p.is_file() or p.read_text() != text)
     if args.check:
         for path in changed:
             print(f"out of date: {path.relative_to(ds_dir.parent)}", file=sys.stderr)
         for path in stale:
             print(f"no recipe for: {path.relative_to(ds_dir.parent)}", file=sys.stderr)
         if changed or stale:
-            print("run `harness build` to regenerate ds_configs/ from recipes/", file=sys.stderr)
+            print("run `harness build` to regenerate ds_configs/ and docs/recipes.md from recipes/", file=sys.stderr)
             return 1
         print(f"ds_configs/ in sync with recipes/ ({len(expected)} files)")
         return 0
-    ds_dir.mkdir(exist_ok=True)
     for path in changed:
-        path.write_text(expected[path])
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(generated[path])
         print(f"wrote {path.relative_to(ds_dir.parent)}")
     for path in stale:
         path.unlink()

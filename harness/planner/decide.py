@@ -4,9 +4,9 @@ DDP -> ZeRO-1 -> ZeRO-2 -> ZeRO-3 -> offload the optimizer (ZeRO-2, then ZeRO-3)
 (CPU, then NVMe) -> tensor parallel inside a node -> pipeline (across nodes) with tensor parallel inside
 and data parallel across replicas (3D) -> for a sequence none of them holds, the long-context rung (ZeRO-3 with
 activation checkpointing, then tiled MLP and loss, then Ulysses SP inside a node, then the checkpointed activations
-in CPU RAM; layouts.long_context_rung). Every layout reports the longest seq_len it holds (longest.py).
-Every candidate is evaluated so the output can say why each
-cheaper one fails.
+in CPU RAM; then all of these again with the optimizer and parameters in CPU RAM, then on NVMe when given, as
+ALST trains 500K tokens on one GPU; layouts.long_context_rung). Every layout reports the longest seq_len it holds
+(longest.py). Every candidate is evaluated so the output can say why each cheaper one fails.
 
 Fit is judged on memory alone, as the seeds order it. By that measure a pipeline rarely wins: its first
 stage keeps min(p, m) micro-batches of L/p blocks in flight under 1F1B (as many activations as no
@@ -55,7 +55,7 @@ class Plan:
 def evaluate_all(count: ParamCount, shape: dict, hw: dict, work: dict, model_name: str) -> list[dict]:
     out = []
     for c in candidates(hw["world"], hw["gpus_per_node"], count.num_layers, shape, work["activation_offload"],
-                        num_experts=count.num_experts):
+                        num_experts=count.num_experts, nvme=hw["nvme_bytes"] is not None):
         result = longest.attach(evaluate(c, count, shape, hw, work), count, shape, hw, work)
         result["overrides"] = overrides(c, result, work)
         result["launch"] = launch_command(c.recipe, model_name, hw, result["overrides"])
@@ -86,8 +86,11 @@ def missing(results: list[dict], count: ParamCount, shape: dict, hw: dict, work:
         leanest = min(usable, key=lambda r: r["memory"]["gpu_bytes"])
         acts = leanest["memory"]["activations"]["total"]
         fix = "use --activation-checkpointing, " if not work["activation_checkpointing"] else ""
+        top = max(results, key=lambda r: r["max_seq_len"])  # how far --seq-len has to come down
+        holds = (f" (the longest of any layout: {top['label']} holds {top['max_seq_len']:,} tokens)"
+                 if top["max_seq_len"] else "")
         out.append(f"even the leanest option ({leanest['label']}) needs {gb(leanest['memory']['gpu_bytes'])} "
-                   f"per GPU, {gb(acts)} of it activations: {fix}lower --micro-batch or --seq-len, "
+                   f"per GPU, {gb(acts)} of it activations: {fix}lower --micro-batch or --seq-len{holds}, "
                    f"or use GPUs with more memory")
     nodes = min_nodes_for_zero3(count, shape, hw, work)
     if nodes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
+from functools import partial
 
 from harness.planner import comm, memory, moe, pipeline, sequence
 from harness.config.defaults import TILE_TOKENS
@@ -53,14 +54,22 @@ class Candidate:
         return bool(self.act) or work["activation_checkpointing"]
 
 
-def long_context_rung(gpus_per_node: int, shape: dict, offload: bool = True) -> list[Candidate]:
+def long_context_rung(gpus_per_node: int, shape: dict, offload: bool = True, nvme: bool = False) -> list[Candidate]:
     """For a sequence one rank cannot hold, after every other rung: ZeRO-3 with activation checkpointing, then
     tiled MLP and loss, then Ulysses SP inside a node (each degree the heads allow), then the checkpointed
-    activations offloaded to CPU RAM at each degree (ALST's order, arXiv 2506.13996 s3)."""
+    activations offloaded to CPU RAM at each degree (ALST's order, arXiv 2506.13996 s3). Then the same steps again
+    with the model states offloaded, optimizer and parameters in CPU RAM (then on NVMe when there is one): ALST's
+    500K tokens on one H100 run so. They come last because every step then moves the weights over PCIe and runs
+    Adam on the CPU, dearer than moving the checkpointed activations. offload False: no activation-offload rows."""
     sps = [1] + sequence.sp_degrees(gpus_per_node, shape)
-    return ([Candidate("zero3", 3, act="checkpoint"), Candidate("zero3", 3, tiled=True, act="checkpoint")]
-            + [Candidate("zero3", 3, sp=s, tiled=True, act="checkpoint") for s in sps[1:]]
-            + [Candidate("zero3", 3, sp=s, tiled=True, act="offload") for s in sps if offload])
+    states = [("zero3", "none"), ("zero3_offload", "cpu")] + [("zero3_nvme", "nvme")] * nvme
+    out = []
+    for recipe, device in states:
+        z3 = partial(Candidate, recipe, 3, device, device)
+        out += [z3(act="checkpoint"), z3(tiled=True, act="checkpoint")]
+        out += [z3(sp=s, tiled=True, act="checkpoint") for s in sps[1:]]
+        out += [z3(sp=s, tiled=True, act="offload") for s in sps if offload]
+    return out
 
 
 def candidate_of(r: dict) -> Candidate:
@@ -70,11 +79,11 @@ def candidate_of(r: dict) -> Candidate:
 
 
 def candidates(world: int, gpus_per_node: int, num_layers: int, shape: dict | None = None,
-               activation_offload: bool = True, num_experts: int = 0) -> list[Candidate]:
+               activation_offload: bool = True, num_experts: int = 0, nvme: bool = False) -> list[Candidate]:
     """Every strategy in decision order (cheapest in traffic and complexity first); with the model's shape, the
     long-context rung last (activation_offload False: without its offload rows, e.g. on CPU ranks, where DeepSpeed's
-    activation offload does nothing and the harness refuses it). A MoE model's expert-parallel layouts come after
-    ZeRO-3 (with leaves), before offload."""
+    activation offload does nothing and the harness refuses it; nvme: with its NVMe rows, when there is NVMe). A MoE
+    model's expert-parallel layouts come after ZeRO-3 (with leaves), before offload."""
     out = [Candidate("ddp", 0), Candidate("zero1", 1), Candidate("zero2", 2), Candidate("zero3", 3)]
     out += [Candidate(f"zero{stage}", stage, ep=ep) for ep in moe.ep_degrees(world, gpus_per_node, num_experts)
             for stage in moe.EP_STAGES]
@@ -86,7 +95,7 @@ def candidates(world: int, gpus_per_node: int, num_layers: int, shape: dict | No
               if (world // t) % p == 0]
     for t, p in sorted(splits, key=lambda tp_pp: (tp_pp[0] * tp_pp[1], tp_pp[1])):
         out.append(Candidate("pipeline" if t == 1 else "3d", 1, tp=t, pp=p))
-    return out + (long_context_rung(gpus_per_node, shape, activation_offload) if shape else [])
+    return out + (long_context_rung(gpus_per_node, shape, activation_offload, nvme) if shape else [])
 
 
 def not_applicable(c: Candidate, shape: dict) -> str | None:

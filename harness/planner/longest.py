@@ -4,7 +4,9 @@ Model states do not grow with the sequence; activations do (linearly with flash/
 materialised mask or eager scores; memory.activation_bytes). So the model states are evaluated once and the
 activations alone are searched: doubling from sp tokens, then bisecting, in multiples of sp (Ulysses needs
 seq_len % sp == 0), against the same verdict as layouts.evaluate: backward's model states plus the activations under
-the usable GPU memory, and, with activation offload, the node's offloaded bytes under its usable CPU RAM.
+the usable GPU memory, and, with activation offload, the node's offloaded bytes under its usable CPU RAM. Offloaded
+model states (optimizer and parameters in CPU RAM or on NVMe) count where they are: CPU RAM beside the offloaded
+activations; NVMe once, since no length fits when they do not.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ def max_seq_len(c: layouts.Candidate, count, shape: dict, hw: dict, work: dict) 
     states_gpu = mem["gpu_backward_bytes"] - mem["activations"]["total"]
     states_cpu = mem["cpu_bytes_per_rank"] - mem["activations"]["cpu_offload"]
     usable, usable_cpu, gpn = hw["usable_gpu_bytes"], hw["usable_cpu_bytes"], hw["gpus_per_node"]
-    if mem["gpu_step_bytes"] > usable:
+    nvme = mem["nvme_bytes_per_node"]  # model states on NVMe do not grow with the sequence: no room, no length
+    if mem["gpu_step_bytes"] > usable or nvme and (hw["usable_nvme_bytes"] or 0) < nvme:
         return 0
     in_flight = min(c.pp, base["micro_batches"])
 

@@ -97,20 +97,21 @@ def _comm(r: dict) -> list[str]:
 
 
 def _table(plan: Plan) -> list[str]:
-    head = f"  {'#':>2}  {'strategy':<30}{'fits':<5}{'GPU/rank':>10}{'CPU/node':>10}{'NVMe/node':>10}" \
-           f"{'wire/step':>11}{'max seq':>9}  why not"
     from harness.planner import render_time
 
-    lines = ["decision order (GB = 10^9 bytes, GiB = 2^30 bytes; max seq: the longest seq_len each holds):", head]
     first = next((r for r in plan.candidates if r["fits"]), None)
     last = plan.candidates.index(first) if first else len(plan.candidates) - 1
+    w = max([30] + [len(r["label"]) + 1 for r in plan.candidates[:last + 1]])  # the offloaded long-context labels
+    head = f"  {'#':>2}  {'strategy':<{w}}{'fits':<5}{'GPU/rank':>10}{'CPU/node':>10}{'NVMe/node':>10}" \
+           f"{'wire/step':>11}{'max seq':>9}  why not"
+    lines = ["decision order (GB = 10^9 bytes, GiB = 2^30 bytes; max seq: the longest seq_len each holds):", head]
     for i, r in enumerate(plan.candidates[:last + 1], 1):
         mem = r["memory"]
         cells = [gb(mem["gpu_bytes"]), gb(mem["cpu_bytes_per_node"]) if mem["cpu_bytes_per_node"] else "-",
                  gb(mem["nvme_bytes_per_node"]) if mem["nvme_bytes_per_node"] else "-"]
         verdict = "yes" if r["fits"] else ("n/a" if not r["applicable"] else "no")
         why = r["why_not"] or ("<- recommended" if r is plan.recommended else "<- seeds' first fit")
-        lines.append(f"  {i:>2}  {r['label']:<30}{verdict:<5}{cells[0]:>10}{cells[1]:>10}{cells[2]:>10}"
+        lines.append(f"  {i:>2}  {r['label']:<{w}}{verdict:<5}{cells[0]:>10}{cells[1]:>10}{cells[2]:>10}"
                      f"{gb(r['comm']['wire_bytes']) if r['comm']['wire_bytes'] else '-':>11}"
                      f"{render_time.seq_text(r.get('max_seq_len')):>9}  {why}")
     if last + 1 < len(plan.candidates):

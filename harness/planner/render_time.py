@@ -17,17 +17,18 @@ def breakdown_text(t: dict) -> str:
     return " ".join(f"{SHORT[k]} {v:.3g}" for k, v in t["breakdown"].items() if v > 0.005 * t["step_time_s"])
 
 
-def layout_line(i: int | str, r: dict) -> str:
+def layout_line(i: int | str, r: dict, width: int = 32) -> str:
     t = r["time"]
     ckpt = "full" if r["activation_checkpointing"] else "none"
-    return (f"  {i:>2}  {r['label']:<32}{ckpt:<6}{r['micro_batch']:>5}{r['micro_batches']:>6}"
+    return (f"  {i:>2}  {r['label']:<{width}}{ckpt:<6}{r['micro_batch']:>5}{r['micro_batches']:>6}"
             f"{gb(r['memory']['gpu_bytes']):>10}{seq_text(r.get('max_seq_len')):>9}{t['step_time_s']:>9.3g}"
             f"{t['tokens_per_s_per_gpu']:>10.0f}"
             f"{t['mfu']:>7.1%}  {breakdown_text(t)}")
 
 
-HEAD = (f"  {'#':>2}  {'layout':<32}{'ckpt':<6}{'micro':>5}{'accum':>6}{'GPU/rank':>10}{'max seq':>9}{'step s':>9}"
-        f"{'tok/s/GPU':>10}{'MFU':>7}  breakdown (s; exposed comm only)")
+def head(width: int = 32) -> str:
+    return (f"  {'#':>2}  {'layout':<{width}}{'ckpt':<6}{'micro':>5}{'accum':>6}{'GPU/rank':>10}{'max seq':>9}"
+            f"{'step s':>9}{'tok/s/GPU':>10}{'MFU':>7}  breakdown (s; exposed comm only)")
 
 
 def seq_text(tokens: int | None) -> str:
@@ -50,10 +51,12 @@ def profile_line(plan) -> str:
 def ranking(plan, top: int = 5) -> list[str]:
     if not plan.ranked:
         return []
-    lines = [f"fastest layouts that fit ({len(plan.ranked)} fit; --json lists all):", HEAD]
-    lines += [layout_line(i, r) for i, r in enumerate(plan.ranked[:top], 1)]
+    shown = plan.ranked[:top] + ([plan.first_fit] if plan.first_fit else [])
+    w = max([32] + [len(r["label"]) + 1 for r in shown])  # the offloaded long-context labels are longer
+    lines = [f"fastest layouts that fit ({len(plan.ranked)} fit; --json lists all):", head(w)]
+    lines += [layout_line(i, r, w) for i, r in enumerate(plan.ranked[:top], 1)]
     if plan.first_fit:
-        lines.append(layout_line("ff", plan.first_fit) + "   <- seeds' first fit")
+        lines.append(layout_line("ff", plan.first_fit, w) + "   <- seeds' first fit")
     cmp = plan.comparison
     if cmp:
         if cmp["fastest"] == cmp["first_fit"]:
@@ -70,5 +73,6 @@ def ranking(plan, top: int = 5) -> list[str]:
 def evaluated(plan) -> list[str]:
     r = plan.evaluated
     verdict = "fits" if r["fits"] else f"DOES NOT FIT ({r['why_not']})"
-    return [f"evaluated layout (dp {r['dp']} x tp {r['tp']} x pp {r['pp']}): {verdict}", HEAD, layout_line("", r),
+    w = max(32, len(r["label"]) + 1)
+    return [f"evaluated layout (dp {r['dp']} x tp {r['tp']} x pp {r['pp']}): {verdict}", head(w), layout_line("", r, w),
             f"  launch: {r['launch']}"]

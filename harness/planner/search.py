@@ -73,7 +73,8 @@ def search(count, shape: dict, hw: dict, work: dict, profile: dict, model_name: 
     """Every fitting layout (best micro-batch per strategy and checkpointing), fastest first."""
     found = []
     for c in layouts.candidates(hw["world"], hw["gpus_per_node"], count.num_layers, shape,
-                                work.get("activation_offload", True), num_experts=count.num_experts):
+                                work.get("activation_offload", True), num_experts=count.num_experts,
+                                nvme=hw["nvme_bytes"] is not None):
         found += _best_for(c, count, shape, hw, work, profile, model_name)
     return sorted(found, key=lambda r: -r["time"]["tokens_per_s"])
 

@@ -12,7 +12,8 @@ rank's loss x sp, whose mean over all ranks is the mean over replicas of each re
 The tiled head (train.tiled_loss) computes lm_head + cross-entropy tile by tile: logits exist for one tile at a
 time, and the gradients of the hidden states and of lm_head's weight are computed in forward (tile by tile) and
 scaled by the incoming gradient in backward, so a loss rescaled after it (1/accumulation, a factor) stays right
-for both (DeepSpeed's TiledFusedLogitsLoss gets lm_head's wrong: trap 3 in the README).
+for both (DeepSpeed's TiledFusedLogitsLoss gets lm_head's wrong: docs/deepspeed-facts.md, "Sequence
+parallelism").
 """
 
 from __future__ import annotations
