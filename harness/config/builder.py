@@ -60,8 +60,8 @@ def _scheduler(recipe: dict) -> dict | None:
         return {"type": "WarmupCosineLR",
                 "params": {"total_num_steps": steps, "warmup_num_steps": warmup, "warmup_min_ratio": 0.0,
                            "cos_min_ratio": 0.1}}
-    adapter = recipe.get("adapter", {})
-    if adapter.get("type") == "lora" and adapter.get("lr_B_ratio"):  # LoRA+: groups [A and the rest, B]
+    adapter = recipe["adapter"]
+    if adapter["type"] == "lora" and adapter["lr_B_ratio"]:  # LoRA+: groups [A and the rest, B]
         lr = [lr, lr * adapter["lr_B_ratio"]]
     params = {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup, "warmup_type": "linear"}
     if sched["type"] == "WarmupDecayLR":
