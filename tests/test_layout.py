@@ -171,7 +171,9 @@ DEFINED_ONCE = {name: "harness.config.defaults" for name in (
     "MAX_REUSE_DISTANCE_ELEMS", "OPTIMIZER_SWAP_BUFFER_COUNT", "PARAM_SWAP_BUFFER_COUNT", "PARAM_SWAP_BUFFER_ELEMS",
     "MODEL_SIZED_BUCKETS", "PRECISION_BYTES", "PRECISION_DTYPES")}
 DEFINED_ONCE.update({"FAMILIES": "harness.config.moe_families", "AUTOEP_FAMILIES": "harness.config.moe_families",
-                     "LLAMA_LIKE": "harness.model_shapes", "ZeroBuckets": "harness.config.run_model"})
+                     "LLAMA_LIKE": "harness.model_shapes", "ZeroBuckets": "harness.config.run_model",
+                     "model_sized_buckets": "harness.config.defaults", "lora_on": "harness.config.adapter_rules",
+                     "ulysses_splits_heads": "harness.model_shapes", "ulysses_splits_kv_heads": "harness.model_shapes"})
 # the same facts under the names they had before (a new copy would likely take one of them)
 RETIRED = ("ZERO0_BUCKET_ELEMS", "STAGE3_MAX_LIVE", "STAGE3_DEFAULT_MAX_LIVE", "TRAIN_DTYPES", "DTYPES",
            "MOE_FAMILIES", "TP_FAMILIES")
@@ -183,9 +185,9 @@ PRECISIONS = {"bf16", "fp16", "fp32"}
 
 
 def module_assignments(path: Path) -> set[str]:
-    """Names bound at module level by `NAME = ...`, `NAME: type = ...` or `class NAME`."""
+    """Names bound at module level by `NAME = ...`, `NAME: type = ...`, `class NAME` or `def NAME`."""
     tree = ast.parse(path.read_text())
-    names = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    names = {node.name for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
             else []

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from harness import model_shapes
+from harness.config.adapter_rules import lora_on
 from harness.errors import Problem, UsageError, raise_if_errors
 from harness.model.moe import rules as moe_rules
 
@@ -73,8 +74,7 @@ def qlora_problems(recipe: dict) -> list[Problem]:
 
     import torch
 
-    adapter = recipe.get("adapter", {})
-    if adapter.get("type") != "lora" or not adapter.get("load_in_4bit"):
+    if not lora_on(recipe) or not recipe["adapter"]["load_in_4bit"]:
         return []
     out = []
     if not torch.cuda.is_available():
