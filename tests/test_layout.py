@@ -259,8 +259,11 @@ def test_no_module_writes_a_shared_default_again():
     assert not copies, f"defaults written again (read them from harness.config.defaults): {copies}"
 
 
-def test_recipe_defaults_that_restate_deepspeeds_agree():
-    """The recipes keep DeepSpeed's stage3_max_live_parameters; the planner prices the one value for both."""
-    from harness.config.defaults import STAGE3_MAX_LIVE_PARAMETERS, recipe_default
+def test_the_schemas_and_the_shared_tables_agree():
+    """The recipes keep DeepSpeed's stage3_max_live_parameters (the planner prices the one value for both), and the
+    precision tables cover exactly the precisions a recipe may name."""
+    from harness.config.defaults import PRECISION_BYTES, PRECISION_DTYPES, STAGE3_MAX_LIVE_PARAMETERS, recipe_default
+    from harness.config.schema import RECIPE_SCHEMA, subschema
 
     assert recipe_default("zero.stage3_max_live_parameters") == STAGE3_MAX_LIVE_PARAMETERS
+    assert set(PRECISION_BYTES) == set(PRECISION_DTYPES) == set(subschema(RECIPE_SCHEMA, "precision")["enum"])

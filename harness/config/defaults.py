@@ -54,6 +54,8 @@ def model_sized_buckets(hidden_size: int) -> dict[str, int]:
     return {key: formula(hidden_size) for key, (formula, _) in MODEL_SIZED_BUCKETS.items()}
 
 
+PATH_PREFIXES = (".", "/", "~")  # a model or data spec starting so is a path, never a hub id
+
 # --- Training precisions: bytes per element, and the torch dtype (by name) a precision computes in ---
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

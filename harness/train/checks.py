@@ -18,10 +18,10 @@ from pathlib import Path
 
 from harness import model_shapes
 from harness.config.adapter_rules import lora_on
+from harness.config.defaults import PATH_PREFIXES
 from harness.errors import Problem, UsageError, raise_if_errors
 from harness.model.moe import rules as moe_rules
 
-PATH_PREFIXES = (".", "/", "~")  # a model or data spec starting so is a path, never a hub id
 
 
 def inputs(train: dict, source: str) -> dict:
