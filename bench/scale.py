@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness.config.defaults import PRECISION_BYTES  # noqa: E402
 from harness.profiling.proc import status_bytes  # noqa: E402
 
 SHARD_BYTES = 200 * 10**6
@@ -188,7 +189,7 @@ def _wait_for_memory(need_bytes: int, timeout_s: float = 600) -> float:
 
 def run_case(size: str, recipe: str, precision: str, folder: Path, params: int, out: Path, steps: int,
              export: bool) -> dict:
-    train_bytes = params * (4 if precision == "fp32" else 2)
+    train_bytes = params * PRECISION_BYTES[precision]
     ranks = RANKS[recipe]
     # bytes per parameter over all ranks: 16 (weights, grads, fp32 master or fp32 weights, Adam) once when sharded;
     # ddp holds them on every rank, ZeRO-2 its weights and gradients

@@ -123,9 +123,12 @@ KNOWN: dict[str, dict] = {
 }
 
 
-# Model types the harness turns into pipeline stages (harness/model/parallel/pipeline.py), by layer family:
-# "llama" = RMSNorm decoder layers with rotary position embeddings (GQA), "gpt2" = learned positions.
-PIPELINE_FAMILIES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+# Model types whose decoder layers have llama's layout (q/k/v/o attention with GQA, gate/up/down MLP, RMSNorm,
+# rotary positions): the planner counts their parameters in closed form (planner/params.py), tensor parallel splits
+# them (model/parallel/tensor.py) and pipelines stage them as "llama" layers (model/parallel/pipeline.py).
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+# Model types the harness turns into pipeline stages, by layer family ("gpt2": learned positions).
+PIPELINE_FAMILIES: dict[str, str] = {**dict.fromkeys(LLAMA_LIKE, "llama"), "gpt2": "gpt2"}
 
 
 def is_preset(spec: str) -> bool:
@@ -172,18 +175,14 @@ def shape_summary(cfg: dict) -> dict:
     }
 
 
-# Families whose decoder layers harness/model/parallel/tensor.py splits (q/k/v/o + gate/up/down, RMSNorm).
-TP_FAMILIES = ("llama", "mistral", "qwen2")
-
-
 def tp_problems(shape: dict, tp: int, name: str = "") -> list[tuple[str, str]]:
     """(what, fix) for each reason a model (shape_summary) cannot be split over `tp` tensor-parallel ranks."""
     if tp <= 1:
         return []
     model = f"model {name} " if name else "the model "
     kind = shape.get("model_type")
-    if kind is not None and kind not in TP_FAMILIES:
-        return [(f"{model}has model_type {kind!r}; tensor parallel splits {', '.join(TP_FAMILIES)} decoder layers "
+    if kind is not None and kind not in LLAMA_LIKE:
+        return [(f"{model}has model_type {kind!r}; tensor parallel splits {', '.join(LLAMA_LIKE)} decoder layers "
                  "only", "use parallel.tensor 1 (ZeRO data parallel, or a pipeline) for this model")]
     out = []
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
@@ -192,3 +191,14 @@ def tp_problems(shape: dict, tp: int, name: str = "") -> list[tuple[str, str]]:
             out.append((f"{field} ({n}) of {model}must be divisible by the tensor degree ({tp}): "
                         f"{n} / {tp} = {n / tp:g} per rank", f"use a tensor degree that divides {n}"))
     return out
+
+
+# Ulysses sequence parallelism (DeepSpeed's UlyssesSPAttentionHF) switches attention from sequence-split to
+# head-split: each of the sp ranks takes heads / sp attention heads, and the kv heads are split over the sp ranks
+# or replicated sp / kv times (ulysses_sp.py kv_replication_factor). The planner and the run's checks both ask here.
+def ulysses_splits_heads(heads: int, sp: int) -> bool:
+    return heads % sp == 0
+
+
+def ulysses_splits_kv_heads(kv_heads: int, sp: int) -> bool:
+    return kv_heads % sp == 0 or sp % kv_heads == 0

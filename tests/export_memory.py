@@ -47,6 +47,7 @@ def measure(ckpt: str, out: str, shard: str, dtype: str | None) -> dict:
     import transformers  # noqa: F401
 
     from harness.checkpoint.export import folder as ex
+    from harness.config.defaults import PRECISION_DTYPES
 
     result: dict = {"baseline_rss_anon_bytes": _status("RssAnon")}
     if os.environ.get("WHOLE"):
@@ -59,7 +60,7 @@ def measure(ckpt: str, out: str, shard: str, dtype: str | None) -> dict:
     ref = ex.find_checkpoint(ckpt)
     manifest = ref.manifest()
     name = dtype or ex.train_dtype(manifest)
-    torch_dtype = getattr(torch, ex.DTYPES[name])
+    torch_dtype = getattr(torch, PRECISION_DTYPES[name])
     # Warm-up: the model class, DeepSpeed's pickled types and the tokenizer import once (~100 MB of modules,
     # whatever the model's size); measured apart as "imports".
     from transformers import AutoTokenizer

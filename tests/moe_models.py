@@ -1,4 +1,4 @@
-"""Tiny fp32 Mixture-of-Experts folders of every family the harness trains (harness/model/moe/families.py), made
+"""Tiny fp32 Mixture-of-Experts folders of every family the harness trains (harness/config/moe_families.py), made
 from transformers' config classes with seeded random weights and the shipped tokenizer, and the one-process
 reference they are compared with: the same model, the same global batch split in the ranks' micro-batches (the
 balancing loss of each chunk, as each rank computes its own), torch AdamW and clip_grad_norm_."""

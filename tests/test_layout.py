@@ -160,3 +160,110 @@ def test_every_rank_script_ends_without_interpreter_finalization():
            if any(s in (text := p.read_text()) for s in starts_group) and any(e in text for e in entry)
            and "exit_now(" not in text]
     assert not bad, f"scripts that start a process group but do not end through harness.dist.exit_now: {bad}"
+
+
+# Each fact the planner and the run share, and the one module that defines it (issue #31: "every default and
+# constant lives once; the planner and the model read the same one"). The values DeepSpeed and the recipes default
+# are read from their schemas there, not written again.
+DEFINED_ONCE = {name: "harness.config.defaults" for name in (
+    "TILE_TOKENS", "ALLGATHER_BUCKET_ELEMS", "ZERO0_ALLREDUCE_BUCKET_ELEMS", "REDUCE_BUCKET_ELEMS",
+    "PREFETCH_BUCKET_ELEMS", "PARAM_PERSISTENCE_THRESHOLD", "SUB_GROUP_ELEMS", "STAGE3_MAX_LIVE_PARAMETERS",
+    "MAX_REUSE_DISTANCE_ELEMS", "OPTIMIZER_SWAP_BUFFER_COUNT", "PARAM_SWAP_BUFFER_COUNT", "PARAM_SWAP_BUFFER_ELEMS",
+    "MODEL_SIZED_BUCKETS", "PRECISION_BYTES", "PRECISION_DTYPES")}
+DEFINED_ONCE.update({"FAMILIES": "harness.config.moe_families", "AUTOEP_FAMILIES": "harness.config.moe_families",
+                     "LLAMA_LIKE": "harness.model_shapes", "ZeroBuckets": "harness.config.run_model",
+                     "model_sized_buckets": "harness.config.defaults", "lora_on": "harness.config.adapter_rules",
+                     "ulysses_splits_heads": "harness.model_shapes", "ulysses_splits_kv_heads": "harness.model_shapes"})
+# the same facts under the names they had before (a new copy would likely take one of them)
+RETIRED = ("ZERO0_BUCKET_ELEMS", "STAGE3_MAX_LIVE", "STAGE3_DEFAULT_MAX_LIVE", "TRAIN_DTYPES", "DTYPES",
+           "MOE_FAMILIES", "TP_FAMILIES")
+# DeepSpeed / recipe keys whose default lives in a schema: a literal number next to one of them is a second copy
+SCHEMA_KEYS = {"tile_tokens", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+               "stage3_param_persistence_threshold", "stage3_max_live_parameters", "sub_group_size",
+               "stage3_max_reuse_distance", "buffer_count", "buffer_size"}
+PRECISIONS = {"bf16", "fp16", "fp32"}
+
+
+def module_assignments(path: Path) -> set[str]:
+    """Names bound at module level by `NAME = ...`, `NAME: type = ...`, `class NAME` or `def NAME`."""
+    tree = ast.parse(path.read_text())
+    names = {node.name for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_each_named_constant_is_defined_in_exactly_one_module():
+    assigned = {name: module_assignments(path) for name, path in MODULES.items()}
+    where = {const: sorted(m for m, names in assigned.items() if const in names) for const in DEFINED_ONCE}
+    wrong = {const: mods for const, mods in where.items() if mods != [DEFINED_ONCE[const]]}
+    assert not wrong, f"constants not defined exactly once, where the table says (import them instead): {wrong}"
+    again = {const: mods for const in RETIRED if (mods := sorted(m for m, n in assigned.items() if const in n))}
+    assert not again, f"a retired copy of a shared constant is back (import it from its one module): {again}"
+
+
+def _number(node) -> bool:
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float)
+
+
+def _size_or_dtype(node) -> bool:
+    """2, "bfloat16" or torch.bfloat16: what PRECISION_BYTES / PRECISION_DTYPES map a precision to."""
+    if isinstance(node, ast.Attribute):
+        return isinstance(node.value, ast.Name) and node.value.id == "torch"
+    return isinstance(node, ast.Constant) and (type(node.value) is int or str(node.value).endswith(("float16",
+                                                                                                   "float32")))
+
+
+def literal_copies(path: Path) -> list[str]:
+    """A number written beside a schema key (`.get("tile_tokens", 4096)`, `"reduce_bucket_size": 5e8`,
+    `tile_tokens=4096`, `tile_tokens: int = 4096`), and a precision table written out by hand."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        pairs = []
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and len(node.args) == 2 and isinstance(node.args[0], ast.Constant):
+            pairs.append((node.args[0].value, node.args[1]))
+        elif isinstance(node, ast.Call):
+            pairs += [(k.arg, k.value) for k in node.keywords]
+        elif isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            if keys >= PRECISIONS and all(map(_size_or_dtype, node.values)):
+                found.append(f"line {node.lineno}: a precision -> bytes / dtype table")
+            pairs += [(k.value, v) for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)]
+        elif isinstance(node, ast.arguments):
+            args = node.posonlyargs + node.args
+            pairs += list(zip([a.arg for a in args[len(args) - len(node.defaults):]], node.defaults))
+            pairs += [(a.arg, d) for a, d in zip(node.kwonlyargs, node.kw_defaults) if d is not None]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            pairs.append((node.target.id, node.value))
+        found += [f"line {v.lineno}: {k} = {v.value}" for k, v in pairs if k in SCHEMA_KEYS and _number(v)]
+    return found
+
+
+def test_no_module_writes_a_shared_default_again():
+    """Where a value has one home (a schema, harness/config/defaults.py), no other module writes the number: not
+    beside its key, and the bucket sizes (integers of 10^7 and more, rare enough to mean one thing) nowhere."""
+    from harness.config import defaults
+
+    sizes = {v for k in DEFINED_ONCE if type(v := getattr(defaults, k, None)) is int and v >= 10**7}
+    copies = {}
+    for name, path in MODULES.items():
+        if name == "harness.config.defaults":
+            continue
+        hits = literal_copies(path) + [f"line {n.lineno}: {n.value:_}" for n in ast.walk(ast.parse(path.read_text()))
+                                       if isinstance(n, ast.Constant) and type(n.value) is int and n.value in sizes]
+        if hits:
+            copies[name] = hits
+    assert not copies, f"defaults written again (read them from harness.config.defaults): {copies}"
+
+
+def test_the_schemas_and_the_shared_tables_agree():
+    """The recipes keep DeepSpeed's stage3_max_live_parameters (the planner prices the one value for both), and the
+    precision tables cover exactly the precisions a recipe may name."""
+    from harness.config.defaults import PRECISION_BYTES, PRECISION_DTYPES, STAGE3_MAX_LIVE_PARAMETERS, recipe_default
+    from harness.config.schema import RECIPE_SCHEMA, subschema
+
+    assert recipe_default("zero.stage3_max_live_parameters") == STAGE3_MAX_LIVE_PARAMETERS
+    assert set(PRECISION_BYTES) == set(PRECISION_DTYPES) == set(subschema(RECIPE_SCHEMA, "precision")["enum"])

@@ -232,7 +232,7 @@ def test_universal_expert_rewrite_is_exact_and_its_own_inverse(launched, tmp_pat
     AutoEP's here, equals DeepSpeed's own conversion bit for bit (every state file of every parameter, and the
     optimizer's param groups); its gate_up_proj holds w1 rows then w3 rows."""
     from harness.checkpoint import resume, universal_experts
-    from harness.model.moe import families
+    from harness.config import moe_families
 
     root = finished(launched, "ep2_to_ep1")
     rewritten = root / "ep2" / "checkpoints" / "universal" / "global_step3"
@@ -244,7 +244,7 @@ def test_universal_expert_rewrite_is_exact_and_its_own_inverse(launched, tmp_pat
     assert torch.equal(gate_up, torch.cat([w1, w3], dim=1))
     back = tmp_path / "back"
     shutil.copytree(rewritten, back)
-    family = families.FAMILIES["qwen3_moe"]
+    family = moe_families.FAMILIES["qwen3_moe"]
     assert universal_experts.rewrite(back, {"experts": "transformers"}, family, 2) == ("transformers", "autoep", 2)
     want = sorted(p.relative_to(fresh) for p in (fresh / "zero").rglob("*.pt"))
     assert sorted(p.relative_to(back) for p in (back / "zero").rglob("*.pt")) == want

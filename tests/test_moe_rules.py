@@ -115,18 +115,18 @@ def test_leaf_table_names_each_familys_moe_block(family, leaf, preset):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from harness.model.moe import families
+    from harness.config import moe_families
     from harness.model.moe.wiring import engine_blocks
     from moe_models import configs
 
     config = configs()[family]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    fam = families.family_of(config)
+    fam = moe_families.family_of(config)
     blocks = [m for m in model.modules() if type(m).__name__ == leaf]
     assert blocks and all(hasattr(b, fam.experts) and hasattr(b, fam.router) for b in blocks)
     assert type(getattr(blocks[0], fam.router)).__name__ == fam.router_class
-    assert families.num_experts(fam, config.to_dict()) == 4
+    assert moe_families.num_experts(fam, config.to_dict()) == 4
     ds = engine_blocks({"zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": True, "autoep_size": 2}},
                        config, cuda=True)
     assert ds["zero_optimization"]["leaf_module"] == {"classes": [leaf]}

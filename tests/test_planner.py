@@ -12,8 +12,8 @@ from harness.model_shapes import KNOWN, PRESETS
 from harness.planner import plan
 from harness.planner.comm import comm_bytes_per_step, wire_bytes
 from harness.planner.pipeline import bubble_fraction
-from harness.planner.memory import (ZeroBuckets, activation_bytes, by_device, harness_buckets, model_state_bytes,
-                                    training_peak)
+from harness.config.run_model import ZeroBuckets
+from harness.planner.memory import activation_bytes, by_device, harness_buckets, model_state_bytes, training_peak
 from harness.planner.params import closed_form_count, count_params, meta_count, model_shape
 from harness.planner.render import to_json, to_text
 

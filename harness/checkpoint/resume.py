@@ -189,10 +189,10 @@ def _expert_layout(point: ResumePoint, out: Path, marker: dict, ep: int, say) ->
     """MoE: the universal folder rewritten for a launch on parallel.expert=ep (nothing to do for a dense model or
     when it is in that layout already); the marker says 'rewriting' while it runs."""
     from harness.checkpoint import universal_experts
-    from harness.model.moe import families
+    from harness.config import moe_families
 
     config = point.ckpt_dir / "hf" / "config.json"
-    family = families.family_of(json.loads(config.read_text())) if config.is_file() else None
+    family = moe_families.family_of(json.loads(config.read_text())) if config.is_file() else None
     want = universal_experts.layout_for(ep)
     if family is None or family.autoep_preset is None or universal_experts.form(marker) == want:
         return

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from harness.checkpoint.files import LATEST, MANIFEST, is_complete, prune, tag_for, write_atomic
+from harness.config.adapter_rules import lora_on
 from harness.dist import DistInfo, barrier
 
 
@@ -147,7 +148,7 @@ def _declare_universal_info(module) -> None:
 
 
 def frozen_excluded(spec) -> bool:
-    return spec.recipe.get("adapter", {}).get("type", "none") == "lora"
+    return lora_on(spec.recipe)
 
 
 def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str, rng_dir: Path | None = None,

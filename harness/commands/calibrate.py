@@ -9,6 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
+from harness.config.defaults import PRECISION_BYTES, recipe_default
 from harness.errors import UsageError
 
 
@@ -19,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                               "name or config.json; default tiny-llama)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward (default 1)")
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--precision", choices=tuple(PRECISION_BYTES), default=recipe_default("precision"))
     parser.add_argument("--ranks", type=int, help="processes for the collectives (default: the GPUs here; 2 on CPU)")
     parser.add_argument("--nvme-path", help="folder on the NVMe drive to time async_io in (default: the temp dir)")
     parser.add_argument("--name", default="calibrated", help="profile name (default calibrated)")

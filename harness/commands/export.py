@@ -8,14 +8,14 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from harness.checkpoint.export.folder import DEFAULT_SHARD_SIZE
-    from harness.checkpoint.export.state import DTYPES
+    from harness.config.defaults import PRECISION_DTYPES
 
     parser.add_argument("checkpoint", metavar="CKPT", help="run folder, its checkpoints/ folder, or global_stepN")
     parser.add_argument("--out", required=True, help="output folder (must be new or empty)")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     parser.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE,
                         help=f"largest safetensors file, e.g. 5GB, 200MB (default {DEFAULT_SHARD_SIZE}, as HF)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    parser.add_argument("--dtype", choices=sorted(PRECISION_DTYPES), default=None,
                         help="weights' dtype in the folder (default: the dtype the run trained in)")
     parser.add_argument("--adapter-only", action="store_true",
                         help="LoRA runs: a peft adapter folder (adapter_config.json + adapter_model.safetensors) "

@@ -10,7 +10,9 @@ import re
 import sys
 from pathlib import Path
 
+from harness.config.defaults import PRECISION_BYTES, recipe_default
 from harness.errors import UsageError
+from harness.planner.memory import OFFLOAD_DEVICES
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -81,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per forward (default 1)")
     parser.add_argument("--grad-accum", type=int, default=1,
                         help="micro-batches per step (default 1; pipelines use 4 x stages)")
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--precision", choices=tuple(PRECISION_BYTES), default=recipe_default("precision"))
     parser.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=("none", "full"),
                         help="full: recompute each block in backward (keeps only block inputs); alone means full")
     parser.add_argument("--attention", choices=("flash", "flex", "sdpa", "eager"), default="flash",
@@ -98,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layout.add_argument("--pp", type=int, help="pipeline stages")
     layout.add_argument("--ep", type=int, help="expert-parallel degree (MoE models; DeepSpeed AutoEP)")
     layout.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
-    layout.add_argument("--offload", choices=("none", "cpu", "nvme"), help="optimizer (ZeRO-3: and parameters) offload")
+    layout.add_argument("--offload", choices=OFFLOAD_DEVICES, help="optimizer (ZeRO-3: and parameters) offload")
     parser.add_argument("--scaling", metavar="PNG", help="also draw predicted tokens/s per GPU against node count "
                                                          "for the recommended layout into this PNG")
     parser.add_argument("--lora-r", type=int,

@@ -8,16 +8,18 @@ report it.
 
 from __future__ import annotations
 
+from harness.config.defaults import ds_default
 from harness.config.recipes import deep_merge
 
 SCHEMA_REF = "../harness/schemas/ds_config.schema.json"
 STEPS_PER_PRINT = 100_000  # the harness logs progress itself; keep DeepSpeed's own step lines quiet
 
 OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam", "lamb": "Lamb", "lion": "Lion", "adagrad": "Adagrad"}
-FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
-                 "min_loss_scale": 1}
-AIO_DEFAULTS = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True,
-                "intra_op_parallelism": 1}
+# DeepSpeed's own defaults, written out in an fp16 / NVMe recipe's DeepSpeed dict so a reader sees them
+FP16_DEFAULTS = {k: ds_default(f"fp16.{k}") for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
+                                                       "hysteresis", "min_loss_scale")}
+AIO_DEFAULTS = {k: ds_default(f"aio.{k}") for k in ("block_size", "queue_depth", "single_submit", "overlap_events",
+                                                     "intra_op_parallelism")}
 
 # Where each DeepSpeed key comes from in a recipe, so problems found on the DeepSpeed dict can name
 # the recipe key the user actually wrote.
@@ -58,8 +60,8 @@ def _scheduler(recipe: dict) -> dict | None:
         return {"type": "WarmupCosineLR",
                 "params": {"total_num_steps": steps, "warmup_num_steps": warmup, "warmup_min_ratio": 0.0,
                            "cos_min_ratio": 0.1}}
-    adapter = recipe.get("adapter", {})
-    if adapter.get("type") == "lora" and adapter.get("lr_B_ratio"):  # LoRA+: groups [A and the rest, B]
+    adapter = recipe["adapter"]
+    if adapter["type"] == "lora" and adapter["lr_B_ratio"]:  # LoRA+: groups [A and the rest, B]
         lr = [lr, lr * adapter["lr_B_ratio"]]
     params = {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup, "warmup_type": "linear"}
     if sched["type"] == "WarmupDecayLR":
@@ -121,13 +123,13 @@ def build(recipe: dict) -> dict:
     if parallel["pipeline"] > 1:
         ds["pipeline"] = {"stages": parallel["pipeline"], "partition": parallel["partition_method"],
                           "activation_checkpoint_interval": 1 if recipe["activation_checkpointing"] else 0}
-    if parallel.get("expert", 1) > 1:  # DeepSpeed AutoEP; preset_model and use_grouped_mm are filled at launch
+    if parallel["expert"] > 1:  # DeepSpeed AutoEP; preset_model and use_grouped_mm are filled at launch
         ds["expert_parallel"] = {"enabled": True, "autoep_size": parallel["expert"]}  # (harness/model/moe/wiring.py)
     # parallel.tensor emits nothing: the runner splits the layers itself (harness/model/parallel/tensor.py,
     # also inside pipeline stages, where DeepSpeed 0.19's AutoTP cannot go) and hands DeepSpeed an mpu.
-    if parallel.get("sequence", 1) > 1:  # Ulysses: the batch arithmetic counts world / sp data-parallel ranks
+    if parallel["sequence"] > 1:  # Ulysses: the batch arithmetic counts world / sp data-parallel ranks
         ds["sequence_parallel_size"] = parallel["sequence"]
-        if parallel.get("sequence_comm_dtype", "auto") != "auto":
+        if parallel["sequence_comm_dtype"] != "auto":
             ds["seq_parallel_communication_data_type"] = parallel["sequence_comm_dtype"]
     ds["wall_clock_breakdown"] = False
     return deep_merge(ds, recipe["deepspeed"])

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 
 from harness.errors import Problem
+from harness.config.defaults import MODEL_SIZED_BUCKETS
 from harness.config.jsonio import get_path
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -179,10 +180,8 @@ def _resolve_settings(f: _Filler, ctx: Context) -> None:
 
 def _resolve_buckets(f: _Filler, ctx: Context) -> None:
     hidden = (ctx.model or {}).get("hidden_size")
-    rules = {"zero_optimization.reduce_bucket_size": (lambda h: h * h, "hidden_size^2"),
-             "zero_optimization.stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), "0.9 x hidden_size^2"),
-             "zero_optimization.stage3_param_persistence_threshold": (lambda h: 10 * h, "10 x hidden_size")}
-    for path, (formula, text) in rules.items():
+    for key, (formula, text) in MODEL_SIZED_BUCKETS.items():
+        path = f"zero_optimization.{key}"
         if get_path(f.ds, path) != "auto":
             continue
         if hidden:

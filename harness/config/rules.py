@@ -11,7 +11,7 @@ import json
 
 from harness.errors import Problem
 from harness.model_shapes import PIPELINE_FAMILIES, tp_problems
-from harness.config.resolve import Context, autotp, batch_world, degrees, is_count, sequence_parallel
+from harness.config.resolve import BATCH_KEYS, Context, autotp, batch_world, degrees, is_count, sequence_parallel
 from harness.config.schema import suggest
 from harness.config.adapter_rules import check_adapter
 
@@ -129,7 +129,7 @@ def _pipeline_model(pp: int, model: dict, name: str) -> list[Problem]:
 
 
 def check_batch(ds: dict, ctx: Context) -> list[Problem]:
-    vals = [ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
+    vals = [ds.get(k) for k in BATCH_KEYS]
     if ctx.world_size is None or not all(is_count(v) for v in vals):  # 64.0 is a batch size too
         return []
     pp, tp = degrees(ds, ctx.recipe)

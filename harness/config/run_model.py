@@ -16,25 +16,25 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from harness.config import defaults as dd
+from harness.config.defaults import STAGE3_MAX_LIVE_PARAMETERS, TILE_TOKENS
 from harness.config.resolve import degrees as pipe_tensor_degrees
 from harness.config.resolve import sequence_parallel
-
-STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed 0.19.8's stage3_max_live_parameters default
 
 
 @dataclass(frozen=True)
 class ZeroBuckets:
     """ZeRO buffer sizes in elements. Defaults are DeepSpeed 0.19.8's (what a DeepSpeed dict without the key gets)."""
 
-    reduce_bucket_elems: int = 500_000_000
-    prefetch_bucket_elems: int = 50_000_000
-    param_persistence_threshold: int = 100_000
-    sub_group_elems: int = 1_000_000_000
+    reduce_bucket_elems: int = dd.REDUCE_BUCKET_ELEMS
+    prefetch_bucket_elems: int = dd.PREFETCH_BUCKET_ELEMS
+    param_persistence_threshold: int = dd.PARAM_PERSISTENCE_THRESHOLD
+    sub_group_elems: int = dd.SUB_GROUP_ELEMS
     overlap_comm: bool | None = None  # None: DeepSpeed's default (on for stage 3 only)
-    optimizer_swap_buffer_count: int = 4  # offload_optimizer.buffer_count
-    param_swap_buffer_count: int = 5  # offload_param.buffer_count
-    param_swap_buffer_elems: int = 100_000_000  # offload_param.buffer_size
-    max_reuse_distance_elems: int = 1_000_000_000  # stage3_max_reuse_distance
+    optimizer_swap_buffer_count: int = dd.OPTIMIZER_SWAP_BUFFER_COUNT  # offload_optimizer.buffer_count
+    param_swap_buffer_count: int = dd.PARAM_SWAP_BUFFER_COUNT  # offload_param.buffer_count
+    param_swap_buffer_elems: int = dd.PARAM_SWAP_BUFFER_ELEMS  # offload_param.buffer_size
+    max_reuse_distance_elems: int = dd.MAX_REUSE_DISTANCE_ELEMS  # stage3_max_reuse_distance
 
     @classmethod
     def of(cls, zo: Mapping) -> "ZeroBuckets":
@@ -118,7 +118,7 @@ class Sequence:
     attention: str = "auto"  # the recipe's train.attention
     tiled_mlp: bool = False
     tiled_loss: bool = False
-    tile_tokens: int = 4096
+    tile_tokens: int = TILE_TOKENS
     activation_checkpointing: bool = False
     activation_offload: bool = False
 

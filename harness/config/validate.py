@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.config import builder
+from harness.config.defaults import PATH_PREFIXES
 from harness.errors import ConfigError, Problem, UsageError
 from harness.config.jsonio import has_path, join_path, pop_path, setdefault_path
 from harness.model_shapes import load_model_config, shape_summary
@@ -38,7 +39,7 @@ def model_shape(spec: str) -> dict | None:
     try:
         return shape_summary(load_model_config(spec))
     except UsageError:
-        if Path(spec).exists() or spec.startswith((".", "/", "~")):  # a path that is not a model folder
+        if Path(spec).exists() or spec.startswith(PATH_PREFIXES):  # a path that is not a model folder
             raise
         return None
 

@@ -10,6 +10,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.config.defaults import PATH_PREFIXES
 from harness.errors import UsageError
 
 BUILTIN = "builtin"
@@ -109,7 +110,7 @@ def _files_in(folder: Path) -> tuple[str, list[str]]:
 
 
 def _looks_like_path(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or Path(spec).suffix.lower() in BUILDERS
+    return spec.startswith(PATH_PREFIXES) or Path(spec).suffix.lower() in BUILDERS
 
 
 def local_source(spec: str) -> tuple[str, list[str]] | None:

@@ -19,12 +19,10 @@ import zlib
 
 import torch
 
+from harness.config.adapter_rules import lora_on
+
 ADAPTER = "default"  # peft's adapter name: state-dict keys <module>.lora_A.default.weight
 PEFT_PREFIX = "base_model.model."  # what PeftModel.save_pretrained puts before the HF names
-
-
-def enabled(recipe: dict) -> bool:
-    return recipe.get("adapter", {}).get("type", "none") == "lora"
 
 
 def scaling(adapter: dict) -> float:
@@ -107,7 +105,7 @@ def param_groups(module, recipe: dict) -> list:
     gradient partitions exist for them alone. LoRA+ (adapter.lr_B_ratio): [A and the rest, B at lr x ratio], the
     order the builder's per-group warmup_max_lr assumes."""
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    ratio = recipe.get("adapter", {}).get("lr_B_ratio") if enabled(recipe) else None
+    ratio = recipe.get("adapter", {}).get("lr_B_ratio") if lora_on(recipe) else None
     if not ratio:
         return [p for _, p in trainable]
     lr = recipe["optimizer"]["lr"]
@@ -146,6 +144,6 @@ def quantization_config(recipe: dict):
 
 def build_kwargs(recipe: dict) -> dict:
     """Extra build_model arguments for the adapter: QLoRA's 4-bit quantization of the frozen base."""
-    if enabled(recipe) and recipe["adapter"]["load_in_4bit"]:
+    if lora_on(recipe) and recipe["adapter"]["load_in_4bit"]:
         return {"quantization_config": quantization_config(recipe)}
     return {}

@@ -6,6 +6,7 @@ split decoder layers (model/parallel/tensor_lora.py). Called by model/parallel/p
 
 from __future__ import annotations
 
+from harness.config.adapter_rules import lora_on
 from harness.model import adapters
 from harness.model.parallel import tensor_lora
 
@@ -16,7 +17,7 @@ def attach(target, spec, *, hf_model, tp_group: tuple | None = None, layers=None
     whose split decoder `layers` (default: hf_model.model.layers) get the tensor-parallel LoRA; hf_model names
     them. Records the counts in spec.notes for the start-up lines."""
     recipe = spec.recipe
-    if not adapters.enabled(recipe):
+    if not lora_on(recipe):
         return
     if tp_group is None:
         if recipe["adapter"]["load_in_4bit"]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from harness.config.defaults import PRECISION_BYTES
 from harness.errors import Problem
 
 MASK_BOUND_BYTES = 1 << 30  # a materialised document mask larger than this (per forward, per rank) is refused
@@ -130,8 +131,8 @@ def requested(recipe: dict, device: str) -> str | None:
     sequence > 1) `auto` is sequence.attention.resolve's (flash varlen on a GPU with it, else document_sdpa)."""
     from harness.model.sequence.attention import resolve
 
-    name = recipe["train"].get("attention", "auto")
-    sp = recipe.get("parallel", {}).get("sequence", 1)
+    name = recipe["train"]["attention"]
+    sp = recipe["parallel"]["sequence"]
     if name == "auto" and sp <= 1:
         return None
     return resolve(name, sp, device == "cuda")
@@ -140,8 +141,8 @@ def requested(recipe: dict, device: str) -> str | None:
 def for_recipe(recipe: dict, micro_batch: int, device: str | None = None) -> AttentionChoice:
     """The choice for a run's recipe on this machine (what `build` applies and `checks` refuses)."""
     train, device = recipe["train"], device or device_type()
-    itemsize = 4 if recipe.get("precision", "fp32") == "fp32" else 2
-    choice = choose(device, train.get("packing", "concat"), train["seq_len"], micro_batch, itemsize=itemsize,
+    itemsize = PRECISION_BYTES[recipe["precision"]]
+    choice = choose(device, train["packing"], train["seq_len"], micro_batch, itemsize=itemsize,
                     requested=requested(recipe, device))
     if choice.implementation == "document_sdpa":  # the harness's: [micro, 1, S, S] bool over the FULL sequence
         size = micro_batch * train["seq_len"] ** 2
@@ -152,8 +153,8 @@ def for_recipe(recipe: dict, micro_batch: int, device: str | None = None) -> Att
 def recipe_problems(recipe: dict, micro_batch: int, device: str | None = None) -> list[Problem]:
     device = device or device_type()
     choice = for_recipe(recipe, micro_batch, device)
-    path = "train.attention" if recipe["train"].get("attention", "auto") != "auto" else "train.packing"
-    return problems(choice, device, recipe["train"].get("packing", "concat"), recipe["train"]["seq_len"], micro_batch,
+    path = "train.attention" if recipe["train"]["attention"] != "auto" else "train.packing"
+    return problems(choice, device, recipe["train"]["packing"], recipe["train"]["seq_len"], micro_batch,
                     path=path)
 
 
@@ -162,8 +163,8 @@ def apply(model, spec) -> str:
     built with (harness.model.hf.ATTN_IMPLEMENTATION, sdpa: the CPU choice, so CPU runs are unchanged)."""
     chosen = for_recipe(spec.recipe, spec.ds_config["train_micro_batch_size_per_gpu"]).implementation
     config = getattr(model, "config", None)
-    if config is not None:  # gpt-oss builds with eager only (harness/model/moe/families.py)
-        from harness.model.moe.families import attn_implementation
+    if config is not None:  # gpt-oss builds with eager only (harness/config/moe_families.py)
+        from harness.config.moe_families import attn_implementation
 
         chosen = attn_implementation(config, chosen)
     if config is not None and getattr(config, "_attn_implementation", chosen) != chosen:

@@ -181,7 +181,7 @@ def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from harness.model.moe.families import attn_implementation
+    from harness.config.moe_families import attn_implementation
 
     config = load_model_config(spec)
     kwargs = {"attn_implementation": attn_implementation(config, ATTN_IMPLEMENTATION)}

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import math
 
+from harness.config.defaults import TILE_TOKENS
+
 # "materialized": Megatron's s x s scores, which only the step time of published runs reads (steptime.py)
 ATTENTIONS = ("flash", "flex", "sdpa", "eager", "materialized")
-TILE_TOKENS = 4096  # the harness's train.tile_tokens default: tokens per tile of the tiled MLP and loss
 MASK_BOOL_BYTES = 1
 
 

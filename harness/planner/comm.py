@@ -18,7 +18,7 @@ traffic, and the bubble, are in pipeline.py.
 
 from __future__ import annotations
 
-from harness.planner.memory import PRECISION_BYTES
+from harness.config.defaults import PRECISION_BYTES, STAGE3_MAX_LIVE_PARAMETERS
 
 
 def comm_bytes_per_step(num_params: int, *, stage: int, dp: int, precision: str, grad_accum: int = 1,
@@ -54,10 +54,7 @@ def comm_bytes_per_step(num_params: int, *, stage: int, dp: int, precision: str,
     raise ValueError(f"zero stage {stage}: expected 0, 1, 2 or 3")
 
 
-STAGE3_MAX_LIVE = 1_000_000_000  # the recipes' stage3_max_live_parameters (DeepSpeed's default)
-
-
-def zero3_gathers(gathered_params: int, max_live: int = STAGE3_MAX_LIVE) -> int:
+def zero3_gathers(gathered_params: int, max_live: int = STAGE3_MAX_LIVE_PARAMETERS) -> int:
     """ZeRO-3 parameter all-gathers per micro-step: it re-gathers in backward only when it had to release the
     parameters after forward, i.e. when the gathered parameters exceed stage3_max_live_parameters (measured on 2
     gloo ranks: a 7.4M-parameter Mixtral logs 14.7 MB of all_gather_into_tensor per step in fp32, one pass)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.config.defaults import PRECISION_BYTES
 from harness.planner import longest, memory
 from harness.planner.layouts import Candidate, RESERVE_FRACTION, candidates, evaluate, gb, hardware, launch_command, overrides
 from harness.planner.params import ParamCount
@@ -192,7 +193,7 @@ def _check_inputs(gpus_per_node, nodes, gpu_mem_bytes, seq_len, micro_batch, pre
         ("gpus_per_node", gpus_per_node), ("nodes", nodes), ("gpu_mem_bytes", gpu_mem_bytes),
         ("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum))
         if not isinstance(value, int) or isinstance(value, bool) or value < 1]
-    if precision not in memory.PRECISION_BYTES:
-        problems.append(f"precision {precision!r}: expected one of {', '.join(memory.PRECISION_BYTES)}")
+    if precision not in PRECISION_BYTES:
+        problems.append(f"precision {precision!r}: expected one of {', '.join(PRECISION_BYTES)}")
     if problems:
         raise ValueError("; ".join(problems))

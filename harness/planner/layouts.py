@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from harness.planner import comm, memory, moe, pipeline, sequence
-from harness.planner.activations import TILE_TOKENS
+from harness.config.defaults import TILE_TOKENS
 from harness.planner.params import ParamCount
 
 RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS

@@ -19,18 +19,16 @@ phase="backward" is what backward holds (with the activations), phase="step" wha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from harness.config.defaults import PRECISION_BYTES, TILE_TOKENS, ZERO0_ALLREDUCE_BUCKET_ELEMS, model_sized_buckets
+from harness.config.run_model import ZeroBuckets
 from harness.planner import activations as la
 
-PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32_BYTES = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32 each
 DEVICES = ("gpu", "cpu", "nvme")
 TERMS = ("params", "grads", "fp32_master", "optimizer_moments", "fp32_grads", "reduce_buckets",
          "gathered_params", "offload_buffers")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-ZERO0_ALLREDUCE_BUCKET_ELEMS = 500_000_000  # deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE
 PHASES = ("after_step", "peak", "backward", "step")
 # When an entry's bytes are alive (the 4th field of the entries below): between steps too, while backward
 # produces gradients, inside the optimizer step, or from backward through the step.
@@ -39,28 +37,14 @@ _ALIVE = {"after_step": {ALWAYS}, "peak": {ALWAYS, BACKWARD, STEP, BOTH}, "backw
           "step": {ALWAYS, STEP, BOTH}}
 
 
-@dataclass(frozen=True)
-class ZeroBuckets:
-    """ZeRO buffer sizes in elements. Defaults are DeepSpeed 0.19.8's; see `harness_buckets`."""
-
-    reduce_bucket_elems: int = 500_000_000
-    prefetch_bucket_elems: int = 50_000_000
-    param_persistence_threshold: int = 100_000
-    sub_group_elems: int = 1_000_000_000
-    overlap_comm: bool | None = None  # None: DeepSpeed's default (on for stage 3 only)
-    optimizer_swap_buffer_count: int = 4  # offload_optimizer.buffer_count
-    param_swap_buffer_count: int = 5  # offload_param.buffer_count
-    param_swap_buffer_elems: int = 100_000_000  # offload_param.buffer_size
-    max_reuse_distance_elems: int = 1_000_000_000  # stage3_max_reuse_distance
-
-
 def harness_buckets(hidden_size: int) -> ZeroBuckets:
     """What the harness's recipes resolve to (harness/config/resolve.py, like the HF integration's "auto"): buckets
     sized from the model, so a small model does not carry a 1 GB ZeRO-3 bucket (DeepSpeed issues #3734,
     #6936); overlap_comm on for every stage (two reduce buffers in stages 1-2)."""
-    return ZeroBuckets(reduce_bucket_elems=hidden_size * hidden_size,
-                       prefetch_bucket_elems=int(0.9 * hidden_size * hidden_size),
-                       param_persistence_threshold=10 * hidden_size, overlap_comm=True)
+    sized = model_sized_buckets(hidden_size)
+    return ZeroBuckets(reduce_bucket_elems=sized["reduce_bucket_size"],
+                       prefetch_bucket_elems=sized["stage3_prefetch_bucket_size"],
+                       param_persistence_threshold=sized["stage3_param_persistence_threshold"], overlap_comm=True)
 
 
 def _check(precision: str, stage: int, dp: int, offload_optimizer: str, offload_param: str) -> None:
@@ -267,7 +251,7 @@ def activation_bytes(shape: dict, *, seq_len: int, micro_batch: int, precision: 
                      activation_checkpointing: bool, tp: int = 1, num_layers: int | None = None,
                      micro_batches_in_flight: int = 1, with_logits: bool = True, sp: int = 1, tiled_mlp: bool = False,
                      tiled_loss: bool = False, attention: str = "flash", offload: bool = False,
-                     tile_tokens: int = la.TILE_TOKENS) -> dict[str, int]:
+                     tile_tokens: int = TILE_TOKENS) -> dict[str, int]:
     """Activation bytes per rank for `num_layers` blocks (default all) and the loss.
 
     With checkpointing each block keeps only its input and one block is recomputed at a time.

@@ -29,14 +29,12 @@ experts it needs, so imbalance shifts work between experts on one rank, not betw
 
 from __future__ import annotations
 
+from harness.config.defaults import PRECISION_BYTES
+from harness.config.moe_families import AUTOEP_FAMILIES
 from harness.planner import comm, memory
-from harness.planner.memory import PRECISION_BYTES
 
 DEFAULT_IMBALANCE = 1.1
 EP_STAGES = (1, 2)  # ZeRO stages the planner pairs with AutoEP (ZeRO-3 + AutoEP has limits: no SP, hpZ, qgZ)
-# model types whose sparse block AutoEP's presets detect (auto_ep_presets: mixtral, qwen3_moe also for
-# Qwen2-MoE and OLMoE, deepseek_v2/v3); gpt-oss is not detected
-AUTOEP_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 A2A_PER_BLOCK = {False: 4, True: 6}  # dispatch + combine: forward, backward (+ recomputed forward)
 STATE_TERMS = ("params", "grads", "fp32_master", "optimizer_moments", "fp32_grads")
 

@@ -16,34 +16,24 @@ transformers builds on the meta device.
 
 from __future__ import annotations
 
-# model_type -> (config key for the routed expert count, for the expert MLP width)
-MOE_FAMILIES = {
-    "mixtral": ("num_local_experts", "intermediate_size"),
-    "qwen2_moe": ("num_experts", "moe_intermediate_size"),
-    "qwen3_moe": ("num_experts", "moe_intermediate_size"),
-    "olmoe": ("num_experts", "intermediate_size"),
-    "deepseek_v3": ("n_routed_experts", "moe_intermediate_size"),
-    "gpt_oss": ("num_local_experts", "intermediate_size"),
-}
+from harness.config.moe_families import EXPERT_COUNT_KEYS, FAMILIES
+
 # the config classes' defaults, where a config.json may leave a key out
 _DEFAULT_TOP_K = {"mixtral": 2, "qwen2_moe": 4, "qwen3_moe": 8, "olmoe": 8, "deepseek_v3": 8, "gpt_oss": 4}
-
-
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def num_experts(cfg: dict) -> int:
     """Routed experts per sparse block. transformers 5.24 writes Qwen3-MoE's num_experts as num_local_experts in a
     saved config.json (its attribute_map), so every spelling is read."""
-    first = MOE_FAMILIES.get(cfg.get("model_type"), (None,))[0]
-    for key in (first,) + _EXPERT_KEYS:
+    family = FAMILIES.get(cfg.get("model_type"))
+    for key in (family.experts_attr if family else None, *EXPERT_COUNT_KEYS):
         if cfg.get(key):
             return int(cfg[key])
     return 0
 
 
 def is_moe(cfg: dict) -> bool:
-    return cfg.get("model_type") in MOE_FAMILIES
+    return cfg.get("model_type") in FAMILIES
 
 
 def sparse_layers(cfg: dict) -> list[bool]:
@@ -98,8 +88,7 @@ def moe_layout(cfg: dict) -> dict | None:
     if not is_moe(cfg):
         return None
     kind, h = cfg["model_type"], cfg["hidden_size"]
-    width_key = MOE_FAMILIES[kind][1]
-    experts, inter = num_experts(cfg), cfg[width_key]
+    experts, inter = num_experts(cfg), cfg[FAMILIES[kind].expert_width_attr]
     routed = expert_tensors(cfg, experts, inter)
     router = [experts * h] + ([experts] if kind == "gpt_oss" else [])
     shared: list[int] = []

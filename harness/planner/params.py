@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+from harness.model_shapes import LLAMA_LIKE
+
 CLOSED_FORM_FAMILIES = LLAMA_LIKE + ("gpt2",)
 
 

@@ -30,7 +30,8 @@ Traffic per step (logged bytes, comms-logger convention), A = micro x seq x hidd
 
 from __future__ import annotations
 
-from harness.planner.memory import FP32_BYTES, PRECISION_BYTES
+from harness.config.defaults import PRECISION_BYTES
+from harness.planner.memory import FP32_BYTES
 from harness.planner.params import ParamCount
 
 PARTITION_METHODS = ("parameters", "uniform")

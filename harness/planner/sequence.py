@@ -12,7 +12,8 @@ to sp when there are fewer, ulysses_sp.py kv_replication_factor), each all-to-al
 
 from __future__ import annotations
 
-from harness.planner.memory import PRECISION_BYTES
+from harness.config.defaults import PRECISION_BYTES
+from harness.model_shapes import ulysses_splits_heads, ulysses_splits_kv_heads
 
 A2A = "all_to_all_single"
 A2A_PER_BLOCK = 4  # q, k, v in; the output back
@@ -23,9 +24,9 @@ def sp_problem(shape: dict, sp: int) -> str | None:
     heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
     if sp <= 1:
         return None
-    if heads % sp:
+    if not ulysses_splits_heads(heads, sp):
         return f"{heads} attention heads do not divide by sp {sp}"
-    if kv % sp and sp % kv:
+    if not ulysses_splits_kv_heads(kv, sp):
         return f"{kv} kv heads: neither kv % sp nor sp % kv is 0 (sp {sp})"
     return None
 

@@ -70,8 +70,8 @@ read twice per micro-step, at nvme_read_gbps / nvme_write_gbps per node.
 
 from __future__ import annotations
 
+from harness.config.defaults import ALLGATHER_BUCKET_ELEMS, PRECISION_BYTES, ZERO0_ALLREDUCE_BUCKET_ELEMS
 from harness.planner import collectives, comm, hardware, memory, sequence
-from harness.planner.memory import PRECISION_BYTES
 
 OPT_STATE_READ_BYTES = 16  # fp32 master, exp_avg, exp_avg_sq, fp32 gradient
 OPT_STATE_WRITE_BYTES = 12  # fp32 master, exp_avg, exp_avg_sq
@@ -156,10 +156,6 @@ def _row_s(profile: dict, row: dict, inter: bool, calls: int = 1) -> float:
                                     calls=calls)
 
 
-ZERO0_BUCKET_ELEMS = 500_000_000  # deepspeed.runtime.engine MEMORY_OPT_ALLREDUCE_SIZE
-ALLGATHER_BUCKET_ELEMS = 200_000_000  # the recipes' allgather_bucket_size
-
-
 def rank_tensors(count, blocks: int, tp: int, head: bool = True) -> list[int]:
     """Numel of the weight tensors a rank holding `blocks` blocks steps, in the order backward reaches them."""
     if count.block_tensors:
@@ -185,7 +181,7 @@ def dp_calls(c, count, blocks: int, m: int, buckets, threshold: int, gathers: in
     """Calls per step of each data-parallel collective of layout `c` (the rows' logged bytes are per step)."""
     tensors = rank_tensors(count, blocks, c.tp)
     if c.stage == 0 or c.pp > 1:
-        return {"all_reduce": max(1, -(-sum(tensors) // ZERO0_BUCKET_ELEMS))}
+        return {"all_reduce": max(1, -(-sum(tensors) // ZERO0_ALLREDUCE_BUCKET_ELEMS))}
     reduce = reduce_calls(tensors, buckets.reduce_bucket_elems) * (1 if c.stage == 1 else m)
     if c.stage in (1, 2):
         return {"all_reduce": reduce, "reduce_scatter_tensor": reduce,

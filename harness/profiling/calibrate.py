@@ -29,6 +29,8 @@ import platform
 import statistics
 import time
 
+from harness.config.defaults import PRECISION_BYTES, PRECISION_DTYPES
+
 DEFAULT_NVME_GBPS = (2.0, 1.0)  # read, write: a SATA-class SSD, used only when async_io does not load
 
 
@@ -67,7 +69,7 @@ def measure_gemm(shape: dict, tokens: int, precision: str, device: str) -> dict:
     """Achieved FLOP/s over one block's GEMMs (weighted by their FLOPs, as a training step mixes them)."""
     import torch
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    dtype = getattr(torch, PRECISION_DTYPES[precision])
     per_shape, flops, seconds = [], 0.0, 0.0
     for m, k, n, count in gemm_shapes(shape, tokens):
         a = torch.randn(m, k, dtype=dtype, device=device)
@@ -88,7 +90,7 @@ def measure_block_step(cfg: dict, seq_len: int, micro_batch: int, precision: str
 
     from harness.profiling.calibrate_engine import cut_model
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    dtype = getattr(torch, PRECISION_DTYPES[precision])
     model = cut_model(cfg, layers).to(device=device, dtype=dtype)
     ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len), device=device)
 
@@ -104,7 +106,7 @@ def measure_masked_attention(shape: dict, seq_len: int, micro_batch: int, precis
     attention over the causal kernel measure_block_step times (planner/steptime.py)."""
     import torch
 
-    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[precision])
+    dtype = getattr(torch, PRECISION_DTYPES[precision])
     q, k, v = (torch.randn(micro_batch, shape["num_attention_heads"], seq_len, shape["head_dim"], device=device,
                            dtype=dtype, requires_grad=True) for _ in range(3))
     mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
@@ -314,7 +316,7 @@ def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: 
     forward + backward per parameter tensor (stage s minus stage 0, each its fastest interleaved step less its
     collectives as the time model prices them on this profile's curves; never below 0: calibrate_hooks.py)."""
     from harness.planner import collectives, steptime
-    from harness.planner.memory import PRECISION_BYTES, harness_buckets
+    from harness.planner.memory import harness_buckets
     from harness.planner.params import count_params
 
     from harness.profiling import calibrate_hooks

@@ -24,6 +24,8 @@ import socket
 import tempfile
 import time
 
+from harness.config.defaults import PRECISION_DTYPES
+
 # all_to_all_single: expert parallelism's dispatch and combine (DeepSpeed AutoEP). Its own curve, not all_reduce's:
 # on the CPU accelerator DeepSpeed all-reduces through its shared-memory op while the all-to-all goes over gloo.
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")
@@ -47,7 +49,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def message_sizes(nbytes: int) -> list[int]:
@@ -111,7 +112,7 @@ def _worker(rank: int, ranks: int, port: int, out_path: str, nbytes: int, repeat
     if device != "cpu":
         accel.set_device(rank)
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False)
-    dtype = DTYPES[precision]
+    dtype = PRECISION_DTYPES[precision]
     result = {"backend": accel.communication_backend_name(), "dtype": dtype, "bus_gbps": {}, "latency_us": {},
               "seconds_by_bytes": {}}
     for n in group_sizes(ranks):

@@ -37,20 +37,23 @@ def cut_model(cfg: dict, layers: int):
 
 
 def ds_config(case: str, precision: str, micro_batch: int, world: int, hidden: int) -> dict:
+    from harness.config.defaults import ALLGATHER_BUCKET_ELEMS, recipe_default
     from harness.planner.memory import harness_buckets
 
     b = harness_buckets(hidden)
     stage = int(case.split("-")[0])
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-            "reduce_bucket_size": b.reduce_bucket_elems, "allgather_bucket_size": 200_000_000}
+            "reduce_bucket_size": b.reduce_bucket_elems, "allgather_bucket_size": ALLGATHER_BUCKET_ELEMS}
     if case.endswith("offload"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if stage == 3:
         zero.update(stage3_prefetch_bucket_size=b.prefetch_bucket_elems,
                     stage3_param_persistence_threshold=b.param_persistence_threshold)
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
-            "train_batch_size": micro_batch * world, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+            "train_batch_size": micro_batch * world, "gradient_clipping": recipe_default("gradient_clipping"),
+            "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW",
+                          "params": {"lr": 1e-4, "weight_decay": recipe_default("optimizer.weight_decay")}},
             "bf16": {"enabled": precision == "bf16"}, "fp16": {"enabled": precision == "fp16"},
             "zero_optimization": zero, "wall_clock_breakdown": False}
 

@@ -21,7 +21,8 @@ import statistics
 import tempfile
 import time
 
-from harness.profiling.calibrate_comm import COLLECTIVES, DTYPES, FACTOR, STEPS, op_curve
+from harness.config.defaults import PRECISION_DTYPES
+from harness.profiling.calibrate_comm import COLLECTIVES, FACTOR, STEPS, op_curve
 
 LINK_BYTES = 8 * 2**20  # the largest message: 8 MB takes 0.7 s over a 100 Mbit/s link, 6 ms over 10 Gbit/s
 
@@ -75,7 +76,7 @@ def _worker(index: int, node_rank: int, nnodes: int, addr: str, port: int, out_p
         accel.set_device(0)
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False,
                                timeout=datetime.timedelta(minutes=timeout_min))
-    dtype, n = DTYPES[precision], nnodes
+    dtype, n = PRECISION_DTYPES[precision], nnodes
     result = {"backend": accel.communication_backend_name(), "dtype": dtype, "nodes": n, "bus_gbps": {},
               "latency_us": {}, "seconds_by_bytes": {}}
     for op in COLLECTIVES:

@@ -61,7 +61,7 @@ class ExpertHook:
 
 def hook_for(engine, window) -> ExpertHook | None:
     """An ExpertHook for a MoE model with a profile window, else None."""
-    from harness.model.moe.families import family_of
+    from harness.config.moe_families import family_of
 
     module = getattr(engine, "module", None)
     if window is None or family_of(getattr(module, "config", None)) is None:

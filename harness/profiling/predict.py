@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from harness.config.defaults import STAGE3_MAX_LIVE_PARAMETERS, TILE_TOKENS
 from harness.errors import UsageError
 from harness.planner import comm, memory, moe, pipeline, sequence
-
-STAGE3_DEFAULT_MAX_LIVE = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default
 
 
 def live_count(module, optimizer=None) -> dict:
@@ -62,7 +61,7 @@ def _zero_settings(ds: dict) -> dict:
         param_swap_buffer_elems=int(param_block.get("buffer_size", defaults.param_swap_buffer_elems)),
         max_reuse_distance_elems=int(zo.get("stage3_max_reuse_distance", defaults.max_reuse_distance_elems)))
     return {"stage": stage, "offload_optimizer": opt_dev, "offload_param": param_dev, "buckets": buckets,
-            "max_live": int(zo.get("stage3_max_live_parameters", STAGE3_DEFAULT_MAX_LIVE))}
+            "max_live": int(zo.get("stage3_max_live_parameters", STAGE3_MAX_LIVE_PARAMETERS))}
 
 
 def _model_shape(module) -> dict | None:
@@ -84,8 +83,6 @@ def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> i
 def long_context(recipe: dict) -> dict:
     """The long-context settings of a recipe (sp-core's keys, issue #24; absent before them: sp 1, no tiling) as
     memory.activation_bytes' arguments."""
-    from harness.planner.activations import TILE_TOKENS
-
     train = recipe.get("train", {})
     attention = str(train.get("attention") or "auto").lower()  # auto on CPU: sdpa, document_sdpa under SP
     kind = next((k for k in ("flash", "flex", "eager") if k in attention), "sdpa")

@@ -17,10 +17,11 @@ import tempfile
 from pathlib import Path
 
 from harness import model_shapes
+from harness.config.adapter_rules import lora_on
+from harness.config.defaults import PATH_PREFIXES
 from harness.errors import Problem, UsageError, raise_if_errors
 from harness.model.moe import rules as moe_rules
 
-PATH_PREFIXES = (".", "/", "~")  # a model or data spec starting so is a path, never a hub id
 
 
 def inputs(train: dict, source: str) -> dict:
@@ -73,8 +74,7 @@ def qlora_problems(recipe: dict) -> list[Problem]:
 
     import torch
 
-    adapter = recipe.get("adapter", {})
-    if adapter.get("type") != "lora" or not adapter.get("load_in_4bit"):
+    if not lora_on(recipe) or not recipe["adapter"]["load_in_4bit"]:
         return []
     out = []
     if not torch.cuda.is_available():

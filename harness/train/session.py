@@ -99,7 +99,7 @@ def _resume_recipe(name: str, overrides: list[str], point, world: int, notes: li
     if point is None:
         return recipe, source
     parallel = recipe["parallel"]
-    replicas = batch_world(world, parallel["pipeline"], parallel["tensor"], sp=parallel.get("sequence", 1))[0]
+    replicas = batch_world(world, parallel["pipeline"], parallel["tensor"], sp=parallel["sequence"])[0]
     extra, note = resumemod.batch_overrides(point, recipe, replicas)
     notes.extend([note] if note else [])
     return load_recipe(name, overrides + extra) if extra else (recipe, source)

@@ -27,7 +27,7 @@ import torch
 from harness.checkpoint.export import ckpt_tensors as ck
 from harness.checkpoint.export.ckpt_tensors import Lazy, MappedFiles, lazy
 from harness.errors import UsageError
-from harness.model.moe import families
+from harness.config import moe_families
 
 EXPERT_PARAM = re.compile(r"\.experts\.w[123]$")  # DeepSpeed's expert_parameter_patterns for AutoEP
 GATE_UP, DOWN = "experts.gate_up_proj", "experts.down_proj"  # transformers' fused tensors under a MoE block
@@ -107,7 +107,7 @@ def layers(files: MappedFiles, tag_dir: Path) -> list[dict]:
 
 def _renamed(tag_dir: Path, found: list[dict], dense: dict[str, Lazy]) -> dict[str, Lazy]:
     """`dense` under transformers' names, the grouped experts left out."""
-    family = families.family_of(json.loads((tag_dir.parent / "hf" / "config.json").read_text()))
+    family = moe_families.family_of(json.loads((tag_dir.parent / "hf" / "config.json").read_text()))
     blocks = [layer["module_path"] for layer in found]
     out = {}
     for key, value in dense.items():

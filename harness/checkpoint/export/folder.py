@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from harness.checkpoint.export.state import (DTYPES, PROBE, TOLERANCE, CheckpointRef, find_checkpoint, open_state,
+from harness.checkpoint.export.state import (PROBE, TOLERANCE, CheckpointRef, find_checkpoint, open_state,
                                              train_dtype)
+from harness.config.defaults import PRECISION_DTYPES
 from harness.errors import UsageError
 
 DEFAULT_SHARD_SIZE = "5GB"  # save_pretrained's default in transformers 5
@@ -164,9 +165,9 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False, max_shard
     manifest = ref.manifest()
     trained = train_dtype(manifest)
     name = dtype or trained
-    if name not in DTYPES:
-        raise UsageError(f"--dtype {name!r}: not one of {', '.join(DTYPES)}")
-    torch_dtype = getattr(torch, DTYPES[name])
+    if name not in PRECISION_DTYPES:
+        raise UsageError(f"--dtype {name!r}: not one of {', '.join(PRECISION_DTYPES)}")
+    torch_dtype = getattr(torch, PRECISION_DTYPES[name])
     start = time.perf_counter()
     if adapter_only:  # a peft adapter folder: the adapters alone (LoRA runs)
         from harness.checkpoint.export import lora as export_lora

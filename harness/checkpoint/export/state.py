@@ -11,11 +11,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.config.defaults import PRECISION_DTYPES
 from harness.errors import UsageError
 
 PROBE = "probe.pt"
 TOLERANCE = {"fp32": 1e-4, "bf16": 0.25, "fp16": 0.05}  # max |logit diff| vs the engine, by the coarser dtype
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,9 @@ def find_checkpoint(path: str | Path) -> CheckpointRef:
 def train_dtype(manifest: dict) -> str:
     """The dtype the run trained in: the manifest's train_dtype, else its precision (older manifests)."""
     name = manifest.get("train_dtype") or manifest.get("precision") or "fp32"
-    short = {v: k for k, v in DTYPES.items()}.get(name, name)
-    if short not in DTYPES:
-        raise UsageError(f"manifest train dtype {name!r} is not one of {', '.join(DTYPES)}")
+    short = {v: k for k, v in PRECISION_DTYPES.items()}.get(name, name)
+    if short not in PRECISION_DTYPES:
+        raise UsageError(f"manifest train dtype {name!r} is not one of {', '.join(PRECISION_DTYPES)}")
     return short
 
 

@@ -6,16 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.config.defaults import PRECISION_DTYPES
+from harness.config.moe_families import attn_implementation
 from harness.model.hf import ATTN_IMPLEMENTATION, _zero3_context
-from harness.model.moe.families import attn_implementation
-
-TRAIN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def train_dtype(precision: str) -> torch.dtype:
     """The dtype the engine's weights have: fp32 runs fp32 weights; bf16/fp16 runs 16-bit weights, to which
     DeepSpeed adds its own fp32 master copy."""
-    return TRAIN_DTYPES[precision]
+    return getattr(torch, PRECISION_DTYPES[precision])
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:

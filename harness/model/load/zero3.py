@@ -56,10 +56,10 @@ def construct(config, dtype: torch.dtype, ds_config: dict):
     from transformers import AutoModelForCausalLM
 
     from harness.model.hf import ATTN_IMPLEMENTATION, _zero3_context
-    from harness.model.moe.families import attn_implementation
+    from harness.config.moe_families import attn_implementation
 
     with _zero3_context(ds_config):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype,  # gpt-oss: eager (moe/families.py)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype,  # gpt-oss: eager (config/moe_families.py)
                                                 attn_implementation=attn_implementation(config, ATTN_IMPLEMENTATION))
 
 

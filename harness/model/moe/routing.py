@@ -1,15 +1,15 @@
 """Tokens per expert per MoE layer, counted by a forward hook on each HF router (its forward returns the router
-logits, the top-k scores and the top-k expert indices, in every family of families.py) or, under DeepSpeed AutoEP
-(parallel.expert > 1), on each AutoEPMoELayer's router (TokenChoiceTopKRouter: top-k scores, the top-k GLOBAL expert
-indices of this rank's tokens, a histogram), named after the HF router it replaced so both layouts report the same
-layers. Used on profiled steps (the report's imbalance, max / mean per layer) and by the tests that route ranks to
+logits, the top-k scores and the top-k expert indices, in every family of config/moe_families.py) or, under
+DeepSpeed AutoEP (parallel.expert > 1), on each AutoEPMoELayer's router (TokenChoiceTopKRouter: top-k scores, the
+top-k GLOBAL expert indices of this rank's tokens, a histogram), named after the HF router it replaced so both
+layouts report the same layers. Used on profiled steps (the report's imbalance, max / mean per layer) and by the tests that route ranks to
 disjoint experts."""
 
 from __future__ import annotations
 
 import torch
 
-from harness.model.moe import families
+from harness.config import moe_families
 
 AUTOEP_LAYER = "AutoEPMoELayer"  # deepspeed/module_inject/auto_ep_layer.py: replaces the HF MoE block
 
@@ -18,7 +18,7 @@ class ExpertCounter:
     """Forward hooks on the routers of `model`; .counts[layer] is a tensor of tokens routed to each expert (a token
     sent to top_k experts counts once at each) since the last reset()."""
 
-    def __init__(self, model, family: families.Family, num_experts: int):
+    def __init__(self, model, family: moe_families.Family, num_experts: int):
         self.num_experts = num_experts
         self.counts: dict[str, torch.Tensor] = {}
         self.handles = []
@@ -54,7 +54,7 @@ def imbalance(counts: list[int]) -> float:
 
 
 def counter_for(model) -> ExpertCounter | None:
-    family = families.family_of(getattr(model, "config", None))
+    family = moe_families.family_of(getattr(model, "config", None))
     if family is None:
         return None
-    return ExpertCounter(model, family, families.num_experts(family, model.config))
+    return ExpertCounter(model, family, moe_families.num_experts(family, model.config))

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 from harness.errors import Problem
-from harness.model.moe import families
+from harness.config import moe_families
 from harness.model.moe.wiring import aux_on
 
 
 def problems(recipe: dict, world: int, model_config) -> list[Problem]:
-    family = families.family_of(model_config)
+    family = moe_families.family_of(model_config)
     parallel = recipe["parallel"]
-    ep, tp, pp = parallel.get("expert", 1), parallel["tensor"], parallel["pipeline"]
+    ep, tp, pp = parallel["expert"], parallel["tensor"], parallel["pipeline"]
     model = recipe["train"]["model"]
     out: list[Problem] = []
     if family is None:
-        kind = families.field(model_config, "model_type", "?")
+        kind = moe_families.field(model_config, "model_type", "?")
         if ep > 1:
             out.append(Problem("parallel.expert", f"parallel.expert={ep} but {model} ({kind}) is not a Mixture-of-"
-                               f"Experts model the harness knows ({families.known()})",
+                               f"Experts model the harness knows ({moe_families.known()})",
                                "set parallel.expert=1, or train one of those families"))
         if aux_on(recipe):
             out.append(Problem("moe.aux_loss", f"moe.aux_loss is on but {model} ({kind}) has no router and no "
@@ -31,10 +31,10 @@ def problems(recipe: dict, world: int, model_config) -> list[Problem]:
     if aux_on(recipe) and not family.aux_loss:
         out.append(Problem("moe.aux_loss", f"{model} ({family.name}) has no load-balancing loss: it balances with "
                            "a routing bias (e_score_correction_bias)", "remove moe.aux_loss / moe.aux_loss_coef"))
-    sp, train = parallel.get("sequence", 1), recipe["train"]
-    if sp > 1 or train.get("tiled_loss") or train.get("tiled_mlp"):
-        key = "parallel.sequence" if sp > 1 else ("train.tiled_loss" if train.get("tiled_loss") else "train.tiled_mlp")
-        out.append(Problem(key, f"{key}={parallel.get('sequence') if sp > 1 else True} with the MoE model {model} "
+    sp, train = parallel["sequence"], recipe["train"]
+    if sp > 1 or train["tiled_loss"] or train["tiled_mlp"]:
+        key = "parallel.sequence" if sp > 1 else ("train.tiled_loss" if train["tiled_loss"] else "train.tiled_mlp")
+        out.append(Problem(key, f"{key}={sp if sp > 1 else True} with the MoE model {model} "
                            f"({family.name}): the long-context path (harness/model/sequence) computes the LM loss "
                            "from hidden states and tiles dense MLPs, so the router's balancing loss and the fused "
                            "experts are not wired there (untested), and DeepSpeed AutoEP refuses sequence parallelism"
@@ -49,7 +49,7 @@ def problems(recipe: dict, world: int, model_config) -> list[Problem]:
                            "parallel.expert)"))
     if ep <= 1:
         return out
-    experts = families.num_experts(family, model_config)
+    experts = moe_families.num_experts(family, model_config)
     if family.autoep_preset is None:
         out.append(Problem("parallel.expert", f"parallel.expert={ep}: DeepSpeed AutoEP has no preset for "
                            f"{family.name} ({family.note})", "set parallel.expert=1 and use ZeRO-3 (its MoE block "

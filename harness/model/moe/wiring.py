@@ -1,8 +1,8 @@
 """What a MoE run adds to the DeepSpeed config and to the model before deepspeed.initialize.
 
 - zero_optimization.leaf_module: under ZeRO-3 the family's MoE block is one leaf (its experts gathered together at
-  block entry; a rank whose tokens skip an expert then still joins every gather), from families.py, unless the
-  config names its own leaves.
+  block entry; a rank whose tokens skip an expert then still joins every gather), from config/moe_families.py,
+  unless the config names its own leaves.
 - expert_parallel: the recipe's parallel.expert emits {enabled, autoep_size} (config/builder.py); here the family's
   AutoEP preset and use_grouped_mm (grouped GEMMs on CUDA, DeepSpeed's loop over local experts on CPU, as
   DeepSpeed's own CPU tests run it) are filled in, unless already set.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 
-from harness.model.moe import families
+from harness.config import moe_families
 
 
 def aux_on(recipe: dict) -> bool:
@@ -28,13 +28,13 @@ def ep_size(ds: dict) -> int:
 
 def engine_blocks(ds: dict, model_config, cuda: bool) -> dict:
     """The DeepSpeed config with the MoE family's leaves (ZeRO-3) and AutoEP preset (EP) filled in."""
-    family = families.family_of(model_config)
+    family = moe_families.family_of(model_config)
     if family is None:
         return ds
     out = copy.deepcopy(ds)
     zero = out.setdefault("zero_optimization", {})
     if zero.get("stage") == 3 and "leaf_module" not in zero:
-        zero["leaf_module"] = families.leaf_module(family)
+        zero["leaf_module"] = moe_families.leaf_module(family)
     block = out.get("expert_parallel")
     if block and block.get("enabled"):
         block.setdefault("preset_model", family.autoep_preset)
@@ -45,18 +45,18 @@ def engine_blocks(ds: dict, model_config, cuda: bool) -> dict:
 def prepare_model(model, recipe: dict, ds: dict) -> str | None:
     """Set the router's loss on the HF model (before deepspeed.initialize) and make transformers' output-capture
     registry take AutoEP's call (compat.py) when EP is on. Returns a line for the run log, or None (dense model)."""
-    family = families.family_of(getattr(model, "config", None))
+    family = moe_families.family_of(getattr(model, "config", None))
     if family is None:
         return None
     if ep_size(ds) > 1 or (ds.get("expert_parallel") or {}).get("enabled"):
         from harness.model.moe.compat import patch_output_capture_registry
 
         patch_output_capture_registry()
-    parts = [f"{family.name}: {families.num_experts(family, model.config)} experts, top "
-             f"{families.field(model.config, family.top_k_attr)}"]
+    parts = [f"{family.name}: {moe_families.num_experts(family, model.config)} experts, top "
+             f"{moe_families.field(model.config, family.top_k_attr)}"]
     if aux_on(recipe):
         coef = recipe["moe"].get("aux_loss_coef")
-        coef = families.aux_coef(model.config) if coef is None else float(coef)
+        coef = moe_families.aux_coef(model.config) if coef is None else float(coef)
         model.config.output_router_logits = True
         model.router_aux_loss_coef = coef
         parts.append(f"balancing loss on (coef {coef:g}, each rank's own micro-batch)")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.errors import UsageError
-from harness.model_shapes import TP_FAMILIES, shape_summary, tp_problems
+from harness.model_shapes import LLAMA_LIKE, shape_summary, tp_problems
 
 # One table for splitting and merging: submodule -> (column-parallel linears, row-parallel linear).
 COLUMN = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
@@ -86,7 +86,7 @@ def supported(config, tp: int = 1) -> None:
     shape = shape_summary(config.to_dict() if hasattr(config, "to_dict") else dict(config))
     if shape["model_type"] is None:
         raise UsageError(f"tensor parallel: the model config has no model_type\n"
-                         f"    fix: use a {', '.join(TP_FAMILIES)} model")
+                         f"    fix: use a {', '.join(LLAMA_LIKE)} model")
     problems = tp_problems(shape, tp, getattr(config, "name_or_path", "") or "")
     if problems:
         raise UsageError("tensor parallel: " + "; ".join(w for w, _ in problems) + f"\n    fix: {problems[0][1]}")

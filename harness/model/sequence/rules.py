@@ -4,6 +4,7 @@ values, the arithmetic and the fix. Pure functions of the recipe, the model's co
 from __future__ import annotations
 
 from harness.errors import Problem
+from harness.model_shapes import ulysses_splits_heads, ulysses_splits_kv_heads
 
 FULL = ("full_attention",)
 
@@ -42,11 +43,11 @@ def degree_problems(sp: int, world: int, pp: int, tp: int, seq_len: int, cfg: di
                            f"({seq_len} % {sp} = {seq_len % sp}): each rank holds seq_len / sp tokens of a row",
                            f"--set train.seq_len={seq_len - seq_len % sp} (or {seq_len + sp - seq_len % sp})"))
     heads, kv = _heads(cfg)
-    if isinstance(heads, int) and heads % sp:
+    if isinstance(heads, int) and not ulysses_splits_heads(heads, sp):
         out.append(Problem(key, f"{heads} attention heads do not split over sequence-parallel degree {sp} "
                            f"({heads} % {sp} = {heads % sp}): after the all-to-all each rank holds heads / sp",
                            f"--set parallel.sequence=S with S dividing {heads}"))
-    if isinstance(kv, int) and kv % sp and sp % kv:
+    if isinstance(kv, int) and not ulysses_splits_kv_heads(kv, sp):
         out.append(Problem(key, f"{kv} kv heads and sequence-parallel degree {sp}: neither divides the other "
                            f"({kv} % {sp} = {kv % sp}, {sp} % {kv} = {sp % kv}); Ulysses splits kv heads over sp ranks "
                            "or replicates them sp / kv times", f"--set parallel.sequence=S with S dividing {kv} "
@@ -60,20 +61,20 @@ def degree_problems(sp: int, world: int, pp: int, tp: int, seq_len: int, cfg: di
 
 def attention_problems(train: dict, sp: int, cuda: bool) -> list[Problem]:
     """What Ulysses does to an attention choice (and activation offload on CPU)."""
-    name, out = train.get("attention", "auto"), []
+    name, out = train["attention"], []
     if name == "eager" and sp > 1:
         out.append(Problem("train.attention", f"eager attention under sequence parallelism ({sp}): it needs a 4D "
                            f"float mask of seq_len^2 = {train['seq_len']}^2 entries per row and head, which the "
                            "Ulysses wrapper discards", "--set train.attention=auto (document_sdpa on CPU, "
                            "flash_attention_2 on a GPU with flash-attn)"))
-    if name in ("sdpa", "flex_attention") and sp > 1 and train.get("packing", "document") == "document":
+    if name in ("sdpa", "flex_attention") and sp > 1 and train["packing"] == "document":
         out.append(Problem("train.attention", f"{name} under sequence parallelism ({sp}) loses the document mask: "
                            "DeepSpeed's Ulysses wrapper discards the mask transformers built for the local shard "
                            "(flex: rebuilds a plain causal one), so packed documents would attend to each other",
                            "--set train.attention=auto (flash_attention_2 on a GPU with flash-attn, else the "
                            "harness's document_sdpa)"))
     # flash-attention on CPU / not installed: harness.model.attention.problems (one place for every layout)
-    if train.get("activation_offload") and not cuda:
+    if train["activation_offload"] and not cuda:
         out.append(Problem("train.activation_offload", "activation offload moves saved activations from GPU to "
                            "host memory; on the CPU accelerator they are in host memory already (DeepSpeed's "
                            "checkpoint offload does nothing there), so it would be a silent no-op",
@@ -84,7 +85,7 @@ def attention_problems(train: dict, sp: int, cuda: bool) -> list[Problem]:
 def problems(recipe: dict, cfg: dict, sp: int, world: int, pp: int, tp: int, cuda: bool) -> list[Problem]:
     train = recipe["train"]
     out = degree_problems(sp, world, pp, tp, train["seq_len"], cfg) + attention_problems(train, sp, cuda)
-    if train.get("activation_offload") and cuda and not recipe.get("activation_checkpointing"):
+    if train["activation_offload"] and cuda and not recipe["activation_checkpointing"]:
         out.append(Problem("train.activation_offload", "activation offload moves the checkpointed hidden states "
                            "to host memory, but activation_checkpointing is off (every activation would be "
                            "copied over PCIe)", "--set activation_checkpointing=true"))

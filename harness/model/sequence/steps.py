@@ -14,14 +14,14 @@ import torch
 
 def uses_sequence_path(spec) -> bool:
     train = spec.recipe["train"]
-    return (spec.sp > 1 or train.get("attention", "auto") not in ("auto", "sdpa")
-            or bool(train.get("tiled_loss") or train.get("tiled_mlp") or train.get("activation_offload")))
+    return (spec.sp > 1 or train["attention"] not in ("auto", "sdpa")
+            or bool(train["tiled_loss"] or train["tiled_mlp"] or train["activation_offload"]))
 
 
 def attention_of(spec) -> str:
     from harness.model.sequence.attention import resolve
 
-    return resolve(spec.recipe["train"].get("attention", "auto"), spec.sp, torch.cuda.is_available())
+    return resolve(spec.recipe["train"]["attention"], spec.sp, torch.cuda.is_available())
 
 
 def prepare(model, spec):
@@ -33,10 +33,10 @@ def prepare(model, spec):
     name = attention_of(spec)
     if name != getattr(model.config, "_attn_implementation", None):
         attention.apply(model, name)
-    if train.get("tiled_mlp"):
-        tiling.enable_tiled_mlp(model, train.get("tile_tokens", 4096))
-    if train.get("tiled_loss"):
-        enable_tiled_head(model, train.get("tile_tokens", 4096))
+    if train["tiled_mlp"]:
+        tiling.enable_tiled_mlp(model, train["tile_tokens"])
+    if train["tiled_loss"]:
+        enable_tiled_head(model, train["tile_tokens"])
     return ulysses.setup(model, name, spec.sp, spec.ds_config["train_micro_batch_size_per_gpu"])
 
 
@@ -55,8 +55,8 @@ class Steps:
         train = spec.recipe["train"]
         rank = tdist.get_rank() if tdist.is_initialized() else 0
         return cls(sp=spec.sp, sp_rank=rank % spec.sp, zero_stage=spec.zero_stage,
-                   tile=train.get("tile_tokens", 4096) if train.get("tiled_loss") else None,
-                   offload=bool(train.get("activation_offload")) and torch.cuda.is_available())
+                   tile=train["tile_tokens"] if train["tiled_loss"] else None,
+                   offload=train["activation_offload"] and torch.cuda.is_available())
 
     def _loss(self, engine, batch):
         from harness.model.sequence.loss import micro_loss

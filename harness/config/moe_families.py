@@ -1,6 +1,7 @@
 """The one table of MoE families the harness trains: per HF model_type, what ZeRO-3 must treat as one leaf, which
 DeepSpeed AutoEP preset places its experts (None: AutoEP cannot), where the routed experts and the router live, and
-whether the model has a load-balancing (aux) loss. Pure data plus look-ups: no torch.
+whether the model has a load-balancing (aux) loss. Pure data plus look-ups: no torch. The planner (planner/moe.py)
+and the run (model/moe/, checkpoint/) both read it.
 
 Read from transformers 5.24 (fused experts: one `*Experts` module with 3D gate_up_proj/down_proj per MoE block) and
 DeepSpeed 0.19.8 (module_inject/auto_ep_presets/: mixtral, qwen3_moe (also Qwen2-MoE; OLMoE runs under it),
@@ -23,6 +24,7 @@ class Family:
     router_class: str  # the router module's class name (tokens per expert are counted on its output)
     experts_attr: str  # config attribute: number of routed experts
     top_k_attr: str
+    expert_width_attr: str  # config attribute: the intermediate size of one routed expert's MLP
     aux_loss: bool  # HF adds router_aux_loss_coef x load-balancing loss when output_router_logits=True
     bias_balanced: bool = False  # routing bias buffer (e_score_correction_bias): aux-free balancing
     ep_router_logits: bool = True  # under AutoEP the router logits (so the aux loss) still reach the HF loss
@@ -31,21 +33,25 @@ class Family:
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mixtral", ("MixtralSparseMoeBlock",), "mixtral", "experts", "gate", "MixtralTopKRouter",
-           "num_local_experts", "num_experts_per_tok", aux_loss=True),
+           "num_local_experts", "num_experts_per_tok", "intermediate_size", aux_loss=True),
     Family("qwen2_moe", ("Qwen2MoeSparseMoeBlock",), "qwen3_moe", "experts", "gate", "Qwen2MoeTopKRouter",
-           "num_experts", "num_experts_per_tok", aux_loss=True, note="shared expert with a sigmoid gate"),
+           "num_experts", "num_experts_per_tok", "moe_intermediate_size", aux_loss=True,
+           note="shared expert with a sigmoid gate"),
     Family("qwen3_moe", ("Qwen3MoeSparseMoeBlock",), "qwen3_moe", "experts", "gate", "Qwen3MoeTopKRouter",
-           "num_experts", "num_experts_per_tok", aux_loss=True),
+           "num_experts", "num_experts_per_tok", "moe_intermediate_size", aux_loss=True),
     Family("olmoe", ("OlmoeSparseMoeBlock",), "qwen3_moe", "experts", "gate", "OlmoeTopKRouter",
-           "num_experts", "num_experts_per_tok", aux_loss=True, ep_router_logits=False,
+           "num_experts", "num_experts_per_tok", "intermediate_size", aux_loss=True, ep_router_logits=False,
            note="AutoEP's qwen3_moe router-logit adapter matches Qwen2/3-MoE classes only: no aux loss under EP"),
     Family("deepseek_v3", ("DeepseekV3MoE",), "deepseek_v3", "experts", "gate", "DeepseekV3TopkRouter",
-           "n_routed_experts", "num_experts_per_tok", aux_loss=False, bias_balanced=True,
+           "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", aux_loss=False, bias_balanced=True,
            note="MLA attention, first_k_dense_replace dense layers, shared experts, sigmoid router with a bias"),
     Family("gpt_oss", ("GptOssMLP",), None, "experts", "router", "GptOssTopKRouter",
-           "num_local_experts", "num_experts_per_tok", aux_loss=True,
+           "num_local_experts", "num_experts_per_tok", "intermediate_size", aux_loss=True,
            note="experts interleaved and transposed, with biases; no AutoEP preset detects them"),
 )}
+
+
+AUTOEP_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.autoep_preset)  # model types AutoEP can place
 
 
 def field(model_config, key: str, default=None):
