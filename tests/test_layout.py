@@ -13,8 +13,8 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "harness"
 # The rooms, lowest first. A module may import from its own room or any room before it, never after it.
 GROUND = ("errors", "log", "dist", "ops", "model_shapes")  # top-level modules every room may use
-ROOMS = ("ground", "config", "planner", "data", "model", "checkpoint", "profiling", "calibration", "train", "report",
-         "commands", "entry")
+ROOMS = ("ground", "config", "planner", "data", "model", "checkpoint", "profiling", "calibration", "trackers", "train",
+         "report", "commands", "entry")
 ENTRY = ("run", "cli", "__init__")  # harness/run.py, harness/cli.py, harness/__init__.py
 PURE = ("config", "planner")
 ENGINE_SIDE = tuple(f"harness.{r}" for r in ROOMS[3:-1]) + ("harness.dist", "harness.run", "harness.cli",

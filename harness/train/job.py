@@ -20,7 +20,7 @@ from harness.log import say
 from harness.model import adapters
 from harness.model.attach import attach
 from harness.model.moe.wiring import prepare_model as prepare_moe
-from harness.profiling.trackers import start as start_trackers, summary_metrics
+from harness.trackers import start as start_trackers, summary_metrics
 from harness.train import checks, preempt, restarts
 from harness.train.metrics import MetricsLog
 from harness.train.trainer import Data, Trainer
