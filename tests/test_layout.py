@@ -35,7 +35,7 @@ MODULES.update({module_name(p): p for p in PKG.rglob("*.py") if "assets" not in 
 
 
 def room_of(module: str) -> str:
-    """harness.model.load.share -> model; harness.errors -> ground; harness.run -> entry."""
+    """harness.model.load.materialise -> model; harness.errors -> ground; harness.run -> entry."""
     parts = module.split(".")
     if len(parts) == 1 or parts[1] in ENTRY:
         return "entry"

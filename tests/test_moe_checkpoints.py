@@ -50,7 +50,7 @@ def _cases(root) -> list[list[str]]:
          "--set", "adapter.train_router=true"],
         ["--recipe", "zero2", "--output-dir", str(root / "ep2"), *BASE, "--set", "parallel.expert=2"],
         ["--recipe", "zero3", "--output-dir", str(root / "ep2_zero3"), *BASE, "--set", "parallel.expert=2"],
-        # another expert degree: through the universal form, its experts rewritten (checkpoint/universal_experts.py)
+        # another expert degree: through the universal form, its experts rewritten (checkpoint/expert_layout.py)
         ["--recipe", "zero2", "--output-dir", str(root / "ep2_to_ep1"), "--resume", step3("ep2"), *BASE],
         ["--recipe", "zero2", "--output-dir", str(root / "ep1_to_ep2"), "--resume", step3("zero2"), *BASE,
          "--set", "parallel.expert=2"],
@@ -231,7 +231,7 @@ def test_universal_expert_rewrite_is_exact_and_its_own_inverse(launched, tmp_pat
     """The EP 2 checkpoint's universal form, rewritten to transformers' layout (by the EP 1 resume) and back to
     AutoEP's here, equals DeepSpeed's own conversion bit for bit (every state file of every parameter, and the
     optimizer's param groups); its gate_up_proj holds w1 rows then w3 rows."""
-    from harness.checkpoint import resume, universal_experts
+    from harness.checkpoint import resume, expert_layout
     from harness.model.moe import families
 
     root = finished(launched, "ep2_to_ep1")
@@ -245,7 +245,7 @@ def test_universal_expert_rewrite_is_exact_and_its_own_inverse(launched, tmp_pat
     back = tmp_path / "back"
     shutil.copytree(rewritten, back)
     family = families.FAMILIES["qwen3_moe"]
-    assert universal_experts.rewrite(back, {"experts": "transformers"}, family, 2) == ("transformers", "autoep", 2)
+    assert expert_layout.rewrite(back, {"experts": "transformers"}, family, 2) == ("transformers", "autoep", 2)
     want = sorted(p.relative_to(fresh) for p in (fresh / "zero").rglob("*.pt"))
     assert sorted(p.relative_to(back) for p in (back / "zero").rglob("*.pt")) == want
     for rel in want:

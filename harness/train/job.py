@@ -18,7 +18,7 @@ from harness.config.resolve import render_provenance
 from harness.errors import UsageError
 from harness.log import say
 from harness.model import adapters
-from harness.model.attach import attach
+from harness.model.lora_attach import attach
 from harness.model.moe.wiring import prepare_model as prepare_moe
 from harness.trackers import start as start_trackers, summary_metrics
 from harness.train import checks, preempt, restarts
