@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from baseline import plain_pytorch_losses
-from export_checks import assert_export_equals_engine
+from export_checks import assert_export_equals_engine, read_sharded
 from launch import ROOT, env, launch, losses
 from test_training import COMMON, assert_close
 
@@ -113,7 +113,6 @@ def test_autoep_export_gathers_the_expert_files(launched, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from harness.checkpoint.export.folder import export
-    from harness.checkpoint.export.hf_shards import read_sharded
 
     root = finished(launched, "ep2", "zero2")
     info = export(root / "ep2", tmp_path / "ep", max_shard_size="64KB")
@@ -140,7 +139,6 @@ def test_autoep_zero3_export_gathers_the_expert_partitions(launched, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from harness.checkpoint.export.folder import export
-    from harness.checkpoint.export.hf_shards import read_sharded
 
     root = finished(launched, "ep2_zero3", "ep2", "zero3")
     tag = root / "ep2_zero3" / "checkpoints" / "global_step6"
@@ -188,8 +186,6 @@ def test_expert_lora_matches_one_peft_process(launched, name, router, tmp_path):
     merged = export(root / name, tmp_path / "merged", max_shard_size="64KB")
     assert merged["max_logit_diff"] <= 1e-5, merged
     peft_merged = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
-    from harness.checkpoint.export.hf_shards import read_sharded
-
     for key, tensor in read_sharded(tmp_path / "merged"):
         torch.testing.assert_close(tensor, peft_merged[key], rtol=1e-6, atol=1e-6, msg=key)
         if key in routers:
