@@ -7,6 +7,8 @@ import socket
 import sys
 from dataclasses import dataclass
 
+from harness.log import quiet_deprecated_all_gather
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -112,6 +114,7 @@ def init(timeout_min: float = 30.0) -> DistInfo:
     from deepspeed.accelerator import get_accelerator
 
     _single_process_env()
+    quiet_deprecated_all_gather()
     accel = get_accelerator()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if accel.device_name() != "cpu":

@@ -22,6 +22,27 @@ INSTALL_LIBAIO = ("install libaio: apt-get install libaio-dev (yum install libai
 INSTALL_COMPILER = "install a C++ compiler: apt-get install build-essential (or set CXX to one)"
 INSTALL_NINJA = "pip install ninja (DeepSpeed JIT-compiles its ops with it)"
 STALE_LOCK_S = 20 * 60  # a JIT build takes minutes; a build lock this old was left by a compile that was killed
+# The packages behind the accelerators DeepSpeed 0.19.8 probes before it settles on the CPU (real_accelerator.py)
+OTHER_ACCELERATOR_PACKAGES = ("torch_npu", "torch_sdaa", "habana_frameworks", "torch_mlu", "torch_supa", "torch_xmlir")
+
+
+def pin_cpu_accelerator(env=os.environ) -> None:
+    """DS_ACCELERATOR=cpu in `env` where DeepSpeed could find nothing but the CPU: a CPU-only torch and none of
+    the other accelerators it probes. Otherwise each process (the runner, the node's launcher, every rank) detects
+    it again and warns "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
+    it" (five times in `make demo`). A DS_ACCELERATOR already set is kept; a CUDA build of torch that sees no GPU
+    keeps DeepSpeed's detection and its warning, which is news there."""
+    import importlib.util
+
+    if "DS_ACCELERATOR" in env:
+        return
+    import torch
+
+    if torch.version.cuda or torch.version.hip or (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        return
+    if torch.backends.mps.is_available() or any(importlib.util.find_spec(m) for m in OTHER_ACCELERATOR_PACKAGES):
+        return
+    env["DS_ACCELERATOR"] = "cpu"
 
 
 def needed_ops(ds: dict) -> dict[str, str]:
@@ -119,6 +140,7 @@ def op_problem(name: str) -> tuple[str, str] | None:
 
 
 def main() -> int:
+    pin_cpu_accelerator()
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()

@@ -4,8 +4,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import torch
+
+from harness.checkpoint.export.hf_shards import SAFE_INDEX, SAFE_WEIGHTS
+
+
+def read_sharded(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of an exported folder (or one save_pretrained wrote), one at a time, memory-mapped."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / SAFE_INDEX
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [SAFE_WEIGHTS]
+    for filename in files:
+        with safe_open(folder / filename, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 def engine_weights(run) -> dict:
@@ -28,7 +44,6 @@ def assert_export_equals_engine(run, out: Path, max_shard_size: str = "64KB") ->
     from transformers import AutoModelForCausalLM
 
     from harness.checkpoint.export.folder import export
-    from harness.checkpoint.export.hf_shards import SAFE_INDEX, read_sharded
 
     info = export(run, out, max_shard_size=max_shard_size)
     assert info["shards"] > 1, info

@@ -119,7 +119,7 @@ def document_losses(model_name: str, rank: int) -> dict:
     ulysses.setup(model, "document_sdpa", 2, 2)
     reference = build(model_name, {"stage": 0}, "sdpa").eval()
     ids, labels, positions = packed_rows(model.config.vocab_size)
-    sp_rank = ulysses.coords(rank, tdist.get_world_size(), 2)[0]
+    sp_rank = rank % 2  # SP groups are consecutive ranks (model/sequence/steps.py)
     part_ids, part_labels, part_pos = ulysses.shard((ids, labels, positions), sp_rank, 2)
     part = token_losses(model(input_ids=part_ids, position_ids=part_pos, use_cache=False).logits, part_labels)
     parts = [torch.empty_like(part) for _ in range(2)]
@@ -144,7 +144,7 @@ def main(out_path: str, model_name: str, second_family: str) -> int:
 
     from harness import dist as distmod
     from harness.model.sequence import loss as sploss, tiling, ulysses
-    from harness.train.trainer import _loss
+    from harness.train.trainer import _forward
 
     dist = distmod.init(10)
     results = {}
@@ -156,13 +156,13 @@ def main(out_path: str, model_name: str, second_family: str) -> int:
             model = build(model_name, zero, "sdpa")
             rows = [(ids[i:i + 1], labels[i:i + 1]) for i in (dist.rank, dist.rank + 2)]
             loss, norm, update = step(model, ds_config(zero, 1, 2, 2, 1), None, rows,
-                                      lambda e, b: (lambda l: (l, l.detach()))(_loss(e, b)))
+                                      lambda e, b: (lambda l: (l, l.detach()))(_forward(e, b).loss))
             results[f"sp1/{name}"] = {"loss": distmod.mean_across_ranks([loss])[0], "norm": norm, "update": update}
         # sp=2, dp=1: both ranks hold rows (0, 2) then (1, 3) (micro 2, accumulation 2), each a half sequence
         for name, zero in STAGES:
             model = build(model_name, zero, "document_sdpa")
             mpu = ulysses.setup(model, "document_sdpa", 2, 2)
-            sp_rank = ulysses.coords(dist.rank, dist.world_size, 2)[0]
+            sp_rank = dist.rank % 2  # SP groups are consecutive ranks (model/sequence/steps.py)
             rows = [(ids[[0, 2]], labels[[0, 2]]), (ids[[1, 3]], labels[[1, 3]])]
             loss, norm, update = step(model, ds_config(zero, 2, 2, 1, 2), mpu, rows,
                                       lambda e, b: sploss.micro_loss(e, b, 2, sp_rank, zero["stage"], None))

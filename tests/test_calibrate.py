@@ -71,12 +71,12 @@ def test_calibrate_link_refuses_what_it_cannot_measure(tmp_path, capsys):
 
 
 def test_hook_overhead_from_interleaved_fastest_steps_is_stable_and_never_negative():
-    """The ZeRO hook overhead (calibrate_hooks.py) on given step times, no timing: stage 0 timed alone while
+    """The ZeRO hook overhead (calibration/hooks.py) on given step times, no timing: stage 0 timed alone while
     another job ran, ZeRO-2's steps each right after a stage-0 step later, with one disturbed step. The true
     overhead here is 20 ms over 10 tensors = 2 ms per tensor."""
     import statistics
 
-    from harness.profiling.calibrate_hooks import hook_overhead
+    from harness.calibration.hooks import hook_overhead
 
     base = {"fwd_bwd_samples_s": [0.50, 0.52, 0.49, 0.51, 0.55, 0.50, 0.53, 0.52]}  # loaded machine
     stage2 = {"fwd_bwd_samples_s": [0.43, 0.42, 0.50, 0.45, 0.44],

@@ -32,6 +32,12 @@ def builtin_blocks(tmp_path_factory, tok):
     return Rows.of(store)
 
 
+def load_text_dataset(dataset: str, text_field: str = "text"):
+    """The records a text run reads (corpus.load_dataset_for), with the text column named "text"."""
+    ds = data.load_dataset_for(data.DataSpec(dataset=dataset, text_field=text_field))
+    return ds.rename_column(text_field, "text") if text_field != "text" else ds
+
+
 def write_files(folder):
     """The same three documents in every supported format."""
     import pandas as pd
@@ -47,7 +53,7 @@ def write_files(folder):
                                         ("d.csv", "body"), ("d.parquet", "text")])
 def test_local_files_load_as_one_text_column(tmp_path, name, field):
     write_files(tmp_path)
-    ds = data.load_text_dataset(str(tmp_path / name), text_field=field)
+    ds = load_text_dataset(str(tmp_path / name), text_field=field)
     assert ds.column_names == ["text"]
     assert ds["text"] == DOCS
 
@@ -55,19 +61,19 @@ def test_local_files_load_as_one_text_column(tmp_path, name, field):
 def test_folder_of_files_loads_all_of_them(tmp_path):
     for i, doc in enumerate(DOCS):
         (tmp_path / f"part{i}.jsonl").write_text(json.dumps({"text": doc}) + "\n")
-    assert data.load_text_dataset(str(tmp_path))["text"] == DOCS
+    assert load_text_dataset(str(tmp_path))["text"] == DOCS
 
 
 def test_folder_mixing_kinds_is_refused(tmp_path):
     write_files(tmp_path)
     with pytest.raises(UsageError, match=r"(?s)mixes file kinds \(csv, json, parquet, text\).*fix: keep one kind"):
-        data.load_text_dataset(str(tmp_path))
+        load_text_dataset(str(tmp_path))
 
 
 def test_missing_text_field_lists_the_columns(tmp_path):
     write_files(tmp_path)
     with pytest.raises(UsageError) as err:
-        data.load_text_dataset(str(tmp_path / "d.csv"))
+        load_text_dataset(str(tmp_path / "d.csv"))
     assert "has no column 'text' (train.text_field, format 'text'); its columns are: id, body" in str(err.value)
     assert "fix: set train.text_field to the column that holds it" in str(err.value)
 
@@ -75,14 +81,14 @@ def test_missing_text_field_lists_the_columns(tmp_path):
 def test_unsupported_extension_lists_supported_ones(tmp_path):
     (tmp_path / "d.xml").write_text("<doc/>")
     with pytest.raises(UsageError, match=r"extension '\.xml'.*\n.*\.txt, \.json, \.jsonl, \.csv, \.parquet"):
-        data.load_text_dataset(str(tmp_path / "d.xml"))
+        load_text_dataset(str(tmp_path / "d.xml"))
 
 
 def test_missing_file_and_unreachable_hub_id_say_what_to_do(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
-        data.load_text_dataset(str(tmp_path / "nope.jsonl"))
+        load_text_dataset(str(tmp_path / "nope.jsonl"))
     with pytest.raises(UsageError, match="Hub lookup failed.*\n.*fix: use 'builtin'"):
-        data.load_text_dataset("no-such-org/no-such-dataset")
+        load_text_dataset("no-such-org/no-such-dataset")
     with pytest.raises(UsageError) as err:  # offline: the id, config and split are named, and what to do
         data.load_dataset_for(data.DataSpec("no-such-org/chat-set", config="en", split="test", format="chat"))
     assert "cannot load dataset no-such-org/chat-set (config 'en') split 'test'" in str(err.value)
@@ -90,7 +96,7 @@ def test_missing_file_and_unreachable_hub_id_say_what_to_do(tmp_path):
 
 
 def test_builtin_corpus_loads():
-    ds = data.load_text_dataset("builtin")
+    ds = load_text_dataset("builtin")
     assert ds.column_names == ["text"] and len(ds) > 3000
     assert data.BUILTIN_CORPUS.stat().st_size < 3_000_000
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from export_checks import assert_export_equals_engine
+from export_checks import assert_export_equals_engine, read_sharded
 from harness.model import hf as models
 from launch import ROOT, env, launch
 
@@ -37,8 +37,6 @@ def _save_pretrained_twin(model, folder: Path, max_shard_size: str) -> None:
 
 @pytest.mark.parametrize("preset,size", [("tiny-llama", "40KB"), ("tiny-gpt2", "60KB"), ("tiny-llama", "5GB")])
 def test_shards_and_index_are_save_pretrained_s(preset, size, tmp_path):
-    from harness.checkpoint.export.hf_shards import read_sharded
-
     model = models.build_model(preset, seed=3)
     model.save_pretrained(tmp_path / "hf", max_shard_size=size)
     _save_pretrained_twin(model, tmp_path / "ours", size)
@@ -99,7 +97,6 @@ def test_export_weights_sharded_and_bf16(zero3_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from harness.checkpoint.export.folder import export
-    from harness.checkpoint.export.hf_shards import read_sharded
 
     fp32 = assert_export_equals_engine(zero3_run, tmp_path / "fp32", max_shard_size=SHARD)
     assert fp32["dtype"] == "fp32" and fp32["max_logit_diff"] <= 1e-5  # the training dtype by default

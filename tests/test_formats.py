@@ -88,7 +88,7 @@ def test_rows_without_targets_are_counted_and_train_with_loss_zero_not_nan(tmp_p
     on any other micro-batch it equals HF's own mean loss bit for bit; so does the pipeline's loss."""
     from harness.model.parallel.pipeline import causal_lm_loss
     from harness.data.store import empty_rows_note
-    from harness.train.trainer import _loss
+    from harness.train.trainer import _forward
 
     path = tmp_path / "i.jsonl"
     long_prompt = " ".join(["seven"] * 200)  # ~200 tokens of prompt: several 16-token rows of it alone
@@ -103,14 +103,14 @@ def test_rows_without_targets_are_counted_and_train_with_loss_zero_not_nan(tmp_p
     net = build_model("tiny-llama", seed=0).float()
     rows = Rows.of(store)
     all_masked = rows[np.flatnonzero(empty)[:2]].tensors()
-    loss = _loss(net, all_masked)
+    loss = _forward(net, all_masked).loss
     loss.backward()
     grads = [p.grad for p in net.parameters() if p.grad is not None]
     assert float(loss.detach()) == 0.0 and grads and all(float(g.abs().max()) == 0.0 for g in grads)
     assert torch.isnan(net(input_ids=all_masked[0], labels=all_masked[1]).loss)  # what HF's mean gives
     mixed = rows[np.flatnonzero(~empty)[:2]].tensors()
     with torch.no_grad():
-        assert torch.equal(_loss(net, mixed), net(input_ids=mixed[0], labels=mixed[1]).loss)
+        assert torch.equal(_forward(net, mixed).loss, net(input_ids=mixed[0], labels=mixed[1]).loss)
         logits = net(input_ids=all_masked[0]).logits
         assert float(causal_lm_loss(logits, all_masked[1])) == 0.0
         logits = net(input_ids=mixed[0]).logits

@@ -13,8 +13,8 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "harness"
 # The rooms, lowest first. A module may import from its own room or any room before it, never after it.
 GROUND = ("errors", "log", "dist", "ops", "model_shapes")  # top-level modules every room may use
-ROOMS = ("ground", "config", "planner", "data", "model", "checkpoint", "profiling", "train", "report", "commands",
-         "entry")
+ROOMS = ("ground", "config", "planner", "data", "model", "checkpoint", "profiling", "calibration", "trackers", "train",
+         "report", "commands", "entry")
 ENTRY = ("run", "cli", "__init__")  # harness/run.py, harness/cli.py, harness/__init__.py
 PURE = ("config", "planner")
 ENGINE_SIDE = tuple(f"harness.{r}" for r in ROOMS[3:-1]) + ("harness.dist", "harness.run", "harness.cli",
@@ -35,7 +35,7 @@ MODULES.update({module_name(p): p for p in PKG.rglob("*.py") if "assets" not in 
 
 
 def room_of(module: str) -> str:
-    """harness.model.load.share -> model; harness.errors -> ground; harness.run -> entry."""
+    """harness.model.load.materialise -> model; harness.errors -> ground; harness.run -> entry."""
     parts = module.split(".")
     if len(parts) == 1 or parts[1] in ENTRY:
         return "entry"

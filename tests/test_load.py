@@ -48,7 +48,8 @@ def test_folder_has_several_files_and_an_index(folder):
 def test_tp_rank_reads_its_slices_cast_to_fp32(folder, rank):
     from transformers import AutoModelForCausalLM
 
-    from harness.model.load import meta, share
+    from harness.model.load import meta
+    from harness.model.load.materialise import hf_paths, materialise
     from harness.model.load.source import CheckpointFiles, check_keys
     from harness.model.parallel.tensor import shard_model
 
@@ -59,7 +60,7 @@ def test_tp_rank_reads_its_slices_cast_to_fp32(folder, rank):
     check_keys(source, model)
     assert source.dtype() == "bfloat16"
     shard_model(model, None, rank, 2)  # on meta
-    nbytes = share.materialise(model, share.hf_paths(model), source, torch.float32, rank, 2)
+    nbytes = materialise(model, hf_paths(model), source, torch.float32, rank, 2)
     assert meta.left_on_meta(model) == []
     want = dict(whole.named_parameters())
     got = dict(model.named_parameters())
@@ -79,7 +80,8 @@ def test_tp_rank_reads_its_slices_cast_to_fp32(folder, rank):
 def test_preset_by_share_equals_the_seeded_model_and_keeps_its_tie():
     """A preset's meta build keeps the LM head tied to the embedding, and materialises to the seeded weights a
     one-process run starts from (one tensor for both names)."""
-    from harness.model.load import meta, share
+    from harness.model.load import meta
+    from harness.model.load.materialise import hf_paths, materialise
     from harness.model.load.base import open_source
     from harness.model.load.source import check_keys
     from harness.model.hf import build_model, load_model_config
@@ -88,7 +90,7 @@ def test_preset_by_share_equals_the_seeded_model_and_keeps_its_tie():
     assert model.lm_head.weight is model.transformer.wte.weight
     source = open_source("tiny-gpt2", SEED)
     check_keys(source, model)
-    share.materialise(model, share.hf_paths(model), source, torch.float32)
+    materialise(model, hf_paths(model), source, torch.float32)
     assert model.lm_head.weight is model.transformer.wte.weight and meta.left_on_meta(model) == []
     want = build_model("tiny-gpt2", seed=SEED).state_dict()
     got = model.state_dict()
@@ -99,7 +101,8 @@ def test_tied_folder_shard_reads_the_stored_name(tmp_path):
     """A tied folder stores only the embedding (no lm_head.weight); the TP shard reads it once for both names."""
     from transformers import AutoModelForCausalLM
 
-    from harness.model.load import meta, share
+    from harness.model.load import meta
+    from harness.model.load.materialise import hf_paths, materialise
     from harness.model.load.source import CheckpointFiles, check_keys
     from harness.model.hf import load_model_config
     from harness.model.parallel.tensor import shard_model
@@ -113,7 +116,7 @@ def test_tied_folder_shard_reads_the_stored_name(tmp_path):
     model = meta.build_on_meta(load_model_config(str(tmp_path)))
     check_keys(source, model)
     shard_model(model, None, 1, 2)
-    share.materialise(model, share.hf_paths(model), source, torch.float32, 1, 2)
+    materialise(model, hf_paths(model), source, torch.float32, 1, 2)
     whole = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert torch.equal(model.lm_head.weight, whole.model.embed_tokens.weight)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from baseline import plain_pytorch_losses
-from export_checks import assert_export_equals_engine
+from export_checks import assert_export_equals_engine, read_sharded
 from launch import ROOT, env, launch, losses
 from test_training import COMMON, assert_close
 
@@ -50,7 +50,7 @@ def _cases(root) -> list[list[str]]:
          "--set", "adapter.train_router=true"],
         ["--recipe", "zero2", "--output-dir", str(root / "ep2"), *BASE, "--set", "parallel.expert=2"],
         ["--recipe", "zero3", "--output-dir", str(root / "ep2_zero3"), *BASE, "--set", "parallel.expert=2"],
-        # another expert degree: through the universal form, its experts rewritten (checkpoint/universal_experts.py)
+        # another expert degree: through the universal form, its experts rewritten (checkpoint/expert_layout.py)
         ["--recipe", "zero2", "--output-dir", str(root / "ep2_to_ep1"), "--resume", step3("ep2"), *BASE],
         ["--recipe", "zero2", "--output-dir", str(root / "ep1_to_ep2"), "--resume", step3("zero2"), *BASE,
          "--set", "parallel.expert=2"],
@@ -113,7 +113,6 @@ def test_autoep_export_gathers_the_expert_files(launched, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from harness.checkpoint.export.folder import export
-    from harness.checkpoint.export.hf_shards import read_sharded
 
     root = finished(launched, "ep2", "zero2")
     info = export(root / "ep2", tmp_path / "ep", max_shard_size="64KB")
@@ -140,7 +139,6 @@ def test_autoep_zero3_export_gathers_the_expert_partitions(launched, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from harness.checkpoint.export.folder import export
-    from harness.checkpoint.export.hf_shards import read_sharded
 
     root = finished(launched, "ep2_zero3", "ep2", "zero3")
     tag = root / "ep2_zero3" / "checkpoints" / "global_step6"
@@ -188,8 +186,6 @@ def test_expert_lora_matches_one_peft_process(launched, name, router, tmp_path):
     merged = export(root / name, tmp_path / "merged", max_shard_size="64KB")
     assert merged["max_logit_diff"] <= 1e-5, merged
     peft_merged = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
-    from harness.checkpoint.export.hf_shards import read_sharded
-
     for key, tensor in read_sharded(tmp_path / "merged"):
         torch.testing.assert_close(tensor, peft_merged[key], rtol=1e-6, atol=1e-6, msg=key)
         if key in routers:
@@ -231,7 +227,7 @@ def test_universal_expert_rewrite_is_exact_and_its_own_inverse(launched, tmp_pat
     """The EP 2 checkpoint's universal form, rewritten to transformers' layout (by the EP 1 resume) and back to
     AutoEP's here, equals DeepSpeed's own conversion bit for bit (every state file of every parameter, and the
     optimizer's param groups); its gate_up_proj holds w1 rows then w3 rows."""
-    from harness.checkpoint import resume, universal_experts
+    from harness.checkpoint import resume, expert_layout
     from harness.config import moe_families
 
     root = finished(launched, "ep2_to_ep1")
@@ -245,7 +241,7 @@ def test_universal_expert_rewrite_is_exact_and_its_own_inverse(launched, tmp_pat
     back = tmp_path / "back"
     shutil.copytree(rewritten, back)
     family = moe_families.FAMILIES["qwen3_moe"]
-    assert universal_experts.rewrite(back, {"experts": "transformers"}, family, 2) == ("transformers", "autoep", 2)
+    assert expert_layout.rewrite(back, {"experts": "transformers"}, family, 2) == ("transformers", "autoep", 2)
     want = sorted(p.relative_to(fresh) for p in (fresh / "zero").rglob("*.pt"))
     assert sorted(p.relative_to(back) for p in (back / "zero").rglob("*.pt")) == want
     for rel in want:

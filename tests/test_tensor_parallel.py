@@ -2,7 +2,7 @@
 processes (torch.multiprocessing; no DeepSpeed engine): output, input gradient and every weight gradient equal
 the whole layer's, for a Llama layer (with q/k/v/o and MLP biases, so the row-parallel bias is covered) and a
 Qwen2 layer (GQA 4 heads / 2 kv heads, q/k/v biases). The layer is built and split on its own, outside any
-model, as a pipeline stage holds it; merge_shards puts the split gradients and weights back together.
+model, as a pipeline stage holds it; merge_tensor (export's) puts the split gradients and weights back together.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _run(layer, x, weight, rope):
 
 def _compare(kind: str, rank: int) -> dict | None:
     """Rank 0 gets the differences between the split and the whole layer (both ranks run both)."""
-    from harness.model.parallel.tensor import merge_shards, shard_decoder_layer
+    from harness.model.parallel.tensor import merge_tensor, shard_decoder_layer
 
     config, layer, x, weight, rope = _layer_and_inputs(kind)
     full_state = {k: v.clone() for k, v in layer.state_dict().items()}
@@ -72,7 +72,8 @@ def _compare(kind: str, rank: int) -> dict | None:
     dist.all_gather_object(gathered_states, layer.state_dict())
     if rank:
         return None
-    merged_grads, merged_state = merge_shards(gathered_grads, config), merge_shards(gathered_states, config)
+    merged_grads, merged_state = ({key: merge_tensor(key, [sd[key] for sd in parts]) for key in parts[0]}
+                                  for parts in (gathered_grads, gathered_states))
     return {"out": ((out - out_full).abs().max().item(), out_full.abs().max().item()),
             "x_grad": ((gx - gx_full).abs().max().item(), gx_full.abs().max().item()),
             "grads": {n: ((merged_grads[n] - g).abs().max().item(), g.abs().max().item(),
@@ -110,7 +111,7 @@ def test_split_layer_matches_the_whole_layer(kind, compared):
         assert diff <= ATOL + RTOL * scale, (what, diff, scale)
     for name, (diff, scale, same_shape) in r["grads"].items():
         assert same_shape and diff <= ATOL + RTOL * scale, (name, diff, scale)
-    assert r["weights_equal"], "merge_shards gives back the whole layer's weights"
+    assert r["weights_equal"], "merge_tensor gives back the whole layer's weights"
     expected = {f"self_attn.{n}_proj.{k}" for n in "qkv" for k in ("weight", "bias")}
     expected |= {"self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
     if kind == "llama":

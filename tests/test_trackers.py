@@ -15,7 +15,8 @@ import pytest
 
 from harness.dist import free_port
 from harness.errors import Problem
-from harness.profiling import tracker_backends, trackers
+from harness import trackers
+from harness.trackers import backends as tracker_backends
 from launch import ROOT, launch, records
 from tracker_files import mlflow_client, wandb_run
 
@@ -272,7 +273,7 @@ def test_a_tracker_that_cannot_start_stops_the_launch_before_training(secrets_en
 FAULT_DRIVER = '''
 import shutil, sys
 sys.path.insert(0, {root!r})
-from harness.profiling import tracker_backends
+from harness.trackers import backends as tracker_backends
 
 real_log = tracker_backends.MlflowRun.log
 

@@ -90,7 +90,7 @@ def needs_universal(point: ResumePoint, world_size: int, pp: int, tp: int) -> bo
 def check_expert(point: ResumePoint, ds: dict) -> bool:
     """True when the checkpoint's expert degree (DeepSpeed AutoEP's parallel.expert) differs from this launch's: it
     then loads through the universal form, rewritten by rank 0 into this launch's expert layout
-    (checkpoint/universal_experts.py). Refused before any rank starts where that path is not built or not tested:
+    (checkpoint/expert_layout.py). Refused before any rank starts where that path is not built or not tested:
     ZeRO-0 and ZeRO-3 on either side (ZeRO-3 AutoEP keeps experts partitioned in its own format) and LoRA."""
     from harness.checkpoint.save import expert_degree
 
@@ -155,7 +155,7 @@ def universal(point: ResumePoint, dist, ep: int = 1) -> tuple[Path, str]:
     """(checkpoints folder, tag) of the universal form of `point`, converting it once (rank 0; the others wait),
     its MoE experts in the layout of a launch on parallel.expert=ep. Atomic: built in a hidden folder, marked
     complete, then renamed into place; a finished one is reused (an interrupted expert rewrite is redone)."""
-    from harness.checkpoint import universal_experts
+    from harness.checkpoint import expert_layout
     from harness.dist import barrier
     from harness.log import say
 
@@ -163,7 +163,7 @@ def universal(point: ResumePoint, dist, ep: int = 1) -> tuple[Path, str]:
     out = root / point.tag
     if dist.is_main:
         marker = _marker(out)
-        if marker is not None and universal_experts.form(marker) not in universal_experts.FORMS:
+        if marker is not None and expert_layout.form(marker) not in expert_layout.FORMS:
             say("ckpt", f"{out}: an expert rewrite was interrupted; converting again")
             shutil.rmtree(out)
             marker = None
@@ -188,17 +188,17 @@ def _marker(out: Path) -> dict | None:
 def _expert_layout(point: ResumePoint, out: Path, marker: dict, ep: int, say) -> None:
     """MoE: the universal folder rewritten for a launch on parallel.expert=ep (nothing to do for a dense model or
     when it is in that layout already); the marker says 'rewriting' while it runs."""
-    from harness.checkpoint import universal_experts
+    from harness.checkpoint import expert_layout
     from harness.config import moe_families
 
     config = point.ckpt_dir / "hf" / "config.json"
     family = moe_families.family_of(json.loads(config.read_text())) if config.is_file() else None
-    want = universal_experts.layout_for(ep)
-    if family is None or family.autoep_preset is None or universal_experts.form(marker) == want:
+    want = expert_layout.layout_for(ep)
+    if family is None or family.autoep_preset is None or expert_layout.form(marker) == want:
         return
-    (out / CONVERTED).write_text(json.dumps({**marker, universal_experts.FORM: "rewriting"}) + "\n")
-    was, now, blocks = universal_experts.rewrite(out, marker, family, ep)
-    (out / CONVERTED).write_text(json.dumps({**marker, universal_experts.FORM: now}) + "\n")
+    (out / CONVERTED).write_text(json.dumps({**marker, expert_layout.FORM: "rewriting"}) + "\n")
+    was, now, blocks = expert_layout.rewrite(out, marker, family, ep)
+    (out / CONVERTED).write_text(json.dumps({**marker, expert_layout.FORM: now}) + "\n")
     say("ckpt", f"universal {point.tag}: experts of {blocks} MoE blocks rewritten from {was}'s layout to {now}'s "
                 f"(parallel.expert={ep})")
 
@@ -214,10 +214,10 @@ def _convert(source: Path, root: Path, out: Path) -> None:
     with open(tmp / "conversion.log", "w") as log, contextlib.redirect_stdout(log):
         ds_to_universal.main(args)  # in this process: worker pools would fork a rank holding a process group
     (root / "latest_universal").unlink(missing_ok=True)  # it writes one naming the hidden folder; tags are explicit
-    from harness.checkpoint import universal_experts
+    from harness.checkpoint import expert_layout
 
-    (tmp / CONVERTED).write_text(json.dumps({"source": str(source), universal_experts.FORM:
-                                             universal_experts.source_form(tmp / "zero")}) + "\n")
+    (tmp / CONVERTED).write_text(json.dumps({"source": str(source), expert_layout.FORM:
+                                             expert_layout.source_form(tmp / "zero")}) + "\n")
     if out.exists():  # a conversion interrupted before its marker
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -1,7 +1,7 @@
 """`harness calibrate [--out FILE]`: measure this machine (GEMMs at the model's shapes, collectives on the real
 backend, host copies, CPU Adam, NVMe) into a hardware profile that `harness plan --hardware FILE`, runs and
 `--recipe auto` use. Not pure: it starts processes and touches the device; the measuring lives in
-harness/profiling/calibrate.py."""
+harness/calibration/."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if args.link:
         return run_link(args, out)
     cfg = resolve_model(args.model)
-    from harness.profiling.calibrate import build_profile
+    from harness.calibration.node import build_profile
 
     profile = build_profile(cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision,
                             ranks=args.ranks, nvme_path=args.nvme_path, name=args.name)
@@ -72,7 +72,7 @@ def run_link(args: argparse.Namespace, out: Path) -> int:
     import time
 
     from harness.planner import hardware
-    from harness.profiling import calibrate_link
+    from harness.calibration.link import measure as measure_link, merge as merge_link
 
     if not args.master_addr:
         raise UsageError("--link needs --master-addr: node 0's address, reachable from every node")
@@ -83,11 +83,11 @@ def run_link(args: argparse.Namespace, out: Path) -> int:
     if args.node_rank == 0 and not base_path.exists():
         raise UsageError(f"--link adds the link to a node profile, and {base_path} does not exist: run "
                          "`harness calibrate` on this node first (or give --base FILE)")
-    link = calibrate_link.measure(args.node_rank, args.nnodes, args.master_addr, args.master_port)
+    link = measure_link(args.node_rank, args.nnodes, args.master_addr, args.master_port)
     if args.node_rank != 0:
         print(f"node {args.node_rank}: link measured; node 0 writes the profile")
         return 0
-    profile = calibrate_link.merge(json.loads(base_path.read_text()), link, time.strftime("%Y-%m-%d %H:%M"))
+    profile = merge_link(json.loads(base_path.read_text()), link, time.strftime("%Y-%m-%d %H:%M"))
     write(profile, out)
     for op, by_n in link["bus_gbps"].items():
         print(f"  {link['backend']} {op} across {link['nodes']} nodes: "

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from harness.errors import UsageError
 from harness.log import say
+from harness.ops import pin_cpu_accelerator
 from harness.train import restarts
 from harness.train.preempt import EXIT_DIR_ENV, EXIT_PREEMPTED
 
@@ -214,6 +215,7 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    pin_cpu_accelerator()  # before DeepSpeed is imported here or in the runner, its launcher and the ranks
     try:
         opts, rest = parse_own(argv)
         command = split_command(rest) if opts.max_restarts and rest else None

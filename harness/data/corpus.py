@@ -185,9 +185,3 @@ def load_dataset_for(spec: DataSpec, streaming: bool | None = None):
                              f"    fix: set train.{key} to the column that holds it")
     optional = [c for c in spec.optional_columns.values() if c in have]
     return ds.select_columns(list(spec.columns.values()) + optional) if have else ds
-
-
-def load_text_dataset(dataset: str, text_field: str = "text"):
-    """A datasets.Dataset with exactly one column, "text", from `dataset`'s `text_field` column."""
-    ds = load_dataset_for(DataSpec(dataset=dataset, text_field=text_field))
-    return ds.rename_column(text_field, "text") if text_field != "text" else ds

@@ -3,7 +3,7 @@ exists and before deepspeed.initialize.
 
     apply(model, recipe, ...)   peft's LoRA layers injected in place (the HF module tree and names are kept; each
                                 target becomes <name>.base_layer + <name>.lora_A/B.default), base frozen
-    attach(target, spec, ...)   (model/attach.py) the one call at each build site: peft's layers, or the harness's
+    attach(target, spec, ...)   (model/lora_attach.py) the one call at each build site: peft's layers, or the harness's
                                 own column/row-parallel LoRA (parallel/tensor_lora.py, tp and 3d) split the Megatron way
     param_groups(module, ...)   the trainable parameters only (LoRA+: B in a group of its own)
 

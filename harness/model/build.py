@@ -11,7 +11,8 @@ from pathlib import Path
 
 from harness import model_shapes
 from harness.model import adapters
-from harness.model.load import meta, share, source as sources
+from harness.model.load import meta, source as sources
+from harness.model.load.materialise import hf_paths, materialise
 from harness.model.load.base import Built, check_materialised, open_model
 
 
@@ -23,7 +24,7 @@ def build_tp(spec) -> Built:
     model, source, info = open_model(spec)
     mpu = TensorDataMPU(spec.tp)
     shard_model(model, mpu.tp_group, mpu.tp_rank, spec.tp)
-    share.materialise(model, share.hf_paths(model), source, meta.train_dtype(spec.recipe["precision"]),
+    materialise(model, hf_paths(model), source, meta.train_dtype(spec.recipe["precision"]),
                       mpu.tp_rank, spec.tp)
     check_materialised(model)
     if spec.recipe["activation_checkpointing"]:

@@ -79,11 +79,6 @@ def wire_bytes(collective: str, logged_bytes: int, group_size: int) -> int:
     return logged_bytes  # send / recv: point to point
 
 
-def seed_volume_elems(num_params: int, stage: int) -> int:
-    """The seeds' per-rank volume in elements: all-reduce 2 Psi (DP, ZeRO-1/2), ZeRO-3 3 Psi (1.5x)."""
-    return 3 * num_params if stage == 3 else 2 * num_params
-
-
 def comm_rows(groups: dict[str, tuple[dict, int]]) -> list[dict]:
     """Flatten {group: (logged {collective: bytes}, group size)} into rows with wire bytes."""
     rows = []

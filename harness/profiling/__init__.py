@@ -59,7 +59,7 @@ profiled steps and once at close, so there are no per-rank files and no gathers 
 
 Optional DeepSpeed monitors (recipe `monitor.tensorboard` / `monitor.csv`) write into RUN/monitor/; the
 harness adds the train loss, eval loss and tokens/s, which the plain engine does not log. Experiment trackers
-(`monitor.wandb`, `monitor.mlflow`: trackers.py) get every record and the summary through the harness's own calls.
+(`monitor.wandb`, `monitor.mlflow`: harness/trackers/) get every record and the summary through the harness's own calls.
 `harness report RUN` turns all of this into report.md with plots."""
 
 from __future__ import annotations
@@ -125,9 +125,8 @@ def ds_overrides(spec, run_dir) -> dict:
 
 
 def make_hooks(spec, engine, dist, run_dir, log, trackers=None) -> list:
-    """`trackers`: trackers.start's result (rank 0's running trackers; empty elsewhere)."""
+    """`trackers`: harness.trackers.start's result (rank 0's running trackers; empty elsewhere)."""
     from harness.profiling import comm, experts, memory, monitor, pipe, predict, throughput
-    from harness.profiling.trackers import TrackerHook
 
     window = window_of(spec)
     prediction = predict.for_run(spec, engine)
@@ -144,5 +143,5 @@ def make_hooks(spec, engine, dist, run_dir, log, trackers=None) -> list:
     if (expert_hook := experts.hook_for(engine, window)) is not None:  # MoE: tokens per expert per layer
         hooks.append(expert_hook)
     if trackers:
-        hooks.append(TrackerHook(trackers, dist, speed.predicted.get("step_time_s")))
+        hooks.append(trackers.hook(dist, speed.predicted.get("step_time_s")))
     return hooks

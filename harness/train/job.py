@@ -16,11 +16,11 @@ from harness.config.jsonio import dump_json
 from harness.config.recipes import deep_merge
 from harness.config.resolve import render_provenance
 from harness.errors import UsageError
-from harness.log import say
+from harness.log import quiet_scheduler_construction, say
 from harness.model import adapters
-from harness.model.attach import attach
+from harness.model.lora_attach import attach
 from harness.model.moe.wiring import prepare_model as prepare_moe
-from harness.profiling.trackers import start as start_trackers, summary_metrics
+from harness.trackers import start as start_trackers, summary_metrics
 from harness.train import checks, preempt, restarts
 from harness.train.metrics import MetricsLog
 from harness.train.trainer import Data, Trainer
@@ -100,7 +100,7 @@ def build_engine(spec, startup):
             built.mpu = sequence.prepare(built.module, spec) or mpu
         attach(built.module, spec, hf_model=built.module,
                         tp_group=mpu and (mpu.tp_group, mpu.tp_rank, spec.tp))
-    with startup.phase("engine_setup"):
+    with startup.phase("engine_setup"), quiet_scheduler_construction():
         engine, *_ = deepspeed.initialize(model=built.module, model_parameters=adapters.param_groups(built.module,
                                                                                                    spec.recipe),
                                           config=spec.ds_config, mpu=built.mpu)

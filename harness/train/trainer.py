@@ -62,10 +62,6 @@ def _forward(engine, batch: tuple[torch.Tensor, ...]):
     return engine(**model_inputs(batch, engine.device), use_cache=False, num_items_in_batch=items)
 
 
-def _loss(engine, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return _forward(engine, batch).loss
-
-
 def _lm_aux(engine, out) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A MoE model trained with its balancing loss (harness/model/moe/wiring.py): (LM loss, aux loss), detached;
     HF's loss is LM + router_aux_loss_coef x aux. None for every other model."""

@@ -13,7 +13,7 @@ transformers' layout (repack_expert_weights in deepspeed/moe/ep_repack.py read b
 Each fused tensor reads one slice per expert file when its shard is written: memory is one tensor, as for dense.
 
 The names and the fusion here (hf_name/autoep_name, fuse_gate_up/split_gate_up) are the one mapping between AutoEP's
-layer and transformers' MoE block; checkpoint/universal_experts.py applies the same to a universal checkpoint.
+layer and transformers' MoE block; checkpoint/expert_layout.py applies the same to a universal checkpoint.
 """
 
 from __future__ import annotations

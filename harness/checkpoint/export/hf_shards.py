@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 
@@ -74,16 +74,3 @@ def write_sharded(out: Path, split, tensors: Iterable[tuple[str, torch.Tensor]],
                  "weight_map": split.tensor_to_filename}
         (out / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return written
-
-
-def read_sharded(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a folder written as above (or by save_pretrained), one at a time, memory-mapped."""
-    from safetensors import safe_open
-
-    folder = Path(folder)
-    index = folder / SAFE_INDEX
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [SAFE_WEIGHTS]
-    for filename in files:
-        with safe_open(folder / filename, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)

@@ -4,7 +4,7 @@ The sequence, one function per step (pipeline, tp and 3d; model/build.py and par
   1. meta.build_on_meta(config)      the whole HF model with parameters on the meta device (no bytes); buffers
                                      (rotary inv_freq) are real, computed at construction, so nothing is recomputed
   2. split on meta                   tensor.shard_model / the PipelineModule's stage (DeepSpeed builds only its layers)
-  3. share.materialise(module, ...)  read this rank's tensors or row/column slices from the checkpoint (source.py),
+  3. materialise(module, ...)        read this rank's tensors or row/column slices from the checkpoint (source.py),
                                      cast to the training dtype as read, tied weights assigned once per holder
   4. (adapters would be applied here, on the materialised stage or shard)
   5. deepspeed.initialize            the engine

@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from harness.errors import UsageError
-from harness.model.attach import attach
+from harness.model.lora_attach import attach
 from harness.model.parallel import pipeline
 
 
@@ -65,7 +65,8 @@ def build_stage(spec):
     """This rank's PipelineModule stage, loaded by share (harness/model/load): the HF model on meta -> the
     PipelineModule builds this stage's layers -> (3D) split on meta -> this rank's tensors read, cast -> moved to
     the device and the tied embedding synchronised by DeepSpeed. Records the partition in spec.layout."""
-    from harness.model.load import base, meta, share
+    from harness.model.load import base, meta
+    from harness.model.load.materialise import hf_paths, materialise
 
     from harness.model import attention
 
@@ -78,7 +79,7 @@ def build_stage(spec):
     def on_stage(module):
         rank, size = _shard_stage(module, model.config) if spec.tp > 1 else (0, 1)
         # paths after the split: it replaced the row-parallel linears, and a new module may reuse a freed id
-        share.materialise(module, share.hf_paths(model), source, dtype, rank, size)
+        materialise(module, hf_paths(model), source, dtype, rank, size)
         base.check_materialised(module)
         # LoRA on this stage's own layers (peft's, or 3D's split ones), named by the whole model's modules
         group = module.mpu().get_slice_parallel_group() if spec.tp > 1 else None

@@ -190,12 +190,6 @@ def merge_tensor(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if dim is None else torch.cat(parts, dim=dim)
 
 
-def merge_shards(state_dicts: list[dict], config) -> dict:
-    """TP-rank state dicts (HF names, any prefix kept), in rank order -> the full state dict."""
-    supported(config, len(state_dicts))
-    return {key: merge_tensor(key, [sd[key] for sd in state_dicts]) for key in state_dicts[0]}
-
-
 class TensorDataMPU:
     """The model-parallel unit deepspeed.initialize(mpu=...) reads: tensor-parallel groups of `tp` consecutive
     ranks (inside a node), data-parallel groups of the ranks holding the same shard. ZeRO partitions and

@@ -11,7 +11,7 @@ peft's tensor-parallel LoRA only accepts Megatron's layer classes, so the split 
       is Megatron's g (all-reduce forward, identity backward), B's gradient is then equal on every rank.
 Split tensors carry tensor_model_parallel / partition_dim like the base shards, so DeepSpeed's grad norm counts
 them on every rank and the replicated ones once. Module and parameter names are peft's
-(<proj>.base_layer, <proj>.lora_A.default, <proj>.lora_B.default): checkpoints, merge_shards and export read
+(<proj>.base_layer, <proj>.lora_A.default, <proj>.lora_B.default): checkpoints, merge_tensor and export read
 one naming on every layout. Adapters start from adapters.init_a of the whole A (by HF name), then split, so a
 tensor-parallel run starts from exactly the single-process peft model.
 """

@@ -32,11 +32,6 @@ def setup(model, attention: str, sp: int, micro: int):
     return mpu
 
 
-def coords(rank: int, world: int, sp: int) -> tuple[int, int, int]:
-    """(sp_rank, dp_rank, dp_size) of a global rank; SP groups are consecutive ranks."""
-    return rank % sp, rank // sp, world // sp
-
-
 def shift_labels(labels):
     """Labels for next-token prediction, shifted BEFORE sharding: position t carries label t+1, the last -100."""
     import torch

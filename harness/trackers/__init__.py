@@ -8,6 +8,9 @@ Why the harness's own calls through the wandb and mlflow Python APIs, not DeepSp
     fails raises on rank 0 while the other ranks wait in a collective.
   - it logs each event in a wandb.log of its own with step = global samples; memory per rank, the predicted step
     time and the run's parameters need the harness's own calls anyway.
+The libraries behind one small interface: backends.py.
+
+May import: the ground floor, config/, profiling/ (the names of the fields its hooks record).
 
 Lifecycle (harness/train/job.py): `start` right after the run folder is written, before the data, model and engine
 (collective: every rank calls it). Only rank 0 talks to a tracker, so only rank 0 checks and starts them, and
@@ -24,8 +27,8 @@ What is logged, x axis = the step as in metrics.jsonl (1-based), the same names 
   train/step_time_predicted_s (planner, for this machine), train/tflops_per_gpu, train/mfu (only where the device
   has a known peak: null on CPU is not logged), timers/{fwd,bwd,bwd_inner,bwd_allreduce,step}_ms (profile window)
   eval/loss                                  at each evaluation
-  memory/rank{R}/{field}_bytes               rank 0 every step; every rank on the profiled steps (memory.py gathers
-                                             them there only: no collective on other steps)
+  memory/rank{R}/{field}_bytes               rank 0 every step; every rank on the profiled steps
+                                             (profiling/memory.py gathers them there only: no collective on other steps)
   at the end (wandb: run summary; MLflow: metrics at the last step): summary/{first_loss, last_loss, eval_loss,
   tokens_per_s_median, tflops_per_gpu, mfu}, step_time/predicted_s, step_time/measured_median_s/rank{R},
   step_time/ratio, memory/peak/rank{R}/{field}_bytes, memory/predicted_peak_total_bytes/rank{R}
@@ -44,7 +47,7 @@ from harness.config.validate import strip_annotations
 from harness.errors import ConfigError, Problem, without_secrets
 from harness.log import say
 from harness.profiling.throughput import TIMERS
-from harness.profiling.tracker_backends import BACKENDS, shown
+from harness.trackers.backends import BACKENDS, shown
 
 TRAIN = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "train/tokens_per_s",
          "samples_per_s": "train/samples_per_s", "step_time_s": "train/step_time_s",
@@ -110,6 +113,11 @@ class Trackers:
     def summary(self, values: dict, step: int) -> None:
         if values:
             self._each("summary", lambda run: run.summary(values, step))
+
+    def hook(self, dist, predicted_step_s: float | None) -> "TrackerHook":
+        """The profiling hook that sends each logged record here. Made here, not in profiling/: that room sits
+        below this one and never imports it."""
+        return TrackerHook(self, dist, predicted_step_s)
 
     def finish(self, exit_code: int) -> None:
         self._each("finish", lambda run: run.finish(exit_code))

@@ -14,7 +14,7 @@ later); the recipe's mode wins over $WANDB_MODE. MLflow: a file store in RUN/mon
 unless MLFLOW_ALLOW_FILE_STORE=true: the harness sets that for a file: URI (and `mlflow ui --backend-store-uri
 file:RUN/monitor/mlruns` needs it too). Against a server, MLflow retries a failed request 7 times with a doubling
 backoff (minutes): unless the user set them, the harness's process retries twice with a 15 s timeout, so a server
-that dies mid-run costs one stall, after which that tracker is off (harness/profiling/trackers.py).
+that dies mid-run costs one stall, after which that tracker is off (harness/trackers/__init__.py).
 """
 
 from __future__ import annotations

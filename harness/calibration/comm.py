@@ -13,7 +13,7 @@ nccl-tests (doc/PERFORMANCE.md): busbw = S / t x 2(n-1)/n for all-reduce and S /
 `bus_gbps` is the largest message's. A small message gives the latency per ring step.
 
 After the collectives, when given the model, each rank also times a real DeepSpeed engine step
-(calibrate_engine.py): all ranks at once, as training runs them.
+(engine.py): all ranks at once, as training runs them.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _time_op(dist, op: str, nbytes: int, group, n: int, device: str, repeat: int
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     # the fastest repeat: other work on a shared machine only adds time, and the engine steps these prices are
-    # subtracted from are taken the same way (calibrate_hooks)
+    # subtracted from are taken the same way (hooks.py)
     return min(times), numel * itemsize
 
 
@@ -127,9 +127,9 @@ def _worker(rank: int, ranks: int, port: int, out_path: str, nbytes: int, repeat
             result["seconds_by_bytes"].setdefault(op, {})[str(n)] = {str(b): curve[b] for b in sorted(curve)}
     dist.barrier()
     if engine_args:
-        from harness.profiling import calibrate_engine
+        from harness.calibration.engine import measure as measure_engine
 
-        result["engine"] = calibrate_engine.measure(rank, device, result, **engine_args)
+        result["engine"] = measure_engine(rank, device, result, **engine_args)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
@@ -142,7 +142,7 @@ def _worker(rank: int, ranks: int, port: int, out_path: str, nbytes: int, repeat
 def measure(ranks: int, nbytes: int | None = None, repeat: int = 5, precision: str = "fp32",
             engine_args: dict | None = None) -> dict:
     """{"backend", "bus_gbps": {op: {n: GB/s}}, "latency_us": {op: {n: us per step}}, "seconds_by_bytes":
-    {op: {n: {bytes: s}}}} over `ranks` processes; with engine_args also "engine" (calibrate_engine.measure)."""
+    {op: {n: {bytes: s}}}} over `ranks` processes; with engine_args also "engine" (engine.measure)."""
     import torch.multiprocessing as mp
 
     if ranks < 2:

@@ -1,9 +1,9 @@
-"""The ZeRO hook overhead per parameter tensor from calibrate_engine's interleaved step times.
+"""The ZeRO hook overhead per parameter tensor from engine.py's interleaved step times.
 
 The overhead is a small difference of two large times (stage s's forward + backward less stage 0's, each less
 the collectives the time model prices apart), so on a shared machine the estimator decides the answer. The
 difference of two 8-step medians timed minutes apart gave 2.24, 3.47 and -0.13 ms per tensor for ZeRO-2 in
-three calibrations (issue #26). Here each stage's steps alternate with stage 0's (calibrate_engine.py), so both
+three calibrations (issue #26). Here each stage's steps alternate with stage 0's (engine.py), so both
 sides see the same load, and each side is its FASTEST step: on a shared machine other work only ever adds
 time, so the minimum is the least disturbed sample (the estimator timeit's documentation recommends). An
 overhead below zero is not physical: it is stored as 0 and said so.
@@ -21,7 +21,7 @@ def _fastest(t: dict, samples: str, fallback: str) -> float:
 def hook_overhead(stage: dict, base: dict, comm_stage_s: float, comm_base_s: float, tensors: int) -> tuple[float, dict]:
     """(seconds per tensor and micro-step, the numbers behind it).
 
-    stage: calibrate_engine's record of a ZeRO stage, "fwd_bwd_samples_s" (each step's slowest rank) and
+    stage: engine.py's record of a ZeRO stage, "fwd_bwd_samples_s" (each step's slowest rank) and
     "base_fwd_bwd_samples_s" (the stage-0 steps interleaved with them); profiles from before the interleaving
     carry only "fwd_bwd_min_s" / "fwd_bwd_s", and `base` (stage 0's record) stands in for the base samples."""
     ours = _fastest(stage, "fwd_bwd_samples_s", "fwd_bwd")

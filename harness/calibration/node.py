@@ -10,10 +10,10 @@ What it measures, each with the real code path training uses:
   the profile carries what a real step achieves here (autograd, elementwise kernels, attention), not a guess.
   (Taken from one process: the same from the engine's ZeRO-0 step on every rank at once swung 0.64-0.75
   between calibrations here, the single process 0.61-0.67.) The engine's times give the optimizer rate per
-  stage and the ZeRO residual (calibrate_engine.py); those vary between calibrations on a shared machine by
+  stage and the ZeRO residual (engine.py); those vary between calibrations on a shared machine by
   more than the model's other terms do.
 - all_reduce, all_gather_into_tensor and reduce_scatter_tensor bus bandwidth per group size, over the
-  backend DeepSpeed picks for this accelerator (NCCL on CUDA, gloo on CPU): calibrate_comm.py.
+  backend DeepSpeed picks for this accelerator (NCCL on CUDA, gloo on CPU): comm.py.
 - host <-> device copies from pinned memory (CUDA). On the CPU accelerator device memory IS host memory, so
   "offload" is a memcpy: that is what is measured and the profile says so.
 - DeepSpeedCPUAdam parameters per second (the op ZeRO-Offload steps with), scaled to the node by the ranks
@@ -88,7 +88,7 @@ def measure_block_step(cfg: dict, seq_len: int, micro_batch: int, precision: str
     micro-batch: what a training step's math really achieves here, elementwise work and autograd included."""
     import torch
 
-    from harness.profiling.calibrate_engine import cut_model
+    from harness.calibration.engine import cut_model
 
     dtype = getattr(torch, PRECISION_DTYPES[precision])
     model = cut_model(cfg, layers).to(device=device, dtype=dtype)
@@ -125,7 +125,7 @@ def block_efficiency(cfg: dict, block: dict, peak_tflops: float, hbm_gbps: float
     from harness.planner import steptime
     from harness.planner.params import count_params, model_shape
 
-    from harness.profiling.calibrate_engine import cut_config
+    from harness.calibration.engine import cut_config
 
     small = cut_config(cfg, block["layers"])
     count, shape = count_params(small), model_shape(small)
@@ -256,10 +256,10 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
     per_node = adam["params_per_s_per_process"] * min(ranks, max(1, host["cores"] // max(1, adam["threads"])))
     log(f"  DeepSpeedCPUAdam: {adam['params_per_s_per_process'] / 1e6:.1f} M params/s per process, "
         f"{per_node / 1e6:.1f} M/s per node")
-    from harness.profiling import calibrate_comm
+    from harness.calibration.comm import measure as measure_comm
 
     engine_args = {"cfg": cfg, "seq_len": seq_len, "micro_batch": micro_batch, "precision": precision}
-    comm = calibrate_comm.measure(ranks, precision=precision, engine_args=engine_args)
+    comm = measure_comm(ranks, precision=precision, engine_args=engine_args)
     if "error" in comm:  # one GPU: nothing to time; keep the links of this GPU's named profile, and say so
         comm = _named_links(device, device_name, comm["error"])
     for op, by_size in comm["bus_gbps"].items():
@@ -311,16 +311,16 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
 
 
 def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: int) -> dict:
-    """From calibrate_engine's times on the cut model: the optimizer step rate per ZeRO stage (parameters
+    """From engine.py's times on the cut model: the optimizer step rate per ZeRO stage (parameters
     stepped per second, the ZeRO-1/2 all-gather after the step taken out) and what ZeRO's hooks add to
     forward + backward per parameter tensor (stage s minus stage 0, each its fastest interleaved step less its
-    collectives as the time model prices them on this profile's curves; never below 0: calibrate_hooks.py)."""
+    collectives as the time model prices them on this profile's curves; never below 0: hooks.py)."""
     from harness.planner import collectives, steptime
     from harness.planner.memory import harness_buckets
     from harness.planner.params import count_params
 
-    from harness.profiling import calibrate_hooks
-    from harness.profiling.calibrate_engine import cut_config
+    from harness.calibration.hooks import hook_overhead
+    from harness.calibration.engine import cut_config
 
     count = count_params(cut_config(cfg, engine["layers"]))
     lp, total = PRECISION_BYTES[precision], engine["params"]
@@ -345,7 +345,7 @@ def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: 
         seconds = t["step_s"] - step_comm.get(s, 0.0)
         rates[s] = (total if s == "0" else shard) / max(seconds, 0.05 * t["step_s"])
         if s in comm_fb and s != "0":
-            hooks[s], why[s] = calibrate_hooks.hook_overhead(t, stages["0"], comm_fb[s], comm_fb["0"], len(tensors))
+            hooks[s], why[s] = hook_overhead(t, stages["0"], comm_fb[s], comm_fb["0"], len(tensors))
     return {"optimizer_params_per_s": rates, "zero_overhead_s_per_tensor": hooks, "zero_overhead_estimate": why}
 
 

@@ -1,6 +1,6 @@
 """A real DeepSpeed engine per ZeRO stage on every rank at once, for `harness calibrate`.
 
-The time model's compute term comes from the math (calibrate.py); what a DeepSpeed step adds around it does
+The time model's compute term comes from the math (node.py); what a DeepSpeed step adds around it does
 not: the optimizer step (gradient clipping, the mixed-precision wrapper's fp32 copies, the fused Adam kernel
 DeepSpeed picks on this accelerator) and ZeRO's hooks (per-parameter gradient copies into buckets, ZeRO-3's
 per-module fetch and release). Each rank builds the model cut to `layers` blocks, wraps it with
@@ -8,8 +8,8 @@ deepspeed.initialize at ZeRO stage 0, 1, 2 and 3 in the training precision with 
 (AdamW, clipping 1.0), and ZeRO-2 with the optimizer offloaded (DeepSpeedCPUAdam and its copies), and times
 forward + backward and engine.step() over a few steps, all ranks together as in training (memory bandwidth is
 shared). Stage 0's engine stays up, and each step of stages 1-3 follows one of its steps, so the difference
-the hook overhead comes from is taken under the same load (calibrate_hooks.py). Each step's slowest rank is
-kept, with the medians and fastest steps over them. calibrate.py turns them into
+the hook overhead comes from is taken under the same load (hooks.py). Each step's slowest rank is
+kept, with the medians and fastest steps over them. node.py turns them into
 optimizer_params_per_s and zero_overhead_s_per_tensor, taking out the collectives the time model prices
 separately.
 """
@@ -71,7 +71,7 @@ def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micr
     world = dist.get_world_size()
     hidden = cfg.get("hidden_size") or cfg.get("n_embd")
     out: dict = {"layers": layers, "stages": {}}
-    base = None  # stage 0's engine, kept to interleave its steps with each hooked stage's (calibrate_hooks.py)
+    base = None  # stage 0's engine, kept to interleave its steps with each hooked stage's (hooks.py)
 
     def timed(engine, ids) -> tuple[float, float]:
         dist.barrier()

@@ -6,7 +6,7 @@
 The processes (one per node, so every byte crosses the wire) join one process group at MASTER_ADDR on the
 backend training uses (NCCL on GPUs, gloo on the CPU accelerator; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME pick
 the interface as for a run) and time all_reduce, all_gather_into_tensor and reduce_scatter_tensor over all nodes
-at several message sizes, as calibrate_comm.py does inside a node, plus a point-to-point send/recv (ping-pong,
+at several message sizes, as comm.py does inside a node, plus a point-to-point send/recv (ping-pong,
 half the round trip): what a pipeline stage boundary pays. Node 0 writes the base profile (this node's
 `harness calibrate`, or --base) with the inter-node figures replaced: inter_node_gbps (all_reduce bus bandwidth
 at the largest message), inter_latency_us (per ring step, from the smallest) and measured.inter_node (the curves,
@@ -22,7 +22,7 @@ import tempfile
 import time
 
 from harness.config.defaults import PRECISION_DTYPES
-from harness.profiling.calibrate_comm import COLLECTIVES, FACTOR, STEPS, op_curve
+from harness.calibration.comm import COLLECTIVES, FACTOR, STEPS, op_curve
 
 LINK_BYTES = 8 * 2**20  # the largest message: 8 MB takes 0.7 s over a 100 Mbit/s link, 6 ms over 10 Gbit/s
 
