@@ -5,4 +5,4 @@ backend, engine.py a real DeepSpeed step per ZeRO stage on every rank at once, h
 ZeRO hook overhead; link.py measures the network between nodes (`--link`) and merges it into a node's profile.
 Not pure: it starts ranks and touches the device. Nothing but commands/calibrate.py uses it.
 
-May import: the ground floor, planner/, profiling/."""
+May import: the ground floor, config/, planner/, profiling/."""
