@@ -115,7 +115,7 @@ def start_step(engine, spec, dist, run_dir: Path) -> int:
     for tag in point.skipped if dist.is_main else ():
         say("ckpt", f"skipped {point.ckpt_dir / tag}: incomplete (no {ckpt_files.MANIFEST}, its save was interrupted)")
     if spec.ds_config.get("checkpoint", {}).get("load_universal"):
-        ckpt_dir, tag = resume.universal(point, dist, ep=checkpoint.expert_degree(spec.ds_config))
+        ckpt_dir, tag = resume.universal(point, dist, ep=spec.run.degrees.ep)
         client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder,
                                  strict=not checkpoint.frozen_excluded(spec))
     else:

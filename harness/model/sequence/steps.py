@@ -37,7 +37,7 @@ def prepare(model, spec):
         tiling.enable_tiled_mlp(model, train.get("tile_tokens", 4096))
     if train.get("tiled_loss"):
         enable_tiled_head(model, train.get("tile_tokens", 4096))
-    return ulysses.setup(model, name, spec.sp, spec.ds_config["train_micro_batch_size_per_gpu"])
+    return ulysses.setup(model, name, spec.sp, spec.run.batch.micro_batch)
 
 
 @dataclass
