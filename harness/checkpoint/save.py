@@ -131,7 +131,8 @@ def save(engine, spec, dist: DistInfo, ckpt_dir: Path, step: int, client_state: 
             torch.save({"input_ids": probe_ids, "logits": logits}, folder / "probe.pt")
     barrier()  # every rank's files are written
     if dist.is_main:
-        write_atomic(folder / MANIFEST, json.dumps(manifest(spec, model_info, step), indent=2) + "\n")  # complete from here
+        text = json.dumps(manifest(spec, model_info, step), indent=2) + "\n"
+        write_atomic(folder / MANIFEST, text)  # complete from here
         write_atomic(ckpt_dir / LATEST, tag + "\n")
         prune(ckpt_dir, spec.recipe["train"]["keep_last"])
     barrier()
