@@ -23,6 +23,31 @@ class DistInfo:
         return self.rank == 0
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher told this process before any process group exists: its rank, and how many ranks run in
+    all and on this node. Read once by the entry point (harness/run.py, `launched`) and passed on; `harness doctor`
+    makes one for the world it checks instead of faking the environment."""
+
+    world_size: int
+    local_size: int  # ranks on this node
+    rank: int = 0
+    local_rank: int = 0
+
+
+def launched() -> Launch | None:
+    """The launcher's contract: WORLD_SIZE, RANK, LOCAL_RANK, and the ranks on this node (DeepSpeed's launch.py
+    sets LOCAL_SIZE, torchrun LOCAL_WORLD_SIZE; neither: one node). None when no launcher set WORLD_SIZE."""
+    if "WORLD_SIZE" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world)
+    return Launch(world, local, int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+ONE_PROCESS = Launch(world_size=1, local_size=1)  # `python harness/run.py`: no launcher
+
+
 def free_port() -> int:
     """A TCP port free on this host now (for MASTER_PORT)."""
     with socket.socket() as s:

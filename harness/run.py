@@ -21,16 +21,18 @@ if __package__ in (None, ""):  # launched by path (deepspeed harness/run.py): ma
 from harness.errors import ConfigError, UsageError, without_secrets  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, launch=None) -> int:
+    """`launch`: what the launcher said (harness.dist.launched), read here once when not given."""
     from harness.train import run_args, session
-    from harness.dist import CollectiveTimeout
+    from harness.dist import ONE_PROCESS, CollectiveTimeout, launched
 
-    rank = int(os.environ.get("RANK", "0"))
+    launch = launch or launched() or ONE_PROCESS
+    rank = launch.rank
     # Each node's first rank speaks too: a problem of one machine (no libaio, a full disk) on a node other than
     # rank 0's must still be seen, as that node's ranks are the only ones that stop.
-    node_first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    node_first = launch.local_rank == 0
     try:
-        spec = session.prepare(run_args.parse(argv))
+        spec = session.prepare(run_args.parse(argv), launch)
         from harness.train import job
 
         return job.main(spec)
@@ -49,12 +51,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from harness.dist import exit_now
+    from harness.dist import ONE_PROCESS, exit_now, launched
     from harness.train.preempt import report_exit
 
+    launch = launched() or ONE_PROCESS
     code = 1  # an exception escaping main(): Python prints it and exits 1
     try:
-        code = main()
+        code = main(launch=launch)
     finally:
-        report_exit(code)
+        report_exit(code, launch)
     exit_now(code)

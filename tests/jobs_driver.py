@@ -26,7 +26,7 @@ def main(cases_path: str) -> int:
     dist = distmod.init(10)
     try:
         for argv in cases:
-            code = job.run(session.prepare(run_args.parse(argv)), dist)
+            code = job.run(session.prepare(run_args.parse(argv), distmod.launched()), dist)
             if code != 0:
                 raise SystemExit(f"case {argv} exited {code}")
             distmod.barrier()

@@ -24,12 +24,13 @@ def disjoint(argv: list[str], dist, steps: int, micro: int, seq_len: int) -> dic
     import torch.distributed as tdist
 
     from harness import profiling
+    from harness.dist import launched
     from harness.model.moe.routing import counter_for
     from harness.train import job, run_args, session
     from moe_models import disjoint_batches
 
-    spec = session.prepare(run_args.parse(argv))
-    engine, _ = job.build_engine(spec, profiling.Startup(dist.device))
+    spec = session.prepare(run_args.parse(argv), launched())
+    engine, *_ = job.build_engine(spec, profiling.Startup(dist.device))
     counter = counter_for(engine.module)
     losses, auxes, norms, experts = [], [], [], []
     for ids, labels in disjoint_batches(steps, micro, seq_len):
@@ -61,7 +62,7 @@ def main(cases_path: str, result_path: str) -> int:
     result = {}
     try:
         for argv in cases["jobs"]:
-            code = job.run(session.prepare(run_args.parse(argv)), dist)
+            code = job.run(session.prepare(run_args.parse(argv), distmod.launched()), dist)
             if code != 0:
                 raise SystemExit(f"case {argv} exited {code}")
             distmod.barrier()

@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from harness.commands.launch import ranks_code
-from harness.dist import free_port
+from harness.dist import Launch, free_port
 from harness.train.preempt import EXIT_DIR_ENV, report_exit
 from launch import ROOT, env, records
 from test_reliability import latest_is_complete, train_steps_logged, tree, wait_for
@@ -112,10 +112,8 @@ def test_exit_code_comes_from_the_ranks_reports(tmp_path, monkeypatch):
         folder = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
         folder.mkdir()
         monkeypatch.setenv(EXIT_DIR_ENV, str(folder))
-        monkeypatch.setenv("LOCAL_SIZE", str(local))
         for rank, code in enumerate(codes):
-            monkeypatch.setenv("RANK", str(rank))
-            report_exit(code)
+            report_exit(code, Launch(world_size=local, local_size=local, rank=rank))
             time.sleep(0.01)  # reports are ordered by mtime: the first failure wins
         return folder
 

@@ -62,13 +62,14 @@ def test_refused_before_any_rank_trains(name, folders, tmp_path, monkeypatch, ca
     assert not (tmp_path / "run").exists() and not (dist.is_available() and dist.is_initialized())
 
 
-def test_ep_on_a_valid_layout_passes_the_checks(tmp_path, monkeypatch):
+def test_ep_on_a_valid_layout_passes_the_checks(tmp_path):
     """The same checks let a valid EP 2 through, and fill AutoEP's preset for the family (not a refusal of all)."""
+    from harness.dist import Launch
     from harness.train import run_args, session
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
     spec = session.prepare(run_args.parse(["--recipe", "zero2", "--output-dir", str(tmp_path / "run"),
-                                           "--set", "train.model=tiny-mixtral", "--set", "parallel.expert=2"]))
+                                           "--set", "train.model=tiny-mixtral", "--set", "parallel.expert=2"]),
+                           Launch(world_size=2, local_size=2))
     assert spec.ds_config["expert_parallel"] == {"enabled": True, "autoep_size": 2, "preset_model": "mixtral",
                                                  "use_grouped_mm": False}
 

@@ -130,6 +130,7 @@ def test_bad_layouts_exit_2_before_launch(world, argv, message, tmp_path):
 def test_resume_with_another_parallel_layout_is_refused(tmp_path):
     """A pipeline/tensor checkpoint resumes only on its own layout (ds_to_universal has no slicing patterns for
     our layers yet): refused before any rank starts, naming both layouts."""
+    from harness.dist import ONE_PROCESS
     from harness.train import run_args, session
 
     ckpt = tmp_path / "checkpoints" / "global_step3"
@@ -139,4 +140,4 @@ def test_resume_with_another_parallel_layout_is_refused(tmp_path):
     args = run_args.parse(["--recipe", "zero1", "--output-dir", str(tmp_path), "--resume", "latest"])
     with pytest.raises(UsageError, match=r"saved on world 4 with pipeline 2, tensor 2; this launch is world 1 "
                                          r"with pipeline 1, tensor 1: changing the layout"):
-        session.prepare(args)
+        session.prepare(args, ONE_PROCESS)

@@ -150,12 +150,13 @@ def test_plan_uses_the_largest_stage_and_names_pipeline_traffic():
             ("dp", "all_reduce")} <= groups
 
 
-def test_pipeline_and_3d_launch_lines_run_as_printed(monkeypatch):
+def test_pipeline_and_3d_launch_lines_run_as_printed():
     """Every pipeline / 3D line `harness plan` prints passes DeepSpeed's launcher parser and the harness's own
     recipe, override and layout checks for the world size it names (not the checks of the machine it will run
     on: this one has neither a 13B tokenizer nor room for its checkpoints)."""
     from deepspeed.launcher.runner import parse_args
 
+    from harness.dist import Launch
     from harness.train import run_args, session
 
     result = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9,
@@ -166,8 +167,9 @@ def test_pipeline_and_3d_launch_lines_run_as_printed(monkeypatch):
         argv = shlex.split(line)
         script = argv.index("harness/run.py")
         launcher = parse_args(argv[1:script + 1])
-        monkeypatch.setenv("WORLD_SIZE", str(launcher.num_nodes * launcher.num_gpus))
-        spec = session.resolve_spec(run_args.parse(argv[script + 1:]))  # the config, not this machine's disk
+        world = launcher.num_nodes * launcher.num_gpus
+        launch = Launch(world_size=world, local_size=launcher.num_gpus)
+        spec = session.resolve_spec(run_args.parse(argv[script + 1:]), launch)  # the config, not this machine's disk
         c = next(c for c in result.candidates if c["launch"] == line)
         assert (spec.pp, spec.tp, spec.dp) == (c["pp"], c["tp"], c["dp"]), line
         assert spec.ds_config["pipeline"]["stages"] == c["pp"]

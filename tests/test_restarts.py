@@ -99,12 +99,11 @@ def test_restart_arguments_pin_the_folder_and_resume_the_newest_complete_checkpo
 
 
 def test_why_an_attempt_failed_names_each_rank_and_the_signal(tmp_path, monkeypatch):
+    from harness.dist import Launch
     from harness.train.preempt import EXIT_DIR_ENV, report_exit
 
     monkeypatch.setenv(EXIT_DIR_ENV, str(tmp_path))
-    monkeypatch.setenv("LOCAL_SIZE", "2")
-    monkeypatch.setenv("RANK", "1")
-    report_exit(1)  # rank 0 was killed: no report
+    report_exit(1, Launch(world_size=2, local_size=2, rank=1))  # rank 0 was killed: no report
     codes = launchmod.rank_codes(tmp_path)
     assert codes == {"0": None, "1": 1}
     assert launchmod.describe(codes, 247) == ("rank 0 left no exit report (killed), rank 1 exited 1, "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.dist import Launch
 from harness.errors import ConfigError
 from harness.train import run_args, session
 from tests.launch import ROOT, env, launch, losses, records
@@ -20,17 +21,16 @@ from tests.launch import ROOT, env, launch, losses, records
 STAGES = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
 
 
-def prepare(monkeypatch, world: int, *sets: str, model: str = "tiny-llama"):
-    monkeypatch.setenv("WORLD_SIZE", str(world))
+def prepare(world: int, *sets: str, model: str = "tiny-llama"):
     argv = ["--recipe", "zero2", "--model", model, "--set", "train.seq_len=64"]
     for s in sets:
         argv += ["--set", s]
-    return session.prepare(run_args.parse(argv))
+    return session.prepare(run_args.parse(argv), Launch(world_size=world, local_size=world))
 
 
-def refused(monkeypatch, world: int, *sets: str, model: str = "tiny-llama") -> str:
+def refused(world: int, *sets: str, model: str = "tiny-llama") -> str:
     with pytest.raises(ConfigError) as err:
-        prepare(monkeypatch, world, *sets, model=model)
+        prepare(world, *sets, model=model)
     return str(err.value)
 
 
@@ -49,8 +49,8 @@ def _qwen2_folder(path: Path, sliding: bool = False, heads: int = 4, kv: int = 2
     return str(path)
 
 
-def test_sp_spec_counts_dp_over_world_over_sp(monkeypatch):
-    spec = prepare(monkeypatch, 4, "parallel.sequence=2")
+def test_sp_spec_counts_dp_over_world_over_sp():
+    spec = prepare(4, "parallel.sequence=2")
     assert (spec.sp, spec.dp) == (2, 2)
     assert spec.ds_config["sequence_parallel_size"] == 2
     # DeepSpeed's batch assertion counts world / sp data-parallel ranks: 4 micro x 1 accum x 2
@@ -69,17 +69,17 @@ def test_sp_spec_counts_dp_over_world_over_sp(monkeypatch):
     (2, ["parallel.sequence=2", "train.attention=flex_attention"], "flex_attention under sequence parallelism (2)"),
     (2, ["train.activation_offload=true"], "would be a silent no-op"),
 ])
-def test_refusals(monkeypatch, world, sets, fragment):
-    assert fragment in refused(monkeypatch, world, *sets)
+def test_refusals(world, sets, fragment):
+    assert fragment in refused(world, *sets)
 
 
-def test_kv_heads_and_sliding_window_refused(monkeypatch, tmp_path):
+def test_kv_heads_and_sliding_window_refused(tmp_path):
     odd_kv = _qwen2_folder(tmp_path / "kv3", heads=6, kv=3)
-    text = refused(monkeypatch, 2, "parallel.sequence=2", model=odd_kv)
+    text = refused(2, "parallel.sequence=2", model=odd_kv)
     assert "3 kv heads and sequence-parallel degree 2: neither divides the other" in text
     windowed = _qwen2_folder(tmp_path / "window", sliding=True)
-    assert "sliding_attention layers" in refused(monkeypatch, 2, "parallel.sequence=2", model=windowed)
-    prepare(monkeypatch, 2, "parallel.sequence=2", model=_qwen2_folder(tmp_path / "ok"))  # full attention: fine
+    assert "sliding_attention layers" in refused(2, "parallel.sequence=2", model=windowed)
+    prepare(2, "parallel.sequence=2", model=_qwen2_folder(tmp_path / "ok"))  # full attention: fine
 
 
 def test_refusal_exits_2_before_any_rank(tmp_path):

@@ -50,20 +50,21 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def manifest(spec, step: int) -> dict:
+def manifest(spec, info, step: int) -> dict:
+    """`info`: the built model's ModelInfo (harness/model/load/meta.py): its dtypes and a pipeline's partition."""
     import deepspeed
     import transformers
 
-    ds = spec.ds_config
+    run = spec.run
     return {"step": step, "world_size": spec.world_size, "zero_stage": spec.zero_stage, "tp": spec.tp,
-            "pp": spec.pp, "dp": spec.dp, "ep": expert_degree(ds), "train_batch_size": ds["train_batch_size"],
-            "micro_batch_per_gpu": ds["train_micro_batch_size_per_gpu"],
-            "grad_accum_steps": ds["gradient_accumulation_steps"], "offload": _offload(ds),
-            "precision": spec.recipe["precision"], "recipe": spec.recipe_name,
-            "model": spec.recipe["train"]["model"], "deepspeed": deepspeed.__version__,
+            "pp": spec.pp, "dp": spec.dp, "ep": run.degrees.ep, "train_batch_size": run.batch.global_batch,
+            "micro_batch_per_gpu": run.batch.micro_batch, "grad_accum_steps": run.batch.grad_accum,
+            "offload": _offload(spec.ds_config), "precision": run.precision, "recipe": spec.recipe_name,
+            "model": run.model, "deepspeed": deepspeed.__version__,
             "adapter": spec.recipe.get("adapter", {"type": "none"}), "seed": spec.recipe["train"]["seed"],
             "torch": torch.__version__, "transformers": transformers.__version__,
-            **spec.dtypes, **({"partition": spec.layout} if spec.layout else {})}
+            "checkpoint_dtype": info.checkpoint_dtype, "train_dtype": info.train_dtype,
+            **({"partition": info.partition} if info.partition else {})}
 
 
 def expert_degree(ds: dict) -> int:
@@ -108,7 +109,8 @@ def probe_logits(engine, probe_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 def save(engine, spec, dist: DistInfo, ckpt_dir: Path, step: int, client_state: dict,
-         probe_ids: torch.Tensor | None = None) -> Path:
+         probe_ids: torch.Tensor | None = None, *, model_info) -> Path:
+    """`model_info`: the built model's ModelInfo, for the manifest."""
     tag = tag_for(step)
     folder = ckpt_dir / tag
     if is_complete(folder):
@@ -130,7 +132,8 @@ def save(engine, spec, dist: DistInfo, ckpt_dir: Path, step: int, client_state: 
             torch.save({"input_ids": probe_ids, "logits": logits}, folder / "probe.pt")
     barrier()  # every rank's files are written
     if dist.is_main:
-        write_atomic(folder / MANIFEST, json.dumps(manifest(spec, step), indent=2) + "\n")  # complete from here
+        text = json.dumps(manifest(spec, model_info, step), indent=2) + "\n"
+        write_atomic(folder / MANIFEST, text)  # complete from here
         write_atomic(ckpt_dir / LATEST, tag + "\n")
         prune(ckpt_dir, spec.recipe["train"]["keep_last"])
     barrier()

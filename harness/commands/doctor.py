@@ -9,7 +9,6 @@ each with what to install or change); 0 otherwise. Secrets are never printed: on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import shutil
@@ -141,56 +140,48 @@ def hostfile(path: str | None) -> list[str]:
     return [f"hostfile {path}: {p}" for p in problems]
 
 
-def recipe_problems(name: str, output_dir: str | None) -> tuple[object, str | None]:
-    """(the run spec or None, the problems text): the checks harness/run.py makes before any rank trains."""
+def recipe_problems(name: str, output_dir: str | None, launch) -> tuple[object, str | None]:
+    """(the run spec or None, the problems text): the checks harness/run.py makes before any rank trains, for a
+    launch of `launch` (harness.dist.Launch)."""
     from harness.train import session
 
     args = argparse.Namespace(recipe=name, ds_config=None, output_dir=output_dir, resume=None, overwrite=True,
                               overrides=[])
     try:
-        return session.prepare(args), None
+        return session.prepare(args, launch), None
     except ConfigError as e:
         spec = None
         try:
-            spec = session.resolve_spec(args)
+            spec = session.resolve_spec(args, launch)
         except ConfigError:
             pass
         return spec, str(e)
 
 
-def world_size() -> int:
-    """A launch's WORLD_SIZE if set, else one rank per GPU seen here (at least 1)."""
+def launch_here():
+    """A launch's own (WORLD_SIZE set) if this runs under one, else one rank per GPU seen here (at least 1),
+    all on this node."""
     import torch
 
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return max(1, torch.cuda.device_count() if torch.cuda.is_available() else 1)
+    from harness.dist import Launch, launched
 
-
-@contextlib.contextmanager
-def launched_with(world: int):
-    """WORLD_SIZE as a launch of `world` ranks would set it (session reads it), restored afterwards."""
-    before = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(world)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("WORLD_SIZE")
-        else:
-            os.environ["WORLD_SIZE"] = before
+    found = launched()
+    if found is not None:
+        return found
+    ranks = max(1, torch.cuda.device_count() if torch.cuda.is_available() else 1)
+    return Launch(world_size=ranks, local_size=ranks)
 
 
 def run(args: argparse.Namespace) -> int:
-    world = world_size()
+    launch = launch_here()
+    world = launch.world_size
     versions()
     gpus()
     ops_table()
     shm()
     set_tokens = [v for v in TOKEN_VARS if os.environ.get(v)]
     line("tokens in environment", ", ".join(f"{v} set (value not shown)" for v in set_tokens) or "none")
-    with launched_with(world):
-        spec, problems = recipe_problems(args.recipe, args.output_dir) if args.recipe else (None, None)
+    spec, problems = recipe_problems(args.recipe, args.output_dir, launch) if args.recipe else (None, None)
     folders = {"output dir": Path(args.output_dir or (spec.recipe["train"]["output_dir"] if spec else "runs"))}
     zo = spec.ds_config.get("zero_optimization", {}) if spec else {}
     nvme = {(zo.get(b) or {}).get("nvme_path") for b in ("offload_param", "offload_optimizer")} - {None}

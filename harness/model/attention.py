@@ -161,7 +161,7 @@ def recipe_problems(recipe: dict, micro_batch: int, device: str | None = None) -
 def apply(model, spec) -> str:
     """Set the chosen implementation on an HF model (or a peft wrapper of one) when it differs from the one it was
     built with (harness.model.hf.ATTN_IMPLEMENTATION, sdpa: the CPU choice, so CPU runs are unchanged)."""
-    chosen = for_recipe(spec.recipe, spec.ds_config["train_micro_batch_size_per_gpu"]).implementation
+    chosen = for_recipe(spec.recipe, spec.run.batch.micro_batch).implementation
     config = getattr(model, "config", None)
     if config is not None:  # gpt-oss builds with eager only (harness/config/moe_families.py)
         from harness.config.moe_families import attn_implementation

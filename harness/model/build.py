@@ -50,7 +50,7 @@ def build_zero3(spec) -> Built:
     note = (f"load: ZeRO-3 filled module by module from {source.where}: rank 0 read {read / 2**20:.2f} MiB, the "
             "other ranks nothing" + (f"; the experts of {fused} MoE blocks fused from per-expert keys "
                                      "(load/experts.py)" if fused else ""))
-    return Built(model, info, note=note)
+    return Built(model, info, notes=(note,))
 
 
 def zero3_by_module(spec) -> bool:

@@ -11,14 +11,14 @@ from harness.model import adapters
 from harness.model.parallel import tensor_lora
 
 
-def attach(target, spec, *, hf_model, tp_group: tuple | None = None, layers=None) -> None:
+def attach(target, spec, *, hf_model, tp_group: tuple | None = None, layers=None) -> str | None:
     """The one call at each build site, once the model, stage or shard exists: LoRA per the recipe (nothing for
     adapter.type none). target: the HF model (peft layers), or with tp_group = (group, rank, size) the module
     whose split decoder `layers` (default: hf_model.model.layers) get the tensor-parallel LoRA; hf_model names
-    them. Records the counts in spec.notes for the start-up lines."""
+    them. Returns the counts as a line for the start-up lines (None without LoRA)."""
     recipe = spec.recipe
     if not lora_on(recipe):
-        return
+        return None
     if tp_group is None:
         if recipe["adapter"]["load_in_4bit"]:
             from peft import prepare_model_for_kbit_training
@@ -34,5 +34,5 @@ def attach(target, spec, *, hf_model, tp_group: tuple | None = None, layers=None
         if recipe["activation_checkpointing"] and hasattr(target, "enable_input_require_grads"):
             target.enable_input_require_grads()
     trainable, frozen = adapters.counts(target)
-    spec.notes.append(f"lora r={recipe['adapter']['r']} alpha={recipe['adapter']['alpha']}: {trainable:,} trainable "
-                      f"/ {frozen:,} frozen parameters on this rank ({100 * trainable / max(1, trainable + frozen):.2f}%)")
+    return (f"lora r={recipe['adapter']['r']} alpha={recipe['adapter']['alpha']}: {trainable:,} trainable "
+            f"/ {frozen:,} frozen parameters on this rank ({100 * trainable / max(1, trainable + frozen):.2f}%)")

@@ -118,13 +118,13 @@ class ThroughputHook:
 
 def _device_memory(device: str) -> int:
     """Bytes of one device's memory (on the CPU accelerator: host RAM shared by the local ranks)."""
-    import os
-
     if str(device).startswith("cuda"):
         import torch
 
         return torch.cuda.get_device_properties(device).total_memory
     import psutil
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
-    return psutil.virtual_memory().total // max(local, 1)
+    from harness.dist import launched
+
+    launch = launched()  # the ranks on this node, as the launcher said (none: this process alone)
+    return psutil.virtual_memory().total // max(launch.local_size if launch else 1, 1)

@@ -1,6 +1,6 @@
 """`--recipe auto`: ask the planner which recipe fits the hardware this launch found.
 
-Hardware is read before any process group exists: ranks per node from the launcher's environment,
+Hardware is read before any process group exists: ranks per node from the launch (harness.dist.Launch),
 accelerator memory from the accelerator (on CPU: RAM shared by the local ranks), CPU RAM from psutil,
 NVMe space from zero.nvme_path when one is set.
 """
@@ -10,39 +10,40 @@ from __future__ import annotations
 import os
 import shutil
 
+from harness.dist import Launch
 from harness.errors import UsageError
 from harness.model_shapes import load_model_config
 from harness.config.recipes import complete
 
 
-def detect_hardware(world_size: int, nvme_path: str | None) -> dict:
+def detect_hardware(launch: Launch, nvme_path: str | None) -> dict:
     import psutil
     from deepspeed.accelerator import get_accelerator
 
-    local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    local, world_size = launch.local_size, launch.world_size
     accel = get_accelerator()
     cpu_mem = psutil.virtual_memory().total
     if accel.device_name() == "cpu":
         gpu_mem = cpu_mem // max(local, 1)  # ranks on one host share its RAM
     else:
-        gpu_mem = accel.total_memory(int(os.environ.get("LOCAL_RANK", "0")))
+        gpu_mem = accel.total_memory(launch.local_rank)
     nvme = shutil.disk_usage(nvme_path).free if nvme_path and os.path.isdir(nvme_path) else None
     name = "cpu"
     if accel.device_name() != "cpu":
         import torch
 
-        name = torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", "0")))
+        name = torch.cuda.get_device_name(launch.local_rank)
     return {"gpus_per_node": local, "nodes": max(1, world_size // max(local, 1)), "gpu_mem_bytes": gpu_mem,
             "cpu_mem_bytes": cpu_mem, "nvme_bytes": nvme, "device": accel.device_name(), "device_name": name}
 
 
-def choose(overrides: list[str], world_size: int) -> tuple[str, list[str], str]:
+def choose(overrides: list[str], launch: Launch) -> tuple[str, list[str], str]:
     """(recipe name, planner overrides, one-line reason). User overrides are applied after these."""
     from harness.planner import hardware
 
     settings = complete({"description": "auto"}, "--recipe auto", overrides)
     train = settings["train"]
-    hw = detect_hardware(world_size, settings["zero"]["nvme_path"])
+    hw = detect_hardware(launch, settings["zero"]["nvme_path"])
     profile, source = hardware.for_machine(hw["device"], hw["device_name"], hw["gpu_mem_bytes"])
     result = plan_for(settings, hw, profile)
     best = result.recommended

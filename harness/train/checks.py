@@ -36,7 +36,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     """Raise ConfigError listing every problem found; `ds_json` is the --ds-config file, if one was given."""
     from harness.config.validate import with_recipe_paths
 
-    cfg = model_config(spec.recipe["train"]["model"])  # found by inputs() already: a config file read
+    cfg = spec.model_config  # read by inputs()
     problems = op_problems(spec.ds_config) + model_problems(spec.recipe["train"], cfg)
     problems += path_problems(spec, cfg) + qlora_problems(spec.recipe) + sequence_problems(spec, cfg)
     problems += attention_problems(spec)
@@ -44,7 +44,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
     warnings = raise_if_errors(problems, f"{ds_json or spec.recipe_name} on this machine")
-    if os.environ.get("RANK", "0") == "0":  # e.g. the bytes of a materialised document mask on a GPU
+    if spec.launch.rank == 0:  # e.g. the bytes of a materialised document mask on a GPU
         from harness.log import say
 
         for warning in warnings:
@@ -220,7 +220,7 @@ def _needs(spec, cfg: dict) -> dict[str, tuple[str, int]]:
     zo = spec.ds_config.get("zero_optimization", {})
     devices = {b: (zo.get(b) or {}).get("device", "none") for b in ("offload_optimizer", "offload_param")}
     if zo.get("stage") == 3 and "nvme" in devices.values():
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", spec.world_size))
+        local_ranks = spec.launch.local_size
         states = memory.model_state_bytes(total // (spec.tp * spec.pp), stage=3, dp=spec.dp, precision=precision,
                                           offload_optimizer=devices["offload_optimizer"],
                                           offload_param=devices["offload_param"])
@@ -264,8 +264,7 @@ def path_problems(spec, cfg: dict) -> list[Problem]:
 
 def data_fits(spec, num_rows: int, seq_len: int) -> None:
     """The packed training rows must fill one global batch (the BatchPlan invariant), said as exit 2."""
-    ds = spec.ds_config
-    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    micro, accum = spec.run.batch.micro_batch, spec.run.batch.grad_accum
     dp = spec.dp  # the tensor (and pipeline) ranks of one replica read the same rows (trainer.dp_coords)
     rows = micro * accum * dp
     if num_rows < rows:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import shutil
@@ -79,8 +80,9 @@ def load_data(spec, dist, tokenizer) -> Data:
 
 
 def build_engine(spec, startup):
-    """(engine, ModelInfo): the model built for this rank (harness/model/load), then the engine, each phase timed
-    and its peak memory recorded by `startup` (harness/profiling/startup.py). The HF model object is not kept."""
+    """(engine, ModelInfo, notes): the model built for this rank (harness/model/load), then the engine, each phase
+    timed and its peak memory recorded by `startup` (harness/profiling/startup.py); notes are what the build says
+    for the start-up lines (how it loaded, MoE, LoRA). The HF model object is not kept."""
     import deepspeed
 
     from harness.model.build import build
@@ -88,23 +90,22 @@ def build_engine(spec, startup):
     with startup.phase("build"):
         built = build(spec)
     startup.predicted = profiling.predict_build(spec, built)  # the base as built (ZeRO-3: partitioned)
-    if built.note:
-        spec.notes.append(built.note)
+    notes, mpu = list(built.notes), built.mpu
     if spec.pp == 1 and (line := prepare_moe(built.module, spec.recipe, spec.ds_config)):
-        spec.notes.append(f"moe: {line}")  # the router's loss; AutoEP's shim (harness/model/moe)
+        notes.append(f"moe: {line}")  # the router's loss; AutoEP's shim (harness/model/moe)
     if spec.pp == 1:  # LoRA; pipeline stages get theirs in pipe_engine.build_stage, once each is materialised
         from harness.model.sequence import steps as sequence
 
-        mpu = built.mpu
         if sequence.uses_sequence_path(spec):  # attention, tiling; Ulysses' mpu (SP with tp is refused)
-            built.mpu = sequence.prepare(built.module, spec) or mpu
-        attach(built.module, spec, hf_model=built.module,
-                        tp_group=mpu and (mpu.tp_group, mpu.tp_rank, spec.tp))
+            mpu = sequence.prepare(built.module, spec) or built.mpu
+        tp_group = built.mpu and (built.mpu.tp_group, built.mpu.tp_rank, spec.tp)
+        if note := attach(built.module, spec, hf_model=built.module, tp_group=tp_group):
+            notes.append(note)
     with startup.phase("engine_setup"), quiet_scheduler_construction():
         engine, *_ = deepspeed.initialize(model=built.module, model_parameters=adapters.param_groups(built.module,
                                                                                                    spec.recipe),
-                                          config=spec.ds_config, mpu=built.mpu)
-    return engine, built.info
+                                          config=spec.ds_config, mpu=mpu)
+    return engine, built.info, notes
 
 
 def start_step(engine, spec, dist, run_dir: Path) -> int:
@@ -114,7 +115,7 @@ def start_step(engine, spec, dist, run_dir: Path) -> int:
     for tag in point.skipped if dist.is_main else ():
         say("ckpt", f"skipped {point.ckpt_dir / tag}: incomplete (no {ckpt_files.MANIFEST}, its save was interrupted)")
     if spec.ds_config.get("checkpoint", {}).get("load_universal"):
-        ckpt_dir, tag = resume.universal(point, dist, ep=checkpoint.expert_degree(spec.ds_config))
+        ckpt_dir, tag = resume.universal(point, dist, ep=spec.run.degrees.ep)
         client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder,
                                  strict=not checkpoint.frozen_excluded(spec))
     else:
@@ -129,22 +130,21 @@ def start_step(engine, spec, dist, run_dir: Path) -> int:
     return step
 
 
-def announce(spec, dist, run_dir: Path, info, data: Data) -> None:
+def announce(spec, dist, run_dir: Path, info, data: Data, notes: list[str]) -> None:
+    """The start-up lines (rank 0); `notes`: the resolve's (spec.notes) and the build's."""
     if not dist.is_main:
         return
-    ds = spec.ds_config
-    n_params = info.num_params  # the whole model's, counted before any split
+    n_params, batch = info.num_params, spec.run.batch  # the whole model's, counted before any split
     say("config", f"recipe {spec.recipe_name} | world {spec.world_size} ({dist.backend}) | zero {spec.zero_stage}"
-                  f" | tp {spec.tp} pp {spec.pp} dp {spec.dp} | {spec.recipe['precision']}"
+                  f" | tp {spec.tp} pp {spec.pp} dp {spec.dp} | {spec.run.precision}"
                   f" ({info.train_dtype} weights, checkpoint {info.checkpoint_dtype or 'dtype unknown'})")
-    say("batch", f"{ds['train_micro_batch_size_per_gpu']} micro x {ds['gradient_accumulation_steps']} accum x "
-                 f"{spec.dp} dp = {ds['train_micro_batch_size_per_gpu'] * ds['gradient_accumulation_steps'] * spec.dp}"
-                 f" sequences x {data.train.shape[1]} tokens per step")
+    say("batch", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = "
+                 f"{batch.micro_batch * batch.grad_accum * spec.dp} sequences x {data.train.shape[1]} tokens per step")
     say("model", f"{spec.recipe['train']['model']}: {n_params / 1e6:.2f}M params")
     say("data", f"{spec.recipe['train']['dataset']}: {data.train.shape[0]} train / {data.eval.shape[0]} eval blocks")
     if spec.provenance:
         say("config", render_provenance(spec.provenance).replace("\n", "\n         "))
-    for note in spec.notes:
+    for note in notes:
         say("plan", note)
     for w in spec.warnings:
         say("warn", w.render())
@@ -191,7 +191,8 @@ def run(spec, dist) -> int:
     code = 1  # an exception escaping: the trackers record a failed run
     try:
         run_dir = choose_run_dir(spec, dist)
-        spec.ds_config = deep_merge(spec.ds_config, profiling.ds_overrides(spec, run_dir))
+        # the profiler's and monitors' keys need the run folder; they change nothing spec.run describes
+        spec = dataclasses.replace(spec, ds_config=deep_merge(spec.ds_config, profiling.ds_overrides(spec, run_dir)))
         if dist.is_main:
             restarts.report_run_dir(run_dir)  # `harness launch --max-restarts` restarts in this folder
             write_run_files(spec, run_dir)
@@ -201,10 +202,9 @@ def run(spec, dist) -> int:
         data = load_data(spec, dist, tokenizer)
         checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
         startup = profiling.Startup(dist.device)
-        engine, info = build_engine(spec, startup)
-        spec.dtypes = {"checkpoint_dtype": info.checkpoint_dtype, "train_dtype": info.train_dtype}
+        engine, info, notes = build_engine(spec, startup)
         log = MetricsLog(run_dir, enabled=dist.is_main)
-        announce(spec, dist, run_dir, info, data)
+        announce(spec, dist, run_dir, info, data, [*spec.notes, *notes])
         lines, startup_summary = profiling.report_startup(startup)
         for line in lines if dist.is_main else ():
             say("memory", line)
@@ -213,7 +213,7 @@ def run(spec, dist) -> int:
             checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer)
         hooks = profiling.make_hooks(spec, engine, dist, run_dir, log, trackers)
         with preempt.Preemption() as stop:  # until the end: a later signal (the launcher's) must not cut the exit
-            result = Trainer(engine, spec, dist, data, run_dir, log, hooks, preempt=stop).run(step0)
+            result = Trainer(engine, spec, dist, data, run_dir, log, hooks, preempt=stop, model_info=info).run(step0)
             result.update(startup_summary)
             for hook in hooks:
                 result.update(hook.close() or {})

@@ -73,19 +73,17 @@ class Preemption:
         return self.stop_at == done
 
 
-def report_exit(code: int) -> None:
+def report_exit(code: int, launch) -> None:
     """Tell `harness launch` this rank's exit code: DeepSpeed's launcher exits 1 after a signal whatever its ranks
-    return, so the wrapper reads the codes here. Written by rename: a report is whole or absent."""
+    return, so the wrapper reads the codes here. Written by rename: a report is whole or absent.
+    `launch`: harness.dist.Launch, this rank's and the ranks on its node."""
     folder = os.environ.get(EXIT_DIR_ENV)
     if not folder:
         return
-    rank = os.environ.get("RANK", "0")
-    # DeepSpeed's launch.py sets LOCAL_SIZE (ranks on this node); torchrun LOCAL_WORLD_SIZE
-    local_world = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or
-                      os.environ.get("WORLD_SIZE", "1"))
+    rank = launch.rank
     tmp = Path(folder) / f".rank{rank}.tmp"
     try:
-        tmp.write_text(json.dumps({"rank": int(rank), "code": code, "local_world_size": local_world}))
+        tmp.write_text(json.dumps({"rank": rank, "code": code, "local_world_size": launch.local_size}))
         os.replace(tmp, Path(folder) / f"rank{rank}.json")
     except OSError:  # the wrapper is gone or the folder with it: nobody to tell
         pass

@@ -1,62 +1,89 @@
 """Everything decided before ranks talk: the recipe, the resolved DeepSpeed config, the run folder.
 
-Reads files and environment variables and probes this machine (harness.train.checks: DeepSpeed ops, paths,
+Reads files and probes this machine (harness.train.checks: DeepSpeed ops, paths,
 free space), but starts nothing, so bad input fails identically on every rank with exit code 2, before any
 process group exists.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from harness.dist import Launch
 from harness.errors import UsageError
 from harness.config.jsonio import load_json
 from harness.config.recipes import load_recipe
-from harness.config.resolve import autotp, degrees
+from harness.config.resolve import autotp, degrees, sequence_parallel
+from harness.config.run_model import Degrees, RunModel
 from harness.config.validate import check_ds_config, check_recipe, context, strip_annotations
 from harness.train import checks
 
 DEFAULT_RECIPE = "zero2_offload"
 
 
-@dataclass
-class RunSpec:
+@dataclass(frozen=True)
+class AskedDegrees(Degrees):
+    """Degrees as a launch asks for them, before checks.before_init has judged them: they may not divide the world
+    yet (dp then rounds down), so they are not refused here but there, with the arithmetic and the fix."""
+
+    def __post_init__(self):
+        pass
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The launch as asked: the recipe and DeepSpeed dict resolved and schema-checked for this world, the model's
+    HF config read once. Not yet judged against this machine and the rules that need the model
+    (checks.before_init)."""
+
     recipe: dict
     recipe_name: str
     ds_config: dict  # resolved, what deepspeed.initialize gets
     provenance: dict
-    warnings: list
-    world_size: int
-    pp: int
-    tp: int
+    warnings: tuple
+    model_config: dict  # the model's HF config dict (checks.inputs), the one read of it
+    launch: Launch
     output_dir: Path | None  # explicit --output-dir, else chosen by rank 0 after init
     resume: str | None
     overwrite: bool
-    notes: list[str] = field(default_factory=list)
-    layout: dict = field(default_factory=dict)  # pipeline partition, filled at engine build; checkpoint manifests
+    notes: tuple[str, ...] = ()  # for the start-up lines (the auto recipe's reason, resume's conversions)
     resume_point: object = None  # harness.checkpoint.resume.ResumePoint when resuming
-    dtypes: dict = field(default_factory=dict)  # checkpoint_dtype, train_dtype: filled at model build; manifests
 
-    @property
-    def sp(self) -> int:
-        """Ulysses sequence-parallel degree (harness/model/sequence/)."""
-        from harness.config.resolve import sequence_parallel
+    def _degrees(self) -> Degrees:
+        pp, tp = degrees(self.ds_config, self.recipe)
+        return AskedDegrees(self.launch.world_size, tp=tp, pp=pp, sp=sequence_parallel(self.ds_config))
 
-        return sequence_parallel(self.ds_config)
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.pp * self.tp * self.sp)
-
-    @property
-    def zero_stage(self) -> int:
+    def _zero_stage(self) -> int:
         return self.ds_config.get("zero_optimization", {}).get("stage", 0)
 
+    # one reader each; RunSpec answers them from spec.run
+    world_size = property(lambda self: self._degrees().world)
+    pp = property(lambda self: self._degrees().pp)
+    tp = property(lambda self: self._degrees().tp)
+    sp = property(lambda self: self._degrees().sp, doc="Ulysses sequence-parallel degree (harness/model/sequence/)")
+    dp = property(lambda self: self._degrees().dp, doc="Data-parallel replicas: each reads its own micro-batches.")
+    zero_stage = property(lambda self: self._zero_stage())
 
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+
+@dataclass(frozen=True)
+class RunSpec(Resolved):
+    """The run, once every check before init has passed and the DeepSpeed dict is final: `run` is the one typed
+    value its degrees, batch and ZeRO settings are read from (harness/config/run_model.py)."""
+
+    run: RunModel = field(kw_only=True)
+
+    @classmethod
+    def of(cls, asked: Resolved, ds_config: dict) -> "RunSpec":
+        run = RunModel.from_resolved(asked.recipe, ds_config, asked.launch.world_size, asked.model_config)
+        kept = {f.name: getattr(asked, f.name) for f in fields(Resolved)}
+        return cls(**{**kept, "ds_config": ds_config}, run=run)
+
+    def _degrees(self) -> Degrees:
+        return self.run.degrees
+
+    def _zero_stage(self) -> int:
+        return self.run.zero.stage
 
 
 def fp16_supported() -> bool:
@@ -133,33 +160,32 @@ def _output_dir(args, world: int) -> Path | None:
     return output_dir
 
 
-def prepare(args) -> RunSpec:
+def prepare(args, launch: Launch) -> RunSpec:
     """The run's spec, after every check that needs no process group (config, then this machine)."""
-    spec = resolve_spec(args)
-    checks.before_init(spec, args.ds_config)  # this machine: ops, model limits, paths and free space
-    spec.ds_config = moe_blocks(spec)
-    return spec
+    asked = resolve_spec(args, launch)
+    checks.before_init(asked, args.ds_config)  # this machine: ops, model limits, paths and free space
+    return RunSpec.of(asked, moe_blocks(asked))
 
 
-def moe_blocks(spec) -> dict:
+def moe_blocks(asked: Resolved) -> dict:
     """A MoE model's ZeRO-3 leaf table and AutoEP preset in the DeepSpeed config (harness/model/moe/wiring.py)."""
     import torch
 
     from harness.model.moe.wiring import engine_blocks
 
-    return engine_blocks(spec.ds_config, checks.model_config(spec.recipe["train"]["model"]),
-                         cuda=torch.cuda.is_available())
+    return engine_blocks(asked.ds_config, asked.model_config, cuda=torch.cuda.is_available())
 
 
-def resolve_spec(args) -> RunSpec:
-    world = world_size_from_env()
+def resolve_spec(args, launch: Launch) -> Resolved:
+    """The recipe and DeepSpeed dict for `launch`'s world, checked as config (exit 2 on a bad one)."""
+    world = launch.world_size
     output_dir = _output_dir(args, world)  # cheapest check first: never touch an earlier run
     point = _resume_point(output_dir, args.resume)
     name, overrides, notes = args.recipe or DEFAULT_RECIPE, list(args.overrides), []
     if name == "auto":
         from harness.train.auto_recipe import choose
 
-        name, planned, reason = choose(overrides, world)
+        name, planned, reason = choose(overrides, launch)
         overrides, notes = planned + overrides, [reason]
     recipe, source = _resume_recipe(name, overrides, point, world, notes)
     model_config = checks.inputs(recipe["train"], source)  # model and data exist; a hub model's shape, too
@@ -176,9 +202,10 @@ def resolve_spec(args) -> RunSpec:
                          f"    fix: remove the tensor_parallel block and pass --set parallel.tensor={tp} (DeepSpeed "
                          f"then counts world / {tp} data-parallel ranks in train_batch_size)")
     ds = _resume_layout(ds, args.ds_config or source, point, world, pp, tp, notes)
-    return RunSpec(recipe=recipe, recipe_name=Path(name).stem, ds_config=ds, provenance=checked.provenance,
-                   warnings=checked.warnings, world_size=world, pp=pp, tp=tp, output_dir=output_dir,
-                   resume=args.resume, overwrite=args.overwrite, notes=notes, resume_point=point)
+    return Resolved(recipe=recipe, recipe_name=Path(name).stem, ds_config=ds, provenance=checked.provenance,
+                    warnings=tuple(checked.warnings), model_config=model_config, launch=launch,
+                    output_dir=output_dir, resume=args.resume, overwrite=args.overwrite, notes=tuple(notes),
+                    resume_point=point)
 
 
 def _run_dir_of(ckpt: Path) -> Path:

@@ -38,13 +38,12 @@ def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
 
         return pipe_engine.dp_coords(spec, dist.rank)
     if spec.sp > 1:  # Ulysses: SP groups are consecutive ranks holding the same rows (model/sequence/ulysses.py)
-        return dist.rank // spec.sp, spec.world_size // spec.sp
-    return dist.rank // spec.tp, spec.world_size // spec.tp
+        return dist.rank // spec.sp, spec.dp
+    return dist.rank // spec.tp, spec.dp
 
 
 def batch_plan(spec, dist: DistInfo, num_rows: int) -> BatchPlan:
-    ds = spec.ds_config
-    micro, gas = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    micro, gas = spec.run.batch.micro_batch, spec.run.batch.grad_accum
     dp_rank, dp_size = dp_coords(spec, dist)
     return BatchPlan(num_rows=num_rows, global_batch=micro * gas * dp_size, micro_batch=micro, grad_accum=gas,
                      dp_rank=dp_rank, dp_size=dp_size, seed=spec.recipe["train"]["seed"])
@@ -117,7 +116,7 @@ def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
     """Mean loss over the same eval rows every time: rank r takes rows r, r + dp, ... (equal count per rank)."""
     if data.eval.shape[0] == 0:
         return float("nan")
-    micro = spec.ds_config["train_micro_batch_size_per_gpu"]
+    micro = spec.run.batch.micro_batch
     dp_rank, dp_size = dp_coords(spec, dist)
     per_rank = max(1, min(spec.recipe["train"]["eval_batches"] * micro, data.eval.shape[0] // dp_size))
     rows = data.eval[dp_rank::dp_size][:per_rank]
@@ -130,8 +129,10 @@ def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
 
 
 class Trainer:
-    def __init__(self, engine, spec, dist: DistInfo, data: Data, run_dir, log: MetricsLog, hooks=(), preempt=None):
+    def __init__(self, engine, spec, dist: DistInfo, data: Data, run_dir, log: MetricsLog, hooks=(), preempt=None, *,
+                 model_info):
         self.engine, self.spec, self.dist, self.data = engine, spec, dist, data
+        self.model_info = model_info  # harness.model.load.meta.ModelInfo: dtypes and partition for the manifests
         self.run_dir, self.log, self.hooks = run_dir, log, list(hooks)
         self.preempt = preempt  # harness.train.preempt.Preemption: asked at every step boundary
         self.plan = batch_plan(spec, dist, data.train.shape[0])
@@ -181,7 +182,8 @@ class Trainer:
         # under SP checkpoint.save shards the probe over the SP ranks (model/sequence/ulysses.probe_logits)
         probe = fetch(self.data.eval if self.data.eval.shape[0] else self.data.train, slice(0, 1))[0][:, :16]
         path = checkpoint.save(self.engine, self.spec, self.dist, self.run_dir / "checkpoints", step,
-                               {"step": step, "epoch": self.plan.epoch_of(max(step - 1, 0))}, probe_ids=probe)
+                               {"step": step, "epoch": self.plan.epoch_of(max(step - 1, 0))}, probe_ids=probe,
+                               model_info=self.model_info)
         if self.dist.is_main:
             say("ckpt", f"step {step} -> {path}")
             self.log.write("checkpoint", step, path=str(path))

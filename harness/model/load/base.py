@@ -5,19 +5,19 @@ model/build.py (tp, ZeRO-3) and model/parallel/pipe_engine.py (pipeline and 3D s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import model_shapes
 from harness.model.load import experts, meta, source as sources
 
 
-@dataclass
+@dataclass(frozen=True)
 class Built:
     module: object  # what deepspeed.initialize gets: the HF model, its TP shard, or the PipelineModule stage
     info: meta.ModelInfo
     mpu: object = None  # tensor.TensorDataMPU for tp
-    note: str | None = None  # how it was loaded, for the run's log (ZeRO-3 by module)
+    notes: tuple[str, ...] = field(default=())  # for the run's log: how it was loaded (ZeRO-3 by module), LoRA
 
 
 def open_source(name: str, seed: int):

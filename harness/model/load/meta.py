@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,15 +21,17 @@ def dtype_name(dtype: torch.dtype | None) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelInfo:
     """What the job needs of the HF model once the engine exists: its config (saved beside checkpoints), its
-    whole-model parameter count (announced), the checkpoint's dtype and the dtype it trains in (manifest)."""
+    whole-model parameter count (announced), the checkpoint's dtype and the dtype it trains in, and a pipeline's
+    partition of the model's layers over its stages (checkpoint manifests)."""
 
     config: object
     num_params: int
     checkpoint_dtype: str | None
     train_dtype: str
+    partition: dict = field(default_factory=dict)  # pipeline stages only (pipe_engine.build_stage)
 
 
 def build_on_meta(config):

@@ -10,6 +10,7 @@ coordinate); the engine only lets first- and last-stage ranks pull from the iter
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -64,7 +65,8 @@ def _shard_stage(module, config) -> tuple[int, int]:
 def build_stage(spec):
     """This rank's PipelineModule stage, loaded by share (harness/model/load): the HF model on meta -> the
     PipelineModule builds this stage's layers -> (3D) split on meta -> this rank's tensors read, cast -> moved to
-    the device and the tied embedding synchronised by DeepSpeed. Records the partition in spec.layout."""
+    the device and the tied embedding synchronised by DeepSpeed. The partition is in the returned ModelInfo, the
+    LoRA counts in its notes."""
     from harness.model.load import base, meta
     from harness.model.load.materialise import hf_paths, materialise
 
@@ -75,6 +77,7 @@ def build_stage(spec):
     pipeline.supported(model.config)
     _check_stages(spec, model.config)
     dtype = meta.train_dtype(spec.recipe["precision"])
+    notes = []
 
     def on_stage(module):
         rank, size = _shard_stage(module, model.config) if spec.tp > 1 else (0, 1)
@@ -83,15 +86,15 @@ def build_stage(spec):
         base.check_materialised(module)
         # LoRA on this stage's own layers (peft's, or 3D's split ones), named by the whole model's modules
         group = module.mpu().get_slice_parallel_group() if spec.tp > 1 else None
-        attach(module, spec, hf_model=model, tp_group=(group, rank, size) if spec.tp > 1 else None,
-                        layers=pipeline.local_decoder_layers(module))
+        note = attach(module, spec, hf_model=model, tp_group=(group, rank, size) if spec.tp > 1 else None,
+                      layers=pipeline.local_decoder_layers(module))
+        notes.extend([note] if note else [])
 
     ds_pipe = spec.ds_config.get("pipeline", {})
-    method = ds_pipe.get("partition", spec.recipe["parallel"]["partition_method"])
-    module, specs = pipeline.build_module(model, topology(spec), method,
+    module, specs = pipeline.build_module(model, topology(spec), spec.run.pipeline_partition,
                                           int(ds_pipe.get("activation_checkpoint_interval", 0)), on_stage=on_stage)
-    spec.layout = pipeline.layout(module, specs, pipeline.hf_names(specs, model))
-    return base.Built(module, info)
+    partition = pipeline.layout(module, specs, pipeline.hf_names(specs, model))
+    return base.Built(module, dataclasses.replace(info, partition=partition), notes=tuple(notes))
 
 
 def pipe_batch(batch: tuple) -> tuple:

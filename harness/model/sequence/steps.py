@@ -37,7 +37,7 @@ def prepare(model, spec):
         tiling.enable_tiled_mlp(model, train["tile_tokens"])
     if train["tiled_loss"]:
         enable_tiled_head(model, train["tile_tokens"])
-    return ulysses.setup(model, name, spec.sp, spec.ds_config["train_micro_batch_size_per_gpu"])
+    return ulysses.setup(model, name, spec.sp, spec.run.batch.micro_batch)
 
 
 @dataclass
