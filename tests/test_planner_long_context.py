@@ -229,19 +229,26 @@ def plain_layer(shape) -> int:
 def test_a_runs_prediction_carries_the_sp_all_to_all_into_the_reports_comm_table():
     from pathlib import Path
 
-    from harness.profiling.predict import long_context, predict
+    from harness.config.run_model import Batch, Degrees, RunModel, Sequence, Zero
+    from harness.planner import evaluate
+    from harness.planner.rank import LiveFacts
     from harness.report.compare import Run, comm_rows
 
     shape = model_shape(PRESETS["tiny-llama"])  # hidden 64, 4 heads, 2 kv heads of 16, 2 blocks
-    count = {"total": 100_000, "largest_layer": 32_768, "largest_tensor": 32_768, "persistent": 0}
+    count = LiveFacts(total=100_000, largest_layer=32_768, largest_tensor=32_768, persistent=0)
     recipe = {"parallel": {"sequence": 2}, "train": {"tiled_mlp": True, "tiled_loss": True, "attention": "sdpa"}}
     ds = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 1}
-    out = predict(count, ds, dp=2, precision="fp32", shape=shape, seq_len=1024, seq=long_context(recipe))
+
+    def run(sp: int, long_context: bool) -> RunModel:  # zero_shards 2: dp 2 / sp 1, or dp 1 x sp 2
+        seq = Sequence(1024, tiled_mlp=long_context, tiled_loss=long_context, attention="sdpa" if long_context else "flash")
+        return RunModel("tiny-llama", PRESETS["tiny-llama"], "fp32", Degrees(2, sp=sp), Zero.of(ds), Batch(1, 2, 2), seq)
+
+    out = evaluate(run(2, True), live=count).rank
     a2a = 512 * 4 * (64 + 32 + 32 + 64) * 2 * 2 * 2  # tokens/rank x fp32 x (q, k, v, out) x fwd+bwd x blocks x accum
     assert out["comm"]["all_to_all_single"] == a2a
     assert out["activations"]["mask"] == 1024 * 1024 and out["activations"]["tokens_per_rank"] == 512
     assert out["activations"]["per_layer"] - plain_layer(shape) == 1024 * 1024 * 4 + 512 * 4 * 64  # mask copy, out
-    plain = predict(count, ds, dp=2, precision="fp32", shape=shape, seq_len=1024)
+    plain = evaluate(run(1, False), live=count).rank
     assert "all_to_all_single" not in plain["comm"] and plain["activations"]["mask"] == 0
     for measured, flagged in ((a2a, False), (2 * a2a, True)):
         summary = {"comm": {"predicted": out["comm"], "measured_per_rank": [{"all_to_all_single": measured}] * 2}}
@@ -253,16 +260,17 @@ def test_concat_rows_at_sp1_have_no_mask_terms_document_rows_and_sp_do():
     """sdpa at sp 1 on concat rows runs causal without a mask (no s^2 terms); document rows, or any row under SP
     (the harness's document_sdpa builds the mask from the gathered positions), keep the s^2 mask and its copy."""
     from harness.planner import memory
-    from harness.profiling.predict import long_context
+    from harness.config.run_model import Sequence
+    from harness.planner.rank import sequence_args
 
     shape = model_shape(PRESETS["tiny-llama"])
     got = {}
     for packing in ("concat", "document"):
         for sp in (1, 2):
-            seq = long_context({"parallel": {"sequence": sp}, "train": {"packing": packing}})
+            seq = sequence_args(Sequence(1024, packing=packing), sp)
             got[packing, sp] = memory.activation_bytes(shape, seq_len=1024, micro_batch=1, precision="fp32",
                                                        activation_checkpointing=True, **seq)
-    assert long_context({"train": {"packing": "concat"}})["attention"] == "flash"
+    assert sequence_args(Sequence(1024, packing="concat"), 1)["attention"] == "flash"
     assert got["concat", 1]["mask"] == 0
     assert got["document", 1]["mask"] == got["concat", 2]["mask"] == got["document", 2]["mask"] == 1024 * 1024
     # the float copy of the mask torch's sdpa saves, in the one recomputed block

@@ -210,3 +210,42 @@ def test_multi_node_plan_says_where_the_hostfile_comes_from():
                for n in result.notes)
     single = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=1, gpu_mem_bytes=80 * 10**9)
     assert not any("hostfile" in n for n in single.notes)
+
+
+def test_packing_is_honoured_in_the_plans_pipeline_traffic_and_step_time():
+    """Document rows send their int64 position ids with every forward message between stages; concat rows send the
+    hidden states only. The plan (its --packing, the recipe's train.packing) and the step time both follow it;
+    layouts without a pipeline are untouched."""
+    from harness.planner import hardware
+
+    cfg = dict(KNOWN["llama-2-7b"])
+    kw = dict(gpus_per_node=8, gpu_mem_bytes=80 * 10**9, hardware_profile=hardware.load("h100-80gb-sxm"),
+              layout={"zero": 1, "offload": "none", "tp": 1, "pp": 2}, seq_len=4096, global_batch=64)
+    doc, concat = (plan(cfg, packing=p, **kw).evaluated for p in ("document", "concat"))
+    m, micro = doc["micro_batches"], doc["micro_batch"]
+    ids = 8 * 4096 * micro * m  # int64 position ids per step, sent by stage 0 (the middle of two stages)
+    pp_doc = {row["collective"]: row["logged_bytes"] for row in doc["comm"]["rows"] if row["group"] == "pp"}
+    pp_concat = {row["collective"]: row["logged_bytes"] for row in concat["comm"]["rows"] if row["group"] == "pp"}
+    assert pp_doc["send"] - pp_concat["send"] == ids and pp_doc["recv"] == pp_concat["recv"]
+    assert doc["time"]["breakdown"]["p2p_s"] > concat["time"]["breakdown"]["p2p_s"]
+    assert doc["time"]["step_time_s"] > concat["time"]["step_time_s"]
+    flat = {"zero": 1, "offload": "none", "tp": 1, "pp": 1}
+    one, two = (plan(cfg, packing=p, **dict(kw, layout=flat)).evaluated for p in ("document", "concat"))
+    assert one["comm"] == two["comm"] and one["time"] == two["time"]
+
+
+def test_a_runs_own_step_time_follows_its_packing():
+    """planner.evaluate(run, ...): the run's packing reaches the step time (before, the run's time prediction always
+    counted position ids while its byte prediction followed the recipe)."""
+    from harness.config.run_model import Batch, Degrees, RunModel, Sequence, Zero
+    from harness.planner import evaluate, hardware, layouts
+
+    cluster, profile = layouts.hardware(8, 1, 80 * 10**9, None, None), hardware.load("h100-80gb-sxm")
+
+    def run(packing: str) -> RunModel:
+        return RunModel("llama-2-7b", KNOWN["llama-2-7b"], "bf16", Degrees(8, pp=2), Zero(stage=1), Batch(1, 8, 32),
+                        Sequence(4096, packing=packing))
+
+    doc, concat = (evaluate(run(p), cluster, profile) for p in ("document", "concat"))
+    assert doc.layout["label"] == "pipeline zero1 pp2" and doc.rank is None
+    assert doc.time["breakdown"]["p2p_s"] > concat.time["breakdown"]["p2p_s"]

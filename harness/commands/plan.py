@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", choices=("flash", "flex", "sdpa", "eager"), default="flash",
                         help="attention kernel (default flash: no materialised mask); sdpa and eager count transformers' "
                              "(seq/sp)^2 mask per rank, eager its scores too (planner/activations.py)")
+    parser.add_argument("--packing", choices=("document", "concat"), default="document",
+                        help="how rows are packed (the recipe's train.packing; default document): document rows carry "
+                             "position ids, which a pipeline sends between stages")
     parser.add_argument("--global-batch", type=int,
                         help="sequences per optimizer step over all GPUs (default micro-batch x grad-accum x GPUs); "
                              "the search keeps it fixed and picks the micro-batch")
@@ -150,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                       activation_checkpointing=args.activation_checkpointing == "full", grad_accum=args.grad_accum,
                       model_name=args.model, hardware_profile=profile, global_batch=args.global_batch,
                       layout=_layout(args), count=lora_count(cfg, args.lora_r), attention=args.attention,
-                      expert_imbalance=args.expert_imbalance)
+                      expert_imbalance=args.expert_imbalance, packing=args.packing)
     except ValueError as e:
         raise UsageError(f"plan: {e}") from None
     if not args.hardware:

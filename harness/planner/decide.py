@@ -124,7 +124,8 @@ def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: 
          micro_batch: int = 1, precision: str = "bf16", activation_checkpointing: bool = False,
          grad_accum: int = 1, model_name: str | None = None, count: ParamCount | None = None,
          hardware_profile: dict | None = None, global_batch: int | None = None, layout: dict | None = None,
-         attention: str = "flash", activation_offload: bool = True, expert_imbalance: float | None = None) -> Plan:
+         attention: str = "flash", activation_offload: bool = True, expert_imbalance: float | None = None,
+         packing: str = "document") -> Plan:
     """Evaluate every strategy for this model and hardware; recommend the first that fits.
 
     cpu_mem_bytes / nvme_bytes are per node. CPU RAM not given: offload is not checked against it (its
@@ -136,6 +137,8 @@ def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: 
     longest seq_len it holds (max_seq_len, planner/longest.py); for a sequence no earlier layout holds, the
     long-context rung (checkpointing, tiling, Ulysses SP inside a node, activation offload) comes last.
     `expert_imbalance`: a MoE model's max / mean tokens per expert-parallel rank (default moe.DEFAULT_IMBALANCE).
+    `packing` (document, concat: the recipe's train.packing): document rows send their position ids between
+    pipeline stages.
     """
     from harness.planner.params import count_params, model_shape
 
@@ -147,7 +150,7 @@ def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: 
     hw = hardware(gpus_per_node, nodes, gpu_mem_bytes, cpu_mem_bytes, nvme_bytes)
     work = {"seq_len": seq_len, "micro_batch": micro_batch, "precision": precision,
             "activation_checkpointing": activation_checkpointing, "grad_accum": grad_accum, "attention": attention,
-            "activation_offload": activation_offload}
+            "activation_offload": activation_offload, "packing": packing}
     if expert_imbalance is not None:
         if not expert_imbalance >= 1:
             raise ValueError(f"expert_imbalance {expert_imbalance}: the busiest rank's tokens over the mean is >= 1")

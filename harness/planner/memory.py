@@ -19,8 +19,7 @@ phase="backward" is what backward holds (with the activations), phase="step" wha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from harness.config.run_model import ZeroBuckets
 from harness.planner import activations as la
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -37,21 +36,6 @@ PHASES = ("after_step", "peak", "backward", "step")
 ALWAYS, BACKWARD, STEP, BOTH = "always", "backward", "step", "both"
 _ALIVE = {"after_step": {ALWAYS}, "peak": {ALWAYS, BACKWARD, STEP, BOTH}, "backward": {ALWAYS, BACKWARD, BOTH},
           "step": {ALWAYS, STEP, BOTH}}
-
-
-@dataclass(frozen=True)
-class ZeroBuckets:
-    """ZeRO buffer sizes in elements. Defaults are DeepSpeed 0.19.8's; see `harness_buckets`."""
-
-    reduce_bucket_elems: int = 500_000_000
-    prefetch_bucket_elems: int = 50_000_000
-    param_persistence_threshold: int = 100_000
-    sub_group_elems: int = 1_000_000_000
-    overlap_comm: bool | None = None  # None: DeepSpeed's default (on for stage 3 only)
-    optimizer_swap_buffer_count: int = 4  # offload_optimizer.buffer_count
-    param_swap_buffer_count: int = 5  # offload_param.buffer_count
-    param_swap_buffer_elems: int = 100_000_000  # offload_param.buffer_size
-    max_reuse_distance_elems: int = 1_000_000_000  # stage3_max_reuse_distance
 
 
 def harness_buckets(hidden_size: int) -> ZeroBuckets:
@@ -138,7 +122,7 @@ def zero3_gathered_elems(gathered: int, largest_layer: int, b: ZeroBuckets) -> i
     later modules hold fewer than max_reuse_distance / 2 elements (forward, then again backward) stays gathered
     until its backward: the model's tail of max_reuse_distance / 2 elements (all of a model under 0.5B
     parameters with the default 1e9), plus the module being gathered and the prefetch bucket beyond it.
-    Measured: this is also why a small model is all-gathered once per micro-step, not twice (predict.py)."""
+    Measured: this is also why a small model is all-gathered once per micro-step, not twice (rank.gathers_per_micro_step)."""
     retained = min(gathered, b.max_reuse_distance_elems // 2)
     return min(gathered, retained + largest_layer + b.prefetch_bucket_elems)
 

@@ -75,7 +75,7 @@ def plan_for(settings: dict, hw: dict, profile: dict):
                 precision=settings["precision"], activation_checkpointing=settings["activation_checkpointing"],
                 model_name=train["model"], hardware_profile=profile,
                 attention=planner_attention(train.get("attention"), hw["device"]),
-                activation_offload=hw["device"] != "cpu")  # DeepSpeed's offload does nothing on CPU: refused there
+                activation_offload=hw["device"] != "cpu", packing=train["packing"])  # DeepSpeed's offload does nothing on CPU: refused there
 
 
 def planner_attention(value: str | None, device: str) -> str:
