@@ -177,12 +177,13 @@ def planner_longest(model: str, cap: int, ckpt: bool, sp: int, tiled: bool) -> i
 
     cfg = load_model_config(model)
     count, shape = count_params(cfg), model_shape(cfg)
-    hw = layouts.hardware(2, 1, int(cap / (1 - layouts.RESERVE_FRACTION)) + 1, None, None)
+    hw = layouts.hardware(2, 1, int(cap / (1 - RESERVE_FRACTION)) + 1, None, None)
     from harness.config.run_model import Sequence
+    from harness.planner.inputs import RESERVE_FRACTION, Workload
     from harness.planner.rank import attention_kind
 
-    work = {"seq_len": 2048, "micro_batch": 1, "precision": "fp32", "activation_checkpointing": ckpt, "grad_accum": 1,
-            "attention": attention_kind(Sequence(2048, packing=PACKING[0]), sp), "packing": PACKING[0]}
+    work = Workload(2048, 1, "fp32", ckpt, 1, attention=attention_kind(Sequence(2048, packing=PACKING[0]), sp),
+                    packing=PACKING[0])
     c = layouts.Candidate("zero3", 3, sp=sp, tiled=tiled)
     return longest.max_seq_len(c, count, shape, hw, work)
 

@@ -66,7 +66,7 @@ def test_recommendation_follows_the_decision_order(case):
         assert not cheaper["fits"] and cheaper["why_not"], cheaper["label"]
     if result.recommended:
         rec = result.recommended
-        assert rec["memory"]["gpu_bytes"] <= result.hardware["usable_gpu_bytes"]
+        assert rec["memory"]["gpu_bytes"] <= result.hardware.usable_gpu_bytes
         assert f"--recipe {rec['recipe']} --model {inputs[0]}" in rec["launch"]
         assert not result.missing
     else:

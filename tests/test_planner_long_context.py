@@ -12,6 +12,7 @@ from contextlib import redirect_stdout
 
 import pytest
 
+from harness.planner.inputs import Workload
 from harness.model_shapes import KNOWN, PRESETS
 from harness.planner import hardware, layouts, longest, plan, sequence
 from harness.planner.memory import activation_bytes
@@ -119,8 +120,8 @@ def test_sp_traffic_is_in_the_step_time_and_the_comm_rows():
 def test_max_seq_len_is_monotone_in_sp_and_tiling_and_the_alst_anchor():
     cfg, shape, count = llama8b()
     hw = layouts.hardware(8, 1, 80 * GB, None, None)
-    work = {"seq_len": 8192, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False,
-            "grad_accum": 1, "attention": "flash"}
+    work = Workload(**{"seq_len": 8192, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False,
+            "grad_accum": 1, "attention": "flash"})
 
     def longest_of(**kw):
         return longest.max_seq_len(layouts.Candidate("zero3", 3, **kw), count, shape, hw, work)
@@ -135,12 +136,12 @@ def test_max_seq_len_is_monotone_in_sp_and_tiling_and_the_alst_anchor():
     assert all(n % s == 0 for n, s in zip(by_sp, (1, 2, 4, 8)))
     # the answer is the edge: it fits, sp more tokens do not
     c = layouts.Candidate("zero3", 3, sp=8, tiled=True, act="offload")
-    assert layouts.evaluate(c, count, shape, hw, dict(work, seq_len=offload))["fits"]
-    assert not layouts.evaluate(c, count, shape, hw, dict(work, seq_len=offload + 8))["fits"]
+    assert layouts.evaluate(c, count, shape, hw, work.but(seq_len=offload))["fits"]
+    assert not layouts.evaluate(c, count, shape, hw, work.but(seq_len=offload + 8))["fits"]
     # activation offload needs CPU RAM: 32 blocks' inputs per rank; 256 GB per node caps it
     small = layouts.hardware(8, 1, 80 * GB, 256 * GB, None)
     capped = longest.max_seq_len(c, count, shape, small, work)
-    assert capped < offload and 32 * capped // 8 * 2 * 4096 * 8 <= small["usable_cpu_bytes"]
+    assert capped < offload and 32 * capped // 8 * 2 * 4096 * 8 <= small.usable_cpu_bytes
 
 
 def test_the_long_context_rung_comes_last_and_refuses_what_ulysses_cannot_split():
@@ -289,9 +290,9 @@ def test_a_masked_attention_costs_the_profiles_measured_factor():
     plain = steptime.block_flops_per_token(count, shape, 4096, 1)
     assert steptime.block_flops_per_token(count, shape, 4096, 1, masked=3.0) - plain == 2 * 4 * 4096 * 64
     profile = hardware.load("h100-80gb-sxm")
-    work = {"seq_len": 4096, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False}
+    work = Workload(**{"seq_len": 4096, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False})
     times = {(a, f): steptime.compute_s(count, shape, dict(profile, **({"masked_attention_factor": f} if f else {})),
-                                        dict(work, attention=a), 1, 2, False)["forward"]
+                                        work.but(attention=a), 1, 2, False)["forward"]
              for a, f in (("flash", None), ("flash", 3.0), ("sdpa", None), ("sdpa", 3.0))}
     assert times["flash", None] == times["flash", 3.0] < times["sdpa", None] < times["sdpa", 3.0]
 

@@ -10,6 +10,7 @@ import pytest
 
 from test_planner import run_plan
 
+from harness.planner.inputs import Workload
 from harness.errors import ConfigError, UsageError
 from harness.model_shapes import KNOWN
 from harness.planner import collectives, hardware, plan
@@ -172,7 +173,7 @@ def test_lora_backward_skips_the_frozen_weight_gradients():
     count, shape = count_params(cfg), model_shape(cfg)
     lora = with_lora(count, cfg, 16)
     prof = hardware.load("a100-80gb-sxm")
-    work = {"seq_len": 4096, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False}
+    work = Workload(**{"seq_len": 4096, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False})
     full = steptime.compute_s(count, shape, prof, work, 1, count.num_layers, True)
     adapted = steptime.compute_s(lora, shape, prof, work, 1, count.num_layers, True)
     assert adapted["forward"] == pytest.approx(full["forward"], rel=0.01)  # the adapters add ~0.3 % FLOPs

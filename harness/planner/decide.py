@@ -19,14 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.planner import longest, memory
-from harness.planner.layouts import Candidate, RESERVE_FRACTION, candidates, evaluate, gb, hardware, launch_command, overrides
+from harness.planner.inputs import RESERVE_FRACTION
+from harness.planner.layouts import Candidate, candidates, evaluate, gb, launch_command, overrides
+from harness.planner.inputs import Cluster, Workload
 from harness.planner.params import ParamCount
 
 @dataclass
 class Plan:
     model: dict  # name, parameter count, shape
-    hardware: dict  # gpus_per_node, nodes, world, memory given and usable
-    workload: dict  # seq_len, micro_batch, precision, activation_checkpointing, grad_accum
+    hardware: Cluster  # gpus_per_node, nodes, world, memory given and usable
+    workload: Workload  # seq_len, micro_batch, precision, activation_checkpointing, grad_accum, ...
     seed: dict  # the seeds' 16 B/param headline: DP and ZeRO-3 model states per GPU
     candidates: list[dict]  # every strategy in decision order, with fits / why_not
     recommended: dict | None  # the first that fits; None when nothing does
@@ -42,7 +44,8 @@ class Plan:
     scaling: dict | None = None  # `plan --scaling`: tokens/s per GPU against node count (planner/scaling.py)
 
     def to_dict(self) -> dict:
-        out = {"model": self.model, "hardware": self.hardware, "workload": self.workload, "seed": self.seed,
+        out = {"model": self.model, "hardware": self.hardware.to_dict(), "workload": self.workload.to_dict(),
+               "seed": self.seed,
                "recommended": self.recommended, "missing": self.missing, "notes": self.notes,
                "candidates": self.candidates}
         for key in ("profile", "ranked", "first_fit", "comparison", "evaluated", "scaling"):
@@ -51,56 +54,55 @@ class Plan:
         return out
 
 
-def evaluate_all(count: ParamCount, shape: dict, hw: dict, work: dict, model_name: str) -> list[dict]:
+def evaluate_all(count: ParamCount, shape: dict, cluster: Cluster, work: Workload, model_name: str) -> list[dict]:
     out = []
-    for c in candidates(hw["world"], hw["gpus_per_node"], count.num_layers, shape, work["activation_offload"],
+    for c in candidates(cluster.world, cluster.gpus_per_node, count.num_layers, shape, work.activation_offload,
                         num_experts=count.num_experts):
-        result = longest.attach(evaluate(c, count, shape, hw, work), count, shape, hw, work)
+        result = longest.attach(evaluate(c, count, shape, cluster, work), count, shape, cluster, work)
         result["overrides"] = overrides(c, result, work)
-        result["launch"] = launch_command(c.recipe, model_name, hw, result["overrides"])
+        result["launch"] = launch_command(c.recipe, model_name, cluster, result["overrides"])
         out.append(result)
     return out
 
 
-def missing(results: list[dict], count: ParamCount, shape: dict, hw: dict, work: dict) -> list[str]:
+def missing(results: list[dict], count: ParamCount, shape: dict, cluster: Cluster, work: Workload) -> list[str]:
     """When nothing fits: what is short, with the amounts, and what would fix it."""
     usable = [r for r in results if r["applicable"]]
-    gpu_ok = [r for r in usable if r["memory"]["gpu_bytes"] <= hw["usable_gpu_bytes"]]
+    gpu_ok = [r for r in usable if r["memory"]["gpu_bytes"] <= cluster.usable_gpu_bytes]
     out = []
     cpu_only = [r for r in gpu_ok if not r["memory"]["nvme_bytes_per_node"]]
     if cpu_only:
         r = min(cpu_only, key=lambda r: r["memory"]["cpu_bytes_per_node"])
         need = r["memory"]["cpu_bytes_per_node"] / (1 - RESERVE_FRACTION)
         what = "optimizer offload" if r["offload_param"] == "none" else "optimizer and parameter offload"
-        have = f"{gb(hw['cpu_mem_bytes'])} given" if hw["cpu_mem_bytes"] else "none given"
+        have = f"{gb(cluster.cpu_mem_bytes)} given" if cluster.cpu_mem_bytes else "none given"
         out.append(f"needs >= {gb(need)} CPU RAM per node for {what} ({r['label']}; {have})")
     nvme = [r for r in gpu_ok if r["memory"]["nvme_bytes_per_node"]]
     if nvme:
         r = min(nvme, key=lambda r: r["memory"]["nvme_bytes_per_node"])
         need = r["memory"]["nvme_bytes_per_node"] / (1 - RESERVE_FRACTION)
-        have = f"{gb(hw['nvme_bytes'])} given" if hw["nvme_bytes"] else "none given"
+        have = f"{gb(cluster.nvme_bytes)} given" if cluster.nvme_bytes else "none given"
         extra = f", CPU: {r['why_not']}" if "CPU" in (r["why_not"] or "") else ""
         out.append(f"or >= {gb(need)} NVMe per node for ZeRO-Infinity ({r['label']}; {have}{extra})")
     if not gpu_ok:
         leanest = min(usable, key=lambda r: r["memory"]["gpu_bytes"])
         acts = leanest["memory"]["activations"]["total"]
-        fix = "use --activation-checkpointing, " if not work["activation_checkpointing"] else ""
+        fix = "use --activation-checkpointing, " if not work.activation_checkpointing else ""
         out.append(f"even the leanest option ({leanest['label']}) needs {gb(leanest['memory']['gpu_bytes'])} "
                    f"per GPU, {gb(acts)} of it activations: {fix}lower --micro-batch or --seq-len, "
                    f"or use GPUs with more memory")
-    nodes = min_nodes_for_zero3(count, shape, hw, work)
+    nodes = min_nodes_for_zero3(count, shape, cluster, work)
     if nodes:
-        out.append(f"or >= {nodes} nodes x {hw['gpus_per_node']} GPU for zero3 without offload")
+        out.append(f"or >= {nodes} nodes x {cluster.gpus_per_node} GPU for zero3 without offload")
     return out
 
 
-def min_nodes_for_zero3(count: ParamCount, shape: dict, hw: dict, work: dict, limit: int = 4096) -> int | None:
+def min_nodes_for_zero3(count: ParamCount, shape: dict, cluster: Cluster, work: Workload, limit: int = 4096) -> int | None:
     """Smallest node count (beyond the given) at which plain ZeRO-3 fits, by doubling then bisecting."""
     def fits(nodes: int) -> bool:
-        probe = dict(hw, nodes=nodes, world=nodes * hw["gpus_per_node"])
-        return evaluate(Candidate("zero3", 3), count, shape, probe, work)["fits"]
+        return evaluate(Candidate("zero3", 3), count, shape, cluster.with_nodes(nodes), work)["fits"]
 
-    lo, hi = hw["nodes"], hw["nodes"] * 2
+    lo, hi = cluster.nodes, cluster.nodes * 2
     while not fits(hi):
         lo, hi = hi, hi * 2
         if hi > limit:
@@ -111,8 +113,8 @@ def min_nodes_for_zero3(count: ParamCount, shape: dict, hw: dict, work: dict, li
     return hi
 
 
-def seed_headline(count: ParamCount, hw: dict, precision: str) -> dict:
-    world = hw["world"]
+def seed_headline(count: ParamCount, cluster: Cluster, precision: str) -> dict:
+    world = cluster.world
     dp = memory.model_state_bytes(count.total, stage=0, dp=world, precision=precision, convention="seed")
     z3 = memory.model_state_bytes(count.total, stage=3, dp=world, precision=precision, convention="seed")
     return {"bytes_per_param": 16, "dp_bytes_per_gpu": memory.by_device(dp)["gpu"],
@@ -147,40 +149,37 @@ def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: 
     if shape["learned_positions"] and shape["max_positions"] and seq_len > shape["max_positions"]:
         raise ValueError(f"seq_len {seq_len} > the model's {shape['max_positions']} learned positions")
     count = count or count_params(model_cfg)
-    hw = hardware(gpus_per_node, nodes, gpu_mem_bytes, cpu_mem_bytes, nvme_bytes)
-    work = {"seq_len": seq_len, "micro_batch": micro_batch, "precision": precision,
-            "activation_checkpointing": activation_checkpointing, "grad_accum": grad_accum, "attention": attention,
-            "activation_offload": activation_offload, "packing": packing}
-    if expert_imbalance is not None:
-        if not expert_imbalance >= 1:
-            raise ValueError(f"expert_imbalance {expert_imbalance}: the busiest rank's tokens over the mean is >= 1")
-        work["expert_imbalance"] = expert_imbalance
+    cluster = Cluster(gpus_per_node, nodes, gpu_mem_bytes, cpu_mem_bytes, nvme_bytes)
+    if expert_imbalance is not None and not expert_imbalance >= 1:
+        raise ValueError(f"expert_imbalance {expert_imbalance}: the busiest rank's tokens over the mean is >= 1")
+    work = Workload(seq_len, micro_batch, precision, activation_checkpointing, grad_accum, attention,
+                    activation_offload, expert_imbalance, packing)
     name = model_name or model_cfg.get("_name_or_path") or "MODEL"
-    results = evaluate_all(count, shape, hw, work, name)
+    results = evaluate_all(count, shape, cluster, work, name)
     best = next((r for r in results if r["fits"]), None)
-    result = Plan(model={"name": name, "params": count.to_dict(), "shape": shape}, hardware=hw, workload=dict(work),
-                  seed=seed_headline(count, hw, precision), candidates=results, recommended=best,
-                  missing=[] if best else missing(results, count, shape, hw, work),
-                  notes=notes(best, hw, shape, seq_len))
+    result = Plan(model={"name": name, "params": count.to_dict(), "shape": shape}, hardware=cluster, workload=work,
+                  seed=seed_headline(count, cluster, precision), candidates=results, recommended=best,
+                  missing=[] if best else missing(results, count, shape, cluster, work),
+                  notes=notes(best, cluster, shape, seq_len))
     if hardware_profile is not None:
         from harness.planner import search
 
-        search.attach(result, count, shape, hw, work, hardware_profile, global_batch, layout)
+        search.attach(result, count, shape, cluster, work, hardware_profile, global_batch, layout)
     return result
 
 
-def notes(best: dict | None, hw: dict, shape: dict, seq_len: int) -> list[str]:
+def notes(best: dict | None, cluster: Cluster, shape: dict, seq_len: int) -> list[str]:
     out = []
     if shape["max_positions"] and seq_len > shape["max_positions"]:
         out.append(f"seq_len {seq_len} is beyond the model's max_position_embeddings {shape['max_positions']}")
     if not best:
         return out
     cpu = best["memory"]["cpu_bytes_per_node"]
-    if cpu and hw["cpu_mem_bytes"] is None:
+    if cpu and cluster.cpu_mem_bytes is None:
         out.append(f"CPU RAM not given: {best['recipe']} needs >= {gb(cpu / (1 - RESERVE_FRACTION))} per node "
                    f"for the offloaded states (pass --cpu-mem to check)")
-    if hw["nodes"] > 1:
-        out.append(f"the launch line reads ./hostfile: one line per node, '<host> slots={hw['gpus_per_node']}' "
+    if cluster.nodes > 1:
+        out.append(f"the launch line reads ./hostfile: one line per node, '<host> slots={cluster.gpus_per_node}' "
                    "(docker/README.md; without ssh: --no_ssh --node_rank N on each node)")
     if best["offload_optimizer"] == "nvme" or best["offload_param"] == "nvme":
         out.append("set zero.nvme_path to a directory on a local NVMe drive (--set zero.nvme_path=/local_nvme)")

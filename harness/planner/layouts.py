@@ -10,10 +10,9 @@ import shlex
 from dataclasses import dataclass
 
 from harness.planner import comm, memory, moe, pipeline, sequence
-from harness.planner.activations import TILE_TOKENS
+from harness.planner.inputs import Cluster, Workload
 from harness.planner.params import ParamCount
 
-RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS
 PP_MICRO_BATCHES_PER_STAGE = 4  # m = 4p keeps the bubble (p-1)/(m+p-1) under 20%
 
 
@@ -49,8 +48,8 @@ class Candidate:
         parts += {"checkpoint": ["ckpt"], "offload": ["ckpt->cpu"]}.get(self.act, [])
         return " ".join(parts)
 
-    def checkpointing(self, work: dict) -> bool:
-        return bool(self.act) or work["activation_checkpointing"]
+    def checkpointing(self, work: Workload) -> bool:
+        return bool(self.act) or work.activation_checkpointing
 
 
 def long_context_rung(gpus_per_node: int, shape: dict, offload: bool = True) -> list[Candidate]:
@@ -125,11 +124,11 @@ def micro_batches(c: Candidate, grad_accum: int) -> int:
     return grad_accum
 
 
-def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict) -> dict:
+def evaluate(c: Candidate, count: ParamCount, shape: dict, cluster: Cluster, work: Workload) -> dict:
     """Memory per rank, traffic per step and the verdict for one candidate."""
-    world = hw["gpus_per_node"] * hw["nodes"]
+    world = cluster.gpus_per_node * cluster.nodes
     dp = world // (c.tp * c.pp)
-    m = micro_batches(c, work["grad_accum"])
+    m = micro_batches(c, work.grad_accum)
     params, layers = rank_params(c, count)
     buckets = memory.harness_buckets(shape["hidden_size"])
     persistent = count.persistent_numel(buckets.param_persistence_threshold) if c.stage == 3 else 0
@@ -138,7 +137,7 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
         largest_layer = max(largest_layer, count.moe_block)
     if c.tp > 1:  # block matrices are split; the embedding and head are not
         largest_layer = max(count.largest_layer // c.tp, shape["vocab_size"] * shape["hidden_size"])
-    common = dict(stage=c.stage, dp=dp, precision=work["precision"], offload_optimizer=c.offload_optimizer,
+    common = dict(stage=c.stage, dp=dp, precision=work.precision, offload_optimizer=c.offload_optimizer,
                   offload_param=c.offload_param, **count.lora_state_args(layers, c.tp))
     def states_at(phase: str) -> dict:
         if c.ep > 1:
@@ -167,8 +166,8 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
             "gpu_bytes": memory.training_peak(states_at, acts["total"]),
             "gpu_backward_bytes": memory.by_device(states_at("backward"))["gpu"] + acts["total"],
             "gpu_step_bytes": memory.by_device(states_at("step"))["gpu"],
-            "cpu_bytes_per_rank": device["cpu"], "cpu_bytes_per_node": device["cpu"] * hw["gpus_per_node"],
-            "nvme_bytes_per_node": device["nvme"] * hw["gpus_per_node"],
+            "cpu_bytes_per_rank": device["cpu"], "cpu_bytes_per_node": device["cpu"] * cluster.gpus_per_node,
+            "nvme_bytes_per_node": device["nvme"] * cluster.gpus_per_node,
             "seed_model_states": memory.by_device(seed),
         },
         "comm": _comm(c, count, params, layers, dp, m, persistent, shape, work),
@@ -182,30 +181,30 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
     if c.pp > 1:  # every stage, so the text can show which one is the largest
         result["stages"] = [{k: s[k] for k in ("stage", "layers", "blocks", "params")}
                             for s in pipeline.stages(count, c.pp, "parameters", c.tp)]
-    result.update(_verdict(c, result["memory"], shape, hw))
-    if result["applicable"] and work["seq_len"] % c.sp:
-        result.update(applicable=False, fits=False, why_not=f"seq_len {work['seq_len']} does not divide by sp {c.sp}")
-    if result["applicable"] and c.sp > 1 and work.get("attention") == "eager":
+    result.update(_verdict(c, result["memory"], shape, cluster))
+    if result["applicable"] and work.seq_len % c.sp:
+        result.update(applicable=False, fits=False, why_not=f"seq_len {work.seq_len} does not divide by sp {c.sp}")
+    if result["applicable"] and c.sp > 1 and work.attention == "eager":
         result.update(applicable=False, fits=False, why_not="eager attention is refused under sp (an S^2 float mask)")
     return result
 
 
-def activations(c: Candidate, shape: dict, work: dict, layers: int, in_flight: int = 1) -> dict:
+def activations(c: Candidate, shape: dict, work: Workload, layers: int, in_flight: int = 1) -> dict:
     """memory.activation_bytes for this layout and workload (its sp, tiling, checkpointing, attention)."""
     return memory.activation_bytes(
-        shape, seq_len=work["seq_len"], micro_batch=work["micro_batch"], precision=work["precision"],
+        shape, seq_len=work.seq_len, micro_batch=work.micro_batch, precision=work.precision,
         activation_checkpointing=c.checkpointing(work), tp=c.tp, num_layers=layers, micro_batches_in_flight=in_flight,
-        sp=c.sp, tiled_mlp=c.tiled, tiled_loss=c.tiled, attention=work.get("attention", "flash"),
-        offload=c.act == "offload", tile_tokens=work.get("tile_tokens", TILE_TOKENS))
+        sp=c.sp, tiled_mlp=c.tiled, tiled_loss=c.tiled, attention=work.attention,
+        offload=c.act == "offload", tile_tokens=work.tile_tokens)
 
 
 def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m: int, persistent: int,
-          shape: dict, work: dict) -> dict:
-    prec, seq, mb = work["precision"], work["seq_len"], work["micro_batch"]
+          shape: dict, work: Workload) -> dict:
+    prec, seq, mb = work.precision, work.seq_len, work.micro_batch
     if c.ep > 1:
         rows = comm.comm_rows(moe.comm_groups(
             count, ep=c.ep, stage=c.stage, dp=dp, precision=prec, grad_accum=m, hidden=shape["hidden_size"],
-            seq_len=seq, micro_batch=mb, activation_checkpointing=work["activation_checkpointing"]))
+            seq_len=seq, micro_batch=mb, activation_checkpointing=work.activation_checkpointing))
         return {"rows": rows, "wire_bytes": sum(r["wire_bytes"] for r in rows),
                 "logged_bytes": sum(r["logged_bytes"] for r in rows)}
     groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, dp=dp, precision=prec, grad_accum=m,
@@ -215,11 +214,11 @@ def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m:
     if c.tp > 1:
         groups["tp"] = ({"all_reduce": pipeline.tp_allreduce_bytes(
             shape, tp=c.tp, blocks=layers, seq_len=seq, micro_batch=mb, micro_batches=m, precision=prec,
-            activation_checkpointing=work["activation_checkpointing"])}, c.tp)
+            activation_checkpointing=work.activation_checkpointing)}, c.tp)
     if c.pp > 1:  # a middle stage (two neighbours) when there is one
         middle = 1 if c.pp > 2 else 0
         p2p = pipeline.p2p_bytes(shape, stage=middle, pp=c.pp, seq_len=seq, micro_batch=mb, micro_batches=m,
-                                 precision=prec, tp=c.tp, position_ids=work.get("packing", "document") == "document")
+                                 precision=prec, tp=c.tp, position_ids=work.packing == "document")
         gathers = p2p.pop("all_gather_into_tensor", 0)
         groups["pp"] = (p2p, c.pp)
         if gathers:
@@ -236,25 +235,25 @@ def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m:
             "logged_bytes": sum(r["logged_bytes"] for r in rows)}
 
 
-def _verdict(c: Candidate, mem: dict, shape: dict, hw: dict) -> dict:
+def _verdict(c: Candidate, mem: dict, shape: dict, cluster: Cluster) -> dict:
     reasons = []
     reason = not_applicable(c, shape)
     if reason:
         return {"applicable": False, "fits": False, "why_not": reason}
-    usable_gpu = hw["usable_gpu_bytes"]
+    usable_gpu = cluster.usable_gpu_bytes
     if mem["gpu_bytes"] > usable_gpu:
         acts = mem["activations"]["total"]
         reasons.append(f"GPU: needs {gb(mem['gpu_bytes'])} > {gb(usable_gpu)} usable (backward: model states "
                        f"{gb(mem['gpu_backward_bytes'] - acts)} + activations {gb(acts)}; optimizer step "
                        f"{gb(mem['gpu_step_bytes'])})")
     cpu = mem["cpu_bytes_per_node"]
-    if cpu and hw["usable_cpu_bytes"] is not None and cpu > hw["usable_cpu_bytes"]:
-        reasons.append(f"CPU RAM: needs {gb(cpu)}/node for offload > {gb(hw['usable_cpu_bytes'])} usable")
+    if cpu and cluster.usable_cpu_bytes is not None and cpu > cluster.usable_cpu_bytes:
+        reasons.append(f"CPU RAM: needs {gb(cpu)}/node for offload > {gb(cluster.usable_cpu_bytes)} usable")
     nvme = mem["nvme_bytes_per_node"]
-    if nvme and hw["usable_nvme_bytes"] is None:
+    if nvme and cluster.usable_nvme_bytes is None:
         reasons.append(f"NVMe: needs {gb(nvme)}/node, none given (--nvme)")
-    elif nvme and nvme > hw["usable_nvme_bytes"]:
-        reasons.append(f"NVMe: needs {gb(nvme)}/node > {gb(hw['usable_nvme_bytes'])} usable")
+    elif nvme and nvme > cluster.usable_nvme_bytes:
+        reasons.append(f"NVMe: needs {gb(nvme)}/node > {gb(cluster.usable_nvme_bytes)} usable")
     return {"applicable": True, "fits": not reasons, "why_not": "; ".join(reasons) or None}
 
 
@@ -266,12 +265,12 @@ def gb(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
-def overrides(c: Candidate, result: dict, work: dict) -> dict:
+def overrides(c: Candidate, result: dict, work: Workload) -> dict:
     """The runner's --set overrides that reproduce this plan with the named recipe."""
     # All three batch keys: a recipe may pin the global batch (zero2_offload: 256), and "auto" derives
     # it from micro x accum x data-parallel size for the world the launch finds.
-    out = {"batch.micro_batch_per_gpu": work["micro_batch"], "batch.grad_accum_steps": result["micro_batches"],
-           "batch.train_batch_size": "auto", "train.seq_len": work["seq_len"], "precision": work["precision"]}
+    out = {"batch.micro_batch_per_gpu": work.micro_batch, "batch.grad_accum_steps": result["micro_batches"],
+           "batch.train_batch_size": "auto", "train.seq_len": work.seq_len, "precision": work.precision}
     if c.checkpointing(work):
         out["activation_checkpointing"] = True
     if c.sp > 1:  # sp-core's keys (issue #24)
@@ -295,20 +294,14 @@ def overrides(c: Candidate, result: dict, work: dict) -> dict:
     return out
 
 
-def launch_command(recipe: str, model_name: str, hw: dict, sets: dict) -> str:
-    head = f"harness launch --num_gpus {hw['gpus_per_node']}"  # `deepspeed` that is safe to signal (README)
-    if hw["nodes"] > 1:  # DeepSpeed's pdsh launcher: the other nodes' ranks cannot report to `harness launch`
-        head = f"deepspeed --hostfile hostfile --num_nodes {hw['nodes']} --num_gpus {hw['gpus_per_node']}"
+def launch_command(recipe: str, model_name: str, cluster: Cluster, sets: dict) -> str:
+    head = f"harness launch --num_gpus {cluster.gpus_per_node}"  # `deepspeed` that is safe to signal (README)
+    if cluster.nodes > 1:  # DeepSpeed's pdsh launcher: the other nodes' ranks cannot report to `harness launch`
+        head = f"deepspeed --hostfile hostfile --num_nodes {cluster.nodes} --num_gpus {cluster.gpus_per_node}"
     args = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items())
     return f"{head} harness/run.py --recipe {recipe} --model {shlex.quote(model_name)} {args}"
 
 
 def hardware(gpus_per_node: int, nodes: int, gpu_mem_bytes: int, cpu_mem_bytes: int | None,
-             nvme_bytes: int | None) -> dict:
-    def usable(nbytes):
-        return None if nbytes is None else int(nbytes * (1 - RESERVE_FRACTION))
-
-    return {"gpus_per_node": gpus_per_node, "nodes": nodes, "world": gpus_per_node * nodes,
-            "gpu_mem_bytes": gpu_mem_bytes, "cpu_mem_bytes": cpu_mem_bytes, "nvme_bytes": nvme_bytes,
-            "usable_gpu_bytes": usable(gpu_mem_bytes), "usable_cpu_bytes": usable(cpu_mem_bytes),
-            "usable_nvme_bytes": usable(nvme_bytes), "reserve_fraction": RESERVE_FRACTION}
+             nvme_bytes: int | None) -> Cluster:
+    return Cluster(gpus_per_node, nodes, gpu_mem_bytes, cpu_mem_bytes, nvme_bytes)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from harness.config.run_model import RunModel
 from harness.planner import layouts, rank, steptime
+from harness.planner.inputs import Cluster, Workload
 from harness.planner.params import count_params, model_shape
 
 
@@ -32,17 +33,15 @@ def candidate(run: RunModel) -> layouts.Candidate:
     return layouts.Candidate(recipe, z.stage, opt, z.offload_param, d.tp, d.pp, d.sp, seq.tiled_mlp, act, d.ep)
 
 
-def workload(run: RunModel) -> dict:
+def workload(run: RunModel) -> Workload:
     """The planner's workload of this run: its batch, sequence handling and precision."""
     seq, b = run.sequence, run.batch
-    return {"seq_len": seq.seq_len, "micro_batch": b.micro_batch, "grad_accum": b.grad_accum,
-            "precision": run.precision, "global_batch": b.micro_batch * b.grad_accum * run.degrees.dp,
-            "activation_checkpointing": seq.activation_checkpointing,
-            "attention": rank.attention_kind(seq, run.degrees.sp), "tile_tokens": seq.tile_tokens,
-            "packing": seq.packing}
+    return Workload(seq.seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
+                    attention=rank.attention_kind(seq, run.degrees.sp), packing=seq.packing,
+                    global_batch=b.micro_batch * b.grad_accum * run.degrees.dp, tile_tokens=seq.tile_tokens)
 
 
-def evaluate(run: RunModel, cluster: dict | None = None, profile: dict | None = None,
+def evaluate(run: RunModel, cluster: Cluster | None = None, profile: dict | None = None,
              live: rank.LiveFacts | None = None) -> Prediction:
     """Memory per rank and comm per step of the run's layout on `cluster` (layouts.hardware), its step time on
     `profile` (planner/hardware.py), and with `live` this rank's own prediction (a pipeline rank's by its stage).

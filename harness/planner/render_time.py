@@ -43,8 +43,8 @@ def seq_text(tokens: int | None) -> str:
 def profile_line(plan) -> str:
     p, w = plan.profile, plan.workload
     return (f"time      hardware profile {p['name']} (gemm efficiency {p['gemm_efficiency']:.2f}; --hardware NAME|FILE, "
-            f"`harness calibrate`); global batch {w['global_batch']} x {w['seq_len']} = "
-            f"{w['global_batch'] * w['seq_len']:,} tokens per step")
+            f"`harness calibrate`); global batch {w.global_batch} x {w.seq_len} = "
+            f"{w.global_batch * w.seq_len:,} tokens per step")
 
 
 def ranking(plan, top: int = 5) -> list[str]:
