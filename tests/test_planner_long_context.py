@@ -161,11 +161,14 @@ def test_the_long_context_rung_comes_last_and_refuses_what_ulysses_cannot_split(
     sp2 = next(c for c in odd.candidates if c["label"] == "zero3 sp2 tiled ckpt")
     assert not sp2["applicable"] and sp2["why_not"] == "seq_len 250001 does not divide by sp 2"
     assert sp2["max_seq_len"] == rec["max_seq_len"]  # what it holds does not depend on the seq_len asked
-    assert sequence.sp_problem({"num_attention_heads": 12, "num_key_value_heads": 12}, 8) == \
+    def heads(q: int, kv: int):
+        return model_shape(cfg).but(num_attention_heads=q, num_key_value_heads=kv)
+
+    assert sequence.sp_problem(heads(12, 12), 8) == \
         "12 attention heads do not divide by sp 8"
-    assert sequence.sp_problem({"num_attention_heads": 24, "num_key_value_heads": 6}, 4) == \
+    assert sequence.sp_problem(heads(24, 6), 4) == \
         "6 kv heads: neither kv % sp nor sp % kv is 0 (sp 4)"
-    assert sequence.sp_degrees(6, {"num_attention_heads": 12, "num_key_value_heads": 4}) == [2]
+    assert sequence.sp_degrees(6, heads(12, 4)) == [2]
 
 
 def test_plan_a_million_tokens_on_eight_h100s_in_under_five_seconds():

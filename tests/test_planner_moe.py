@@ -83,7 +83,7 @@ def test_a_saved_config_counts_the_same():
     saved = transformers.AutoConfig.for_model(**cfg).to_dict()
     assert "num_experts" not in saved or saved["num_experts"] is None
     assert count_params(saved).total == count_params(cfg).total and count_params(saved).num_experts == 4
-    assert model_shape(saved)["num_experts"] == 4
+    assert model_shape(saved).num_experts == 4
 
 
 # name: published total, published active, the active figure's rounding unit, whether it counts the input embedding.
@@ -147,7 +147,7 @@ def test_zero3_gathered_bytes_count_the_passes_the_calls_do(name, gpus, passes):
             "grad_accum": 3, "global_batch": 12 * gpus})
     c = layouts.Candidate("zero3", 3)
     r = layouts.evaluate(c, count, shape, hw, work)
-    b = harness_buckets(shape["hidden_size"])
+    b = harness_buckets(shape.hidden_size)
     gathered = count.total - count.persistent_numel(b.param_persistence_threshold)
     persistent = count.total - gathered
     row = next(x for x in r["comm"]["rows"] if x["collective"] == "all_gather_into_tensor")

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.planner import longest, memory
-from harness.planner.inputs import RESERVE_FRACTION
+from harness.planner.inputs import RESERVE_FRACTION, Cluster, Workload
+from harness.planner.shape import ModelShape
 from harness.planner.layouts import Candidate, candidates, evaluate, gb, launch_command, overrides
-from harness.planner.inputs import Cluster, Workload
 from harness.planner.params import ParamCount
 
 @dataclass
@@ -54,7 +54,7 @@ class Plan:
         return out
 
 
-def evaluate_all(count: ParamCount, shape: dict, cluster: Cluster, work: Workload, model_name: str) -> list[dict]:
+def evaluate_all(count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload, model_name: str) -> list[dict]:
     out = []
     for c in candidates(cluster.world, cluster.gpus_per_node, count.num_layers, shape, work.activation_offload,
                         num_experts=count.num_experts):
@@ -65,7 +65,7 @@ def evaluate_all(count: ParamCount, shape: dict, cluster: Cluster, work: Workloa
     return out
 
 
-def missing(results: list[dict], count: ParamCount, shape: dict, cluster: Cluster, work: Workload) -> list[str]:
+def missing(results: list[dict], count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload) -> list[str]:
     """When nothing fits: what is short, with the amounts, and what would fix it."""
     usable = [r for r in results if r["applicable"]]
     gpu_ok = [r for r in usable if r["memory"]["gpu_bytes"] <= cluster.usable_gpu_bytes]
@@ -97,7 +97,8 @@ def missing(results: list[dict], count: ParamCount, shape: dict, cluster: Cluste
     return out
 
 
-def min_nodes_for_zero3(count: ParamCount, shape: dict, cluster: Cluster, work: Workload, limit: int = 4096) -> int | None:
+def min_nodes_for_zero3(count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload,
+                        limit: int = 4096) -> int | None:
     """Smallest node count (beyond the given) at which plain ZeRO-3 fits, by doubling then bisecting."""
     def fits(nodes: int) -> bool:
         return evaluate(Candidate("zero3", 3), count, shape, cluster.with_nodes(nodes), work)["fits"]
@@ -146,8 +147,8 @@ def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: 
 
     _check_inputs(gpus_per_node, nodes, gpu_mem_bytes, seq_len, micro_batch, precision, grad_accum)
     shape = model_shape(model_cfg)
-    if shape["learned_positions"] and shape["max_positions"] and seq_len > shape["max_positions"]:
-        raise ValueError(f"seq_len {seq_len} > the model's {shape['max_positions']} learned positions")
+    if shape.learned_positions and shape.max_positions and seq_len > shape.max_positions:
+        raise ValueError(f"seq_len {seq_len} > the model's {shape.max_positions} learned positions")
     count = count or count_params(model_cfg)
     cluster = Cluster(gpus_per_node, nodes, gpu_mem_bytes, cpu_mem_bytes, nvme_bytes)
     if expert_imbalance is not None and not expert_imbalance >= 1:
@@ -157,7 +158,8 @@ def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: 
     name = model_name or model_cfg.get("_name_or_path") or "MODEL"
     results = evaluate_all(count, shape, cluster, work, name)
     best = next((r for r in results if r["fits"]), None)
-    result = Plan(model={"name": name, "params": count.to_dict(), "shape": shape}, hardware=cluster, workload=work,
+    result = Plan(model={"name": name, "params": count.to_dict(), "shape": shape.to_dict()}, hardware=cluster,
+                  workload=work,
                   seed=seed_headline(count, cluster, precision), candidates=results, recommended=best,
                   missing=[] if best else missing(results, count, shape, cluster, work),
                   notes=notes(best, cluster, shape, seq_len))
@@ -168,10 +170,10 @@ def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: 
     return result
 
 
-def notes(best: dict | None, cluster: Cluster, shape: dict, seq_len: int) -> list[str]:
+def notes(best: dict | None, cluster: Cluster, shape: ModelShape, seq_len: int) -> list[str]:
     out = []
-    if shape["max_positions"] and seq_len > shape["max_positions"]:
-        out.append(f"seq_len {seq_len} is beyond the model's max_position_embeddings {shape['max_positions']}")
+    if shape.max_positions and seq_len > shape.max_positions:
+        out.append(f"seq_len {seq_len} is beyond the model's max_position_embeddings {shape.max_positions}")
     if not best:
         return out
     cpu = best["memory"]["cpu_bytes_per_node"]

@@ -75,3 +75,4 @@ class Cluster:
                 "gpu_mem_bytes": self.gpu_mem_bytes, "cpu_mem_bytes": self.cpu_mem_bytes, "nvme_bytes": self.nvme_bytes,
                 "usable_gpu_bytes": self.usable_gpu_bytes, "usable_cpu_bytes": self.usable_cpu_bytes,
                 "usable_nvme_bytes": self.usable_nvme_bytes, "reserve_fraction": self.reserve_fraction}
+

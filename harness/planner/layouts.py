@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from harness.planner import comm, memory, moe, pipeline, sequence
 from harness.planner.inputs import Cluster, Workload
+from harness.planner.shape import ModelShape
 from harness.planner.params import ParamCount
 
 PP_MICRO_BATCHES_PER_STAGE = 4  # m = 4p keeps the bubble (p-1)/(m+p-1) under 20%
@@ -52,7 +53,7 @@ class Candidate:
         return bool(self.act) or work.activation_checkpointing
 
 
-def long_context_rung(gpus_per_node: int, shape: dict, offload: bool = True) -> list[Candidate]:
+def long_context_rung(gpus_per_node: int, shape: ModelShape, offload: bool = True) -> list[Candidate]:
     """For a sequence one rank cannot hold, after every other rung: ZeRO-3 with activation checkpointing, then
     tiled MLP and loss, then Ulysses SP inside a node (each degree the heads allow), then the checkpointed
     activations offloaded to CPU RAM at each degree (ALST's order, arXiv 2506.13996 s3)."""
@@ -68,7 +69,7 @@ def candidate_of(r: dict) -> Candidate:
                      r.get("sp", 1), r.get("tiled", False), r.get("act", ""), r.get("ep", 1))
 
 
-def candidates(world: int, gpus_per_node: int, num_layers: int, shape: dict | None = None,
+def candidates(world: int, gpus_per_node: int, num_layers: int, shape: ModelShape | None = None,
                activation_offload: bool = True, num_experts: int = 0) -> list[Candidate]:
     """Every strategy in decision order (cheapest in traffic and complexity first); with the model's shape, the
     long-context rung last (activation_offload False: without its offload rows, e.g. on CPU ranks, where DeepSpeed's
@@ -88,21 +89,21 @@ def candidates(world: int, gpus_per_node: int, num_layers: int, shape: dict | No
     return out + (long_context_rung(gpus_per_node, shape, activation_offload) if shape else [])
 
 
-def not_applicable(c: Candidate, shape: dict) -> str | None:
+def not_applicable(c: Candidate, shape: ModelShape) -> str | None:
     """Why a split cannot be built for this model, or None (tensor parallel: the harness's own TP layers,
     model_shapes.tp_problems; a pipeline: the families harness/model/parallel/pipeline.py converts, and no
     more stages than blocks)."""
     from harness.model_shapes import PIPELINE_FAMILIES, tp_problems
 
     if c.ep > 1:
-        return moe.ep_problem(shape["model_type"], shape.get("num_experts", 0), c.ep)
-    problems = tp_problems(shape, c.tp)
+        return moe.ep_problem(shape.model_type, shape.num_experts, c.ep)
+    problems = tp_problems(shape.to_dict(), c.tp)
     if problems:
         return "; ".join(what for what, _ in problems)
     if sequence.sp_problem(shape, c.sp):
         return sequence.sp_problem(shape, c.sp)
-    if c.pp > 1 and shape["model_type"] not in PIPELINE_FAMILIES:
-        return f"the harness cannot split {shape['model_type']} models into pipeline stages"
+    if c.pp > 1 and shape.model_type not in PIPELINE_FAMILIES:
+        return f"the harness cannot split {shape.model_type} models into pipeline stages"
     return None
 
 
@@ -124,20 +125,20 @@ def micro_batches(c: Candidate, grad_accum: int) -> int:
     return grad_accum
 
 
-def evaluate(c: Candidate, count: ParamCount, shape: dict, cluster: Cluster, work: Workload) -> dict:
+def evaluate(c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload) -> dict:
     """Memory per rank, traffic per step and the verdict for one candidate."""
     world = cluster.gpus_per_node * cluster.nodes
-    dp = world // (c.tp * c.pp)
+    zero_shards = world // (c.tp * c.pp)  # ZeRO's group: the replicas and each one's sp ranks (Degrees.zero_shards)
     m = micro_batches(c, work.grad_accum)
     params, layers = rank_params(c, count)
-    buckets = memory.harness_buckets(shape["hidden_size"])
+    buckets = memory.harness_buckets(shape.hidden_size)
     persistent = count.persistent_numel(buckets.param_persistence_threshold) if c.stage == 3 else 0
     largest_layer = count.largest_layer
     if c.stage == 3 and count.moe_block:  # ZeRO-3 with leaves gathers a sparse block whole (moe.py)
         largest_layer = max(largest_layer, count.moe_block)
     if c.tp > 1:  # block matrices are split; the embedding and head are not
-        largest_layer = max(count.largest_layer // c.tp, shape["vocab_size"] * shape["hidden_size"])
-    common = dict(stage=c.stage, dp=dp, precision=work.precision, offload_optimizer=c.offload_optimizer,
+        largest_layer = max(count.largest_layer // c.tp, shape.vocab_size * shape.hidden_size)
+    common = dict(stage=c.stage, dp=zero_shards, precision=work.precision, offload_optimizer=c.offload_optimizer,
                   offload_param=c.offload_param, **count.lora_state_args(layers, c.tp))
     def states_at(phase: str) -> dict:
         if c.ep > 1:
@@ -150,14 +151,14 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, cluster: Cluster, wor
 
     states = states_at("peak")
     seed = memory.model_state_bytes(params, **common, convention="seed")
-    moe_shape = dict(shape, intermediate_size=moe.activation_width(count, shape["hidden_size"],
-                                                                   shape["intermediate_size"]))
+    moe_shape = shape.but(intermediate_size=moe.activation_width(count, shape.hidden_size,
+                                                                   shape.intermediate_size))
     acts = activations(c, moe_shape, work, layers, min(c.pp, m))
     device = memory.by_device(states)
     device["cpu"] += acts["cpu_offload"]
     result = {
         "recipe": c.recipe, "label": c.label, "zero_stage": c.stage, "offload_optimizer": c.offload_optimizer,
-        "offload_param": c.offload_param, "tp": c.tp, "pp": c.pp, "dp": dp, "micro_batches": m,
+        "offload_param": c.offload_param, "tp": c.tp, "pp": c.pp, "dp": zero_shards, "micro_batches": m,
         "sp": c.sp, "tiled": c.tiled, "act": c.act, "activation_offload_bytes_per_rank": acts["cpu_offload"],
         "params_per_rank": params, "trainable_per_rank": count.trainable_params(layers, c.tp) or params,
         "blocks_per_rank": layers, "bubble_fraction": pipeline.bubble_fraction(c.pp, m),
@@ -170,12 +171,12 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, cluster: Cluster, wor
             "nvme_bytes_per_node": device["nvme"] * cluster.gpus_per_node,
             "seed_model_states": memory.by_device(seed),
         },
-        "comm": _comm(c, count, params, layers, dp, m, persistent, shape, work),
+        "comm": _comm(c, count, params, layers, zero_shards, m, persistent, shape, work),
     }
     if count.num_experts:
         result["ep"] = c.ep
         result["moe"] = {"total_params": count.total, "active_params": count.active, "leaves": c.stage == 3,
-                         "optimizer_shard": moe.optimizer_shard(count, c.ep, c.stage, dp)}
+                         "optimizer_shard": moe.optimizer_shard(count, c.ep, c.stage, zero_shards)}
         if c.stage == 3:
             result["label"] = f"{c.label} leaves"
     if c.pp > 1:  # every stage, so the text can show which one is the largest
@@ -189,7 +190,7 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, cluster: Cluster, wor
     return result
 
 
-def activations(c: Candidate, shape: dict, work: Workload, layers: int, in_flight: int = 1) -> dict:
+def activations(c: Candidate, shape: ModelShape, work: Workload, layers: int, in_flight: int = 1) -> dict:
     """memory.activation_bytes for this layout and workload (its sp, tiling, checkpointing, attention)."""
     return memory.activation_bytes(
         shape, seq_len=work.seq_len, micro_batch=work.micro_batch, precision=work.precision,
@@ -198,19 +199,19 @@ def activations(c: Candidate, shape: dict, work: Workload, layers: int, in_fligh
         offload=c.act == "offload", tile_tokens=work.tile_tokens)
 
 
-def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m: int, persistent: int,
-          shape: dict, work: Workload) -> dict:
+def _comm(c: Candidate, count: ParamCount, params: int, layers: int, zero_shards: int, m: int, persistent: int,
+          shape: ModelShape, work: Workload) -> dict:
     prec, seq, mb = work.precision, work.seq_len, work.micro_batch
     if c.ep > 1:
         rows = comm.comm_rows(moe.comm_groups(
-            count, ep=c.ep, stage=c.stage, dp=dp, precision=prec, grad_accum=m, hidden=shape["hidden_size"],
+            count, ep=c.ep, stage=c.stage, dp=zero_shards, precision=prec, grad_accum=m, hidden=shape.hidden_size,
             seq_len=seq, micro_batch=mb, activation_checkpointing=work.activation_checkpointing))
         return {"rows": rows, "wire_bytes": sum(r["wire_bytes"] for r in rows),
                 "logged_bytes": sum(r["logged_bytes"] for r in rows)}
-    groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, dp=dp, precision=prec, grad_accum=m,
+    groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, dp=zero_shards, precision=prec, grad_accum=m,
                                               persistent_params=persistent,
                                               gathers_per_micro_step=comm.zero3_gathers(params - persistent),
-                                              trainable_params=count.trainable_params(layers, c.tp)), dp)}
+                                              trainable_params=count.trainable_params(layers, c.tp)), zero_shards)}
     if c.tp > 1:
         groups["tp"] = ({"all_reduce": pipeline.tp_allreduce_bytes(
             shape, tp=c.tp, blocks=layers, seq_len=seq, micro_batch=mb, micro_batches=m, precision=prec,
@@ -235,7 +236,7 @@ def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m:
             "logged_bytes": sum(r["logged_bytes"] for r in rows)}
 
 
-def _verdict(c: Candidate, mem: dict, shape: dict, cluster: Cluster) -> dict:
+def _verdict(c: Candidate, mem: dict, shape: ModelShape, cluster: Cluster) -> dict:
     reasons = []
     reason = not_applicable(c, shape)
     if reason:

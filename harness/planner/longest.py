@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from harness.planner import layouts
 from harness.planner.inputs import Cluster, Workload
+from harness.planner.shape import ModelShape
 
 LIMIT = 1 << 34  # 17 billion tokens: no layout is searched past this
 
 
-def max_seq_len(c: layouts.Candidate, count, shape: dict, cluster: Cluster, work: Workload) -> int:
+def max_seq_len(c: layouts.Candidate, count, shape: ModelShape, cluster: Cluster, work: Workload) -> int:
     """The longest seq_len (a multiple of c.sp) at which layout `c` fits with this workload's micro-batch and
     precision; 0 when not even sp tokens fit (or the layout does not apply). Learned positions cap it."""
     base = layouts.evaluate(c, count, shape, cluster, work.but(seq_len=c.sp))
@@ -35,8 +36,8 @@ def max_seq_len(c: layouts.Candidate, count, shape: dict, cluster: Cluster, work
         return states_gpu + acts["total"] <= usable and cpu_ok
 
     cap = LIMIT // c.sp
-    if shape.get("learned_positions") and shape.get("max_positions"):
-        cap = min(cap, shape["max_positions"] // c.sp)
+    if shape.learned_positions and shape.max_positions:
+        cap = min(cap, shape.max_positions // c.sp)
     if cap < 1 or not fits(1):
         return 0
     lo, hi = 1, 2
@@ -49,7 +50,7 @@ def max_seq_len(c: layouts.Candidate, count, shape: dict, cluster: Cluster, work
     return lo * c.sp
 
 
-def attach(result: dict, count, shape: dict, cluster: Cluster, work: Workload) -> dict:
+def attach(result: dict, count, shape: ModelShape, cluster: Cluster, work: Workload) -> dict:
     """Add max_seq_len to an evaluated layout (layouts.evaluate's dict) and return it."""
     result["max_seq_len"] = max_seq_len(layouts.candidate_of(result), count, shape, cluster, work)
     return result

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from harness.config.run_model import ZeroBuckets
 from harness.planner import activations as la
+from harness.planner.shape import ModelShape
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32_BYTES = 4
@@ -122,7 +123,8 @@ def zero3_gathered_elems(gathered: int, largest_layer: int, b: ZeroBuckets) -> i
     later modules hold fewer than max_reuse_distance / 2 elements (forward, then again backward) stays gathered
     until its backward: the model's tail of max_reuse_distance / 2 elements (all of a model under 0.5B
     parameters with the default 1e9), plus the module being gathered and the prefetch bucket beyond it.
-    Measured: this is also why a small model is all-gathered once per micro-step, not twice (rank.gathers_per_micro_step)."""
+    Measured: this is also why a small model is all-gathered once per micro-step, not twice
+    (rank.gathers_per_micro_step)."""
     retained = min(gathered, b.max_reuse_distance_elems // 2)
     return min(gathered, retained + largest_layer + b.prefetch_bucket_elems)
 
@@ -233,21 +235,21 @@ def by_device(terms: dict[str, dict[str, int]]) -> dict[str, int]:
     return {d: sum(t[d] for t in terms.values()) for d in DEVICES}
 
 
-def _layer_token_elems(shape: dict, tp: int) -> float:
+def _layer_token_elems(shape: ModelShape, tp: int) -> float:
     """Elements saved for backward per token in one block (sdpa/flash attention: no seq x seq scores).
 
     Replicated across tensor-parallel ranks: the norm inputs and outputs that feed the projections.
     Split by tp: q, k, v, attention output and the MLP's intermediate tensors.
     """
-    h, inter = shape["hidden_size"], shape["intermediate_size"]
-    kv_dim = shape["num_key_value_heads"] * shape["head_dim"]
-    if shape["model_type"] == "gpt2":  # ln_1/c_attn in, ln_2/c_fc in | qkv, attn out, fc out, gelu out
+    h, inter = shape.hidden_size, shape.intermediate_size
+    kv_dim = shape.num_key_value_heads * shape.head_dim
+    if shape.model_type == "gpt2":  # ln_1/c_attn in, ln_2/c_fc in | qkv, attn out, fc out, gelu out
         return 4 * h + (4 * h + 2 * inter) / tp
     # input/post-attention norm in+out | q, k, v, attention out | gate, up, act(gate), act*up
     return 4 * h + (2 * h + 2 * kv_dim + 4 * inter) / tp
 
 
-def activation_bytes(shape: dict, *, seq_len: int, micro_batch: int, precision: str,
+def activation_bytes(shape: ModelShape, *, seq_len: int, micro_batch: int, precision: str,
                      activation_checkpointing: bool, tp: int = 1, num_layers: int | None = None,
                      micro_batches_in_flight: int = 1, with_logits: bool = True, sp: int = 1, tiled_mlp: bool = False,
                      tiled_loss: bool = False, attention: str = "flash", offload: bool = False,
@@ -264,13 +266,13 @@ def activation_bytes(shape: dict, *, seq_len: int, micro_batch: int, precision: 
     """
     lp = PRECISION_BYTES[precision]
     tokens = la.tokens_per_rank(seq_len, micro_batch, sp)
-    layers = shape["num_hidden_layers"] if num_layers is None else num_layers
+    layers = shape.num_hidden_layers if num_layers is None else num_layers
     elems = _layer_token_elems(shape, tp) + la.sp_token_elems(shape, tp, sp)
     elems -= la.mlp_token_elems(shape, tp) if tiled_mlp else 0
     per_layer = int(tokens * lp * elems) + la.scores_bytes(shape, attention, seq_len, sp, micro_batch, lp, tp)
-    if shape.get("dropout_masks"):  # bool masks after attention and MLP (GPT-2's resid_pdrop)
-        per_layer += 2 * tokens * shape["hidden_size"]
-    block_input = tokens * lp * shape["hidden_size"]
+    if shape.dropout_masks:  # bool masks after attention and MLP (GPT-2's resid_pdrop)
+        per_layer += 2 * tokens * shape.hidden_size
+    block_input = tokens * lp * shape.hidden_size
     if activation_checkpointing:
         stored, recompute = layers * block_input * micro_batches_in_flight, per_layer
     else:

@@ -30,6 +30,7 @@ Traffic per step (logged bytes, comms-logger convention), A = micro x seq x hidd
 
 from __future__ import annotations
 
+from harness.planner.shape import ModelShape
 from harness.planner.memory import FP32_BYTES, PRECISION_BYTES
 from harness.planner.params import ParamCount
 
@@ -144,12 +145,12 @@ def stages(count: ParamCount, pp: int, method: str = "parameters", tp: int = 1,
     return out
 
 
-def activation_elems(shape: dict, seq_len: int, micro_batch: int) -> int:
+def activation_elems(shape: ModelShape, seq_len: int, micro_batch: int) -> int:
     """Elements of the hidden states crossing a stage boundary per micro-batch."""
-    return micro_batch * seq_len * shape["hidden_size"]
+    return micro_batch * seq_len * shape.hidden_size
 
 
-def p2p_bytes(shape: dict, *, stage: int, pp: int, seq_len: int, micro_batch: int, micro_batches: int,
+def p2p_bytes(shape: ModelShape, *, stage: int, pp: int, seq_len: int, micro_batch: int, micro_batches: int,
               precision: str, tp: int = 1, partitioned: bool = True, position_ids: bool = True) -> dict[str, int]:
     """Logged bytes per step of one rank of `stage`: send, recv and (3D) the tp all-gathers that rebuild
     partitioned activations. Steady state: the shape meta of the first step is left out. Under document packing
@@ -176,7 +177,7 @@ def p2p_bytes(shape: dict, *, stage: int, pp: int, seq_len: int, micro_batch: in
     return out
 
 
-def tp_allreduce_bytes(shape: dict, *, tp: int, blocks: int, seq_len: int, micro_batch: int, micro_batches: int,
+def tp_allreduce_bytes(shape: ModelShape, *, tp: int, blocks: int, seq_len: int, micro_batch: int, micro_batches: int,
                        precision: str, activation_checkpointing: bool = False) -> int:
     """Logged all-reduce bytes per step of one tensor-parallel rank holding `blocks` blocks: per block and
     micro-batch two in forward (after o_proj and down_proj), two in backward (the gradients of the column-

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 from harness.config.run_model import RunModel, Sequence
 from harness.planner import comm, memory, moe, pipeline, sequence
+from harness.planner.shape import ModelShape
 from harness.planner.params import count_params, model_shape, with_lora
 
 
@@ -104,7 +105,8 @@ def rank_prediction(run: RunModel, live: LiveFacts) -> dict:
                                            gathers_per_micro_step=gathers, trainable_params=live.trainable)
     if d.ep > 1 and live.experts:
         notes.append(f"expert parallel {d.ep}: {live.experts:,} expert parameters on this rank shard over "
-                     f"{max(1, dp // d.ep)} expert-data-parallel ranks (model states); the comm bytes count them over dp")
+                     f"{max(1, dp // d.ep)} expert-data-parallel ranks (model states); the comm bytes count them "
+                     "over dp")
     if z.stage == 3:
         notes.append(f"ZeRO-3 all-gathers parameters {gathers}x per micro-step "
                      f"({live.total - live.persistent:,} gathered params vs "
@@ -118,7 +120,7 @@ def rank_prediction(run: RunModel, live: LiveFacts) -> dict:
     return out
 
 
-def _add_activations(out: dict, run: RunModel, shape: dict, states) -> None:
+def _add_activations(out: dict, run: RunModel, shape: ModelShape, states) -> None:
     """The activations of the run's sequence handling, and the sp all-to-alls and tp all-reduces they cause."""
     seq, d, prec = run.sequence, run.degrees, run.precision
     micro, accum, ckpt = run.batch.micro_batch, run.batch.grad_accum, seq.activation_checkpointing
@@ -126,11 +128,11 @@ def _add_activations(out: dict, run: RunModel, shape: dict, states) -> None:
                                    activation_checkpointing=ckpt, tp=d.tp, **sequence_args(seq, d.sp))
     out["comm"].update(sequence.a2a_bytes_per_step(
         shape, seq_len=seq.seq_len, micro_batch=micro, micro_batches=accum, sp=d.sp,
-        blocks=shape["num_hidden_layers"], precision=prec, activation_checkpointing=ckpt))
+        blocks=shape.num_hidden_layers, precision=prec, activation_checkpointing=ckpt))
     out["activations"] = acts
     out["peak_total_bytes"] = memory.training_peak(lambda phase: states(run.zero.stage, phase), acts["total"])
     if d.tp > 1:
-        tp_comm = pipeline.tp_allreduce_bytes(shape, tp=d.tp, blocks=shape["num_hidden_layers"], seq_len=seq.seq_len,
+        tp_comm = pipeline.tp_allreduce_bytes(shape, tp=d.tp, blocks=shape.num_hidden_layers, seq_len=seq.seq_len,
                                               micro_batch=micro, micro_batches=accum, precision=prec,
                                               activation_checkpointing=ckpt)
         out["comm"]["all_reduce"] = out["comm"].get("all_reduce", 0) + tp_comm
@@ -156,7 +158,7 @@ def counted_tp(run: RunModel, count, parts: tuple[int, ...]) -> int:
     return 1
 
 
-def _pipe_comm(run: RunModel, count, shape: dict, mine: dict, trainable, live: LiveFacts) -> dict:
+def _pipe_comm(run: RunModel, count, shape: ModelShape, mine: dict, trainable, live: LiveFacts) -> dict:
     """Logged bytes per step of one pipeline rank by group: dp (at the step boundary), p2p, tp, tied embedding."""
     d, prec, stage = run.degrees, run.precision, live.pipe_stage
     seq_len, micro, m = run.sequence.seq_len, run.batch.micro_batch, run.batch.grad_accum

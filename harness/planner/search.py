@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from harness.planner import layouts, longest, steptime
 from harness.planner.inputs import Cluster, Workload
+from harness.planner.shape import ModelShape
 
 MAX_MICRO_BATCH = 64
 TOP = 5
@@ -30,7 +31,7 @@ def layout_work(work: Workload, micro_batch: int, ac: bool, dp: int) -> Workload
                 grad_accum=work.global_batch // (dp * micro_batch))
 
 
-def timed(c, count, shape: dict, cluster: Cluster, work: Workload, profile: dict, model_name: str) -> dict:
+def timed(c, count, shape: ModelShape, cluster: Cluster, work: Workload, profile: dict, model_name: str) -> dict:
     """layouts.evaluate plus the predicted step time, the batch split and the launch line of this layout."""
     result = layouts.evaluate(c, count, shape, cluster, work)
     result["time"] = steptime.step_time(c, count, shape, profile, cluster, work, result)
@@ -42,7 +43,8 @@ def timed(c, count, shape: dict, cluster: Cluster, work: Workload, profile: dict
     return result
 
 
-def _best_for(c, count, shape: dict, cluster: Cluster, work: Workload, profile: dict, model_name: str) -> list[dict]:
+def _best_for(c, count, shape: ModelShape, cluster: Cluster, work: Workload, profile: dict,
+              model_name: str) -> list[dict]:
     """The fastest fitting micro-batch of candidate `c`, with and without checkpointing."""
     dp = cluster.world // (c.tp * c.pp * c.sp)  # data-parallel replicas: each sequence spans sp ranks
     if work.global_batch % dp:
@@ -70,7 +72,7 @@ def _best_for(c, count, shape: dict, cluster: Cluster, work: Workload, profile: 
     return out
 
 
-def search(count, shape: dict, cluster: Cluster, work: Workload, profile: dict, model_name: str) -> list[dict]:
+def search(count, shape: ModelShape, cluster: Cluster, work: Workload, profile: dict, model_name: str) -> list[dict]:
     """Every fitting layout (best micro-batch per strategy and checkpointing), fastest first."""
     found = []
     for c in layouts.candidates(cluster.world, cluster.gpus_per_node, count.num_layers, shape,
@@ -123,14 +125,15 @@ def candidate_for(zero: int, offload: str, tp: int, pp: int, ep: int = 1) -> "la
     return layouts.Candidate("ddp" if zero == 0 else f"zero{zero}", zero)
 
 
-def evaluate_layout(layout: dict, count, shape: dict, cluster: Cluster, work: Workload, profile: dict, model_name: str) -> dict:
+def evaluate_layout(layout: dict, count, shape: ModelShape, cluster: Cluster, work: Workload, profile: dict,
+                    model_name: str) -> dict:
     """One layout given exactly: memory, verdict and step time; evaluated even when it does not fit."""
     from harness.errors import UsageError
 
     c = candidate_for(layout["zero"], layout["offload"], layout["tp"], layout["pp"], layout.get("ep", 1))
     from harness.planner.moe import ep_problem
 
-    problem = ep_problem(shape["model_type"], shape.get("num_experts", 0), c.ep, cluster.world)
+    problem = ep_problem(shape.model_type, shape.num_experts, c.ep, cluster.world)
     if problem:
         raise UsageError(f"--ep {c.ep}: {problem}")
     if cluster.world % (c.tp * c.pp):
@@ -152,7 +155,7 @@ def evaluate_layout(layout: dict, count, shape: dict, cluster: Cluster, work: Wo
     return r
 
 
-def attach(plan, count, shape: dict, cluster: Cluster, work: Workload, profile: dict, global_batch: int | None,
+def attach(plan, count, shape: ModelShape, cluster: Cluster, work: Workload, profile: dict, global_batch: int | None,
            layout: dict | None) -> None:
     """Add the step-time model's view to a Plan: the ranked layouts, the fastest as the recommendation, the
     seeds' first fit timed at the same global batch with the speed ratio, or one evaluated layout."""
@@ -169,7 +172,7 @@ def attach(plan, count, shape: dict, cluster: Cluster, work: Workload, profile: 
     first = plan.recommended
     if first is not None:
         c = layouts.candidate_of(first)
-        dp = first["dp"] // c.sp
+        dp = first["dp"] // c.sp  # a result's "dp" is ZeRO's group (replicas x sp): the replicas
         if gb % (dp * work.micro_batch) == 0:
             plan.first_fit = timed(c, count, shape, cluster, layout_work(base, work.micro_batch,
                                                                      work.activation_checkpointing, dp),

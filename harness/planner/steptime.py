@@ -72,6 +72,7 @@ from __future__ import annotations
 
 from harness.planner import collectives, comm, hardware, memory, sequence
 from harness.planner.inputs import Cluster, Workload
+from harness.planner.shape import ModelShape
 from harness.planner.memory import PRECISION_BYTES
 
 OPT_STATE_READ_BYTES = 16  # fp32 master, exp_avg, exp_avg_sq, fp32 gradient
@@ -84,40 +85,40 @@ MASKED = ("sdpa", "eager")  # attention given a materialised s x s mask (planner
 MASKED_DEFAULT = 2.0  # every score against the causal kernel's half, where the profile did not measure it
 
 
-def block_flops_per_token(count, shape: dict, seq_len: int, tp: int, masked: float = 1.0) -> float:
+def block_flops_per_token(count, shape: ModelShape, seq_len: int, tp: int, masked: float = 1.0) -> float:
     """Forward FLOPs of one block per token on one tensor-parallel rank, in causal-kernel equivalents. `masked`:
     the attention gets a materialised s x s mask (sdpa with the document mask, the harness's document_sdpa,
     eager), so its kernel computes every score and reads the mask, where the causal mask-free kernel `harness
     calibrate` times for the efficiency (and every causal flash kernel) skips the upper half: the attention term
     is multiplied by the profile's masked_attention_factor (calibrate measures it: masked over causal sdpa
     forward + backward at the model's shape; 2.98 on this CPU, torch 2.13, s 4096, 2 heads of 16), default 2."""
-    d_attn = shape["num_attention_heads"] * shape["head_dim"]
+    d_attn = shape.num_attention_heads * shape.head_dim
     attention = 4 * seq_len * d_attn / tp * masked
     return 2 * count.block_active(tp) + attention  # MoE: the parameters a token goes through
 
 
-def head_flops_per_token(shape: dict) -> float:
-    return 2 * shape["hidden_size"] * shape["vocab_size"]
+def head_flops_per_token(shape: ModelShape) -> float:
+    return 2 * shape.hidden_size * shape.vocab_size
 
 
-def model_flops_per_step(count, shape: dict, seq_len: int, tokens: int) -> float:
+def model_flops_per_step(count, shape: ModelShape, seq_len: int, tokens: int) -> float:
     """Training model FLOPs per step (forward + backward, no recompute), the whole model."""
     blocks = count.num_layers * block_flops_per_token(count, shape, seq_len, 1)
     return 3 * tokens * (blocks + head_flops_per_token(shape))
 
 
-def elementwise_bytes_per_token(shape: dict, work: Workload, tp: int) -> float:
+def elementwise_bytes_per_token(shape: ModelShape, work: Workload, tp: int) -> float:
     """Bytes of activations one block writes per token in forward (memory.py's count of what backward keeps;
     with attention "materialized", Megatron's s x s scores: softmax output, dropout mask and output, 5 a s
     bytes, Korthikanti et al. 2205.05198 eq. 1)."""
     from harness.planner.memory import _layer_token_elems
 
     lp = PRECISION_BYTES[work.precision]
-    scores = 5 * shape["num_attention_heads"] * work.seq_len / tp if work.attention == "materialized" else 0
+    scores = 5 * shape.num_attention_heads * work.seq_len / tp if work.attention == "materialized" else 0
     return lp * _layer_token_elems(shape, tp) + scores
 
 
-def compute_s(count, shape: dict, profile: dict, work: Workload, tp: int, blocks: int, head: bool) -> dict:
+def compute_s(count, shape: ModelShape, profile: dict, work: Workload, tp: int, blocks: int, head: bool) -> dict:
     """Forward, backward and recompute seconds of one micro-batch on one rank holding `blocks` blocks: the
     matmuls at the achieved FLOP/s plus the memory-bound elementwise work (norms, activations, softmax,
     dropout), which reads and writes every saved activation: written in forward, read and its gradient
@@ -137,17 +138,18 @@ def compute_s(count, shape: dict, profile: dict, work: Workload, tp: int, blocks
     return {"forward": fwd / rate + elem, "backward": (2 * fwd - frozen) / rate + 2 * elem, "recompute": recompute}
 
 
-def head_params(shape: dict, tp: int) -> float:
-    return shape["hidden_size"] * shape["vocab_size"] / tp
+def head_params(shape: ModelShape, tp: int) -> float:
+    return shape.hidden_size * shape.vocab_size / tp
 
 
 def _placement(c, cluster: Cluster) -> dict[str, tuple[int, bool]]:
     """(stride, spans nodes?) per group name used in the comm rows."""
-    gpn, dp = cluster.gpus_per_node, cluster.world // (c.tp * c.pp)
-    strides = {"tp": 1, "tp-pipe": 1, "dp": c.tp, "pp": c.tp * dp, "pp-tied": c.tp * dp * max(c.pp - 1, 1), "sp": 1,
+    gpn, shards = cluster.gpus_per_node, cluster.world // (c.tp * c.pp)  # the "dp" group: ZeRO's, sp ranks included
+    strides = {"tp": 1, "tp-pipe": 1, "dp": c.tp, "pp": c.tp * shards, "pp-tied": c.tp * shards * max(c.pp - 1, 1),
+               "sp": 1,
                "ep": 1, "edp": c.ep}  # expert parallel: ep neighbouring ranks; the same experts every ep-th rank
-    sizes = {"tp": c.tp, "tp-pipe": c.tp, "dp": dp, "pp": c.pp, "pp-tied": 2, "sp": c.sp, "ep": c.ep,
-             "edp": dp // c.ep}
+    sizes = {"tp": c.tp, "tp-pipe": c.tp, "dp": shards, "pp": c.pp, "pp-tied": 2, "sp": c.sp, "ep": c.ep,
+             "edp": shards // c.ep}
     return {g: (strides[g], collectives.spans_nodes(strides[g], sizes[g], gpn)) for g in strides}
 
 
@@ -244,20 +246,21 @@ def _offload_s(c, profile: dict, cluster: Cluster, work: Workload, shard: int, m
     return out
 
 
-def _stage_compute(c, count, shape: dict, profile: dict, work: Workload, result: dict, stage_blocks) -> dict:
+def _stage_compute(c, count, shape: ModelShape, profile: dict, work: Workload, result: dict, stage_blocks) -> dict:
     """Compute of one micro-batch on the slowest stage (the last holds the LM head)."""
     if c.pp == 1:
         return compute_s(count, shape, profile, work, c.tp, count.num_layers, True)
     return max(stage_computes(c, count, shape, profile, work, result, stage_blocks), key=lambda t: sum(t.values()))
 
 
-def stage_computes(c, count, shape: dict, profile: dict, work: Workload, result: dict, stage_blocks=None) -> list[dict]:
+def stage_computes(c, count, shape: ModelShape, profile: dict, work: Workload, result: dict,
+                   stage_blocks=None) -> list[dict]:
     """Compute of one micro-batch on every pipeline stage."""
     blocks = stage_blocks or [s["blocks"] for s in result["stages"]]
     return [compute_s(count, shape, profile, work, c.tp, b, i == len(blocks) - 1) for i, b in enumerate(blocks)]
 
 
-def step_time(c, count, shape: dict, profile: dict, cluster: Cluster, work: Workload, result: dict, *,
+def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work: Workload, result: dict, *,
               interleave: int = 1, stage_blocks: list[int] | None = None) -> dict:
     """Predicted seconds per optimizer step of layout `c` (a layouts.Candidate) with `result` its memory and
     comm evaluation (layouts.evaluate): the total, tokens/s per GPU, MFU and the breakdown."""
@@ -284,7 +287,7 @@ def step_time(c, count, shape: dict, profile: dict, cluster: Cluster, work: Work
         if send:
             per_message = dict(send, logged_bytes=send["logged_bytes"] / (m * _neighbours(c.pp)))
             p2p_s = 2 * (m + c.pp - 1) * _row_s(profile, per_message, place["pp"][1])
-    buckets = memory.harness_buckets(shape["hidden_size"])
+    buckets = memory.harness_buckets(shape.hidden_size)
     buckets_bytes = PRECISION_BYTES[work.precision] * buckets.reduce_bucket_elems
     blocks = result.get("blocks_per_rank", count.num_layers)
     gathers = comm.zero3_gathers(result["params_per_rank"])  # as layouts._comm counts the gathered bytes
@@ -338,9 +341,9 @@ def _sequence_work(c, work: Workload) -> Workload:
     return work.but(micro_batch=work.micro_batch / c.sp, activation_checkpointing=c.checkpointing(work))
 
 
-def tiled_mlp_recompute_s(shape: dict, profile: dict, work: Workload, tp: int, blocks: int) -> float:
+def tiled_mlp_recompute_s(shape: ModelShape, profile: dict, work: Workload, tp: int, blocks: int) -> float:
     """The MLP matmuls once more per block (2 FLOPs per weight per token): 3 h I weights (GLU), 2 h I (gpt2)."""
-    weights = (2 if shape["model_type"] == "gpt2" else 3) * shape["hidden_size"] * shape["intermediate_size"] / tp
+    weights = (2 if shape.model_type == "gpt2" else 3) * shape.hidden_size * shape.intermediate_size / tp
     tokens = work.seq_len * work.micro_batch
     return 2 * weights * tokens * blocks / hardware.achieved_flops(profile, work.precision)
 
