@@ -12,7 +12,7 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from harness.planner.inputs import Workload
+from harness.planner.inputs import Cluster, Workload
 from harness.model_shapes import KNOWN, PRESETS
 from harness.planner import hardware, layouts, longest, plan, sequence
 from harness.planner.memory import activation_bytes
@@ -106,7 +106,7 @@ def test_ulysses_all_to_all_bytes_match_hand_arithmetic():
 
 def test_sp_traffic_is_in_the_step_time_and_the_comm_rows():
     cfg, shape, count = llama8b()
-    p = plan(cfg, gpus_per_node=8, gpu_mem_bytes=80 * GB, seq_len=524288, model_name="llama-3.1-8b",
+    p = plan(cfg, Cluster(gpus_per_node=8, gpu_mem_bytes=80 * GB), Workload(seq_len=524288), model_name="llama-3.1-8b",
              hardware_profile=hardware.load("h100-80gb-sxm"))
     sp_layouts = [r for r in p.ranked if r["sp"] > 1]
     assert sp_layouts
@@ -146,7 +146,7 @@ def test_max_seq_len_is_monotone_in_sp_and_tiling_and_the_alst_anchor():
 
 def test_the_long_context_rung_comes_last_and_refuses_what_ulysses_cannot_split():
     cfg, shape, count = llama8b()
-    p = plan(cfg, gpus_per_node=8, gpu_mem_bytes=80 * GB, seq_len=250_000, model_name="llama-3.1-8b")
+    p = plan(cfg, Cluster(gpus_per_node=8, gpu_mem_bytes=80 * GB), Workload(seq_len=250_000), model_name="llama-3.1-8b")
     labels = [c["label"] for c in p.candidates]
     rung = labels.index("zero3 ckpt")
     assert all(not c["act"] for c in p.candidates[:rung]) and all(c["act"] for c in p.candidates[rung:])
@@ -157,7 +157,8 @@ def test_the_long_context_rung_comes_last_and_refuses_what_ulysses_cannot_split(
     assert rec["overrides"]["parallel.sequence"] == 2 and rec["overrides"]["train.tiled_mlp"] is True
     assert "--set parallel.sequence=2" in rec["launch"]
     # seq_len % sp and heads % sp are refused with the numbers
-    odd = plan(cfg, gpus_per_node=8, gpu_mem_bytes=80 * GB, seq_len=250_001, model_name="llama-3.1-8b")
+    odd = plan(cfg, Cluster(gpus_per_node=8, gpu_mem_bytes=80 * GB), Workload(seq_len=250_001),
+               model_name="llama-3.1-8b")
     sp2 = next(c for c in odd.candidates if c["label"] == "zero3 sp2 tiled ckpt")
     assert not sp2["applicable"] and sp2["why_not"] == "seq_len 250001 does not divide by sp 2"
     assert sp2["max_seq_len"] == rec["max_seq_len"]  # what it holds does not depend on the seq_len asked
@@ -244,8 +245,10 @@ def test_a_runs_prediction_carries_the_sp_all_to_all_into_the_reports_comm_table
     ds = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 1}
 
     def run(sp: int, long_context: bool) -> RunModel:  # zero_shards 2: dp 2 / sp 1, or dp 1 x sp 2
-        seq = Sequence(1024, tiled_mlp=long_context, tiled_loss=long_context, attention="sdpa" if long_context else "flash")
-        return RunModel("tiny-llama", PRESETS["tiny-llama"], "fp32", Degrees(2, sp=sp), Zero.of(ds), Batch(1, 2, 2), seq)
+        seq = Sequence(1024, tiled_mlp=long_context, tiled_loss=long_context,
+                       attention="sdpa" if long_context else "flash")
+        return RunModel("tiny-llama", PRESETS["tiny-llama"], "fp32", Degrees(2, sp=sp), Zero.of(ds), Batch(1, 2, 2),
+                        seq)
 
     out = evaluate(run(2, True), live=count).rank
     a2a = 512 * 4 * (64 + 32 + 32 + 64) * 2 * 2 * 2  # tokens/rank x fp32 x (q, k, v, out) x fwd+bwd x blocks x accum

@@ -10,7 +10,7 @@ import json
 import pytest
 import transformers
 
-from harness.planner.inputs import Workload
+from harness.planner.inputs import Cluster, Workload
 from harness.errors import UsageError
 from harness.model_shapes import KNOWN
 from harness.planner import comm, hardware, layouts, moe, plan, search, steptime
@@ -197,7 +197,7 @@ def test_step_time_counts_active_flops_and_the_imbalance():
     routed = 3 * seq * 2 * 8 * count.routed_experts / 128 / hardware.achieved_flops(profile, "bf16")
     assert times[1.5]["expert_imbalance_s"] == pytest.approx(0.5 * routed)
     with pytest.raises(ValueError, match="expert_imbalance"):
-        plan(cfg, gpus_per_node=8, gpu_mem_bytes=80 * 10**9, expert_imbalance=0.5)
+        plan(cfg, Cluster(gpus_per_node=8, gpu_mem_bytes=80 * 10**9), Workload(expert_imbalance=0.5))
 
 
 def _run(argv, capsys):

@@ -9,6 +9,7 @@ import shlex
 
 import pytest
 
+from harness.planner.inputs import Cluster, Workload
 from harness.model_shapes import KNOWN, load_model_config
 from harness.planner import plan
 from harness.planner import pipeline as pl
@@ -141,7 +142,7 @@ def test_bubble(p, m, want):
 
 
 def test_plan_uses_the_largest_stage_and_names_pipeline_traffic():
-    result = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9)
+    result = plan(dict(KNOWN["llama-2-13b"]), Cluster(gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9), Workload())
     count = count_params(dict(KNOWN["llama-2-13b"]))
     row = next(c for c in result.candidates if c["label"] == "3d zero1 tp2 pp2")
     assert row["params_per_rank"] == max(s["params"] for s in pl.stages(count, 2, tp=2))
@@ -158,7 +159,7 @@ def test_pipeline_and_3d_launch_lines_run_as_printed(monkeypatch):
 
     from harness.train import run_args, session
 
-    result = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9,
+    result = plan(dict(KNOWN["llama-2-13b"]), Cluster(gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9), Workload(),
                   model_name="llama-2-13b")
     lines = [c["launch"] for c in result.candidates if c["pp"] > 1]
     assert any("--recipe 3d" in line for line in lines) and any("--recipe pipeline" in line for line in lines)
@@ -196,7 +197,7 @@ def test_layer_list_weighs_what_the_harness_pipeline_module_builds(model):
 def test_plan_text_lists_the_stages():
     from harness.planner.render import _comm
 
-    result = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9)
+    result = plan(dict(KNOWN["llama-2-13b"]), Cluster(gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9), Workload())
     row = next(c for c in result.candidates if c["label"] == "pipeline zero1 pp2")
     text = "\n".join(_comm(row))
     assert "pipeline bubble (p-1)/(m+p-1) = (2-1)/(8+2-1) = 11.1%" in text
@@ -205,10 +206,10 @@ def test_plan_text_lists_the_stages():
 
 
 def test_multi_node_plan_says_where_the_hostfile_comes_from():
-    result = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9)
+    result = plan(dict(KNOWN["llama-2-13b"]), Cluster(gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9), Workload())
     assert any(n.startswith("the launch line reads ./hostfile: one line per node, '<host> slots=8'")
                for n in result.notes)
-    single = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=1, gpu_mem_bytes=80 * 10**9)
+    single = plan(dict(KNOWN["llama-2-13b"]), Cluster(gpus_per_node=8, nodes=1, gpu_mem_bytes=80 * 10**9), Workload())
     assert not any("hostfile" in n for n in single.notes)
 
 
@@ -219,9 +220,14 @@ def test_packing_is_honoured_in_the_plans_pipeline_traffic_and_step_time():
     from harness.planner import hardware
 
     cfg = dict(KNOWN["llama-2-7b"])
-    kw = dict(gpus_per_node=8, gpu_mem_bytes=80 * 10**9, hardware_profile=hardware.load("h100-80gb-sxm"),
-              layout={"zero": 1, "offload": "none", "tp": 1, "pp": 2}, seq_len=4096, global_batch=64)
-    doc, concat = (plan(cfg, packing=p, **kw).evaluated for p in ("document", "concat"))
+    cluster, profile = Cluster(8, 80 * 10**9), hardware.load("h100-80gb-sxm")
+
+    def evaluated(packing: str, pp: int) -> dict:
+        work = Workload(4096, packing=packing, global_batch=64)
+        layout = {"zero": 1, "offload": "none", "tp": 1, "pp": pp}
+        return plan(cfg, cluster, work, hardware_profile=profile, layout=layout).evaluated
+
+    doc, concat = (evaluated(p, 2) for p in ("document", "concat"))
     m, micro = doc["micro_batches"], doc["micro_batch"]
     ids = 8 * 4096 * micro * m  # int64 position ids per step, sent by stage 0 (the middle of two stages)
     pp_doc = {row["collective"]: row["logged_bytes"] for row in doc["comm"]["rows"] if row["group"] == "pp"}
@@ -229,8 +235,7 @@ def test_packing_is_honoured_in_the_plans_pipeline_traffic_and_step_time():
     assert pp_doc["send"] - pp_concat["send"] == ids and pp_doc["recv"] == pp_concat["recv"]
     assert doc["time"]["breakdown"]["p2p_s"] > concat["time"]["breakdown"]["p2p_s"]
     assert doc["time"]["step_time_s"] > concat["time"]["step_time_s"]
-    flat = {"zero": 1, "offload": "none", "tp": 1, "pp": 1}
-    one, two = (plan(cfg, packing=p, **dict(kw, layout=flat)).evaluated for p in ("document", "concat"))
+    one, two = (evaluated(p, 1) for p in ("document", "concat"))
     assert one["comm"] == two["comm"] and one["time"] == two["time"]
 
 

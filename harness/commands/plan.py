@@ -125,6 +125,7 @@ def lora_count(cfg: dict, lora_r: int | None):
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit 0 with a recommendation, 1 when nothing fits (the output says what is missing)."""
     from harness.planner import plan
+    from harness.planner.inputs import Cluster, Workload
     from harness.planner.render import to_json, to_text
 
     from harness.planner import hardware
@@ -147,13 +148,12 @@ def run(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, cfg.get("max_position_embeddings", cfg.get("n_positions"))
                                   or DEFAULT_SEQ_LEN)
     try:
-        result = plan(cfg, gpus_per_node=args.gpus, nodes=args.nodes, gpu_mem_bytes=gpu_mem,
-                      cpu_mem_bytes=cpu_mem, nvme_bytes=nvme, seq_len=seq_len,
-                      micro_batch=args.micro_batch, precision=args.precision,
-                      activation_checkpointing=args.activation_checkpointing == "full", grad_accum=args.grad_accum,
-                      model_name=args.model, hardware_profile=profile, global_batch=args.global_batch,
-                      layout=_layout(args), count=lora_count(cfg, args.lora_r), attention=args.attention,
-                      expert_imbalance=args.expert_imbalance, packing=args.packing)
+        cluster = Cluster(args.gpus, gpu_mem, args.nodes, cpu_mem, nvme)
+        work = Workload(seq_len, args.micro_batch, args.precision, args.activation_checkpointing == "full",
+                        args.grad_accum, args.attention, expert_imbalance=args.expert_imbalance, packing=args.packing,
+                        global_batch=args.global_batch)
+        result = plan(cfg, cluster, work, model_name=args.model, count=lora_count(cfg, args.lora_r),
+                      hardware_profile=profile, layout=_layout(args))
     except ValueError as e:
         raise UsageError(f"plan: {e}") from None
     if not args.hardware:

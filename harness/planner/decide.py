@@ -122,51 +122,35 @@ def seed_headline(count: ParamCount, cluster: Cluster, precision: str) -> dict:
             "zero3_bytes_per_gpu": memory.by_device(z3)["gpu"], "world": world}
 
 
-def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: int,
-         cpu_mem_bytes: int | None = None, nvme_bytes: int | None = None, seq_len: int = 2048,
-         micro_batch: int = 1, precision: str = "bf16", activation_checkpointing: bool = False,
-         grad_accum: int = 1, model_name: str | None = None, count: ParamCount | None = None,
-         hardware_profile: dict | None = None, global_batch: int | None = None, layout: dict | None = None,
-         attention: str = "flash", activation_offload: bool = True, expert_imbalance: float | None = None,
-         packing: str = "document") -> Plan:
-    """Evaluate every strategy for this model and hardware; recommend the first that fits.
+def plan(model_cfg: dict, cluster: Cluster, work: Workload, *, model_name: str | None = None,
+         count: ParamCount | None = None, hardware_profile: dict | None = None, layout: dict | None = None) -> Plan:
+    """Evaluate every strategy for this model on `cluster` training `work`; recommend the first that fits.
 
-    cpu_mem_bytes / nvme_bytes are per node. CPU RAM not given: offload is not checked against it (its
-    need is still reported). NVMe not given: there is none. `count` skips counting (e.g. a meta count).
-    With `hardware_profile` the step-time model ranks the layouts and recommends the fastest (search.attach);
-    `layout` ({zero, offload, tp, pp, ep}) evaluates that one layout instead. `attention` (flash, flex, sdpa, eager):
-    the kernel whose mask and scores count in the activations (planner/activations.py); activation_offload False
-    leaves the offload rows out of the long-context rung (CPU ranks). Every layout reports the
-    longest seq_len it holds (max_seq_len, planner/longest.py); for a sequence no earlier layout holds, the
-    long-context rung (checkpointing, tiling, Ulysses SP inside a node, activation offload) comes last.
-    `expert_imbalance`: a MoE model's max / mean tokens per expert-parallel rank (default moe.DEFAULT_IMBALANCE).
-    `packing` (document, concat: the recipe's train.packing): document rows send their position ids between
-    pipeline stages.
+    Cluster: CPU RAM not given, offload is not checked against it (its need is still reported); NVMe not given,
+    there is none. `count` skips counting (e.g. a meta count). With `hardware_profile` the step-time model ranks
+    the layouts at work.global_batch and recommends the fastest (search.attach); `layout` ({zero, offload, tp, pp,
+    ep}) evaluates that one layout instead. Every layout reports the longest seq_len it holds (max_seq_len,
+    planner/longest.py); for a sequence no earlier layout holds, the long-context rung (checkpointing, tiling,
+    Ulysses SP inside a node, activation offload unless work.activation_offload is False) comes last.
     """
     from harness.planner.params import count_params, model_shape
 
-    _check_inputs(gpus_per_node, nodes, gpu_mem_bytes, seq_len, micro_batch, precision, grad_accum)
+    _check_inputs(cluster, work)
     shape = model_shape(model_cfg)
-    if shape.learned_positions and shape.max_positions and seq_len > shape.max_positions:
-        raise ValueError(f"seq_len {seq_len} > the model's {shape.max_positions} learned positions")
+    if shape.learned_positions and shape.max_positions and work.seq_len > shape.max_positions:
+        raise ValueError(f"seq_len {work.seq_len} > the model's {shape.max_positions} learned positions")
     count = count or count_params(model_cfg)
-    cluster = Cluster(gpus_per_node, nodes, gpu_mem_bytes, cpu_mem_bytes, nvme_bytes)
-    if expert_imbalance is not None and not expert_imbalance >= 1:
-        raise ValueError(f"expert_imbalance {expert_imbalance}: the busiest rank's tokens over the mean is >= 1")
-    work = Workload(seq_len, micro_batch, precision, activation_checkpointing, grad_accum, attention,
-                    activation_offload, expert_imbalance, packing)
     name = model_name or model_cfg.get("_name_or_path") or "MODEL"
     results = evaluate_all(count, shape, cluster, work, name)
     best = next((r for r in results if r["fits"]), None)
     result = Plan(model={"name": name, "params": count.to_dict(), "shape": shape.to_dict()}, hardware=cluster,
-                  workload=work,
-                  seed=seed_headline(count, cluster, precision), candidates=results, recommended=best,
-                  missing=[] if best else missing(results, count, shape, cluster, work),
-                  notes=notes(best, cluster, shape, seq_len))
+                  workload=work, seed=seed_headline(count, cluster, work.precision), candidates=results,
+                  recommended=best, missing=[] if best else missing(results, count, shape, cluster, work),
+                  notes=notes(best, cluster, shape, work.seq_len))
     if hardware_profile is not None:
         from harness.planner import search
 
-        search.attach(result, count, shape, cluster, work, hardware_profile, global_batch, layout)
+        search.attach(result, count, shape, cluster, work, hardware_profile, layout)
     return result
 
 
@@ -188,12 +172,14 @@ def notes(best: dict | None, cluster: Cluster, shape: ModelShape, seq_len: int) 
     return out
 
 
-def _check_inputs(gpus_per_node, nodes, gpu_mem_bytes, seq_len, micro_batch, precision, grad_accum) -> None:
+def _check_inputs(cluster: Cluster, work: Workload) -> None:
     problems = [f"{name} {value!r}: expected an integer >= 1" for name, value in (
-        ("gpus_per_node", gpus_per_node), ("nodes", nodes), ("gpu_mem_bytes", gpu_mem_bytes),
-        ("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum))
+        ("gpus_per_node", cluster.gpus_per_node), ("nodes", cluster.nodes), ("gpu_mem_bytes", cluster.gpu_mem_bytes),
+        ("seq_len", work.seq_len), ("micro_batch", work.micro_batch), ("grad_accum", work.grad_accum))
         if not isinstance(value, int) or isinstance(value, bool) or value < 1]
-    if precision not in memory.PRECISION_BYTES:
-        problems.append(f"precision {precision!r}: expected one of {', '.join(memory.PRECISION_BYTES)}")
+    if work.precision not in memory.PRECISION_BYTES:
+        problems.append(f"precision {work.precision!r}: expected one of {', '.join(memory.PRECISION_BYTES)}")
+    if work.expert_imbalance is not None and not work.expert_imbalance >= 1:
+        problems.append(f"expert_imbalance {work.expert_imbalance}: the busiest rank's tokens over the mean is >= 1")
     if problems:
         raise ValueError("; ".join(problems))

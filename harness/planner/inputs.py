@@ -14,7 +14,7 @@ RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fra
 class Workload:
     """The sequences a layout trains: per rank and micro-step, and how they are handled."""
 
-    seq_len: int
+    seq_len: int = 2048  # `harness plan`'s default
     micro_batch: int = 1  # sequences per data-parallel replica per micro-step
     precision: str = "bf16"
     activation_checkpointing: bool = False  # the run's own; the long-context rung forces it on
@@ -41,8 +41,8 @@ class Cluster:
     each usable up to RESERVE_FRACTION short of it."""
 
     gpus_per_node: int
-    nodes: int
     gpu_mem_bytes: int
+    nodes: int = 1
     cpu_mem_bytes: int | None = None
     nvme_bytes: int | None = None
     reserve_fraction: float = RESERVE_FRACTION

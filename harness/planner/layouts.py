@@ -305,4 +305,4 @@ def launch_command(recipe: str, model_name: str, cluster: Cluster, sets: dict) -
 
 def hardware(gpus_per_node: int, nodes: int, gpu_mem_bytes: int, cpu_mem_bytes: int | None,
              nvme_bytes: int | None) -> Cluster:
-    return Cluster(gpus_per_node, nodes, gpu_mem_bytes, cpu_mem_bytes, nvme_bytes)
+    return Cluster(gpus_per_node, gpu_mem_bytes, nodes, cpu_mem_bytes, nvme_bytes)

@@ -155,12 +155,12 @@ def evaluate_layout(layout: dict, count, shape: ModelShape, cluster: Cluster, wo
     return r
 
 
-def attach(plan, count, shape: ModelShape, cluster: Cluster, work: Workload, profile: dict, global_batch: int | None,
+def attach(plan, count, shape: ModelShape, cluster: Cluster, work: Workload, profile: dict,
            layout: dict | None) -> None:
     """Add the step-time model's view to a Plan: the ranked layouts, the fastest as the recommendation, the
     seeds' first fit timed at the same global batch with the speed ratio, or one evaluated layout."""
     name = plan.model["name"]
-    gb = global_batch or work.micro_batch * work.grad_accum * cluster.world
+    gb = work.global_batch or work.micro_batch * work.grad_accum * cluster.world
     base = work.but(global_batch=gb)
     plan.workload = plan.workload.but(global_batch=gb)
     plan.profile = {k: profile[k] for k in ("name", "description", "device", "gemm_efficiency", "source")
