@@ -125,40 +125,63 @@ def micro_batches(c: Candidate, grad_accum: int) -> int:
     return grad_accum
 
 
-def evaluate(c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload) -> dict:
-    """Memory per rank, traffic per step and the verdict for one candidate."""
-    world = cluster.gpus_per_node * cluster.nodes
-    zero_shards = world // (c.tp * c.pp)  # ZeRO's group: the replicas and each one's sp ranks (Degrees.zero_shards)
-    m = micro_batches(c, work.grad_accum)
-    params, layers = rank_params(c, count)
+@dataclass(frozen=True)
+class RankShare:
+    """What the fullest rank of a layout holds and steps: its parameters before ZeRO sharding, its blocks, the ZeRO
+    group they shard over (the replicas and each one's sp ranks: Degrees.zero_shards), the micro-batches per step
+    and, under ZeRO-3, the parameters kept whole (under the persistence threshold)."""
+
+    params: int
+    blocks: int
+    zero_shards: int
+    micro_batches: int
+    persistent: int
+
+
+def rank_share(c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload) -> RankShare:
+    params, blocks = rank_params(c, count)
+    threshold = memory.harness_buckets(shape.hidden_size).param_persistence_threshold
+    return RankShare(params, blocks, cluster.world // (c.tp * c.pp), micro_batches(c, work.grad_accum),
+                     count.persistent_numel(threshold) if c.stage == 3 else 0)
+
+
+def _states(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, share: RankShare):
+    """states(phase, convention) -> this rank's model-state bytes (memory.model_state_bytes, moe's under AutoEP)."""
     buckets = memory.harness_buckets(shape.hidden_size)
-    persistent = count.persistent_numel(buckets.param_persistence_threshold) if c.stage == 3 else 0
     largest_layer = count.largest_layer
     if c.stage == 3 and count.moe_block:  # ZeRO-3 with leaves gathers a sparse block whole (moe.py)
         largest_layer = max(largest_layer, count.moe_block)
     if c.tp > 1:  # block matrices are split; the embedding and head are not
         largest_layer = max(count.largest_layer // c.tp, shape.vocab_size * shape.hidden_size)
-    common = dict(stage=c.stage, dp=zero_shards, precision=work.precision, offload_optimizer=c.offload_optimizer,
-                  offload_param=c.offload_param, **count.lora_state_args(layers, c.tp))
-    def states_at(phase: str) -> dict:
-        if c.ep > 1:
-            return moe.model_state_bytes(count, ep=c.ep, **common, largest_layer_params=largest_layer,
-                                         largest_tensor_params=count.largest_tensor, buckets=buckets,
-                                         grad_accum=m, phase=phase)
-        return memory.model_state_bytes(params, **common, largest_layer_params=largest_layer,
-                                        largest_tensor_params=count.largest_tensor, persistent_params=persistent,
-                                        buckets=buckets, grad_accum=m, phase=phase)
+    common = dict(stage=c.stage, dp=share.zero_shards, precision=work.precision, offload_optimizer=c.offload_optimizer,
+                  offload_param=c.offload_param, **count.lora_state_args(share.blocks, c.tp))
+    detail = dict(largest_layer_params=largest_layer, largest_tensor_params=count.largest_tensor, buckets=buckets,
+                  grad_accum=share.micro_batches)
 
+    def states(phase: str, convention: str = "deepspeed") -> dict:
+        if convention == "seed":
+            return memory.model_state_bytes(share.params, **common, convention="seed")
+        if c.ep > 1:
+            return moe.model_state_bytes(count, ep=c.ep, **common, **detail, phase=phase)
+        return memory.model_state_bytes(share.params, **common, **detail, persistent_params=share.persistent,
+                                        phase=phase)
+
+    return states
+
+
+def evaluate(c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload) -> dict:
+    """Memory per rank, traffic per step and the verdict for one candidate."""
+    share = rank_share(c, count, shape, cluster, work)
+    m, params, layers = share.micro_batches, share.params, share.blocks
+    states_at = _states(c, count, shape, work, share)
     states = states_at("peak")
-    seed = memory.model_state_bytes(params, **common, convention="seed")
-    moe_shape = shape.but(intermediate_size=moe.activation_width(count, shape.hidden_size,
-                                                                   shape.intermediate_size))
+    moe_shape = shape.but(intermediate_size=moe.activation_width(count, shape.hidden_size, shape.intermediate_size))
     acts = activations(c, moe_shape, work, layers, min(c.pp, m))
     device = memory.by_device(states)
     device["cpu"] += acts["cpu_offload"]
     result = {
         "recipe": c.recipe, "label": c.label, "zero_stage": c.stage, "offload_optimizer": c.offload_optimizer,
-        "offload_param": c.offload_param, "tp": c.tp, "pp": c.pp, "dp": zero_shards, "micro_batches": m,
+        "offload_param": c.offload_param, "tp": c.tp, "pp": c.pp, "dp": share.zero_shards, "micro_batches": m,
         "sp": c.sp, "tiled": c.tiled, "act": c.act, "activation_offload_bytes_per_rank": acts["cpu_offload"],
         "params_per_rank": params, "trainable_per_rank": count.trainable_params(layers, c.tp) or params,
         "blocks_per_rank": layers, "bubble_fraction": pipeline.bubble_fraction(c.pp, m),
@@ -169,25 +192,30 @@ def evaluate(c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluste
             "gpu_step_bytes": memory.by_device(states_at("step"))["gpu"],
             "cpu_bytes_per_rank": device["cpu"], "cpu_bytes_per_node": device["cpu"] * cluster.gpus_per_node,
             "nvme_bytes_per_node": device["nvme"] * cluster.gpus_per_node,
-            "seed_model_states": memory.by_device(seed),
+            "seed_model_states": memory.by_device(states_at("peak", "seed")),
         },
-        "comm": _comm(c, count, params, layers, zero_shards, m, persistent, shape, work),
+        "comm": _comm(c, count, shape, work, share),
     }
-    if count.num_experts:
-        result["ep"] = c.ep
-        result["moe"] = {"total_params": count.total, "active_params": count.active, "leaves": c.stage == 3,
-                         "optimizer_shard": moe.optimizer_shard(count, c.ep, c.stage, zero_shards)}
-        if c.stage == 3:
-            result["label"] = f"{c.label} leaves"
-    if c.pp > 1:  # every stage, so the text can show which one is the largest
-        result["stages"] = [{k: s[k] for k in ("stage", "layers", "blocks", "params")}
-                            for s in pipeline.stages(count, c.pp, "parameters", c.tp)]
+    _add_layout_details(result, c, count, share)
     result.update(_verdict(c, result["memory"], shape, cluster))
     if result["applicable"] and work.seq_len % c.sp:
         result.update(applicable=False, fits=False, why_not=f"seq_len {work.seq_len} does not divide by sp {c.sp}")
     if result["applicable"] and c.sp > 1 and work.attention == "eager":
         result.update(applicable=False, fits=False, why_not="eager attention is refused under sp (an S^2 float mask)")
     return result
+
+
+def _add_layout_details(result: dict, c: Candidate, count: ParamCount, share: RankShare) -> None:
+    """A MoE model's expert facts; a pipeline's stages, so the text can show which one is the largest."""
+    if count.num_experts:
+        result["ep"] = c.ep
+        result["moe"] = {"total_params": count.total, "active_params": count.active, "leaves": c.stage == 3,
+                         "optimizer_shard": moe.optimizer_shard(count, c.ep, c.stage, share.zero_shards)}
+        if c.stage == 3:
+            result["label"] = f"{c.label} leaves"
+    if c.pp > 1:
+        result["stages"] = [{k: s[k] for k in ("stage", "layers", "blocks", "params")}
+                            for s in pipeline.stages(count, c.pp, "parameters", c.tp)]
 
 
 def activations(c: Candidate, shape: ModelShape, work: Workload, layers: int, in_flight: int = 1) -> dict:
@@ -199,8 +227,9 @@ def activations(c: Candidate, shape: ModelShape, work: Workload, layers: int, in
         offload=c.act == "offload", tile_tokens=work.tile_tokens)
 
 
-def _comm(c: Candidate, count: ParamCount, params: int, layers: int, zero_shards: int, m: int, persistent: int,
-          shape: ModelShape, work: Workload) -> dict:
+def _comm(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, share: RankShare) -> dict:
+    params, layers, zero_shards, m, persistent = (share.params, share.blocks, share.zero_shards, share.micro_batches,
+                                                  share.persistent)
     prec, seq, mb = work.precision, work.seq_len, work.micro_batch
     if c.ep > 1:
         rows = comm.comm_rows(moe.comm_groups(
