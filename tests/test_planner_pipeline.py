@@ -195,7 +195,7 @@ def test_layer_list_weighs_what_the_harness_pipeline_module_builds(model):
 
 
 def test_plan_text_lists_the_stages():
-    from harness.planner.render import _comm
+    from harness.planner.render.text import _comm
 
     result = plan(dict(KNOWN["llama-2-13b"]), Cluster(gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9), Workload())
     row = next(c for c in result.candidates if c["label"] == "pipeline zero1 pp2")

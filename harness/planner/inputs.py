@@ -21,7 +21,7 @@ class Workload:
     grad_accum: int = 1  # micro-steps per optimizer step
     attention: str = "flash"  # the kernel whose mask and scores count (planner/activations.py)
     activation_offload: bool = True  # False: the long-context rung leaves its offload rows out (CPU ranks)
-    expert_imbalance: float | None = None  # MoE: busiest expert-parallel rank's tokens over the mean (moe.py)
+    expert_imbalance: float | None = None  # MoE: busiest expert-parallel rank's tokens over the mean (moe/parallel.py)
     packing: str = "document"  # document rows send their position ids between pipeline stages
     global_batch: int | None = None  # sequences per optimizer step over all replicas (the step-time search)
     tile_tokens: int = TILE_TOKENS  # tiled MLP and loss: tokens per tile

@@ -28,7 +28,7 @@ class Candidate:
     sp: int = 1  # the long-context rung (sequence.py): Ulysses degree, tiled MLP and loss,
     tiled: bool = False  # activations "checkpoint" (forced on) or "offload" (checkpointed inputs in CPU RAM);
     act: str = ""  # "" = the workload's --activation-checkpointing
-    ep: int = 1  # expert parallelism (DeepSpeed AutoEP, parallel.expert): MoE models only (moe.py)
+    ep: int = 1  # expert parallelism (DeepSpeed AutoEP, parallel.expert): MoE models only (moe/parallel.py)
 
     @property
     def label(self) -> str:
@@ -149,7 +149,7 @@ def _states(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, 
     """states(phase, convention) -> this rank's model-state bytes (memory.model_state_bytes, moe's under AutoEP)."""
     buckets = memory.harness_buckets(shape.hidden_size)
     largest_layer = count.largest_layer
-    if c.stage == 3 and count.moe_block:  # ZeRO-3 with leaves gathers a sparse block whole (moe.py)
+    if c.stage == 3 and count.moe_block:  # ZeRO-3 with leaves gathers a sparse block whole (moe/parallel.py)
         largest_layer = max(largest_layer, count.moe_block)
     if c.tp > 1:  # block matrices are split; the embedding and head are not
         largest_layer = max(count.largest_layer // c.tp, shape.vocab_size * shape.hidden_size)
@@ -288,7 +288,7 @@ def _verdict(c: Candidate, mem: dict, shape: ModelShape, cluster: Cluster) -> di
 
 
 def gb(nbytes: float) -> str:
-    """Decimal units (GB = 1e9 bytes), as GPUs are sold; render.py shows GiB next to them."""
+    """Decimal units (GB = 1e9 bytes), as GPUs are sold; render/text.py shows GiB next to them."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.1f} {unit}"

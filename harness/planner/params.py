@@ -45,7 +45,7 @@ class ParamCount:
     # one block's weight tensors in the order the forward uses them, (numel, split by tensor parallelism?):
     # the order backward hooks see them in reverse, which is how ZeRO fills its reduce buckets (known families)
     block_tensors: tuple[tuple[int, bool], ...] = ()
-    # Mixture of Experts (moe_params.py; 0 for dense models): routed experts per sparse block and how many a
+    # Mixture of Experts (moe/counts.py; 0 for dense models): routed experts per sparse block and how many a
     # token goes to, the parameters one token goes through, the routed experts' share of `total` (what AutoEP
     # spreads over the expert-parallel ranks), one sparse block (ZeRO-3 gathers a leaf module whole), its count
     num_experts: int = 0
@@ -220,9 +220,9 @@ def with_lora(count: ParamCount, cfg: dict, r: int, targets=DEFAULT_LORA_TARGETS
 
 
 def _moe_count(cfg: dict) -> ParamCount:
-    """Mixture-of-Experts families (moe_params.py). As in meta_count, per_layer is the first block (DeepSeek-V3's
+    """Mixture-of-Experts families (moe/counts.py). As in meta_count, per_layer is the first block (DeepSeek-V3's
     first blocks are dense) and `other` what the blocks' count as num_layers x per_layer leaves out."""
-    from harness.planner.moe_params import moe_layout, moe_totals
+    from harness.planner.moe.counts import moe_layout, moe_totals
 
     m = moe_layout(cfg)
     sums = moe_totals(m)
@@ -245,7 +245,7 @@ def _moe_count(cfg: dict) -> ParamCount:
 
 def closed_form_count(cfg: dict) -> ParamCount | None:
     """Exact count for known families from the config alone; None for other architectures."""
-    from harness.planner.moe_params import is_moe
+    from harness.planner.moe.counts import is_moe
 
     family = cfg.get("model_type")
     if is_moe(cfg):
@@ -312,7 +312,7 @@ def count_params(cfg: dict, *, exact: bool = False) -> ParamCount:
 def model_shape(cfg: dict) -> ModelShape:
     """The shape fields the planner's activation and tensor-parallel math needs, any family."""
     from harness.model_shapes import shape_summary
-    from harness.planner.moe_params import is_moe, num_experts
+    from harness.planner.moe.counts import is_moe, num_experts
 
     summary = shape_summary(cfg)
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")

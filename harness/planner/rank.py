@@ -82,7 +82,7 @@ def _states(run: RunModel, live: LiveFacts):
     def states(stage: int, phase: str) -> dict:
         kw = dict(stage=stage, phase=phase, offload_param=z.offload_param if stage == 3 else "none",
                   persistent_params=live.persistent if stage == 3 else 0, **common)
-        if ep > 1 and live.experts:  # AutoEP: this rank's experts shard over dp / ep ranks (planner/moe.py)
+        if ep > 1 and live.experts:  # AutoEP: this rank's experts shard over dp / ep ranks (planner/moe/parallel.py)
             return moe.model_state_bytes(SimpleNamespace(total=live.total - live.experts + live.experts * ep,
                                                          routed_experts=live.experts * ep), ep=ep, **kw)
         return memory.model_state_bytes(live.total, **kw)

@@ -293,7 +293,7 @@ def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work
     gathers = comm.zero3_gathers(result["params_per_rank"])  # as layouts._comm counts the gathered bytes
     calls = dp_calls(c, count, blocks, m, buckets, buckets.param_persistence_threshold, gathers)
     dp = _dp_exposed(c, by_group.get("dp", []), profile, place["dp"][1], t_mb, m, buckets_bytes, calls)
-    if by_group.get("edp"):  # an expert-parallel layout's expert gradients, over their own group (moe.py)
+    if by_group.get("edp"):  # an expert-parallel layout's expert gradients, over their own group (moe/parallel.py)
         edp = _dp_exposed(c, by_group["edp"], profile, place["edp"][1], t_mb, m, buckets_bytes, calls)
         dp = {k: dp[k] + edp[k] for k in dp}
     expert_s = _expert_parallel_s(c, count, profile, work, by_group.get("ep", []), place["ep"][1], m)
@@ -350,7 +350,7 @@ def tiled_mlp_recompute_s(shape: ModelShape, profile: dict, work: Workload, tp: 
 
 def _expert_parallel_s(c, count, profile: dict, work: Workload, rows: list[dict], inter: bool, m: int) -> dict:
     """An expert-parallel layout's all-to-all seconds per step (on the critical path: the experts wait for their
-    tokens) and the routed experts' extra compute on the busiest rank, both scaled by the imbalance (moe.py)."""
+    tokens) and the routed experts' extra compute on the busiest rank, both scaled by the imbalance (moe/parallel.py)."""
     if c.ep <= 1:
         return {"all_to_all_s": 0.0, "expert_imbalance_s": 0.0}
     from harness.planner.moe import DEFAULT_IMBALANCE, all_to_all_calls, routed_flops_per_token

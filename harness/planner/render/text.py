@@ -100,7 +100,7 @@ def _comm(r: dict) -> list[str]:
 def _table(plan: Plan) -> list[str]:
     head = f"  {'#':>2}  {'strategy':<30}{'fits':<5}{'GPU/rank':>10}{'CPU/node':>10}{'NVMe/node':>10}" \
            f"{'wire/step':>11}{'max seq':>9}  why not"
-    from harness.planner import render_time
+    from harness.planner.render import timing
 
     lines = ["decision order (GB = 10^9 bytes, GiB = 2^30 bytes; max seq: the longest seq_len each holds):", head]
     first = next((r for r in plan.candidates if r["fits"]), None)
@@ -113,23 +113,23 @@ def _table(plan: Plan) -> list[str]:
         why = r["why_not"] or ("<- recommended" if r is plan.recommended else "<- seeds' first fit")
         lines.append(f"  {i:>2}  {r['label']:<30}{verdict:<5}{cells[0]:>10}{cells[1]:>10}{cells[2]:>10}"
                      f"{gb(r['comm']['wire_bytes']) if r['comm']['wire_bytes'] else '-':>11}"
-                     f"{render_time.seq_text(r.get('max_seq_len')):>9}  {why}")
+                     f"{timing.seq_text(r.get('max_seq_len')):>9}  {why}")
     if last + 1 < len(plan.candidates):
         lines.append(f"  ({len(plan.candidates) - last - 1} costlier options also evaluated: --json lists them)")
     top = max(plan.candidates, key=lambda r: r.get("max_seq_len", 0))
     if top.get("max_seq_len"):
         lines.append(f"  longest sequence of any layout: {top['label']} holds {top['max_seq_len']:,} tokens "
-                     f"({render_time.seq_text(top['max_seq_len'])}) at micro-batch {plan.workload.micro_batch}")
+                     f"({timing.seq_text(top['max_seq_len'])}) at micro-batch {plan.workload.micro_batch}")
     return lines
 
 
 def to_text(plan: Plan) -> str:
-    from harness.planner import render_time
+    from harness.planner.render import timing
 
-    lines = _header(plan) + ([render_time.profile_line(plan)] if plan.profile else [])
+    lines = _header(plan) + ([timing.profile_line(plan)] if plan.profile else [])
     lines += [f"note      {n}" for n in plan.notes] + [""]
     if plan.evaluated:
-        return "\n".join(lines + render_time.evaluated(plan) + [""] + _breakdown(plan.evaluated, plan.hardware)
+        return "\n".join(lines + timing.evaluated(plan) + [""] + _breakdown(plan.evaluated, plan.hardware)
                          + _comm(plan.evaluated)) + "\n"
     r = plan.recommended
     if r:
@@ -143,7 +143,7 @@ def to_text(plan: Plan) -> str:
         lines.append(f"  launch: {r['launch']}")
         lines.append("  overrides: " + ", ".join(f"{k}={v}" for k, v in r["overrides"].items()))
         lines += _breakdown(r, plan.hardware) + _comm(r)
-        lines += [""] + render_time.ranking(plan) if plan.ranked else []
+        lines += [""] + timing.ranking(plan) if plan.ranked else []
     else:
         lines.append("no strategy fits:")
         lines += [f"  {line}" for line in plan.missing]
