@@ -1,4 +1,4 @@
-"""The step-time model in `harness plan`: search and rank, the seeds' first fit beside the fastest, one exact
+"""The step-time model in `harness plan`: search and rank, the first fit in the decision order beside the fastest, one exact
 layout, hardware profiles as checked data, the collective formulas, speed at 1024 nodes. Pure: no ranks."""
 
 from __future__ import annotations
@@ -24,17 +24,17 @@ def test_70b_on_4_nodes_keeps_the_states_on_the_gpus(capsys):
                          capsys)
     data = json.loads(out)
     first, best = data["first_fit"], data["recommended"]
-    assert first["label"] == "zero3 opt->cpu"  # the seeds' order stops at CPU offload
+    assert first["label"] == "zero3 opt->cpu"  # the decision order stops at CPU offload
     assert first["memory"]["cpu_bytes_per_node"] > 300e9  # 70B x 12 B of fp32 states / 4 nodes, + buffers
     fitting_on_gpus = [r for r in data["ranked"] if r["offload_optimizer"] == r["offload_param"] == "none"]
     assert fitting_on_gpus and best["offload_optimizer"] == best["offload_param"] == "none"
     assert best["memory"]["cpu_bytes_per_node"] == 0 and best["fits"]
     assert data["comparison"]["speedup"] > 2 and data["comparison"]["first_fit"] == "zero3 opt->cpu"
-    # the seeds' first fit loses to CPU Adam and exposed ZeRO-3 traffic, and the breakdown says so
+    # the first fit in the decision order loses to CPU Adam and exposed ZeRO-3 traffic, and the breakdown says so
     assert first["time"]["breakdown"]["optimizer_s"] > 10 * best["time"]["breakdown"]["optimizer_s"]
     text = to_text(plan(KNOWN["llama-2-70b"], Cluster(gpus_per_node=8, nodes=4, gpu_mem_bytes=80 * GB), Workload(),
                         model_name="llama-2-70b", hardware_profile=hardware.load("a100-80gb-sxm")))
-    assert "predicted speed-up of" in text and "over the seeds' first fit (zero3 opt->cpu)" in text
+    assert "predicted speed-up of" in text and "over the first fit in the decision order (zero3 opt->cpu)" in text
     assert "recommended: " in text and "the fastest predicted layout that fits" in text
 
 

@@ -1,4 +1,4 @@
-"""The seeds' decision order: stop at the first strategy that fits.
+"""The decision order: stop at the first strategy that fits.
 
 DDP -> ZeRO-1 -> ZeRO-2 -> ZeRO-3 -> offload the optimizer (ZeRO-2, then ZeRO-3), then the parameters
 (CPU, then NVMe) -> tensor parallel inside a node -> pipeline (across nodes) with tensor parallel inside
@@ -8,7 +8,7 @@ in CPU RAM; layouts.long_context_rung). Every layout reports the longest seq_len
 Every candidate is evaluated so the output can say why each
 cheaper one fails.
 
-Fit is judged on memory alone, as the seeds order it. By that measure a pipeline rarely wins: its first
+Fit is judged on memory alone, in that order. By that measure a pipeline rarely wins: its first
 stage keeps min(p, m) micro-batches of L/p blocks in flight under 1F1B (as many activations as no
 pipeline when m >= p), and ZeRO-3 already spreads model states over every GPU. Pipelines pay off in
 traffic across slow inter-node links, which the wire column shows but the decision does not weigh.
@@ -29,13 +29,13 @@ class Plan:
     model: dict  # name, parameter count, shape
     hardware: Cluster  # gpus_per_node, nodes, world, memory given and usable
     workload: Workload  # seq_len, micro_batch, precision, activation_checkpointing, grad_accum, ...
-    seed: dict  # the seeds' 16 B/param headline: DP and ZeRO-3 model states per GPU
+    seed: dict  # the 16 B/param rule of thumb (ZeRO paper): DP and ZeRO-3 model states per GPU
     candidates: list[dict]  # every strategy in decision order, with fits / why_not
     recommended: dict | None  # the first that fits; None when nothing does
     missing: list[str]  # when nothing fits: what would make it fit
     notes: list[str]  # assumptions the recommendation rests on (e.g. CPU RAM not given)
     # with a hardware profile (search.attach): the fitting layouts fastest first (recommended = the first), the
-    # seeds' first fit timed at the same global batch, their speed ratio, or one layout evaluated exactly
+    # first fit in the decision order timed at the same global batch, their speed ratio, or one layout evaluated exactly
     profile: dict | None = None
     ranked: list[dict] | None = None
     first_fit: dict | None = None

@@ -1,7 +1,7 @@
 """One candidate layout at a time: what it is (Candidate), which apply to a world size, and what it costs there in
 memory and traffic against the hardware given (evaluate), with the --set overrides and launch line that run it.
 
-decide.py walks these in the seeds' order and names the first that fits; search.py times them.
+decide.py walks these in the decision order and names the first that fits; search.py times them.
 """
 
 from __future__ import annotations

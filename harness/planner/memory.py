@@ -1,7 +1,7 @@
 """Per-rank memory: model states term by term, activations, and where each lives (gpu / cpu / nvme).
 
 Two conventions for model states:
-- "seed": the seeds' rule, mixed-precision Adam = 16 bytes/param (2 weights + 2 grads + 4 fp32 master
+- "seed": the rule of thumb (ZeRO paper), mixed-precision Adam = 16 bytes/param (2 weights + 2 grads + 4 fp32 master
   + 8 Adam moments; fp32 training: 4 + 4 + 8), sharded by ZeRO stage: 7B -> 112 GB; ZeRO-3 on 8 -> 14 GB.
 - "deepspeed": what DeepSpeed 0.19.8 allocates, read from its source and checked against live engines
   (docs/deepspeed-facts.md): the fp32 master copy exists in every ZeRO stage even for fp32 training,

@@ -1,7 +1,7 @@
 """Search the layouts that fit and rank them by predicted tokens/s (steptime.py), and evaluate one given layout.
 
-Knobs searched: the seeds' strategies (layouts.candidates: ZeRO-0..3, optimizer/parameter offload to CPU or
-NVMe, tensor parallel inside a node with ZeRO-1..3, pipelines across nodes with tensor parallel inside and
+Knobs searched: the strategies of the decision order (layouts.candidates: ZeRO-0..3, optimizer/parameter offload
+to CPU or NVMe, tensor parallel inside a node with ZeRO-1..3, pipelines across nodes with tensor parallel inside and
 ZeRO-1 over the replicas), activation checkpointing off/on, and the micro-batch: every divisor of the
 per-replica batch (global batch / data-parallel size) that fits, since a pipeline may prefer more, smaller
 micro-batches (a smaller bubble) while the other layouts gain nothing from them. The global batch is fixed,
@@ -16,7 +16,7 @@ from harness.planner.shape import ModelShape
 
 MAX_MICRO_BATCH = 64
 TOP = 5
-# The seeds' first fit stays the recommendation unless the fastest layout beats it by more than this: the
+# The first fit in the decision order stays the recommendation unless the fastest layout beats it by more than this: the
 # model's own error (tests/test_published_runs.py holds it to 15 %) is larger than a few per cent, and the
 # first fit is the simpler layout.
 KEEP_FIRST_FIT_WITHIN = 0.05
@@ -158,7 +158,7 @@ def evaluate_layout(layout: dict, count, shape: ModelShape, cluster: Cluster, wo
 def attach(plan, count, shape: ModelShape, cluster: Cluster, work: Workload, profile: dict,
            layout: dict | None) -> None:
     """Add the step-time model's view to a Plan: the ranked layouts, the fastest as the recommendation, the
-    seeds' first fit timed at the same global batch with the speed ratio, or one evaluated layout."""
+    first fit in the decision order timed at the same global batch with the speed ratio, or one evaluated layout."""
     name = plan.model["name"]
     gb = work.global_batch or work.micro_batch * work.grad_accum * cluster.world
     base = work.but(global_batch=gb)

@@ -350,7 +350,8 @@ def tiled_mlp_recompute_s(shape: ModelShape, profile: dict, work: Workload, tp: 
 
 def _expert_parallel_s(c, count, profile: dict, work: Workload, rows: list[dict], inter: bool, m: int) -> dict:
     """An expert-parallel layout's all-to-all seconds per step (on the critical path: the experts wait for their
-    tokens) and the routed experts' extra compute on the busiest rank, both scaled by the imbalance (moe/parallel.py)."""
+    tokens) and the routed experts' extra compute on the busiest rank, both scaled by the imbalance
+    (moe/parallel.py)."""
     if c.ep <= 1:
         return {"all_to_all_s": 0.0, "expert_imbalance_s": 0.0}
     from harness.planner.moe import DEFAULT_IMBALANCE, all_to_all_calls, routed_flops_per_token

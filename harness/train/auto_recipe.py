@@ -57,8 +57,9 @@ def choose(overrides: list[str], world_size: int) -> tuple[str, list[str], str]:
     else:
         cmp = result.comparison or {}
         reason += (f"{best['label']}, predicted {best['time']['step_time_s']:.3g} s/step on {source}"
-                   + (f", {cmp['speedup']:.2f}x the seeds' first fit ({cmp['first_fit']})"
-                      if cmp and not cmp.get("kept_first_fit") else ", the seeds' first fit (fastest within 5 %)"))
+                   + (f", {cmp['speedup']:.2f}x the first fit in the decision order ({cmp['first_fit']})"
+                      if cmp and not cmp.get("kept_first_fit")
+                      else ", the first fit in the decision order (fastest within 5 %)"))
     return best["recipe"], planned, reason
 
 

@@ -110,7 +110,7 @@ def _table(plan: Plan) -> list[str]:
         cells = [gb(mem["gpu_bytes"]), gb(mem["cpu_bytes_per_node"]) if mem["cpu_bytes_per_node"] else "-",
                  gb(mem["nvme_bytes_per_node"]) if mem["nvme_bytes_per_node"] else "-"]
         verdict = "yes" if r["fits"] else ("n/a" if not r["applicable"] else "no")
-        why = r["why_not"] or ("<- recommended" if r is plan.recommended else "<- seeds' first fit")
+        why = r["why_not"] or ("<- recommended" if r is plan.recommended else "<- first fit in the decision order")
         lines.append(f"  {i:>2}  {r['label']:<30}{verdict:<5}{cells[0]:>10}{cells[1]:>10}{cells[2]:>10}"
                      f"{gb(r['comm']['wire_bytes']) if r['comm']['wire_bytes'] else '-':>11}"
                      f"{timing.seq_text(r.get('max_seq_len')):>9}  {why}")

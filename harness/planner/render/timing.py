@@ -1,6 +1,6 @@
-"""The step-time part of a plan as text: the fastest layouts, the seeds' first fit beside them, one evaluated
-layout. Times in seconds per optimizer step; tokens/s per GPU and MFU (model FLOPs, no recompute) over the
-profile's dense peak."""
+"""The step-time part of a plan as text: the fastest layouts, the first fit in the decision order beside them,
+one evaluated layout. Times in seconds per optimizer step; tokens/s per GPU and MFU (model FLOPs, no recompute)
+over the profile's dense peak."""
 
 from __future__ import annotations
 
@@ -53,16 +53,19 @@ def ranking(plan, top: int = 5) -> list[str]:
     lines = [f"fastest layouts that fit ({len(plan.ranked)} fit; --json lists all):", HEAD]
     lines += [layout_line(i, r) for i, r in enumerate(plan.ranked[:top], 1)]
     if plan.first_fit:
-        lines.append(layout_line("ff", plan.first_fit) + "   <- seeds' first fit")
+        lines.append(layout_line("ff", plan.first_fit) + "   <- first fit in the decision order")
     cmp = plan.comparison
     if cmp:
         if cmp["fastest"] == cmp["first_fit"]:
-            lines.append(f"the seeds' first fit ({cmp['first_fit']}) is also the fastest predicted layout")
+            lines.append(f"the first fit in the decision order ({cmp['first_fit']}) is also the fastest predicted "
+                         "layout")
         elif cmp.get("kept_first_fit"):
-            lines.append(f"recommending the seeds' first fit ({cmp['first_fit']}): {cmp['fastest']} is predicted only "
+            lines.append(f"recommending the first fit in the decision order ({cmp['first_fit']}): {cmp['fastest']} "
+                         "is predicted only "
                          f"{cmp['speedup']:.2f}x faster, inside the model's error ({cmp['why']})")
         else:
-            lines.append(f"predicted speed-up of {cmp['fastest']} over the seeds' first fit ({cmp['first_fit']}): "
+            lines.append(f"predicted speed-up of {cmp['fastest']} over the first fit in the decision order "
+                         f"({cmp['first_fit']}): "
                          f"{cmp['speedup']:.2f}x ({cmp['why']})")
     return lines
 
