@@ -7,9 +7,9 @@ and say why. Cases keep a margin from the GPU limit so small refinements of the 
 
 import pytest
 
-from harness.planner.inputs import Cluster, Workload
 from harness.model_shapes import KNOWN, PRESETS
 from harness.planner import plan
+from harness.planner.inputs import Cluster, Workload
 
 GB = 10**9
 

@@ -12,9 +12,9 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from harness.planner.inputs import Cluster, Workload
 from harness.model_shapes import KNOWN, PRESETS
 from harness.planner import hardware, layouts, longest, plan, sequence
+from harness.planner.inputs import Cluster, Workload
 from harness.planner.memory import activation_bytes
 from harness.planner.params import count_params, model_shape
 

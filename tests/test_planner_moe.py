@@ -10,10 +10,10 @@ import json
 import pytest
 import transformers
 
-from harness.planner.inputs import Cluster, Workload
 from harness.errors import UsageError
 from harness.model_shapes import KNOWN
 from harness.planner import comm, hardware, layouts, moe, plan, search, steptime
+from harness.planner.inputs import Cluster, Workload
 from harness.planner.memory import harness_buckets, zero3_gathered_elems
 from harness.planner.params import count_params, meta_count, model_shape
 

@@ -9,10 +9,10 @@ import shlex
 
 import pytest
 
-from harness.planner.inputs import Cluster, Workload
 from harness.model_shapes import KNOWN, load_model_config
 from harness.planner import plan
 from harness.planner import pipeline as pl
+from harness.planner.inputs import Cluster, Workload
 from harness.planner.params import count_params, model_shape
 
 

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.planner.inputs import Workload
 from harness.planner import hardware, layouts, steptime
+from harness.planner.inputs import Workload
 from harness.planner.params import count_params, model_shape
 
 SEQ, VOCAB = 2048, 51_200

@@ -269,11 +269,7 @@ def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work
     t_mb = _stage_compute(c, count, shape, profile, work, result, stage_blocks)
     if c.tiled:  # TiledMLP runs the MLP's forward again in backward (ALST s3.3)
         t_mb["recompute"] += tiled_mlp_recompute_s(shape, profile, work, c.tp, result.get("blocks_per_rank", 1))
-    place = _placement(c, cluster)
-    rows = result["comm"]["rows"]
-    by_group: dict[str, list[dict]] = {}
-    for row in rows:
-        by_group.setdefault(row["group"], []).append(row)
+    place, by_group = _placement(c, cluster), _rows_by_group(result["comm"]["rows"])
     tp_calls = (6 if work.activation_checkpointing else 4) * m * result.get("blocks_per_rank", count.num_layers)
     tp_s = sum(_row_s(profile, r, place["tp"][1], tp_calls) for r in by_group.get("tp", []))
     tp_s += sum(_row_s(profile, r, place["tp-pipe"][1]) for r in by_group.get("tp-pipe", []))
@@ -281,12 +277,7 @@ def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work
     sp_s = sum(_row_s(profile, r, place["sp"][1], sp_calls) for r in by_group.get("sp", []))
     slot = sum(t_mb.values()) + tp_s / m
     slots = m + (c.pp - 1) / interleave
-    p2p_s = 0.0
-    if c.pp > 1:
-        send = next((r for r in by_group.get("pp", []) if r["collective"] == "send"), None)
-        if send:
-            per_message = dict(send, logged_bytes=send["logged_bytes"] / (m * _neighbours(c.pp)))
-            p2p_s = 2 * (m + c.pp - 1) * _row_s(profile, per_message, place["pp"][1])
+    p2p_s = _p2p_s(c.pp, profile, by_group.get("pp", []), place["pp"][1], m) if c.pp > 1 else 0.0
     buckets = memory.harness_buckets(shape.hidden_size)
     buckets_bytes = PRECISION_BYTES[work.precision] * buckets.reduce_bucket_elems
     blocks = result.get("blocks_per_rank", count.num_layers)
@@ -324,8 +315,24 @@ def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work
     return {"step_time_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,
             "mfu": model_flops_per_step(count, shape, work.seq_len, tokens) / (step * world * peak),
             "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"],
-            "per_stage": per_stage,
-            "interleave": interleave}
+            "per_stage": per_stage, "interleave": interleave}
+
+
+def _rows_by_group(rows: list[dict]) -> dict[str, list[dict]]:
+    by_group: dict[str, list[dict]] = {}
+    for row in rows:
+        by_group.setdefault(row["group"], []).append(row)
+    return by_group
+
+
+def _p2p_s(pp: int, profile: dict, rows: list[dict], inter: bool, m: int) -> float:
+    """The pipeline's blocking sends: one activation forward and one gradient back in each of the m + pp - 1 slots
+    of the critical path."""
+    send = next((r for r in rows if r["collective"] == "send"), None)
+    if not send:
+        return 0.0
+    per_message = dict(send, logged_bytes=send["logged_bytes"] / (m * _neighbours(pp)))
+    return 2 * (m + pp - 1) * _row_s(profile, per_message, inter)
 
 
 def activation_offload_s(profile: dict, result: dict, m: int) -> float:
