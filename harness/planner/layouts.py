@@ -232,9 +232,8 @@ def _comm(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, sh
                                                   share.persistent)
     prec, seq, mb = work.precision, work.seq_len, work.micro_batch
     if c.ep > 1:
-        rows = comm.comm_rows(moe.comm_groups(
-            count, ep=c.ep, stage=c.stage, dp=zero_shards, precision=prec, grad_accum=m, hidden=shape.hidden_size,
-            seq_len=seq, micro_batch=mb, activation_checkpointing=work.activation_checkpointing))
+        rows = comm.comm_rows(moe.comm_groups(count, work, ep=c.ep, stage=c.stage, dp=zero_shards,
+                                              hidden=shape.hidden_size))
         return {"rows": rows, "wire_bytes": sum(r["wire_bytes"] for r in rows),
                 "logged_bytes": sum(r["logged_bytes"] for r in rows)}
     groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, dp=zero_shards, precision=prec, grad_accum=m,
