@@ -107,19 +107,19 @@ def test_p2p_bytes_by_hand():
     """micro 2 x seq 32 x hidden 64 = 4096 elements = 16 KiB fp32 per message; 4 micro-batches per step."""
     shape = model_shape(tiny())
     ids = 8 * 2 * 32 * 4  # document packing: each forward message also carries [2, 32] int64 position ids
-    doc = dict(seq_len=32, micro_batch=2, micro_batches=4, precision="fp32")
-    assert pl.p2p_bytes(shape, stage=0, pp=2, **doc) == {"send": 65536 + ids, "recv": 65536}
-    assert pl.p2p_bytes(shape, stage=1, pp=3, **doc) == {"send": 131072 + ids, "recv": 131072 + ids}
-    assert pl.p2p_bytes(shape, stage=1, pp=2, tp=2, **doc)["recv"] == 4 * (8192 + 72) + ids  # sent whole
-    kw = dict(doc, position_ids=False)  # concat packing: the hidden states only
-    assert pl.p2p_bytes(shape, stage=0, pp=2, **kw) == {"send": 65536, "recv": 65536}
-    assert pl.p2p_bytes(shape, stage=1, pp=3, **kw) == {"send": 131072, "recv": 131072}
-    assert pl.p2p_bytes(shape, stage=0, pp=1, **kw) == {}
+    doc, m = Workload(32, 2, "fp32"), dict(micro_batches=4)
+    assert pl.p2p_bytes(shape, doc, stage=0, pp=2, **m) == {"send": 65536 + ids, "recv": 65536}
+    assert pl.p2p_bytes(shape, doc, stage=1, pp=3, **m) == {"send": 131072 + ids, "recv": 131072 + ids}
+    assert pl.p2p_bytes(shape, doc, stage=1, pp=2, tp=2, **m)["recv"] == 4 * (8192 + 72) + ids  # sent whole
+    concat = doc.but(packing="concat")  # the hidden states only
+    assert pl.p2p_bytes(shape, concat, stage=0, pp=2, **m) == {"send": 65536, "recv": 65536}
+    assert pl.p2p_bytes(shape, concat, stage=1, pp=3, **m) == {"send": 131072, "recv": 131072}
+    assert pl.p2p_bytes(shape, concat, stage=0, pp=1, **m) == {}
     # 3D: half the activation (8192 B) + 9 longs of partition meta per message; all-gathers rebuild it
-    assert pl.p2p_bytes(shape, stage=0, pp=2, tp=2, **kw) == {
+    assert pl.p2p_bytes(shape, concat, stage=0, pp=2, tp=2, **m) == {
         "send": 4 * (8192 + 72), "recv": 4 * (8192 + 72), "all_gather_into_tensor": 2 * 4 * 8192}
-    assert pl.p2p_bytes(shape, stage=1, pp=2, tp=2, **kw)["all_gather_into_tensor"] == 4 * 8192
-    assert pl.p2p_bytes(shape, stage=1, pp=2, tp=2, partitioned=False, **kw) == {"send": 65536, "recv": 65536}
+    assert pl.p2p_bytes(shape, concat, stage=1, pp=2, tp=2, **m)["all_gather_into_tensor"] == 4 * 8192
+    assert pl.p2p_bytes(shape, concat, stage=1, pp=2, tp=2, partitioned=False, **m) == {"send": 65536, "recv": 65536}
 
 
 def test_tp_and_tied_allreduce_bytes_by_hand():

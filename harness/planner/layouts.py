@@ -246,8 +246,7 @@ def _comm(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, sh
             activation_checkpointing=work.activation_checkpointing)}, c.tp)
     if c.pp > 1:  # a middle stage (two neighbours) when there is one
         middle = 1 if c.pp > 2 else 0
-        p2p = pipeline.p2p_bytes(shape, stage=middle, pp=c.pp, seq_len=seq, micro_batch=mb, micro_batches=m,
-                                 precision=prec, tp=c.tp, position_ids=work.packing == "document")
+        p2p = pipeline.p2p_bytes(shape, work, stage=middle, pp=c.pp, micro_batches=m, tp=c.tp)
         gathers = p2p.pop("all_gather_into_tensor", 0)
         groups["pp"] = (p2p, c.pp)
         if gathers:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from harness.config.run_model import RunModel
 from harness.planner import layouts, rank, steptime
-from harness.planner.inputs import Cluster, Workload
+from harness.planner.inputs import Cluster
 from harness.planner.params import count_params, model_shape
 
 
@@ -33,14 +33,6 @@ def candidate(run: RunModel) -> layouts.Candidate:
     return layouts.Candidate(recipe, z.stage, opt, z.offload_param, d.tp, d.pp, d.sp, seq.tiled_mlp, act, d.ep)
 
 
-def workload(run: RunModel) -> Workload:
-    """The planner's workload of this run: its batch, sequence handling and precision."""
-    seq, b = run.sequence, run.batch
-    return Workload(seq.seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
-                    attention=rank.attention_kind(seq, run.degrees.sp), packing=seq.packing,
-                    global_batch=b.micro_batch * b.grad_accum * run.degrees.dp, tile_tokens=seq.tile_tokens)
-
-
 def evaluate(run: RunModel, cluster: Cluster | None = None, profile: dict | None = None,
              live: rank.LiveFacts | None = None) -> Prediction:
     """Memory per rank and comm per step of the run's layout on `cluster` (layouts.hardware), its step time on
@@ -53,7 +45,7 @@ def evaluate(run: RunModel, cluster: Cluster | None = None, profile: dict | None
     if cluster is None:
         return Prediction(rank=own)
     cfg = dict(run.model_config)
-    c, count, shape, work = candidate(run), count_params(cfg), model_shape(cfg), workload(run)
+    c, count, shape, work = candidate(run), count_params(cfg), model_shape(cfg), rank.workload(run)
     result = layouts.evaluate(c, count, shape, cluster, work)
     time = steptime.step_time(c, count, shape, profile, cluster, work, result) if profile is not None else None
     return Prediction(rank=own, layout=result, time=time)

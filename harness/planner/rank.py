@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 from harness.config.run_model import RunModel, Sequence
 from harness.planner import comm, memory, moe, pipeline, sequence
+from harness.planner.inputs import Workload
 from harness.planner.shape import ModelShape
 from harness.planner.params import count_params, model_shape, with_lora
 
@@ -55,6 +56,14 @@ def sequence_args(seq: Sequence, sp: int) -> dict:
     activation offload)."""
     return {"sp": sp, "tiled_mlp": seq.tiled_mlp, "tiled_loss": seq.tiled_loss, "attention": attention_kind(seq, sp),
             "offload": seq.activation_offload, "tile_tokens": seq.tile_tokens}
+
+
+def workload(run: RunModel) -> Workload:
+    """The planner's workload of this run: its batch, sequence handling and precision."""
+    seq, b = run.sequence, run.batch
+    return Workload(seq.seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
+                    attention=attention_kind(seq, run.degrees.sp), packing=seq.packing,
+                    global_batch=b.micro_batch * b.grad_accum * run.degrees.dp, tile_tokens=seq.tile_tokens)
 
 
 def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> int:
@@ -164,9 +173,8 @@ def _pipe_comm(run: RunModel, count, shape: ModelShape, mine: dict, trainable, l
     seq_len, micro, m = run.sequence.seq_len, run.batch.micro_batch, run.batch.grad_accum
     return {"dp": comm.comm_bytes_per_step(mine["params"], stage=run.zero.stage, dp=d.dp, precision=prec,
                                            grad_accum=1 if run.zero.stage <= 1 else m, trainable_params=trainable),
-            "pp": pipeline.p2p_bytes(shape, stage=stage, pp=d.pp, seq_len=seq_len, micro_batch=micro,
-                                     micro_batches=m, precision=prec, tp=d.tp, partitioned=run.pipe_partitioned,
-                                     position_ids=run.sequence.packing == "document"),
+            "pp": pipeline.p2p_bytes(shape, workload(run), stage=stage, pp=d.pp, micro_batches=m, tp=d.tp,
+                                     partitioned=run.pipe_partitioned),
             "tp": {"all_reduce": pipeline.tp_allreduce_bytes(
                 shape, tp=d.tp, blocks=mine["blocks"], seq_len=seq_len, micro_batch=micro, micro_batches=m,
                 precision=prec, activation_checkpointing=run.sequence.activation_checkpointing)},
