@@ -235,6 +235,7 @@ def test_packing_is_honoured_in_the_plans_pipeline_traffic_and_step_time():
     assert pp_doc["send"] - pp_concat["send"] == ids and pp_doc["recv"] == pp_concat["recv"]
     assert doc["time"]["breakdown"]["p2p_s"] > concat["time"]["breakdown"]["p2p_s"]
     assert doc["time"]["step_time_s"] > concat["time"]["step_time_s"]
+    assert concat["overrides"]["train.packing"] == "concat" and "train.packing" not in doc["overrides"]
     one, two = (evaluated(p, 1) for p in ("document", "concat"))
     assert one["comm"] == two["comm"] and one["time"] == two["time"]
 

@@ -301,6 +301,8 @@ def overrides(c: Candidate, result: dict, work: Workload) -> dict:
            "batch.train_batch_size": "auto", "train.seq_len": work.seq_len, "precision": work.precision}
     if c.checkpointing(work):
         out["activation_checkpointing"] = True
+    if work.packing != "document":  # the recipes' default; the plan's pipeline traffic assumed this one
+        out["train.packing"] = work.packing
     if c.sp > 1:  # sp-core's keys (issue #24)
         out["parallel.sequence"] = c.sp
     if c.tiled:
