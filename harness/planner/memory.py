@@ -19,6 +19,8 @@ phase="backward" is what backward holds (with the activations), phase="step" wha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from harness.config.run_model import ZeroBuckets
 from harness.planner import activations as la
 from harness.planner.shape import ModelShape
@@ -81,11 +83,29 @@ def _stage0_entries(p: int, lp: int, t: int) -> list:
             ("reduce_buckets", "gpu", lp * min(t, ZERO0_ALLREDUCE_BUCKET_ELEMS), BACKWARD)]
 
 
-def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, largest_tensor: int,
-                     b: ZeroBuckets, grad_accum: int = 1, accum_elems: int | None = None, t: int | None = None) -> list:
-    """p: parameters (16-bit copies, replicated); t: the trainable ones (gradients, partitions, optimizer)."""
-    t = p if t is None else t
-    frozen, p = p - t, t
+@dataclass(frozen=True)
+class _Rank:
+    """What one rank holds, as model_state_bytes' arguments resolved: p every parameter its ZeRO group shards, t the
+    trainable ones; lp bytes per 16-bit (or fp32) element; the largest module and tensor (ZeRO-3 gathers, offload
+    staging), the largest trainable tensor and module (gradient staging), ZeRO-3's persistent parameters."""
+
+    p: int
+    t: int
+    dp: int
+    lp: int
+    b: ZeroBuckets
+    largest_layer: int
+    largest_tensor: int
+    grad_tensor: int
+    grad_layer: int
+    persistent: int
+    grad_accum: int
+    accum_elems: int | None
+
+
+def _stage12_entries(r: _Rank, stage: int, offload: bool) -> list:
+    """Stage 1/2: the 16-bit parameters replicated; the trainable ones' gradients, partitions and optimizer state."""
+    frozen, p, dp, lp, b, largest_tensor = r.p - r.t, r.t, r.dp, r.lp, r.b, r.grad_tensor
     shard = -(-p // dp)
     opt_dev = "cpu" if offload else "gpu"  # stage 1/2 treat nvme as cpu (deepspeed-facts.md)
     buckets = 2 if b.overlap_comm else 1
@@ -105,11 +125,11 @@ def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, larges
         # the partition that CPU Adam writes before it is copied back (param_buffer_of_bit16_for_cpu_offload)
         out += [("offload_buffers", "gpu", lp * largest_tensor, ALWAYS),
                 ("offload_buffers", "cpu", lp * largest_tensor + lp * shard, ALWAYS)]
-    if offload and grad_accum > 1:
+    if offload and r.grad_accum > 1:
         # accumulated_grads_in_cpu: a pinned 16-bit buffer of the WHOLE tensor for every parameter that overlaps
         # this rank's partition, kept between steps. A tensor straddling a partition boundary is held whole by
         # both neighbours, so without the layout: at most one largest tensor over the shard.
-        elems = accum_elems if accum_elems is not None else shard + (largest_tensor if dp > 1 else 0)
+        elems = r.accum_elems if r.accum_elems is not None else shard + (largest_tensor if dp > 1 else 0)
         out.append(("grads", "cpu", lp * elems, ALWAYS))
     return out
 
@@ -129,14 +149,12 @@ def zero3_gathered_elems(gathered: int, largest_layer: int, b: ZeroBuckets) -> i
     return min(gathered, retained + largest_layer + b.prefetch_bucket_elems)
 
 
-def _stage3_entries(p: int, dp: int, lp: int, opt_dev: str, param_dev: str, largest_layer: int,
-                    largest_tensor: int, persistent: int, b: ZeroBuckets, t: int | None = None,
-                    largest_trainable_layer: int | None = None) -> list:
-    """p: every parameter (all partitioned and gathered, frozen ones too); t: the trainable ones (gradient
-    partitions, fp32 master, optimizer state)."""
-    t = p if t is None else t
+def _stage3_entries(r: _Rank, opt_dev: str, param_dev: str) -> list:
+    """Stage 3: every parameter partitioned and gathered (frozen ones too); the trainable ones' gradient partitions,
+    fp32 master and optimizer state."""
+    p, t, dp, lp, b, persistent = r.p, r.t, r.dp, r.lp, r.b, r.persistent
+    largest_layer, largest_tensor, grad_layer = r.largest_layer, r.largest_tensor, r.grad_layer
     shard, p_shard = -(-t // dp), -(-p // dp)
-    grad_layer = largest_layer if largest_trainable_layer is None else largest_trainable_layer
     grad_dev = "gpu" if opt_dev == "none" else "cpu"  # the flat grad partition follows the optimizer
     opt_dev = "gpu" if opt_dev == "none" else opt_dev
     sub_group = min(shard, b.sub_group_elems)
@@ -201,13 +219,12 @@ def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
         entries = _seed_entries(num_params, stage, dp, lp, opt, par, trainable)
     elif stage == 0:
         entries = _stage0_entries(num_params, lp, trainable)
-    elif stage in (1, 2):
-        entries = _stage12_entries(num_params, stage, dp, lp, offload_optimizer != "none", grad_tensor, b,
-                                   grad_accum, accum_elems, trainable)
     else:
-        entries = _stage3_entries(num_params, dp, lp, offload_optimizer, offload_param,
-                                  largest_layer_params, largest_tensor, persistent_params, b, trainable,
-                                  largest_trainable_layer)
+        grad_layer = largest_layer_params if largest_trainable_layer is None else largest_trainable_layer
+        r = _Rank(num_params, trainable, dp, lp, b, largest_layer_params, largest_tensor, grad_tensor, grad_layer,
+                  persistent_params, grad_accum, accum_elems)
+        entries = (_stage12_entries(r, stage, offload_optimizer != "none") if stage in (1, 2)
+                   else _stage3_entries(r, offload_optimizer, offload_param))
     out = {term: dict.fromkeys(DEVICES, 0) for term in TERMS}
     for term, device, nbytes, alive in entries:
         if alive in _ALIVE[phase]:
