@@ -11,7 +11,7 @@ from harness.errors import UsageError
 from harness.model_shapes import KNOWN, PRESETS
 from harness.planner import plan
 from harness.planner.comm import comm_bytes_per_step, wire_bytes
-from harness.planner.inputs import Cluster, Workload
+from harness.planner.inputs import Cluster, LongContext, Workload
 from harness.planner.memory import (ZeroBuckets, activation_bytes, by_device, harness_buckets, model_state_bytes,
                                     training_peak)
 from harness.planner.pipeline import bubble_fraction
@@ -176,8 +176,8 @@ def test_harness_buckets_follow_hidden_size():
 
 def test_activation_checkpointing_keeps_block_inputs_only():
     shape = model_shape(KNOWN["llama-2-7b"])
-    full = activation_bytes(shape, seq_len=2048, micro_batch=1, precision="bf16", activation_checkpointing=False)
-    ckpt = activation_bytes(shape, seq_len=2048, micro_batch=1, precision="bf16", activation_checkpointing=True)
+    full = activation_bytes(shape, Workload(2048, 1, "bf16", False))
+    ckpt = activation_bytes(shape, Workload(2048, 1, "bf16", True))
     assert ckpt["layers"] == 32 * 2048 * 4096 * 2 and ckpt["recompute"] == full["per_layer"]
     assert full["per_layer"] == 2048 * 2 * (6 * 4096 + 2 * 4096 + 4 * 11008)
     assert ckpt["total"] < full["total"] / 5
@@ -185,9 +185,8 @@ def test_activation_checkpointing_keeps_block_inputs_only():
 
 def test_tensor_parallel_splits_the_split_activations_only():
     shape = model_shape(KNOWN["llama-2-7b"])
-    one = activation_bytes(shape, seq_len=1024, micro_batch=1, precision="bf16", activation_checkpointing=False)
-    two = activation_bytes(shape, seq_len=1024, micro_batch=1, precision="bf16", activation_checkpointing=False,
-                           tp=2)
+    one = activation_bytes(shape, Workload(1024, 1, "bf16", False))
+    two = activation_bytes(shape, Workload(1024, 1, "bf16", False), tp=2)
     replicated = 1024 * 2 * 4 * 4096
     assert two["per_layer"] - replicated == (one["per_layer"] - replicated) // 2
 

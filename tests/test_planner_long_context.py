@@ -14,7 +14,7 @@ import pytest
 
 from harness.model_shapes import KNOWN, PRESETS
 from harness.planner import hardware, layouts, longest, plan, sequence
-from harness.planner.inputs import Cluster, Workload
+from harness.planner.inputs import Cluster, LongContext, Workload
 from harness.planner.memory import activation_bytes
 from harness.planner.params import count_params, model_shape
 
@@ -32,61 +32,61 @@ def test_llama_activation_bytes_match_hand_arithmetic_with_sp_tiling_and_checkpo
     h, inter, kv, vocab, layers = 4096, 14336, 8 * 128, 128256, 32
     s, sp, lp = 65536, 4, 2
     t = s // sp  # 16384 tokens per rank
-    plain = activation_bytes(shape, seq_len=s, micro_batch=1, precision="bf16", activation_checkpointing=False, sp=sp)
+    work, long_context = Workload(s, 1, "bf16", True), LongContext(sp=sp)
+    plain = activation_bytes(shape, work.but(activation_checkpointing=False), long_context=long_context)
     # norms in/out 4h; q, k, v, out 2h + 2kv; MLP gate, up, act, act*up 4I; under Ulysses the output twice (+h)
     per_layer = t * lp * (4 * h + 2 * h + 2 * kv + 4 * inter + h)
     assert plain["per_layer"] == per_layer
     assert plain["logits"] == t * vocab * (2 + 8)
     assert plain["total"] == layers * per_layer + t * vocab * 10 + 2 * t * lp * h
-    tiled = activation_bytes(shape, seq_len=s, micro_batch=1, precision="bf16", activation_checkpointing=True, sp=sp,
-                             tiled_mlp=True, tiled_loss=True)
+    long_context = LongContext(sp=sp, tiled_mlp=True, tiled_loss=True)
+    tiled = activation_bytes(shape, work, long_context=long_context)
     tile = 4096  # train.tile_tokens' default
     assert tiled["per_layer"] == t * lp * (4 * h + 2 * h + 2 * kv + h)  # no MLP intermediates kept
     assert tiled["mlp_tile"] == 2 * tile * lp * 4 * inter  # one tile's intermediates, and their gradients
     assert tiled["logits"] == tile * vocab * 10 + vocab * h * lp  # one tile; the lm_head-sized gradient buffer
     assert tiled["layers"] == layers * t * lp * h  # checkpointing: block inputs only
     assert tiled["total"] == tiled["layers"] + tiled["per_layer"] + tiled["mlp_tile"] + tiled["logits"] + 2 * t * lp * h
-    off = activation_bytes(shape, seq_len=s, micro_batch=1, precision="bf16", activation_checkpointing=True, sp=sp,
-                           tiled_mlp=True, tiled_loss=True, offload=True)
+    off = activation_bytes(shape, work, long_context=LongContext(sp=sp, tiled_mlp=True, tiled_loss=True, offload=True))
     assert off["cpu_offload"] == layers * t * lp * h and off["layers"] == 2 * t * lp * h
     assert off["total"] == tiled["total"] - (layers - 2) * t * lp * h
 
 
 def test_gpt2_tiling_drops_its_two_mlp_tensors():
     shape = model_shape(KNOWN["gpt2"])
-    full = activation_bytes(shape, seq_len=1024, micro_batch=2, precision="fp32", activation_checkpointing=False)
-    tiled = activation_bytes(shape, seq_len=1024, micro_batch=2, precision="fp32", activation_checkpointing=False,
-                             tiled_mlp=True)
+    work, tiled_mlp = Workload(1024, 2, "fp32", False), LongContext(tiled_mlp=True)
+    full, tiled = activation_bytes(shape, work), activation_bytes(shape, work, long_context=tiled_mlp)
     assert full["per_layer"] - tiled["per_layer"] == 2048 * 4 * 2 * 3072  # fc out and gelu out, fp32
     assert tiled["mlp_tile"] == 2 * 2048 * 4 * 2 * 3072  # all 2048 tokens: fewer than one 4096-token tile
-    assert activation_bytes(shape, seq_len=1024, micro_batch=2, precision="fp32", activation_checkpointing=False,
-                            tiled_mlp=True, tile_tokens=512)["mlp_tile"] == 2 * 512 * 4 * 2 * 3072
+    small_tiles = work.but(tile_tokens=512)
+    assert activation_bytes(shape, small_tiles, long_context=tiled_mlp)["mlp_tile"] == 2 * 512 * 4 * 2 * 3072
 
 
 def test_tiling_lowers_the_logits_bytes_and_sp_divides_them():
     _, shape, _ = llama8b()
-    args = dict(seq_len=131072, micro_batch=1, precision="bf16", activation_checkpointing=True)
-    full, tiled = activation_bytes(shape, **args)["logits"], activation_bytes(shape, **args, tiled_loss=True)["logits"]
+    work = Workload(131072, 1, "bf16", activation_checkpointing=True)
+    full = activation_bytes(shape, work)["logits"]
+    tiled = activation_bytes(shape, work, long_context=LongContext(tiled_loss=True))["logits"]
     assert tiled < full / 20 and full == 131072 * 128256 * 10
-    assert activation_bytes(shape, **args, sp=2)["logits"] * 2 == full
+    assert activation_bytes(shape, work, long_context=LongContext(sp=2))["logits"] * 2 == full
 
 
 def test_mask_bytes_of_each_attention():
     _, shape, _ = llama8b()
-    args = dict(seq_len=131072, micro_batch=1, precision="bf16", activation_checkpointing=True)
-    flash = activation_bytes(shape, **args)
-    assert flash["mask"] == 0 and activation_bytes(shape, **args, attention="flex")["mask"] == 0
-    assert activation_bytes(shape, **args, attention="sdpa")["mask"] == 16 * GIB  # the issue's 16 GiB at 128K
+    work, sp2 = Workload(131072, 1, "bf16", activation_checkpointing=True), LongContext(sp=2)
+    flash = activation_bytes(shape, work)
+    assert flash["mask"] == 0 and activation_bytes(shape, work.but(attention="flex"))["mask"] == 0
+    assert activation_bytes(shape, work.but(attention="sdpa"))["mask"] == 16 * GIB  # the issue's 16 GiB at 128K
     # under SP the harness's document_sdpa builds the mask over the gathered sequence: S^2 on every rank
-    sdpa = activation_bytes(shape, **args, attention="sdpa", sp=2)
+    sdpa = activation_bytes(shape, work.but(attention="sdpa"), long_context=sp2)
     assert sdpa["mask"] == 16 * GIB
     # torch's sdpa keeps an additive bf16 copy of the mask for backward in every block that runs with gradients
-    assert sdpa["per_layer"] - activation_bytes(shape, **args, sp=2)["per_layer"] == 131072**2 * 2
-    eager = activation_bytes(shape, **args, attention="eager")
+    assert sdpa["per_layer"] - activation_bytes(shape, work, long_context=sp2)["per_layer"] == 131072**2 * 2
+    eager = activation_bytes(shape, work.but(attention="eager"))
     assert eager["mask"] == 32 * GIB  # bf16 additive mask
-    assert eager["per_layer"] - activation_bytes(shape, **args)["per_layer"] == 2 * 32 * 131072**2 * 2
+    assert eager["per_layer"] - activation_bytes(shape, work)["per_layer"] == 2 * 32 * 131072**2 * 2
     with pytest.raises(ValueError, match="attention 'xla'"):
-        activation_bytes(shape, **args, attention="xla")
+        activation_bytes(shape, work.but(attention="xla"))
 
 
 def test_ulysses_all_to_all_bytes_match_hand_arithmetic():
@@ -219,9 +219,9 @@ def test_auto_recipe_picks_sequence_parallel_for_a_long_sequence():
 
 def test_cpu_ranks_with_sdpa_count_the_mask():
     shape = model_shape(PRESETS["tiny-llama"])
-    a = activation_bytes(shape, seq_len=4096, micro_batch=1, precision="fp32", activation_checkpointing=False,
-                         attention="sdpa", sp=2)
-    b = activation_bytes(shape, seq_len=4096, micro_batch=1, precision="fp32", activation_checkpointing=False, sp=2)
+    work, sp2 = Workload(4096, 1, "fp32", False), LongContext(sp=2)
+    a = activation_bytes(shape, work.but(attention="sdpa"), long_context=sp2)
+    b = activation_bytes(shape, work, long_context=sp2)
     # document_sdpa under SP: the whole sequence's bool mask, and the fp32 copy torch's sdpa keeps per block (2 blocks)
     assert a["total"] - b["total"] == 4096 * 4096 + 2 * 4096 * 4096 * 4
 
@@ -268,16 +268,16 @@ def test_concat_rows_at_sp1_have_no_mask_terms_document_rows_and_sp_do():
     (the harness's document_sdpa builds the mask from the gathered positions), keep the s^2 mask and its copy."""
     from harness.planner import memory
     from harness.config.run_model import Sequence
-    from harness.planner.rank import sequence_args
+    from harness.planner.rank import attention_kind, long_context
 
     shape = model_shape(PRESETS["tiny-llama"])
     got = {}
     for packing in ("concat", "document"):
         for sp in (1, 2):
-            seq = sequence_args(Sequence(1024, packing=packing), sp)
-            got[packing, sp] = memory.activation_bytes(shape, seq_len=1024, micro_batch=1, precision="fp32",
-                                                       activation_checkpointing=True, **seq)
-    assert sequence_args(Sequence(1024, packing="concat"), 1)["attention"] == "flash"
+            seq = Sequence(1024, packing=packing)
+            work = Workload(1024, 1, "fp32", activation_checkpointing=True, attention=attention_kind(seq, sp))
+            got[packing, sp] = memory.activation_bytes(shape, work, long_context=long_context(seq, sp))
+    assert attention_kind(Sequence(1024, packing="concat"), 1) == "flash"
     assert got["concat", 1]["mask"] == 0
     assert got["document", 1]["mask"] == got["concat", 2]["mask"] == got["document", 2]["mask"] == 1024 * 1024
     # the float copy of the mask torch's sdpa saves, in the one recomputed block
@@ -305,6 +305,6 @@ def test_a_masked_attention_costs_the_profiles_measured_factor():
 
 def test_fp32_logits_have_no_upcast_copy():
     shape = model_shape(PRESETS["tiny-llama"])
-    args = dict(seq_len=1024, micro_batch=1, activation_checkpointing=True)
-    assert activation_bytes(shape, precision="fp32", **args)["logits"] == 1024 * 512 * (4 + 4)  # logits, log-softmax
-    assert activation_bytes(shape, precision="bf16", **args)["logits"] == 1024 * 512 * (2 + 4 + 4)
+    work = Workload(1024, 1, activation_checkpointing=True)
+    assert activation_bytes(shape, work.but(precision="fp32"))["logits"] == 1024 * 512 * (4 + 4)  # logits, log-softmax
+    assert activation_bytes(shape, work.but(precision="bf16"))["logits"] == 1024 * 512 * (2 + 4 + 4)

@@ -36,6 +36,17 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class LongContext:
+    """How a rank handles a long sequence (planner/activations.py): the Ulysses degree, tiled MLP and loss, and the
+    checkpointed block inputs offloaded to CPU RAM."""
+
+    sp: int = 1
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
+    offload: bool = False
+
+
+@dataclass(frozen=True)
 class Cluster:
     """The machines: nodes of gpus_per_node GPUs; memory per GPU, CPU RAM and NVMe per node (None: not given),
     each usable up to RESERVE_FRACTION short of it."""

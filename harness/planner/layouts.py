@@ -10,7 +10,7 @@ import shlex
 from dataclasses import dataclass
 
 from harness.planner import comm, memory, moe, pipeline, sequence
-from harness.planner.inputs import Cluster, Workload
+from harness.planner.inputs import Cluster, LongContext, Workload
 from harness.planner.shape import ModelShape
 from harness.planner.params import ParamCount
 
@@ -220,11 +220,9 @@ def _add_layout_details(result: dict, c: Candidate, count: ParamCount, share: Ra
 
 def activations(c: Candidate, shape: ModelShape, work: Workload, layers: int, in_flight: int = 1) -> dict:
     """memory.activation_bytes for this layout and workload (its sp, tiling, checkpointing, attention)."""
-    return memory.activation_bytes(
-        shape, seq_len=work.seq_len, micro_batch=work.micro_batch, precision=work.precision,
-        activation_checkpointing=c.checkpointing(work), tp=c.tp, num_layers=layers, micro_batches_in_flight=in_flight,
-        sp=c.sp, tiled_mlp=c.tiled, tiled_loss=c.tiled, attention=work.attention,
-        offload=c.act == "offload", tile_tokens=work.tile_tokens)
+    long_context = LongContext(c.sp, c.tiled, c.tiled, c.act == "offload")
+    return memory.activation_bytes(shape, work.but(activation_checkpointing=c.checkpointing(work)), tp=c.tp,
+                                   long_context=long_context, num_layers=layers, micro_batches_in_flight=in_flight)
 
 
 def _comm(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, share: RankShare) -> dict:

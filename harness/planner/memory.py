@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from harness.config.run_model import ZeroBuckets
 from harness.planner import activations as la
+from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -266,22 +267,24 @@ def _layer_token_elems(shape: ModelShape, tp: int) -> float:
     return 4 * h + (2 * h + 2 * kv_dim + 4 * inter) / tp
 
 
-def activation_bytes(shape: ModelShape, *, seq_len: int, micro_batch: int, precision: str,
-                     activation_checkpointing: bool, tp: int = 1, num_layers: int | None = None,
-                     micro_batches_in_flight: int = 1, with_logits: bool = True, sp: int = 1, tiled_mlp: bool = False,
-                     tiled_loss: bool = False, attention: str = "flash", offload: bool = False,
-                     tile_tokens: int = la.TILE_TOKENS) -> dict[str, int]:
-    """Activation bytes per rank for `num_layers` blocks (default all) and the loss.
+def activation_bytes(shape: ModelShape, work: Workload, *, tp: int = 1, long_context: LongContext = LongContext(),
+                     num_layers: int | None = None, micro_batches_in_flight: int = 1,
+                     with_logits: bool = True) -> dict[str, int]:
+    """Activation bytes per rank for `num_layers` blocks (default all) and the loss, training `work` (its sequence,
+    micro-batch, precision, checkpointing, attention and tile size).
 
     With checkpointing each block keeps only its input and one block is recomputed at a time.
     `micro_batches_in_flight` is what a pipeline stage holds (1F1B: min(stages - stage_id, m)).
     Logits: 16-bit output plus the fp32 upcast and log-softmax that HF's loss keeps.
     Long context (planner/activations.py, with the sources): sp divides the tokens per rank (Ulysses); tiled_mlp
-    drops the MLP intermediates for one tile of tile_tokens; tiled_loss holds one tile of logits; `attention` adds its
-    materialised mask (sdpa, eager) and eager's scores; offload (with checkpointing) moves the block inputs to
+    drops the MLP intermediates for one tile of tile_tokens; tiled_loss holds one tile of logits; the attention adds
+    its materialised mask (sdpa, eager) and eager's scores; offload (with checkpointing) moves the block inputs to
     CPU RAM ("cpu_offload", per rank).
     """
-    lp = PRECISION_BYTES[precision]
+    seq_len, micro_batch, attention, tile_tokens = work.seq_len, work.micro_batch, work.attention, work.tile_tokens
+    activation_checkpointing, lp = work.activation_checkpointing, PRECISION_BYTES[work.precision]
+    sp, tiled_mlp, tiled_loss = long_context.sp, long_context.tiled_mlp, long_context.tiled_loss
+    offload = long_context.offload
     tokens = la.tokens_per_rank(seq_len, micro_batch, sp)
     layers = shape.num_hidden_layers if num_layers is None else num_layers
     elems = _layer_token_elems(shape, tp) + la.sp_token_elems(shape, tp, sp)

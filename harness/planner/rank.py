@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 from harness.config.run_model import RunModel, Sequence
 from harness.planner import comm, memory, moe, pipeline, sequence
-from harness.planner.inputs import Workload
+from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
 from harness.planner.params import count_params, model_shape, with_lora
 
@@ -51,11 +51,9 @@ def attention_kind(seq: Sequence, sp: int) -> str:
     return kind
 
 
-def sequence_args(seq: Sequence, sp: int) -> dict:
-    """A run's long-context settings as memory.activation_bytes' arguments (Ulysses sp, tiling, attention,
-    activation offload)."""
-    return {"sp": sp, "tiled_mlp": seq.tiled_mlp, "tiled_loss": seq.tiled_loss, "attention": attention_kind(seq, sp),
-            "offload": seq.activation_offload, "tile_tokens": seq.tile_tokens}
+def long_context(seq: Sequence, sp: int) -> LongContext:
+    """A run's long-context handling as memory.activation_bytes takes it (Ulysses sp, tiling, activation offload)."""
+    return LongContext(sp, seq.tiled_mlp, seq.tiled_loss, seq.activation_offload)
 
 
 def workload(run: RunModel) -> Workload:
@@ -133,8 +131,7 @@ def _add_activations(out: dict, run: RunModel, shape: ModelShape, states) -> Non
     """The activations of the run's sequence handling, and the sp all-to-alls and tp all-reduces they cause."""
     seq, d, prec = run.sequence, run.degrees, run.precision
     micro, accum, ckpt = run.batch.micro_batch, run.batch.grad_accum, seq.activation_checkpointing
-    acts = memory.activation_bytes(shape, seq_len=seq.seq_len, micro_batch=micro, precision=prec,
-                                   activation_checkpointing=ckpt, tp=d.tp, **sequence_args(seq, d.sp))
+    acts = memory.activation_bytes(shape, workload(run), tp=d.tp, long_context=long_context(seq, d.sp))
     out["comm"].update(sequence.a2a_bytes_per_step(
         shape, seq_len=seq.seq_len, micro_batch=micro, micro_batches=accum, sp=d.sp,
         blocks=shape.num_hidden_layers, precision=prec, activation_checkpointing=ckpt))
@@ -203,11 +200,10 @@ def pipeline_rank(run: RunModel, live: LiveFacts) -> dict:
             if nbytes:
                 total[op] = total.get(op, 0) + int(nbytes)
     # 1F1B: stage s holds min(pp - s, m) micro-batches' activations; the last stage computes the logits
-    acts = memory.activation_bytes(shape, seq_len=run.sequence.seq_len, micro_batch=run.batch.micro_batch,
-                                   precision=run.precision,
-                                   activation_checkpointing=run.sequence.activation_checkpointing, tp=d.tp,
-                                   num_layers=mine["blocks"], micro_batches_in_flight=min(d.pp - stage, m),
-                                   with_logits=stage == d.pp - 1)
+    work = Workload(run.sequence.seq_len, run.batch.micro_batch, run.precision,
+                    run.sequence.activation_checkpointing)  # no mask counted: a pipeline's blocks see hidden states
+    acts = memory.activation_bytes(shape, work, tp=d.tp, num_layers=mine["blocks"],
+                                   micro_batches_in_flight=min(d.pp - stage, m), with_logits=stage == d.pp - 1)
     out = {"activations": acts, "peak_total_bytes": memory.training_peak(states.get, acts["total"]),
            "params_per_rank": mine["params"], "dp": d.dp, "tp": d.tp, "pp": d.pp, "stage": z.stage,
            "pipe_stage": stage, "partition_method": method,
