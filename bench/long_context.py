@@ -14,7 +14,7 @@ sp 1 and the harness's document_sdpa under SP (attention auto).
 
 - memory: each rank's training peak of memory in use (RssAnon less what malloc holds free, sampled) above the memory
   in use once its engine was built (startup's engine_setup in_use_after_bytes), against the planner's peak for the
-  same run (profiling/predict.py: memory.activation_bytes with the run's sp, tiling, attention and offload, plus the
+  same run (planner/rank.py: memory.activation_bytes with the run's sp, tiling, attention and offload, plus the
   transient model states) less the model states that exist by then (its after-step states). Goal: within +-15 %.
   Also printed: the old comparison (above the rank's baseline before the model was built, report/compare.peak_rows)
   and the difference of the two baselines, "runtime fixed": what building the model and the engine adds besides
@@ -177,12 +177,14 @@ def planner_longest(model: str, cap: int, ckpt: bool, sp: int, tiled: bool) -> i
 
     cfg = load_model_config(model)
     count, shape = count_params(cfg), model_shape(cfg)
-    hw = layouts.hardware(2, 1, int(cap / (1 - layouts.RESERVE_FRACTION)) + 1, None, None)
-    from harness.profiling.predict import long_context
+    from harness.config.run_model import Sequence
+    from harness.planner.inputs import RESERVE_FRACTION, Workload
+    from harness.planner.rank import attention_kind
 
-    recipe = {"train": {"packing": PACKING[0]}, "parallel": {"sequence": sp}}
-    work = {"seq_len": 2048, "micro_batch": 1, "precision": "fp32", "activation_checkpointing": ckpt, "grad_accum": 1,
-            "attention": long_context(recipe)["attention"]}
+    hw = layouts.hardware(2, 1, int(cap / (1 - RESERVE_FRACTION)) + 1, None, None)
+
+    work = Workload(2048, 1, "fp32", ckpt, 1, attention=attention_kind(Sequence(2048, packing=PACKING[0]), sp),
+                    packing=PACKING[0])
     c = layouts.Candidate("zero3", 3, sp=sp, tiled=tiled)
     return longest.max_seq_len(c, count, shape, hw, work)
 

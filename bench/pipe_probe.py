@@ -63,7 +63,7 @@ def pipeline_module(cfg: dict, pp: int, partition: str, topology=None):
               else LayerSpec(nn.Linear, h, vocab, bias=False)]
     kwargs = {"topology": topology} if topology is not None else {"num_stages": pp}
     module = PipelineModule(layers=layers, loss_fn=loss_fn, partition_method=partition, **kwargs)
-    module.config = config  # the planner's shape source (profiling/predict.py reads module.config)
+    module.config = config  # the planner's shape source (profiling/live.py reads module.config)
     tp = module._grid.get_slice_parallel_world_size()
     if tp > 1:  # 3D: split this stage's blocks over the topology's model-parallel group, after the build
         from harness.model.parallel.tensor import shard_decoder_layer
@@ -122,7 +122,14 @@ def main(argv: list[str] | None = None) -> int:
               "profile": {"steps": args.profile_steps, "memory": True},
               "train": {"model": args.shape, "seq_len": args.seq_len, "steps": args.steps,
                         "packing": "concat"}}  # the probe's layers pass hidden states only (no position ids)
-    spec = SimpleNamespace(recipe=recipe, recipe_name="pipe_probe", world_size=dist.world_size,
+    from harness.config.recipes import complete
+
+    # the spec's recipe is complete like a launch's (the planner's RunModel reads every key); recipe.json keeps the
+    # probe's own keys
+    full = complete({**recipe, "description": "pipeline probe",
+                     "parallel": {"pipeline": args.pp, "tensor": args.tp, "partition_method": args.partition}},
+                    "pipe_probe")
+    spec = SimpleNamespace(recipe=full, recipe_name="pipe_probe", world_size=dist.world_size,
                            dp=dist.world_size // (args.pp * args.tp), tp=args.tp, pp=args.pp, ds_config=ds_config(args, dist.world_size))
     spec.ds_config = {**spec.ds_config, **profiling.ds_overrides(spec, run_dir)}
     if dist.is_main:

@@ -37,13 +37,14 @@ def time_cli(argv: list[str], repeat: int) -> list[float]:
 def time_in_process(repeat: int) -> dict[str, float]:
     from harness.model_shapes import KNOWN
     from harness.planner import plan
+    from harness.planner.inputs import Cluster, Workload
     from harness.planner.params import meta_count
 
     out = {}
     for name in ("llama-2-7b", "llama-2-70b", "llama-3.1-405b"):
         start = time.perf_counter()
         for _ in range(repeat):
-            plan(KNOWN[name], gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9, model_name=name)
+            plan(KNOWN[name], Cluster(8, 80 * 10**9, nodes=2), Workload(), model_name=name)
         out[f"plan() {name}"] = (time.perf_counter() - start) / repeat
     start = time.perf_counter()
     meta_count(KNOWN["llama-2-70b"])

@@ -90,7 +90,7 @@ KNOWN: dict[str, dict] = {
                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
                    "tie_word_embeddings": False},
-    # Mixture of Experts (harness/planner/moe_params.py counts total and active parameters)
+    # Mixture of Experts (harness/planner/moe/counts.py counts total and active parameters)
     "mixtral-8x7b": {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
                      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                      "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,

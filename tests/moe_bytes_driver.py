@@ -47,10 +47,10 @@ def ds_config(stage: int, ep: int) -> dict:
 def predicted(stage: int, ep: int, dp: int, ds: dict) -> dict:
     from harness.planner import memory, moe
     from harness.planner.params import count_params
-    from harness.profiling.predict import _zero_settings
+    from harness.config.run_model import Zero
 
     count = count_params({k: v for k, v in CFG.items() if k != "output_router_logits"})
-    b = _zero_settings(ds)["buckets"]
+    b = Zero.of(ds).buckets
     common = dict(stage=stage, dp=dp, precision="fp32", phase="after_step", buckets=b,
                   largest_layer_params=max(count.largest_layer, count.moe_block if stage == 3 else 0),
                   largest_tensor_params=count.largest_tensor)
@@ -61,11 +61,16 @@ def predicted(stage: int, ep: int, dp: int, ds: dict) -> dict:
 
 
 def run_predicted(engine, ds: dict, world: int) -> dict:
-    """What the run's own report predicts (harness/profiling/predict.py, read off the live engine)."""
-    from harness.profiling import predict
+    """What the run's own report predicts (harness.planner.evaluate with the facts read off the live engine:
+    profiling/live.py); no model config, so no activations."""
+    from harness.config.run_model import Batch, Degrees, RunModel, Sequence, Zero
+    from harness.planner import evaluate
+    from harness.profiling.live import live_facts
 
-    count = predict.live_count(engine.module, engine.optimizer)
-    return predict.predict(count, ds, dp=world, precision="fp32", shape=None, seq_len=SEQ)["after_step"]
+    ep = (ds.get("expert_parallel") or {}).get("autoep_size", 1)
+    run = RunModel("qwen3-moe", {}, "fp32", Degrees(world, ep=ep), Zero.of(ds), Batch(MICRO, 1, MICRO * world),
+                   Sequence(SEQ))
+    return evaluate(run, live=live_facts(engine.module, engine.optimizer)).rank["after_step"]
 
 
 def all_to_all_logged() -> int:

@@ -30,7 +30,7 @@ def test_planner_bytes_per_rank_equal_the_live_engines(tmp_path):
                 want = sum(r["predicted"][term].values())
                 assert abs(got - want) <= RTOL * want, f"rank {rank} {name} {term}: engine {got} vs planner {want}"
                 print(f"rank {rank} {name} {term}: engine {got} planner {want}")
-                run = sum(r["run_predicted"][term].values())  # the run's report (profiling/predict.py)
+                run = sum(r["run_predicted"][term].values())  # the run's report (harness.planner.evaluate)
                 assert abs(got - run) <= RTOL * run, f"rank {rank} {name} {term}: engine {got} vs the run's {run}"
         # experts over ep: a rank holds its 2 of 4 experts per sparse block, so fewer bytes than without EP
         assert sum(results["zero2 ep2"]["predicted"]["params"].values()) < 4 * 140_160

@@ -9,6 +9,7 @@ import pytest
 
 from harness.model_shapes import KNOWN, PRESETS
 from harness.planner import plan
+from harness.planner.inputs import Cluster, Workload
 
 GB = 10**9
 
@@ -50,9 +51,10 @@ CASES = [
 
 def make_plan(model, gpus, mem, nodes, cpu, nvme, seq, mb, ckpt, precision):
     cfg = PRESETS.get(model) or KNOWN[model]
-    return plan(cfg, gpus_per_node=gpus, nodes=nodes, gpu_mem_bytes=mem * GB,
-                cpu_mem_bytes=cpu and cpu * GB, nvme_bytes=nvme and nvme * GB, seq_len=seq, micro_batch=mb,
-                precision=precision, activation_checkpointing=ckpt, model_name=model)
+    return plan(cfg, Cluster(gpus_per_node=gpus, nodes=nodes, gpu_mem_bytes=mem * GB, cpu_mem_bytes=cpu and cpu * GB,
+                             nvme_bytes=nvme and nvme * GB),
+                Workload(seq_len=seq, micro_batch=mb, precision=precision, activation_checkpointing=ckpt),
+                model_name=model)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[3]}x{c[1]}x{c[2]}GB-{c[10]}" for c in CASES])
@@ -66,7 +68,7 @@ def test_recommendation_follows_the_decision_order(case):
         assert not cheaper["fits"] and cheaper["why_not"], cheaper["label"]
     if result.recommended:
         rec = result.recommended
-        assert rec["memory"]["gpu_bytes"] <= result.hardware["usable_gpu_bytes"]
+        assert rec["memory"]["gpu_bytes"] <= result.hardware.usable_gpu_bytes
         assert f"--recipe {rec['recipe']} --model {inputs[0]}" in rec["launch"]
         assert not result.missing
     else:

@@ -11,9 +11,10 @@ from harness.errors import UsageError
 from harness.model_shapes import KNOWN, PRESETS
 from harness.planner import plan
 from harness.planner.comm import comm_bytes_per_step, wire_bytes
-from harness.planner.pipeline import bubble_fraction
 from harness.config.run_model import ZeroBuckets
+from harness.planner.inputs import Cluster, LongContext, Workload
 from harness.planner.memory import activation_bytes, by_device, harness_buckets, model_state_bytes, training_peak
+from harness.planner.pipeline import bubble_fraction
 from harness.planner.params import closed_form_count, count_params, meta_count, model_shape
 from harness.planner.render import to_json, to_text
 
@@ -38,7 +39,7 @@ def test_seed_example_7b_on_8_gpus():
 
 def test_seed_example_in_the_plan_of_a_7b_model():
     cfg = dict(KNOWN["llama-2-7b"])
-    result = plan(cfg, gpus_per_node=8, gpu_mem_bytes=80 * GB, model_name="llama-2-7b")
+    result = plan(cfg, Cluster(gpus_per_node=8, gpu_mem_bytes=80 * GB), Workload(), model_name="llama-2-7b")
     p = result.model["params"]["total"]
     assert result.seed["dp_bytes_per_gpu"] == 16 * p
     assert result.seed["zero3_bytes_per_gpu"] == 2 * p
@@ -79,7 +80,7 @@ def test_unknown_family_is_counted_on_the_meta_device():
            "num_attention_heads": 4, "intermediate_size": 128}
     count = count_params(cfg)
     assert count.method == "meta-device" and count.num_layers == 2 and count.total > 0
-    result = plan(cfg, gpus_per_node=1, gpu_mem_bytes=16 * GB, model_name="neox-tiny")
+    result = plan(cfg, Cluster(gpus_per_node=1, gpu_mem_bytes=16 * GB), Workload(), model_name="neox-tiny")
     assert result.recommended["recipe"] == "ddp"
 
 
@@ -175,8 +176,8 @@ def test_harness_buckets_follow_hidden_size():
 
 def test_activation_checkpointing_keeps_block_inputs_only():
     shape = model_shape(KNOWN["llama-2-7b"])
-    full = activation_bytes(shape, seq_len=2048, micro_batch=1, precision="bf16", activation_checkpointing=False)
-    ckpt = activation_bytes(shape, seq_len=2048, micro_batch=1, precision="bf16", activation_checkpointing=True)
+    full = activation_bytes(shape, Workload(2048, 1, "bf16", False))
+    ckpt = activation_bytes(shape, Workload(2048, 1, "bf16", True))
     assert ckpt["layers"] == 32 * 2048 * 4096 * 2 and ckpt["recompute"] == full["per_layer"]
     assert full["per_layer"] == 2048 * 2 * (6 * 4096 + 2 * 4096 + 4 * 11008)
     assert ckpt["total"] < full["total"] / 5
@@ -184,9 +185,8 @@ def test_activation_checkpointing_keeps_block_inputs_only():
 
 def test_tensor_parallel_splits_the_split_activations_only():
     shape = model_shape(KNOWN["llama-2-7b"])
-    one = activation_bytes(shape, seq_len=1024, micro_batch=1, precision="bf16", activation_checkpointing=False)
-    two = activation_bytes(shape, seq_len=1024, micro_batch=1, precision="bf16", activation_checkpointing=False,
-                           tp=2)
+    one = activation_bytes(shape, Workload(1024, 1, "bf16", False))
+    two = activation_bytes(shape, Workload(1024, 1, "bf16", False), tp=2)
     replicated = 1024 * 2 * 4 * 4096
     assert two["per_layer"] - replicated == (one["per_layer"] - replicated) // 2
 
@@ -230,7 +230,8 @@ def test_pipeline_bubble_fraction(p, m, expected):
 # --- plan, text and JSON --------------------------------------------------------------------------
 
 def test_plan_json_has_the_recommendation_and_every_candidate():
-    result = plan(KNOWN["llama-2-7b"], gpus_per_node=8, gpu_mem_bytes=80 * GB, model_name="llama-2-7b")
+    result = plan(KNOWN["llama-2-7b"], Cluster(gpus_per_node=8, gpu_mem_bytes=80 * GB), Workload(),
+                  model_name="llama-2-7b")
     data = json.loads(to_json(result))
     rec = data["recommended"]
     assert rec["recipe"] == "zero1" and rec["fits"]
@@ -243,8 +244,8 @@ def test_plan_json_has_the_recommendation_and_every_candidate():
 
 
 def test_text_states_units_and_why_cheaper_options_fail():
-    result = plan(KNOWN["llama-2-13b"], gpus_per_node=8, gpu_mem_bytes=40 * GB, cpu_mem_bytes=512 * GB,
-                  model_name="llama-2-13b", activation_checkpointing=True)
+    result = plan(KNOWN["llama-2-13b"], Cluster(gpus_per_node=8, gpu_mem_bytes=40 * GB, cpu_mem_bytes=512 * GB),
+                  Workload(activation_checkpointing=True), model_name="llama-2-13b")
     text = to_text(result)
     assert "GB = 10^9 bytes, GiB = 2^30 bytes" in text and " GiB" in text
     assert "recommended: zero3:" in text
@@ -253,15 +254,16 @@ def test_text_states_units_and_why_cheaper_options_fail():
 
 
 def test_multi_node_launch_uses_a_hostfile():
-    result = plan(KNOWN["llama-2-70b"], gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * GB, model_name="llama-2-70b")
+    result = plan(KNOWN["llama-2-70b"], Cluster(gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * GB), Workload(),
+                  model_name="llama-2-70b")
     assert result.recommended["launch"].startswith(
         "deepspeed --hostfile hostfile --num_nodes 2 --num_gpus 8 harness/run.py --recipe ")
     assert all(c["tp"] <= 8 for c in result.candidates)  # tensor parallel never crosses a node
 
 
 def test_impossible_request_says_what_is_missing():
-    result = plan(KNOWN["llama-2-70b"], gpus_per_node=8, gpu_mem_bytes=24 * GB, cpu_mem_bytes=256 * GB,
-                  activation_checkpointing=True, model_name="llama-2-70b")
+    result = plan(KNOWN["llama-2-70b"], Cluster(gpus_per_node=8, gpu_mem_bytes=24 * GB, cpu_mem_bytes=256 * GB),
+                  Workload(activation_checkpointing=True), model_name="llama-2-70b")
     assert result.recommended is None
     assert any(line.startswith("needs >= ") and "CPU RAM per node for optimizer" in line for line in result.missing)
     assert any("NVMe per node" in line and "none given" in line for line in result.missing)
@@ -269,14 +271,15 @@ def test_impossible_request_says_what_is_missing():
 
 def test_plan_rejects_bad_numbers_with_the_values():
     with pytest.raises(ValueError, match="gpus_per_node 0"):
-        plan(KNOWN["gpt2"], gpus_per_node=0, gpu_mem_bytes=GB)
+        plan(KNOWN["gpt2"], Cluster(gpus_per_node=0, gpu_mem_bytes=GB), Workload())
     with pytest.raises(ValueError, match="precision 'fp8'"):
-        plan(KNOWN["gpt2"], gpus_per_node=1, gpu_mem_bytes=GB, precision="fp8")
+        plan(KNOWN["gpt2"], Cluster(gpus_per_node=1, gpu_mem_bytes=GB), Workload(precision="fp8"))
 
 
 def test_planner_does_not_import_torch_or_deepspeed():
     code = ("import sys; from harness.planner import plan; from harness.model_shapes import KNOWN; "
-            "plan(KNOWN['llama-2-70b'], gpus_per_node=8, gpu_mem_bytes=80 * 10**9); "
+            "from harness.planner.inputs import Cluster, Workload; "
+            "plan(KNOWN['llama-2-70b'], Cluster(8, 80 * 10**9), Workload()); "
             "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -376,3 +379,21 @@ def test_after_step_terms_match_a_live_engine_within_2_percent(stage, precision,
     assert predicted == pytest.approx(total, rel=0.02)
     assert predicted_fp32 == pytest.approx(fp32, rel=0.02)
     assert abs(predicted - total) < 1024  # in fact exact up to a few scalars
+
+
+def test_no_planner_function_takes_a_dict_named_work_hw_or_shape():
+    """The planner speaks typed values (issue #31): the workload is a Workload, the machines a Cluster, the model's
+    shape a ModelShape (planner/inputs.py, planner/shape.py), never an untyped dict under those names."""
+    import ast
+    from pathlib import Path
+
+    import harness.planner
+
+    bad = []
+    for path in Path(harness.planner.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                bad += [f"{path.name}:{node.name}({a.arg})" for a in args if a.arg in ("work", "hw", "shape")
+                        and (a.annotation is None or "dict" in ast.unparse(a.annotation) or a.arg == "hw")]
+    assert not bad, f"planner functions taking an untyped work/hw/shape: {bad}"

@@ -14,6 +14,7 @@ import pytest
 
 from harness.model_shapes import KNOWN, PRESETS
 from harness.planner import hardware, plan
+from harness.planner.inputs import Cluster, Workload
 
 GB, MIB = 10**9, 2**20
 ALST_ONE_GPU, ALST_ONE_NODE = 500_000, 3_700_000  # tokens, Llama-3.1-8B on H100 80GB
@@ -36,7 +37,7 @@ def bench():
 
 
 def llama8b_plan(gpus: int, seq_len: int):
-    return plan(KNOWN["llama-3.1-8b"], gpus_per_node=gpus, gpu_mem_bytes=80 * GB, seq_len=seq_len,
+    return plan(KNOWN["llama-3.1-8b"], Cluster(gpus_per_node=gpus, gpu_mem_bytes=80 * GB), Workload(seq_len=seq_len),
                 model_name="llama-3.1-8b", hardware_profile=hardware.load("h100-80gb-sxm"))
 
 
@@ -82,8 +83,9 @@ def test_eight_h100s_hold_alsts_3_7m_within_2x_and_the_harness_accepts_the_offlo
 
 def test_nvme_rows_join_the_rung_only_with_nvme_and_count_its_room():
     cfg = KNOWN["llama-3.1-8b"]
-    rows = lambda nvme: [c for c in plan(cfg, gpus_per_node=1, gpu_mem_bytes=80 * GB, seq_len=ALST_ONE_GPU,  # noqa: E731
-                                         nvme_bytes=nvme).candidates if c["act"] and c["offload_param"] == "nvme"]
+    rows = lambda nvme: [c for c in plan(cfg, Cluster(gpus_per_node=1, gpu_mem_bytes=80 * GB, nvme_bytes=nvme),  # noqa: E731
+                                         Workload(seq_len=ALST_ONE_GPU)).candidates
+                         if c["act"] and c["offload_param"] == "nvme"]
     assert rows(None) == []
     roomy, tight = rows(2000 * GB), rows(50 * GB)
     assert [c["label"] for c in roomy][-1] == "zero3 opt->nvme params->nvme tiled ckpt->cpu" and roomy[-1]["fits"]
@@ -91,23 +93,24 @@ def test_nvme_rows_join_the_rung_only_with_nvme_and_count_its_room():
 
 
 def test_activation_predictions_hold_the_two_rank_cpu_measurements(bench):
-    """The run's prediction (profiling/predict.py, as the memory part compares it): the planner's peak less the
+    """The run's prediction (planner.evaluate with the live facts, as the memory part compares it): the planner's peak less the
     model states that exist by then (its after-step states), within 15 % of the measured peak above the engine."""
     from harness.config.recipes import load_recipe
     from harness.config.validate import check_recipe, context, strip_annotations
-    from harness.planner.params import count_params, model_shape
-    from harness.profiling.predict import long_context, predict
+    from harness.config.run_model import RunModel
+    from harness.planner import evaluate
+    from harness.planner.params import count_params
+    from harness.planner.rank import LiveFacts
 
     cfg = dict(PRESETS["tiny-llama"], max_position_embeddings=bench.POSITIONS)
-    count, shape = count_params(cfg), model_shape(cfg)
+    count = count_params(cfg)
     for (seq, sp, tiled), measured in MEASURED_MIB.items():
         recipe, source = load_recipe("zero3", bench.config_sets(seq, True, sp, tiled) + ["train.model=tiny-llama"])
         ds = strip_annotations(check_recipe(recipe, context(recipe, 2, model_config=cfg), source).ds_config)
         threshold = ds["zero_optimization"]["stage3_param_persistence_threshold"]
-        live = {"total": count.total, "largest_layer": count.largest_layer, "largest_tensor": count.largest_tensor,
-                "persistent": count.persistent_numel(threshold)}
-        out = predict(live, ds, dp=2, precision="fp32", shape=shape, seq_len=seq, activation_checkpointing=True,
-                      seq=long_context(recipe))
+        live = LiveFacts(total=count.total, largest_layer=count.largest_layer, largest_tensor=count.largest_tensor,
+                         persistent=count.persistent_numel(threshold))
+        out = evaluate(RunModel.from_resolved(recipe, ds, 2, cfg), live=live).rank
         states = sum(sum(terms.values()) for terms in out["after_step"].values())
         predicted = (out["peak_total_bytes"] - states) / MIB
         assert abs(measured / predicted - 1) <= bench.PEAK_TOL, (seq, sp, tiled, measured, predicted)

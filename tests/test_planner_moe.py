@@ -13,6 +13,7 @@ import transformers
 from harness.errors import UsageError
 from harness.model_shapes import KNOWN
 from harness.planner import comm, hardware, layouts, moe, plan, search, steptime
+from harness.planner.inputs import Cluster, Workload
 from harness.planner.memory import harness_buckets, zero3_gathered_elems
 from harness.planner.params import count_params, meta_count, model_shape
 
@@ -82,7 +83,7 @@ def test_a_saved_config_counts_the_same():
     saved = transformers.AutoConfig.for_model(**cfg).to_dict()
     assert "num_experts" not in saved or saved["num_experts"] is None
     assert count_params(saved).total == count_params(cfg).total and count_params(saved).num_experts == 4
-    assert model_shape(saved)["num_experts"] == 4
+    assert model_shape(saved).num_experts == 4
 
 
 # name: published total, published active, the active figure's rounding unit, whether it counts the input embedding.
@@ -122,8 +123,8 @@ def test_zero3_with_leaves_gathers_one_sparse_block_whole():
     cfg = KNOWN["qwen3-30b-a3b"]
     count, shape = count_params(cfg), model_shape(cfg)
     hw = layouts.hardware(8, 2, 80 * 10**9, None, None)
-    work = {"seq_len": 2048, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False,
-            "grad_accum": 1}
+    work = Workload(**{"seq_len": 2048, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False,
+            "grad_accum": 1})
     r = layouts.evaluate(layouts.Candidate("zero3", 3), count, shape, hw, work)
     b = harness_buckets(2048)
     persistent = count.persistent_numel(b.param_persistence_threshold)
@@ -142,11 +143,11 @@ def test_zero3_gathered_bytes_count_the_passes_the_calls_do(name, gpus, passes):
     cfg = BENCH_MIXTRAL if name == "bench" else KNOWN[name]
     count, shape = count_params(cfg), model_shape(cfg)
     hw = layouts.hardware(gpus, 1, 80 * 10**9, None, None)
-    work = {"seq_len": 128, "micro_batch": 4, "precision": "fp32", "activation_checkpointing": False,
-            "grad_accum": 3, "global_batch": 12 * gpus}
+    work = Workload(**{"seq_len": 128, "micro_batch": 4, "precision": "fp32", "activation_checkpointing": False,
+            "grad_accum": 3, "global_batch": 12 * gpus})
     c = layouts.Candidate("zero3", 3)
     r = layouts.evaluate(c, count, shape, hw, work)
-    b = harness_buckets(shape["hidden_size"])
+    b = harness_buckets(shape.hidden_size)
     gathered = count.total - count.persistent_numel(b.param_persistence_threshold)
     persistent = count.total - gathered
     row = next(x for x in r["comm"]["rows"] if x["collective"] == "all_gather_into_tensor")
@@ -168,8 +169,8 @@ def test_all_to_all_bytes_per_step_by_hand():
     assert recomputed == per_call * 6 * 2 * 3
     shape = model_shape(TINY_QWEN2_MOE)
     hw = layouts.hardware(2, 1, 80 * 10**9, None, None)
-    work = {"seq_len": 8, "micro_batch": 2, "precision": "fp32", "activation_checkpointing": False,
-            "grad_accum": 3}
+    work = Workload(**{"seq_len": 8, "micro_batch": 2, "precision": "fp32", "activation_checkpointing": False,
+            "grad_accum": 3})
     rows = layouts.evaluate(layouts.Candidate("zero2", 2, ep=2), count, shape, hw, work)["comm"]["rows"]
     a2a = next(r for r in rows if r["collective"] == "all_to_all_single")
     assert (a2a["group"], a2a["group_size"], a2a["logged_bytes"], a2a["wire_bytes"]) == ("ep", 2, got, got // 2)
@@ -188,15 +189,15 @@ def test_step_time_counts_active_flops_and_the_imbalance():
     c = layouts.Candidate("zero1", 1, ep=8)
     times = {}
     for imbalance in (1.0, 1.5):
-        work = {"seq_len": seq, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False,
-                "grad_accum": 1, "global_batch": 16, "expert_imbalance": imbalance}
+        work = Workload(**{"seq_len": seq, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False,
+                "grad_accum": 1, "global_batch": 16, "expert_imbalance": imbalance})
         times[imbalance] = search.timed(c, count, shape, hw, work, profile, "m")["time"]["breakdown"]
     assert times[1.0]["expert_imbalance_s"] == 0 and times[1.0]["all_to_all_s"] > 0
     assert times[1.5]["all_to_all_s"] == pytest.approx(1.5 * times[1.0]["all_to_all_s"])
     routed = 3 * seq * 2 * 8 * count.routed_experts / 128 / hardware.achieved_flops(profile, "bf16")
     assert times[1.5]["expert_imbalance_s"] == pytest.approx(0.5 * routed)
     with pytest.raises(ValueError, match="expert_imbalance"):
-        plan(cfg, gpus_per_node=8, gpu_mem_bytes=80 * 10**9, expert_imbalance=0.5)
+        plan(cfg, Cluster(gpus_per_node=8, gpu_mem_bytes=80 * 10**9), Workload(expert_imbalance=0.5))
 
 
 def _run(argv, capsys):
@@ -261,8 +262,8 @@ BENCH_MIXTRAL = {"model_type": "mixtral", "vocab_size": 512, "hidden_size": 256,
 def predict_8064() -> dict:
     count, shape = count_params(QWEN36_CUT), model_shape(QWEN36_CUT)
     hw = layouts.hardware(8, 2, 80 * 10**9, None, None)
-    work = {"seq_len": 1024, "micro_batch": 1, "grad_accum": 4, "precision": "bf16",
-            "activation_checkpointing": False, "global_batch": 64}  # micro 1 x 16 GPUs x 4 = 64 (the PR's text)
+    work = Workload(**{"seq_len": 1024, "micro_batch": 1, "grad_accum": 4, "precision": "bf16",
+            "activation_checkpointing": False, "global_batch": 64})  # micro 1 x 16 GPUs x 4 = 64 (the PR's text)
     return {name: search.timed(c, count, shape, hw, work, hardware.load("h100-80gb-sxm"), "m")
             for name, c in (("zero3", layouts.Candidate("zero3", 3)), ("ep", layouts.Candidate("zero1", 1, ep=8)))}
 

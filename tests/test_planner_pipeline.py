@@ -12,6 +12,7 @@ import pytest
 from harness.model_shapes import KNOWN, load_model_config
 from harness.planner import plan
 from harness.planner import pipeline as pl
+from harness.planner.inputs import Cluster, Workload
 from harness.planner.params import count_params, model_shape
 
 
@@ -106,19 +107,19 @@ def test_p2p_bytes_by_hand():
     """micro 2 x seq 32 x hidden 64 = 4096 elements = 16 KiB fp32 per message; 4 micro-batches per step."""
     shape = model_shape(tiny())
     ids = 8 * 2 * 32 * 4  # document packing: each forward message also carries [2, 32] int64 position ids
-    doc = dict(seq_len=32, micro_batch=2, micro_batches=4, precision="fp32")
-    assert pl.p2p_bytes(shape, stage=0, pp=2, **doc) == {"send": 65536 + ids, "recv": 65536}
-    assert pl.p2p_bytes(shape, stage=1, pp=3, **doc) == {"send": 131072 + ids, "recv": 131072 + ids}
-    assert pl.p2p_bytes(shape, stage=1, pp=2, tp=2, **doc)["recv"] == 4 * (8192 + 72) + ids  # sent whole
-    kw = dict(doc, position_ids=False)  # concat packing: the hidden states only
-    assert pl.p2p_bytes(shape, stage=0, pp=2, **kw) == {"send": 65536, "recv": 65536}
-    assert pl.p2p_bytes(shape, stage=1, pp=3, **kw) == {"send": 131072, "recv": 131072}
-    assert pl.p2p_bytes(shape, stage=0, pp=1, **kw) == {}
+    doc, m = Workload(32, 2, "fp32"), dict(micro_batches=4)
+    assert pl.p2p_bytes(shape, doc, stage=0, pp=2, **m) == {"send": 65536 + ids, "recv": 65536}
+    assert pl.p2p_bytes(shape, doc, stage=1, pp=3, **m) == {"send": 131072 + ids, "recv": 131072 + ids}
+    assert pl.p2p_bytes(shape, doc, stage=1, pp=2, tp=2, **m)["recv"] == 4 * (8192 + 72) + ids  # sent whole
+    concat = doc.but(packing="concat")  # the hidden states only
+    assert pl.p2p_bytes(shape, concat, stage=0, pp=2, **m) == {"send": 65536, "recv": 65536}
+    assert pl.p2p_bytes(shape, concat, stage=1, pp=3, **m) == {"send": 131072, "recv": 131072}
+    assert pl.p2p_bytes(shape, concat, stage=0, pp=1, **m) == {}
     # 3D: half the activation (8192 B) + 9 longs of partition meta per message; all-gathers rebuild it
-    assert pl.p2p_bytes(shape, stage=0, pp=2, tp=2, **kw) == {
+    assert pl.p2p_bytes(shape, concat, stage=0, pp=2, tp=2, **m) == {
         "send": 4 * (8192 + 72), "recv": 4 * (8192 + 72), "all_gather_into_tensor": 2 * 4 * 8192}
-    assert pl.p2p_bytes(shape, stage=1, pp=2, tp=2, **kw)["all_gather_into_tensor"] == 4 * 8192
-    assert pl.p2p_bytes(shape, stage=1, pp=2, tp=2, partitioned=False, **kw) == {"send": 65536, "recv": 65536}
+    assert pl.p2p_bytes(shape, concat, stage=1, pp=2, tp=2, **m)["all_gather_into_tensor"] == 4 * 8192
+    assert pl.p2p_bytes(shape, concat, stage=1, pp=2, tp=2, partitioned=False, **m) == {"send": 65536, "recv": 65536}
 
 
 def test_tp_and_tied_allreduce_bytes_by_hand():
@@ -141,7 +142,7 @@ def test_bubble(p, m, want):
 
 
 def test_plan_uses_the_largest_stage_and_names_pipeline_traffic():
-    result = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9)
+    result = plan(dict(KNOWN["llama-2-13b"]), Cluster(gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9), Workload())
     count = count_params(dict(KNOWN["llama-2-13b"]))
     row = next(c for c in result.candidates if c["label"] == "3d zero1 tp2 pp2")
     assert row["params_per_rank"] == max(s["params"] for s in pl.stages(count, 2, tp=2))
@@ -159,7 +160,7 @@ def test_pipeline_and_3d_launch_lines_run_as_printed():
     from harness.dist import Launch
     from harness.train import run_args, session
 
-    result = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9,
+    result = plan(dict(KNOWN["llama-2-13b"]), Cluster(gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9), Workload(),
                   model_name="llama-2-13b")
     lines = [c["launch"] for c in result.candidates if c["pp"] > 1]
     assert any("--recipe 3d" in line for line in lines) and any("--recipe pipeline" in line for line in lines)
@@ -196,9 +197,9 @@ def test_layer_list_weighs_what_the_harness_pipeline_module_builds(model):
 
 
 def test_plan_text_lists_the_stages():
-    from harness.planner.render import _comm
+    from harness.planner.render.text import _comm
 
-    result = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9)
+    result = plan(dict(KNOWN["llama-2-13b"]), Cluster(gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9), Workload())
     row = next(c for c in result.candidates if c["label"] == "pipeline zero1 pp2")
     text = "\n".join(_comm(row))
     assert "pipeline bubble (p-1)/(m+p-1) = (2-1)/(8+2-1) = 11.1%" in text
@@ -207,8 +208,52 @@ def test_plan_text_lists_the_stages():
 
 
 def test_multi_node_plan_says_where_the_hostfile_comes_from():
-    result = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9)
+    result = plan(dict(KNOWN["llama-2-13b"]), Cluster(gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * 10**9), Workload())
     assert any(n.startswith("the launch line reads ./hostfile: one line per node, '<host> slots=8'")
                for n in result.notes)
-    single = plan(dict(KNOWN["llama-2-13b"]), gpus_per_node=8, nodes=1, gpu_mem_bytes=80 * 10**9)
+    single = plan(dict(KNOWN["llama-2-13b"]), Cluster(gpus_per_node=8, nodes=1, gpu_mem_bytes=80 * 10**9), Workload())
     assert not any("hostfile" in n for n in single.notes)
+
+
+def test_packing_is_honoured_in_the_plans_pipeline_traffic_and_step_time():
+    """Document rows send their int64 position ids with every forward message between stages; concat rows send the
+    hidden states only. The plan (its --packing, the recipe's train.packing) and the step time both follow it;
+    layouts without a pipeline are untouched."""
+    from harness.planner import hardware
+
+    cfg = dict(KNOWN["llama-2-7b"])
+    cluster, profile = Cluster(8, 80 * 10**9), hardware.load("h100-80gb-sxm")
+
+    def evaluated(packing: str, pp: int) -> dict:
+        work = Workload(4096, packing=packing, global_batch=64)
+        layout = {"zero": 1, "offload": "none", "tp": 1, "pp": pp}
+        return plan(cfg, cluster, work, hardware_profile=profile, layout=layout).evaluated
+
+    doc, concat = (evaluated(p, 2) for p in ("document", "concat"))
+    m, micro = doc["micro_batches"], doc["micro_batch"]
+    ids = 8 * 4096 * micro * m  # int64 position ids per step, sent by stage 0 (the middle of two stages)
+    pp_doc = {row["collective"]: row["logged_bytes"] for row in doc["comm"]["rows"] if row["group"] == "pp"}
+    pp_concat = {row["collective"]: row["logged_bytes"] for row in concat["comm"]["rows"] if row["group"] == "pp"}
+    assert pp_doc["send"] - pp_concat["send"] == ids and pp_doc["recv"] == pp_concat["recv"]
+    assert doc["time"]["breakdown"]["p2p_s"] > concat["time"]["breakdown"]["p2p_s"]
+    assert doc["time"]["step_time_s"] > concat["time"]["step_time_s"]
+    assert concat["overrides"]["train.packing"] == "concat" and "train.packing" not in doc["overrides"]
+    one, two = (evaluated(p, 1) for p in ("document", "concat"))
+    assert one["comm"] == two["comm"] and one["time"] == two["time"]
+
+
+def test_a_runs_own_step_time_follows_its_packing():
+    """planner.evaluate(run, ...): the run's packing reaches the step time (before, the run's time prediction always
+    counted position ids while its byte prediction followed the recipe)."""
+    from harness.config.run_model import Batch, Degrees, RunModel, Sequence, Zero
+    from harness.planner import evaluate, hardware, layouts
+
+    cluster, profile = layouts.hardware(8, 1, 80 * 10**9, None, None), hardware.load("h100-80gb-sxm")
+
+    def run(packing: str) -> RunModel:
+        return RunModel("llama-2-7b", KNOWN["llama-2-7b"], "bf16", Degrees(8, pp=2), Zero(stage=1), Batch(1, 8, 32),
+                        Sequence(4096, packing=packing))
+
+    doc, concat = (evaluate(run(p), cluster, profile) for p in ("document", "concat"))
+    assert doc.layout["label"] == "pipeline zero1 pp2" and doc.rank is None
+    assert doc.time["breakdown"]["p2p_s"] > concat.time["breakdown"]["p2p_s"]

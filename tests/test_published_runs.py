@@ -39,6 +39,7 @@ from __future__ import annotations
 import pytest
 
 from harness.planner import hardware, layouts, steptime
+from harness.planner.inputs import Workload
 from harness.planner.params import count_params, model_shape
 
 SEQ, VOCAB = 2048, 51_200
@@ -70,10 +71,10 @@ def predict(layers, hidden, heads, gpus, tp, pp, dp, batch, micro, interleave) -
            "vocab_size": VOCAB}  # Megatron's GPT: learned positions, 4h MLP, tied embedding
     count, shape = count_params(cfg), model_shape(cfg)
     hw = layouts.hardware(8, gpus // 8, 80 * 10**9, None, None)
-    work = {"seq_len": SEQ, "micro_batch": micro, "grad_accum": batch // (dp * micro), "precision": "fp16",
-            "activation_checkpointing": True, "global_batch": batch, "attention": "materialized"}
+    work = Workload(**{"seq_len": SEQ, "micro_batch": micro, "grad_accum": batch // (dp * micro), "precision": "fp16",
+            "activation_checkpointing": True, "global_batch": batch, "attention": "materialized"})
     c = layouts.Candidate("3d" if pp > 1 else "tp", 0, tp=tp, pp=pp)
-    assert tp * pp * dp == gpus == hw["world"]
+    assert tp * pp * dp == gpus == hw.world
     result = layouts.evaluate(c, count, shape, hw, work)
     return steptime.step_time(c, count, shape, hardware.load(PROFILE), hw, work, result, interleave=interleave,
                               stage_blocks=[layers // pp] * pp if pp > 1 else None)

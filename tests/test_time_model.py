@@ -1,4 +1,4 @@
-"""The step-time model in `harness plan`: search and rank, the seeds' first fit beside the fastest, one exact
+"""The step-time model in `harness plan`: search and rank, the first fit in the decision order beside the fastest, one exact
 layout, hardware profiles as checked data, the collective formulas, speed at 1024 nodes. Pure: no ranks."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from test_planner import run_plan
 from harness.errors import ConfigError, UsageError
 from harness.model_shapes import KNOWN
 from harness.planner import collectives, hardware, plan
+from harness.planner.inputs import Cluster, Workload
 from harness.planner.render import to_text
 
 GB = 10**9
@@ -23,17 +24,17 @@ def test_70b_on_4_nodes_keeps_the_states_on_the_gpus(capsys):
                          capsys)
     data = json.loads(out)
     first, best = data["first_fit"], data["recommended"]
-    assert first["label"] == "zero3 opt->cpu"  # the seeds' order stops at CPU offload
+    assert first["label"] == "zero3 opt->cpu"  # the decision order stops at CPU offload
     assert first["memory"]["cpu_bytes_per_node"] > 300e9  # 70B x 12 B of fp32 states / 4 nodes, + buffers
     fitting_on_gpus = [r for r in data["ranked"] if r["offload_optimizer"] == r["offload_param"] == "none"]
     assert fitting_on_gpus and best["offload_optimizer"] == best["offload_param"] == "none"
     assert best["memory"]["cpu_bytes_per_node"] == 0 and best["fits"]
     assert data["comparison"]["speedup"] > 2 and data["comparison"]["first_fit"] == "zero3 opt->cpu"
-    # the seeds' first fit loses to CPU Adam and exposed ZeRO-3 traffic, and the breakdown says so
+    # the first fit in the decision order loses to CPU Adam and exposed ZeRO-3 traffic, and the breakdown says so
     assert first["time"]["breakdown"]["optimizer_s"] > 10 * best["time"]["breakdown"]["optimizer_s"]
-    text = to_text(plan(KNOWN["llama-2-70b"], gpus_per_node=8, nodes=4, gpu_mem_bytes=80 * GB,
+    text = to_text(plan(KNOWN["llama-2-70b"], Cluster(gpus_per_node=8, nodes=4, gpu_mem_bytes=80 * GB), Workload(),
                         model_name="llama-2-70b", hardware_profile=hardware.load("a100-80gb-sxm")))
-    assert "predicted speed-up of" in text and "over the seeds' first fit (zero3 opt->cpu)" in text
+    assert "predicted speed-up of" in text and "over the first fit in the decision order (zero3 opt->cpu)" in text
     assert "recommended: " in text and "the fastest predicted layout that fits" in text
 
 
@@ -45,8 +46,8 @@ def test_seeds_worked_example_still_reads_as_today(capsys):
 
 
 def test_ranked_layouts_are_fastest_first_and_all_fit():
-    p = plan(KNOWN["llama-2-13b"], gpus_per_node=8, nodes=2, gpu_mem_bytes=40 * GB, model_name="llama-2-13b",
-             hardware_profile=hardware.load("a100-40gb-sxm"), global_batch=64)
+    p = plan(KNOWN["llama-2-13b"], Cluster(gpus_per_node=8, nodes=2, gpu_mem_bytes=40 * GB), Workload(global_batch=64),
+             model_name="llama-2-13b", hardware_profile=hardware.load("a100-40gb-sxm"))
     speeds = [r["time"]["tokens_per_s"] for r in p.ranked]
     assert speeds == sorted(speeds, reverse=True) and all(r["fits"] for r in p.ranked)
     for r in p.ranked:  # the global batch is the same for every layout: micro x accum x dp
@@ -147,8 +148,8 @@ def test_1024_nodes_plans_in_well_under_5_s():
     # CPU time of this process, not wall time: other tenants of a loaded machine do not make it fail. ~0.7 s
     # cold on an idle core (the pipeline partitions of every depth come from one dynamic-programming table).
     start = time.process_time()
-    p = plan(KNOWN["llama-2-70b"], gpus_per_node=8, nodes=1024, gpu_mem_bytes=80 * GB, model_name="llama-2-70b",
-             hardware_profile=hardware.load("a100-80gb-sxm"))
+    p = plan(KNOWN["llama-2-70b"], Cluster(gpus_per_node=8, nodes=1024, gpu_mem_bytes=80 * GB), Workload(),
+             model_name="llama-2-70b", hardware_profile=hardware.load("a100-80gb-sxm"))
     elapsed = time.process_time() - start
     assert p.ranked and elapsed < 5.0, f"{elapsed:.2f} s of CPU"
 
@@ -172,7 +173,7 @@ def test_lora_backward_skips_the_frozen_weight_gradients():
     count, shape = count_params(cfg), model_shape(cfg)
     lora = with_lora(count, cfg, 16)
     prof = hardware.load("a100-80gb-sxm")
-    work = {"seq_len": 4096, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False}
+    work = Workload(**{"seq_len": 4096, "micro_batch": 1, "precision": "bf16", "activation_checkpointing": False})
     full = steptime.compute_s(count, shape, prof, work, 1, count.num_layers, True)
     adapted = steptime.compute_s(lora, shape, prof, work, 1, count.num_layers, True)
     assert adapted["forward"] == pytest.approx(full["forward"], rel=0.01)  # the adapters add ~0.3 % FLOPs

@@ -28,6 +28,10 @@ import os
 import platform
 import statistics
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.planner.shape import ModelShape
 
 from harness.config.defaults import PRECISION_BYTES, PRECISION_DTYPES
 
@@ -55,17 +59,17 @@ def timeit(fn, device: str, repeat: int = 5, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def gemm_shapes(shape: dict, tokens: int) -> list[tuple[int, int, int, int]]:
+def gemm_shapes(shape: ModelShape, tokens: int) -> list[tuple[int, int, int, int]]:
     """(M, K, N, times per block forward) of the block's projections and the head (planner.params.model_shape)."""
-    h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-    d_attn = shape["num_attention_heads"] * shape["head_dim"]
-    kv = shape["num_key_value_heads"] * shape["head_dim"]
-    mlp_in = 2 if shape["model_type"] != "gpt2" else 1  # gate and up (SwiGLU), or one fc
+    h, inter, v = shape.hidden_size, shape.intermediate_size, shape.vocab_size
+    d_attn = shape.num_attention_heads * shape.head_dim
+    kv = shape.num_key_value_heads * shape.head_dim
+    mlp_in = 2 if shape.model_type != "gpt2" else 1  # gate and up (SwiGLU), or one fc
     return [(tokens, h, d_attn + 2 * kv, 1), (tokens, d_attn, h, 1), (tokens, h, inter, mlp_in),
             (tokens, inter, h, 1), (tokens, h, v, 0)]
 
 
-def measure_gemm(shape: dict, tokens: int, precision: str, device: str) -> dict:
+def measure_gemm(shape: ModelShape, tokens: int, precision: str, device: str) -> dict:
     """Achieved FLOP/s over one block's GEMMs (weighted by their FLOPs, as a training step mixes them)."""
     import torch
 
@@ -77,7 +81,7 @@ def measure_gemm(shape: dict, tokens: int, precision: str, device: str) -> dict:
         t = timeit(lambda: torch.matmul(a, b), device)
         f = 2.0 * m * k * n
         per_shape.append({"m": m, "k": k, "n": n, "tflops": f / t / 1e12})
-        weight = max(count, 1) if count else 1.0 / max(shape["num_hidden_layers"], 1)  # the head once per model
+        weight = max(count, 1) if count else 1.0 / max(shape.num_hidden_layers, 1)  # the head once per model
         flops, seconds = flops + weight * f, seconds + weight * t
     return {"tflops": flops / seconds / 1e12, "shapes": per_shape, "precision": precision, "tokens": tokens}
 
@@ -100,14 +104,14 @@ def measure_block_step(cfg: dict, seq_len: int, micro_batch: int, precision: str
     return {"seconds": timeit(step, device, repeat=3), "layers": layers, "tokens": ids.numel(), "seq_len": seq_len}
 
 
-def measure_masked_attention(shape: dict, seq_len: int, micro_batch: int, precision: str, device: str) -> dict:
+def measure_masked_attention(shape: ModelShape, seq_len: int, micro_batch: int, precision: str, device: str) -> dict:
     """sdpa forward + backward with a materialised causal boolean mask over the same without a mask (is_causal),
     at the model's heads, head_dim and seq_len: what a run with document masks (sdpa, document_sdpa) pays per
     attention over the causal kernel measure_block_step times (planner/steptime.py)."""
     import torch
 
     dtype = getattr(torch, PRECISION_DTYPES[precision])
-    q, k, v = (torch.randn(micro_batch, shape["num_attention_heads"], seq_len, shape["head_dim"], device=device,
+    q, k, v = (torch.randn(micro_batch, shape.num_attention_heads, seq_len, shape.head_dim, device=device,
                            dtype=dtype, requires_grad=True) for _ in range(3))
     mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
 
@@ -123,13 +127,14 @@ def block_efficiency(cfg: dict, block: dict, peak_tflops: float, hbm_gbps: float
     """The efficiency at which the time model's compute term (planner/steptime.py) reproduces the measured
     forward + backward: its FLOPs over (measured time - its memory-bound term) at the GEMM peak."""
     from harness.planner import steptime
+    from harness.planner.inputs import Workload
     from harness.planner.params import count_params, model_shape
 
     from harness.calibration.engine import cut_config
 
     small = cut_config(cfg, block["layers"])
     count, shape = count_params(small), model_shape(small)
-    work = {"seq_len": block["seq_len"], "precision": precision, "micro_batch": block["tokens"] // block["seq_len"]}
+    work = Workload(block["seq_len"], block["tokens"] // block["seq_len"], precision)
     flops = 3 * block["tokens"] * (block["layers"] * steptime.block_flops_per_token(count, shape, block["seq_len"], 1)
                                    + steptime.head_flops_per_token(shape))
     elem = 3 * block["tokens"] * block["layers"] * steptime.elementwise_bytes_per_token(shape, work, 1) / (hbm_gbps * 1e9)

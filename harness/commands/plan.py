@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", choices=("flash", "flex", "sdpa", "eager"), default="flash",
                         help="attention kernel (default flash: no materialised mask); sdpa and eager count transformers' "
                              "(seq/sp)^2 mask per rank, eager its scores too (planner/activations.py)")
+    parser.add_argument("--packing", choices=("document", "concat"), default="document",
+                        help="how rows are packed (the recipe's train.packing; default document): document rows carry "
+                             "position ids, which a pipeline sends between stages")
     parser.add_argument("--global-batch", type=int,
                         help="sequences per optimizer step over all GPUs (default micro-batch x grad-accum x GPUs); "
                              "the search keeps it fixed and picks the micro-batch")
@@ -124,6 +127,7 @@ def lora_count(cfg: dict, lora_r: int | None):
 def run(args: argparse.Namespace) -> int:
     """Print the plan; exit 0 with a recommendation, 1 when nothing fits (the output says what is missing)."""
     from harness.planner import plan
+    from harness.planner.inputs import Cluster, Workload
     from harness.planner.render import to_json, to_text
 
     from harness.planner import hardware
@@ -146,13 +150,12 @@ def run(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, cfg.get("max_position_embeddings", cfg.get("n_positions"))
                                   or DEFAULT_SEQ_LEN)
     try:
-        result = plan(cfg, gpus_per_node=args.gpus, nodes=args.nodes, gpu_mem_bytes=gpu_mem,
-                      cpu_mem_bytes=cpu_mem, nvme_bytes=nvme, seq_len=seq_len,
-                      micro_batch=args.micro_batch, precision=args.precision,
-                      activation_checkpointing=args.activation_checkpointing == "full", grad_accum=args.grad_accum,
-                      model_name=args.model, hardware_profile=profile, global_batch=args.global_batch,
-                      layout=_layout(args), count=lora_count(cfg, args.lora_r), attention=args.attention,
-                      expert_imbalance=args.expert_imbalance)
+        cluster = Cluster(args.gpus, gpu_mem, args.nodes, cpu_mem, nvme)
+        work = Workload(seq_len, args.micro_batch, args.precision, args.activation_checkpointing == "full",
+                        args.grad_accum, args.attention, expert_imbalance=args.expert_imbalance, packing=args.packing,
+                        global_batch=args.global_batch)
+        result = plan(cfg, cluster, work, model_name=args.model, count=lora_count(cfg, args.lora_r),
+                      hardware_profile=profile, layout=_layout(args))
     except ValueError as e:
         raise UsageError(f"plan: {e}") from None
     if not args.hardware:

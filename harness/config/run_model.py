@@ -142,6 +142,7 @@ class RunModel:
     sequence: Sequence
     adapter: Adapter | None = None
     pipeline_partition: str = "parameters"
+    pipe_partitioned: bool = True  # DeepSpeed's pipeline.pipe_partitioned: activations split over tp between stages
 
     @classmethod
     def from_resolved(cls, recipe: Mapping, ds: Mapping, world: int, model_config: Mapping) -> "RunModel":
@@ -165,4 +166,5 @@ class RunModel:
         pipe = ds.get("pipeline") or {}
         return cls(model=train["model"], model_config=MappingProxyType(dict(model_config)),
                    precision=recipe["precision"], degrees=d, zero=Zero.of(ds), batch=batch, sequence=seq,
-                   adapter=adapter, pipeline_partition=pipe.get("partition", recipe["parallel"]["partition_method"]))
+                   adapter=adapter, pipeline_partition=pipe.get("partition", recipe["parallel"]["partition_method"]),
+                   pipe_partitioned=bool(pipe.get("pipe_partitioned", True)))

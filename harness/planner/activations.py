@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 
 from harness.config.defaults import TILE_TOKENS
+from harness.planner.shape import ModelShape
 
 # "materialized": Megatron's s x s scores, which only the step time of published runs reads (steptime.py)
 ATTENTIONS = ("flash", "flex", "sdpa", "eager", "materialized")
@@ -45,32 +46,32 @@ def tokens_per_rank(seq_len: int, micro_batch: int, sp: int) -> int:
     return math.ceil(seq_len / sp) * micro_batch
 
 
-def mlp_token_elems(shape: dict, tp: int) -> float:
+def mlp_token_elems(shape: ModelShape, tp: int) -> float:
     """The MLP intermediates memory._layer_token_elems counts per token: gate, up, act(gate), act*up (GLU
     families), fc out and gelu out (gpt2); split by tp."""
-    inter = shape["intermediate_size"]
-    return (2 if shape["model_type"] == "gpt2" else 4) * inter / tp
+    inter = shape.intermediate_size
+    return (2 if shape.model_type == "gpt2" else 4) * inter / tp
 
 
-def sp_token_elems(shape: dict, tp: int, sp: int) -> float:
+def sp_token_elems(shape: ModelShape, tp: int, sp: int) -> float:
     """Elements per token a block keeps under Ulysses beyond sp=1's: the attention output in both layouts."""
-    return shape["num_attention_heads"] * shape["head_dim"] / tp if sp > 1 else 0.0
+    return shape.num_attention_heads * shape.head_dim / tp if sp > 1 else 0.0
 
 
-def mlp_tile_bytes(shape: dict, tokens: int, lp: int, tp: int, tile_tokens: int = TILE_TOKENS) -> int:
+def mlp_tile_bytes(shape: ModelShape, tokens: int, lp: int, tp: int, tile_tokens: int = TILE_TOKENS) -> int:
     """Working bytes of one TiledMLP tile: its intermediates recomputed in backward and their gradients."""
     return int(2 * min(tokens, tile_tokens) * lp * mlp_token_elems(shape, tp))
 
 
-def logits_bytes(tokens: int, shape: dict, lp: int, tiled: bool, tile_tokens: int = TILE_TOKENS) -> int:
+def logits_bytes(tokens: int, shape: ModelShape, lp: int, tiled: bool, tile_tokens: int = TILE_TOKENS) -> int:
     """The 16-bit logits plus the fp32 upcast and log-softmax HF's loss keeps, for every token (in fp32 training
     `.float()` returns the logits themselves: no upcast copy; measured, bench/long_context.py concat rows); tiled:
     for one tile, plus the lm_head-sized gradient buffer the tiled loss keeps."""
-    vocab = shape["vocab_size"]
+    vocab = shape.vocab_size
     per = lp + (4 if lp < 4 else 0) + 4
     if not tiled:
         return int(tokens * vocab * per)
-    return int(min(tokens, tile_tokens) * vocab * per + vocab * shape["hidden_size"] * lp)
+    return int(min(tokens, tile_tokens) * vocab * per + vocab * shape.hidden_size * lp)
 
 
 def mask_bytes(attention: str, seq_len: int, sp: int, micro_batch: int, lp: int) -> int:
@@ -87,7 +88,7 @@ def mask_bytes(attention: str, seq_len: int, sp: int, micro_batch: int, lp: int)
     return 0
 
 
-def scores_bytes(shape: dict, attention: str, seq_len: int, sp: int, micro_batch: int, lp: int, tp: int) -> int:
+def scores_bytes(shape: ModelShape, attention: str, seq_len: int, sp: int, micro_batch: int, lp: int, tp: int) -> int:
     """What one block's attention keeps for backward beyond q, k, v and the output: eager its scores and softmax,
     2 x heads/(tp sp) x s^2; sdpa the additive copy of the bool mask in the training dtype, s^2 (the whole sequence
     under SP: document_sdpa runs after the all-to-all); per micro-batch."""
@@ -95,4 +96,4 @@ def scores_bytes(shape: dict, attention: str, seq_len: int, sp: int, micro_batch
         return int(micro_batch * seq_len * seq_len * lp)
     if attention != "eager":
         return 0
-    return int(2 * shape["num_attention_heads"] / (tp * sp) * seq_len * seq_len * micro_batch * lp)
+    return int(2 * shape.num_attention_heads / (tp * sp) * seq_len * seq_len * micro_batch * lp)

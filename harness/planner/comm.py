@@ -6,7 +6,7 @@ Two numbers per collective:
   reduce_scatter_tensor = the full input, send/recv = the tensor. A run's metrics can be compared
   with these directly.
 - wire bytes: what leaves this rank with ring algorithms: all_reduce 2(N-1)/N x M, all_gather
-  (N-1) x shard, reduce_scatter (N-1)/N x M. This is the seeds' "DP all-reduce 2 Psi, ZeRO-3 1.5x".
+  (N-1) x shard, reduce_scatter (N-1)/N x M. This is the ZeRO paper's "DP all-reduce 2 Psi, ZeRO-3 1.5x".
 
 DeepSpeed 0.19.8 as measured: ZeRO-0 all-reduces the 16-bit grads once per step; ZeRO-1/2 all-reduce
 them (ZeRO-1 once per step, ZeRO-2 every micro-step) and all-gather the updated partitions; ZeRO-3

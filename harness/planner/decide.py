@@ -1,4 +1,4 @@
-"""The seeds' decision order: stop at the first strategy that fits.
+"""The decision order: stop at the first strategy that fits.
 
 DDP -> ZeRO-1 -> ZeRO-2 -> ZeRO-3 -> offload the optimizer (ZeRO-2, then ZeRO-3), then the parameters
 (CPU, then NVMe) -> tensor parallel inside a node -> pipeline (across nodes) with tensor parallel inside
@@ -8,7 +8,7 @@ in CPU RAM; then all of these again with the optimizer and parameters in CPU RAM
 ALST trains 500K tokens on one GPU; layouts.long_context_rung). Every layout reports the longest seq_len it holds
 (longest.py). Every candidate is evaluated so the output can say why each cheaper one fails.
 
-Fit is judged on memory alone, as the seeds order it. By that measure a pipeline rarely wins: its first
+Fit is judged on memory alone, in that order. By that measure a pipeline rarely wins: its first
 stage keeps min(p, m) micro-batches of L/p blocks in flight under 1F1B (as many activations as no
 pipeline when m >= p), and ZeRO-3 already spreads model states over every GPU. Pipelines pay off in
 traffic across slow inter-node links, which the wire column shows but the decision does not weigh.
@@ -20,21 +20,23 @@ from dataclasses import dataclass
 
 from harness.config.defaults import PRECISION_BYTES
 from harness.planner import longest, memory
-from harness.planner.layouts import Candidate, RESERVE_FRACTION, candidates, evaluate, gb, hardware, launch_command, overrides
+from harness.planner.inputs import RESERVE_FRACTION, Cluster, Workload
+from harness.planner.shape import ModelShape
+from harness.planner.layouts import Candidate, candidates, evaluate, gb, launch_command, overrides
 from harness.planner.params import ParamCount
 
 @dataclass
 class Plan:
     model: dict  # name, parameter count, shape
-    hardware: dict  # gpus_per_node, nodes, world, memory given and usable
-    workload: dict  # seq_len, micro_batch, precision, activation_checkpointing, grad_accum
-    seed: dict  # the seeds' 16 B/param headline: DP and ZeRO-3 model states per GPU
+    hardware: Cluster  # gpus_per_node, nodes, world, memory given and usable
+    workload: Workload  # seq_len, micro_batch, precision, activation_checkpointing, grad_accum, ...
+    seed: dict  # the 16 B/param rule of thumb (ZeRO paper): DP and ZeRO-3 model states per GPU
     candidates: list[dict]  # every strategy in decision order, with fits / why_not
     recommended: dict | None  # the first that fits; None when nothing does
     missing: list[str]  # when nothing fits: what would make it fit
     notes: list[str]  # assumptions the recommendation rests on (e.g. CPU RAM not given)
     # with a hardware profile (search.attach): the fitting layouts fastest first (recommended = the first), the
-    # seeds' first fit timed at the same global batch, their speed ratio, or one layout evaluated exactly
+    # first fit in the decision order timed at the same global batch, their speed ratio, or one layout evaluated exactly
     profile: dict | None = None
     ranked: list[dict] | None = None
     first_fit: dict | None = None
@@ -43,7 +45,8 @@ class Plan:
     scaling: dict | None = None  # `plan --scaling`: tokens/s per GPU against node count (planner/scaling.py)
 
     def to_dict(self) -> dict:
-        out = {"model": self.model, "hardware": self.hardware, "workload": self.workload, "seed": self.seed,
+        out = {"model": self.model, "hardware": self.hardware.to_dict(), "workload": self.workload.to_dict(),
+               "seed": self.seed,
                "recommended": self.recommended, "missing": self.missing, "notes": self.notes,
                "candidates": self.candidates}
         for key in ("profile", "ranked", "first_fit", "comparison", "evaluated", "scaling"):
@@ -52,59 +55,59 @@ class Plan:
         return out
 
 
-def evaluate_all(count: ParamCount, shape: dict, hw: dict, work: dict, model_name: str) -> list[dict]:
+def evaluate_all(count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload, model_name: str) -> list[dict]:
     out = []
-    for c in candidates(hw["world"], hw["gpus_per_node"], count.num_layers, shape, work["activation_offload"],
-                        num_experts=count.num_experts, nvme=hw["nvme_bytes"] is not None):
-        result = longest.attach(evaluate(c, count, shape, hw, work), count, shape, hw, work)
+    for c in candidates(cluster.world, cluster.gpus_per_node, count.num_layers, shape, work.activation_offload,
+                        num_experts=count.num_experts, nvme=cluster.nvme_bytes is not None):
+        result = longest.attach(evaluate(c, count, shape, cluster, work), count, shape, cluster, work)
         result["overrides"] = overrides(c, result, work)
-        result["launch"] = launch_command(c.recipe, model_name, hw, result["overrides"])
+        result["launch"] = launch_command(c.recipe, model_name, cluster, result["overrides"])
         out.append(result)
     return out
 
 
-def missing(results: list[dict], count: ParamCount, shape: dict, hw: dict, work: dict) -> list[str]:
+def missing(results: list[dict], count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload) -> list[str]:
     """When nothing fits: what is short, with the amounts, and what would fix it."""
     usable = [r for r in results if r["applicable"]]
-    gpu_ok = [r for r in usable if r["memory"]["gpu_bytes"] <= hw["usable_gpu_bytes"]]
+    gpu_ok = [r for r in usable if r["memory"]["gpu_bytes"] <= cluster.usable_gpu_bytes]
     out = []
     cpu_only = [r for r in gpu_ok if not r["memory"]["nvme_bytes_per_node"]]
     if cpu_only:
         r = min(cpu_only, key=lambda r: r["memory"]["cpu_bytes_per_node"])
         need = r["memory"]["cpu_bytes_per_node"] / (1 - RESERVE_FRACTION)
         what = "optimizer offload" if r["offload_param"] == "none" else "optimizer and parameter offload"
-        have = f"{gb(hw['cpu_mem_bytes'])} given" if hw["cpu_mem_bytes"] else "none given"
+        have = f"{gb(cluster.cpu_mem_bytes)} given" if cluster.cpu_mem_bytes else "none given"
         out.append(f"needs >= {gb(need)} CPU RAM per node for {what} ({r['label']}; {have})")
     nvme = [r for r in gpu_ok if r["memory"]["nvme_bytes_per_node"]]
     if nvme:
         r = min(nvme, key=lambda r: r["memory"]["nvme_bytes_per_node"])
         need = r["memory"]["nvme_bytes_per_node"] / (1 - RESERVE_FRACTION)
-        have = f"{gb(hw['nvme_bytes'])} given" if hw["nvme_bytes"] else "none given"
+        have = f"{gb(cluster.nvme_bytes)} given" if cluster.nvme_bytes else "none given"
         extra = f", CPU: {r['why_not']}" if "CPU" in (r["why_not"] or "") else ""
         out.append(f"or >= {gb(need)} NVMe per node for ZeRO-Infinity ({r['label']}; {have}{extra})")
     if not gpu_ok:
         leanest = min(usable, key=lambda r: r["memory"]["gpu_bytes"])
         acts = leanest["memory"]["activations"]["total"]
-        fix = "use --activation-checkpointing, " if not work["activation_checkpointing"] else ""
+        fix = "use --activation-checkpointing, " if not work.activation_checkpointing else ""
         top = max(results, key=lambda r: r["max_seq_len"])  # how far --seq-len has to come down
         holds = (f" (the longest of any layout: {top['label']} holds {top['max_seq_len']:,} tokens)"
                  if top["max_seq_len"] else "")
         out.append(f"even the leanest option ({leanest['label']}) needs {gb(leanest['memory']['gpu_bytes'])} "
                    f"per GPU, {gb(acts)} of it activations: {fix}lower --micro-batch or --seq-len{holds}, "
                    f"or use GPUs with more memory")
-    nodes = min_nodes_for_zero3(count, shape, hw, work)
+    nodes = min_nodes_for_zero3(count, shape, cluster, work)
     if nodes:
-        out.append(f"or >= {nodes} nodes x {hw['gpus_per_node']} GPU for zero3 without offload")
+        out.append(f"or >= {nodes} nodes x {cluster.gpus_per_node} GPU for zero3 without offload")
     return out
 
 
-def min_nodes_for_zero3(count: ParamCount, shape: dict, hw: dict, work: dict, limit: int = 4096) -> int | None:
+def min_nodes_for_zero3(count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload,
+                        limit: int = 4096) -> int | None:
     """Smallest node count (beyond the given) at which plain ZeRO-3 fits, by doubling then bisecting."""
     def fits(nodes: int) -> bool:
-        probe = dict(hw, nodes=nodes, world=nodes * hw["gpus_per_node"])
-        return evaluate(Candidate("zero3", 3), count, shape, probe, work)["fits"]
+        return evaluate(Candidate("zero3", 3), count, shape, cluster.with_nodes(nodes), work)["fits"]
 
-    lo, hi = hw["nodes"], hw["nodes"] * 2
+    lo, hi = cluster.nodes, cluster.nodes * 2
     while not fits(hi):
         lo, hi = hi, hi * 2
         if hi > limit:
@@ -115,85 +118,72 @@ def min_nodes_for_zero3(count: ParamCount, shape: dict, hw: dict, work: dict, li
     return hi
 
 
-def seed_headline(count: ParamCount, hw: dict, precision: str) -> dict:
-    world = hw["world"]
+def seed_headline(count: ParamCount, cluster: Cluster, precision: str) -> dict:
+    world = cluster.world
     dp = memory.model_state_bytes(count.total, stage=0, dp=world, precision=precision, convention="seed")
     z3 = memory.model_state_bytes(count.total, stage=3, dp=world, precision=precision, convention="seed")
     return {"bytes_per_param": 16, "dp_bytes_per_gpu": memory.by_device(dp)["gpu"],
             "zero3_bytes_per_gpu": memory.by_device(z3)["gpu"], "world": world}
 
 
-def plan(model_cfg: dict, *, gpus_per_node: int, nodes: int = 1, gpu_mem_bytes: int,
-         cpu_mem_bytes: int | None = None, nvme_bytes: int | None = None, seq_len: int = 2048,
-         micro_batch: int = 1, precision: str = "bf16", activation_checkpointing: bool = False,
-         grad_accum: int = 1, model_name: str | None = None, count: ParamCount | None = None,
-         hardware_profile: dict | None = None, global_batch: int | None = None, layout: dict | None = None,
-         attention: str = "flash", activation_offload: bool = True, expert_imbalance: float | None = None) -> Plan:
-    """Evaluate every strategy for this model and hardware; recommend the first that fits.
+def plan(model_cfg: dict, cluster: Cluster, work: Workload, *, model_name: str | None = None,
+         count: ParamCount | None = None, hardware_profile: dict | None = None, layout: dict | None = None) -> Plan:
+    """Evaluate every strategy for this model on `cluster` training `work`; recommend the first that fits.
 
-    cpu_mem_bytes / nvme_bytes are per node. CPU RAM not given: offload is not checked against it (its
-    need is still reported). NVMe not given: there is none. `count` skips counting (e.g. a meta count).
-    With `hardware_profile` the step-time model ranks the layouts and recommends the fastest (search.attach);
-    `layout` ({zero, offload, tp, pp, ep}) evaluates that one layout instead. `attention` (flash, flex, sdpa, eager):
-    the kernel whose mask and scores count in the activations (planner/activations.py); activation_offload False
-    leaves the offload rows out of the long-context rung (CPU ranks). Every layout reports the
-    longest seq_len it holds (max_seq_len, planner/longest.py); for a sequence no earlier layout holds, the
-    long-context rung (checkpointing, tiling, Ulysses SP inside a node, activation offload) comes last.
-    `expert_imbalance`: a MoE model's max / mean tokens per expert-parallel rank (default moe.DEFAULT_IMBALANCE).
+    Cluster: CPU RAM not given, offload is not checked against it (its need is still reported); NVMe not given,
+    there is none. `count` skips counting (e.g. a meta count). With `hardware_profile` the step-time model ranks
+    the layouts at work.global_batch and recommends the fastest (search.attach); `layout` ({zero, offload, tp, pp,
+    ep}) evaluates that one layout instead. Every layout reports the longest seq_len it holds (max_seq_len,
+    planner/longest.py); for a sequence no earlier layout holds, the long-context rung (checkpointing, tiling,
+    Ulysses SP inside a node, activation offload unless work.activation_offload is False) comes last.
     """
     from harness.planner.params import count_params, model_shape
 
-    _check_inputs(gpus_per_node, nodes, gpu_mem_bytes, seq_len, micro_batch, precision, grad_accum)
+    _check_inputs(cluster, work)
     shape = model_shape(model_cfg)
-    if shape["learned_positions"] and shape["max_positions"] and seq_len > shape["max_positions"]:
-        raise ValueError(f"seq_len {seq_len} > the model's {shape['max_positions']} learned positions")
+    if shape.learned_positions and shape.max_positions and work.seq_len > shape.max_positions:
+        raise ValueError(f"seq_len {work.seq_len} > the model's {shape.max_positions} learned positions")
     count = count or count_params(model_cfg)
-    hw = hardware(gpus_per_node, nodes, gpu_mem_bytes, cpu_mem_bytes, nvme_bytes)
-    work = {"seq_len": seq_len, "micro_batch": micro_batch, "precision": precision,
-            "activation_checkpointing": activation_checkpointing, "grad_accum": grad_accum, "attention": attention,
-            "activation_offload": activation_offload}
-    if expert_imbalance is not None:
-        if not expert_imbalance >= 1:
-            raise ValueError(f"expert_imbalance {expert_imbalance}: the busiest rank's tokens over the mean is >= 1")
-        work["expert_imbalance"] = expert_imbalance
     name = model_name or model_cfg.get("_name_or_path") or "MODEL"
-    results = evaluate_all(count, shape, hw, work, name)
+    results = evaluate_all(count, shape, cluster, work, name)
     best = next((r for r in results if r["fits"]), None)
-    result = Plan(model={"name": name, "params": count.to_dict(), "shape": shape}, hardware=hw, workload=dict(work),
-                  seed=seed_headline(count, hw, precision), candidates=results, recommended=best,
-                  missing=[] if best else missing(results, count, shape, hw, work),
-                  notes=notes(best, hw, shape, seq_len))
+    result = Plan(model={"name": name, "params": count.to_dict(), "shape": shape.to_dict()}, hardware=cluster,
+                  workload=work, seed=seed_headline(count, cluster, work.precision), candidates=results,
+                  recommended=best, missing=[] if best else missing(results, count, shape, cluster, work),
+                  notes=notes(best, cluster, shape, work.seq_len))
     if hardware_profile is not None:
         from harness.planner import search
 
-        search.attach(result, count, shape, hw, work, hardware_profile, global_batch, layout)
+        search.attach(result, count, shape, cluster, work, hardware_profile, layout)
     return result
 
 
-def notes(best: dict | None, hw: dict, shape: dict, seq_len: int) -> list[str]:
+def notes(best: dict | None, cluster: Cluster, shape: ModelShape, seq_len: int) -> list[str]:
     out = []
-    if shape["max_positions"] and seq_len > shape["max_positions"]:
-        out.append(f"seq_len {seq_len} is beyond the model's max_position_embeddings {shape['max_positions']}")
+    if shape.max_positions and seq_len > shape.max_positions:
+        out.append(f"seq_len {seq_len} is beyond the model's max_position_embeddings {shape.max_positions}")
     if not best:
         return out
     cpu = best["memory"]["cpu_bytes_per_node"]
-    if cpu and hw["cpu_mem_bytes"] is None:
+    if cpu and cluster.cpu_mem_bytes is None:
         out.append(f"CPU RAM not given: {best['recipe']} needs >= {gb(cpu / (1 - RESERVE_FRACTION))} per node "
                    f"for the offloaded states (pass --cpu-mem to check)")
-    if hw["nodes"] > 1:
-        out.append(f"the launch line reads ./hostfile: one line per node, '<host> slots={hw['gpus_per_node']}' "
+    if cluster.nodes > 1:
+        out.append(f"the launch line reads ./hostfile: one line per node, '<host> slots={cluster.gpus_per_node}' "
                    "(docker/README.md; without ssh: --no_ssh --node_rank N on each node)")
     if best["offload_optimizer"] == "nvme" or best["offload_param"] == "nvme":
         out.append("set zero.nvme_path to a directory on a local NVMe drive (--set zero.nvme_path=/local_nvme)")
     return out
 
 
-def _check_inputs(gpus_per_node, nodes, gpu_mem_bytes, seq_len, micro_batch, precision, grad_accum) -> None:
+def _check_inputs(cluster: Cluster, work: Workload) -> None:
     problems = [f"{name} {value!r}: expected an integer >= 1" for name, value in (
-        ("gpus_per_node", gpus_per_node), ("nodes", nodes), ("gpu_mem_bytes", gpu_mem_bytes),
-        ("seq_len", seq_len), ("micro_batch", micro_batch), ("grad_accum", grad_accum))
+        ("gpus_per_node", cluster.gpus_per_node), ("nodes", cluster.nodes), ("gpu_mem_bytes", cluster.gpu_mem_bytes),
+        ("seq_len", work.seq_len), ("micro_batch", work.micro_batch), ("grad_accum", work.grad_accum))
         if not isinstance(value, int) or isinstance(value, bool) or value < 1]
-    if precision not in PRECISION_BYTES:
-        problems.append(f"precision {precision!r}: expected one of {', '.join(PRECISION_BYTES)}")
+    if work.precision not in PRECISION_BYTES:
+        problems.append(f"precision {work.precision!r}: expected one of {', '.join(PRECISION_BYTES)}")
+    if work.expert_imbalance is not None and not work.expert_imbalance >= 1:
+        problems.append(f"expert_imbalance {work.expert_imbalance}: the busiest rank's tokens over the mean is >= 1")
     if problems:
         raise ValueError("; ".join(problems))

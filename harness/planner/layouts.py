@@ -1,7 +1,7 @@
 """One candidate layout at a time: what it is (Candidate), which apply to a world size, and what it costs there in
 memory and traffic against the hardware given (evaluate), with the --set overrides and launch line that run it.
 
-decide.py walks these in the seeds' order and names the first that fits; search.py times them.
+decide.py walks these in the decision order and names the first that fits; search.py times them.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from functools import partial
 
 from harness.planner import comm, memory, moe, pipeline, sequence
 from harness.config.defaults import TILE_TOKENS
+from harness.planner.inputs import Cluster, LongContext, Workload
+from harness.planner.shape import ModelShape
 from harness.planner.params import ParamCount
 
-RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS
 PP_MICRO_BATCHES_PER_STAGE = 4  # m = 4p keeps the bubble (p-1)/(m+p-1) under 20%
 
 
@@ -29,7 +30,7 @@ class Candidate:
     sp: int = 1  # the long-context rung (sequence.py): Ulysses degree, tiled MLP and loss,
     tiled: bool = False  # activations "checkpoint" (forced on) or "offload" (checkpointed inputs in CPU RAM);
     act: str = ""  # "" = the workload's --activation-checkpointing
-    ep: int = 1  # expert parallelism (DeepSpeed AutoEP, parallel.expert): MoE models only (moe.py)
+    ep: int = 1  # expert parallelism (DeepSpeed AutoEP, parallel.expert): MoE models only (moe/parallel.py)
 
     @property
     def label(self) -> str:
@@ -50,11 +51,11 @@ class Candidate:
         parts += {"checkpoint": ["ckpt"], "offload": ["ckpt->cpu"]}.get(self.act, [])
         return " ".join(parts)
 
-    def checkpointing(self, work: dict) -> bool:
-        return bool(self.act) or work["activation_checkpointing"]
+    def checkpointing(self, work: Workload) -> bool:
+        return bool(self.act) or work.activation_checkpointing
 
 
-def long_context_rung(gpus_per_node: int, shape: dict, offload: bool = True, nvme: bool = False) -> list[Candidate]:
+def long_context_rung(gpus_per_node: int, shape: ModelShape, offload: bool = True, nvme: bool = False) -> list[Candidate]:
     """For a sequence one rank cannot hold, after every other rung: ZeRO-3 with activation checkpointing, then
     tiled MLP and loss, then Ulysses SP inside a node (each degree the heads allow), then the checkpointed
     activations offloaded to CPU RAM at each degree (ALST's order, arXiv 2506.13996 s3). Then the same steps again
@@ -78,7 +79,7 @@ def candidate_of(r: dict) -> Candidate:
                      r.get("sp", 1), r.get("tiled", False), r.get("act", ""), r.get("ep", 1))
 
 
-def candidates(world: int, gpus_per_node: int, num_layers: int, shape: dict | None = None,
+def candidates(world: int, gpus_per_node: int, num_layers: int, shape: ModelShape | None = None,
                activation_offload: bool = True, num_experts: int = 0, nvme: bool = False) -> list[Candidate]:
     """Every strategy in decision order (cheapest in traffic and complexity first); with the model's shape, the
     long-context rung last (activation_offload False: without its offload rows, e.g. on CPU ranks, where DeepSpeed's
@@ -98,21 +99,21 @@ def candidates(world: int, gpus_per_node: int, num_layers: int, shape: dict | No
     return out + (long_context_rung(gpus_per_node, shape, activation_offload, nvme) if shape else [])
 
 
-def not_applicable(c: Candidate, shape: dict) -> str | None:
+def not_applicable(c: Candidate, shape: ModelShape) -> str | None:
     """Why a split cannot be built for this model, or None (tensor parallel: the harness's own TP layers,
     model_shapes.tp_problems; a pipeline: the families harness/model/parallel/pipeline.py converts, and no
     more stages than blocks)."""
     from harness.model_shapes import PIPELINE_FAMILIES, tp_problems
 
     if c.ep > 1:
-        return moe.ep_problem(shape["model_type"], shape.get("num_experts", 0), c.ep)
-    problems = tp_problems(shape, c.tp)
+        return moe.ep_problem(shape.model_type, shape.num_experts, c.ep)
+    problems = tp_problems(shape.to_dict(), c.tp)
     if problems:
         return "; ".join(what for what, _ in problems)
     if sequence.sp_problem(shape, c.sp):
         return sequence.sp_problem(shape, c.sp)
-    if c.pp > 1 and shape["model_type"] not in PIPELINE_FAMILIES:
-        return f"the harness cannot split {shape['model_type']} models into pipeline stages"
+    if c.pp > 1 and shape.model_type not in PIPELINE_FAMILIES:
+        return f"the harness cannot split {shape.model_type} models into pipeline stages"
     return None
 
 
@@ -134,40 +135,63 @@ def micro_batches(c: Candidate, grad_accum: int) -> int:
     return grad_accum
 
 
-def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict) -> dict:
-    """Memory per rank, traffic per step and the verdict for one candidate."""
-    world = hw["gpus_per_node"] * hw["nodes"]
-    dp = world // (c.tp * c.pp)
-    m = micro_batches(c, work["grad_accum"])
-    params, layers = rank_params(c, count)
-    buckets = memory.harness_buckets(shape["hidden_size"])
-    persistent = count.persistent_numel(buckets.param_persistence_threshold) if c.stage == 3 else 0
+@dataclass(frozen=True)
+class RankShare:
+    """What the fullest rank of a layout holds and steps: its parameters before ZeRO sharding, its blocks, the ZeRO
+    group they shard over (the replicas and each one's sp ranks: Degrees.zero_shards), the micro-batches per step
+    and, under ZeRO-3, the parameters kept whole (under the persistence threshold)."""
+
+    params: int
+    blocks: int
+    zero_shards: int
+    micro_batches: int
+    persistent: int
+
+
+def rank_share(c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload) -> RankShare:
+    params, blocks = rank_params(c, count)
+    threshold = memory.harness_buckets(shape.hidden_size).param_persistence_threshold
+    return RankShare(params, blocks, cluster.world // (c.tp * c.pp), micro_batches(c, work.grad_accum),
+                     count.persistent_numel(threshold) if c.stage == 3 else 0)
+
+
+def _states(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, share: RankShare):
+    """states(phase, convention) -> this rank's model-state bytes (memory.model_state_bytes, moe's under AutoEP)."""
+    buckets = memory.harness_buckets(shape.hidden_size)
     largest_layer = count.largest_layer
-    if c.stage == 3 and count.moe_block:  # ZeRO-3 with leaves gathers a sparse block whole (moe.py)
+    if c.stage == 3 and count.moe_block:  # ZeRO-3 with leaves gathers a sparse block whole (moe/parallel.py)
         largest_layer = max(largest_layer, count.moe_block)
     if c.tp > 1:  # block matrices are split; the embedding and head are not
-        largest_layer = max(count.largest_layer // c.tp, shape["vocab_size"] * shape["hidden_size"])
-    common = dict(stage=c.stage, dp=dp, precision=work["precision"], offload_optimizer=c.offload_optimizer,
-                  offload_param=c.offload_param, **count.lora_state_args(layers, c.tp))
-    def states_at(phase: str) -> dict:
-        if c.ep > 1:
-            return moe.model_state_bytes(count, ep=c.ep, **common, largest_layer_params=largest_layer,
-                                         largest_tensor_params=count.largest_tensor, buckets=buckets,
-                                         grad_accum=m, phase=phase)
-        return memory.model_state_bytes(params, **common, largest_layer_params=largest_layer,
-                                        largest_tensor_params=count.largest_tensor, persistent_params=persistent,
-                                        buckets=buckets, grad_accum=m, phase=phase)
+        largest_layer = max(count.largest_layer // c.tp, shape.vocab_size * shape.hidden_size)
+    common = dict(stage=c.stage, dp=share.zero_shards, precision=work.precision, offload_optimizer=c.offload_optimizer,
+                  offload_param=c.offload_param, **count.lora_state_args(share.blocks, c.tp))
+    detail = dict(largest_layer_params=largest_layer, largest_tensor_params=count.largest_tensor, buckets=buckets,
+                  grad_accum=share.micro_batches)
 
+    def states(phase: str, convention: str = "deepspeed") -> dict:
+        if convention == "seed":
+            return memory.model_state_bytes(share.params, **common, convention="seed")
+        if c.ep > 1:
+            return moe.model_state_bytes(count, ep=c.ep, **common, **detail, phase=phase)
+        return memory.model_state_bytes(share.params, **common, **detail, persistent_params=share.persistent,
+                                        phase=phase)
+
+    return states
+
+
+def evaluate(c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload) -> dict:
+    """Memory per rank, traffic per step and the verdict for one candidate."""
+    share = rank_share(c, count, shape, cluster, work)
+    m, params, layers = share.micro_batches, share.params, share.blocks
+    states_at = _states(c, count, shape, work, share)
     states = states_at("peak")
-    seed = memory.model_state_bytes(params, **common, convention="seed")
-    moe_shape = dict(shape, intermediate_size=moe.activation_width(count, shape["hidden_size"],
-                                                                   shape["intermediate_size"]))
+    moe_shape = shape.but(intermediate_size=moe.activation_width(count, shape.hidden_size, shape.intermediate_size))
     acts = activations(c, moe_shape, work, layers, min(c.pp, m))
     device = memory.by_device(states)
     device["cpu"] += acts["cpu_offload"]
     result = {
         "recipe": c.recipe, "label": c.label, "zero_stage": c.stage, "offload_optimizer": c.offload_optimizer,
-        "offload_param": c.offload_param, "tp": c.tp, "pp": c.pp, "dp": dp, "micro_batches": m,
+        "offload_param": c.offload_param, "tp": c.tp, "pp": c.pp, "dp": share.zero_shards, "micro_batches": m,
         "sp": c.sp, "tiled": c.tiled, "act": c.act, "activation_offload_bytes_per_rank": acts["cpu_offload"],
         "params_per_rank": params, "trainable_per_rank": count.trainable_params(layers, c.tp) or params,
         "blocks_per_rank": layers, "bubble_fraction": pipeline.bubble_fraction(c.pp, m),
@@ -176,59 +200,61 @@ def evaluate(c: Candidate, count: ParamCount, shape: dict, hw: dict, work: dict)
             "gpu_bytes": memory.training_peak(states_at, acts["total"]),
             "gpu_backward_bytes": memory.by_device(states_at("backward"))["gpu"] + acts["total"],
             "gpu_step_bytes": memory.by_device(states_at("step"))["gpu"],
-            "cpu_bytes_per_rank": device["cpu"], "cpu_bytes_per_node": device["cpu"] * hw["gpus_per_node"],
-            "nvme_bytes_per_node": device["nvme"] * hw["gpus_per_node"],
-            "seed_model_states": memory.by_device(seed),
+            "cpu_bytes_per_rank": device["cpu"], "cpu_bytes_per_node": device["cpu"] * cluster.gpus_per_node,
+            "nvme_bytes_per_node": device["nvme"] * cluster.gpus_per_node,
+            "seed_model_states": memory.by_device(states_at("peak", "seed")),
         },
-        "comm": _comm(c, count, params, layers, dp, m, persistent, shape, work),
+        "comm": _comm(c, count, shape, work, share),
     }
-    if count.num_experts:
-        result["ep"] = c.ep
-        result["moe"] = {"total_params": count.total, "active_params": count.active, "leaves": c.stage == 3,
-                         "optimizer_shard": moe.optimizer_shard(count, c.ep, c.stage, dp)}
-        if c.stage == 3:
-            result["label"] = f"{c.label} leaves"
-    if c.pp > 1:  # every stage, so the text can show which one is the largest
-        result["stages"] = [{k: s[k] for k in ("stage", "layers", "blocks", "params")}
-                            for s in pipeline.stages(count, c.pp, "parameters", c.tp)]
-    result.update(_verdict(c, result["memory"], shape, hw))
-    if result["applicable"] and work["seq_len"] % c.sp:
-        result.update(applicable=False, fits=False, why_not=f"seq_len {work['seq_len']} does not divide by sp {c.sp}")
-    if result["applicable"] and c.sp > 1 and work.get("attention") == "eager":
+    _add_layout_details(result, c, count, share)
+    result.update(_verdict(c, result["memory"], shape, cluster))
+    if result["applicable"] and work.seq_len % c.sp:
+        result.update(applicable=False, fits=False, why_not=f"seq_len {work.seq_len} does not divide by sp {c.sp}")
+    if result["applicable"] and c.sp > 1 and work.attention == "eager":
         result.update(applicable=False, fits=False, why_not="eager attention is refused under sp (an S^2 float mask)")
     return result
 
 
-def activations(c: Candidate, shape: dict, work: dict, layers: int, in_flight: int = 1) -> dict:
+def _add_layout_details(result: dict, c: Candidate, count: ParamCount, share: RankShare) -> None:
+    """A MoE model's expert facts; a pipeline's stages, so the text can show which one is the largest."""
+    if count.num_experts:
+        result["ep"] = c.ep
+        result["moe"] = {"total_params": count.total, "active_params": count.active, "leaves": c.stage == 3,
+                         "optimizer_shard": moe.optimizer_shard(count, c.ep, c.stage, share.zero_shards)}
+        if c.stage == 3:
+            result["label"] = f"{c.label} leaves"
+    if c.pp > 1:
+        result["stages"] = [{k: s[k] for k in ("stage", "layers", "blocks", "params")}
+                            for s in pipeline.stages(count, c.pp, "parameters", c.tp)]
+
+
+def activations(c: Candidate, shape: ModelShape, work: Workload, layers: int, in_flight: int = 1) -> dict:
     """memory.activation_bytes for this layout and workload (its sp, tiling, checkpointing, attention)."""
-    return memory.activation_bytes(
-        shape, seq_len=work["seq_len"], micro_batch=work["micro_batch"], precision=work["precision"],
-        activation_checkpointing=c.checkpointing(work), tp=c.tp, num_layers=layers, micro_batches_in_flight=in_flight,
-        sp=c.sp, tiled_mlp=c.tiled, tiled_loss=c.tiled, attention=work.get("attention", "flash"),
-        offload=c.act == "offload", tile_tokens=work.get("tile_tokens", TILE_TOKENS))
+    long_context = LongContext(c.sp, c.tiled, c.tiled, c.act == "offload")
+    return memory.activation_bytes(shape, work.but(activation_checkpointing=c.checkpointing(work)), tp=c.tp,
+                                   long_context=long_context, num_layers=layers, micro_batches_in_flight=in_flight)
 
 
-def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m: int, persistent: int,
-          shape: dict, work: dict) -> dict:
-    prec, seq, mb = work["precision"], work["seq_len"], work["micro_batch"]
+def _comm(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, share: RankShare) -> dict:
+    params, layers, zero_shards, m, persistent = (share.params, share.blocks, share.zero_shards, share.micro_batches,
+                                                  share.persistent)
+    prec, seq, mb = work.precision, work.seq_len, work.micro_batch
     if c.ep > 1:
-        rows = comm.comm_rows(moe.comm_groups(
-            count, ep=c.ep, stage=c.stage, dp=dp, precision=prec, grad_accum=m, hidden=shape["hidden_size"],
-            seq_len=seq, micro_batch=mb, activation_checkpointing=work["activation_checkpointing"]))
+        rows = comm.comm_rows(moe.comm_groups(count, work, ep=c.ep, stage=c.stage, dp=zero_shards,
+                                              hidden=shape.hidden_size))
         return {"rows": rows, "wire_bytes": sum(r["wire_bytes"] for r in rows),
                 "logged_bytes": sum(r["logged_bytes"] for r in rows)}
-    groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, dp=dp, precision=prec, grad_accum=m,
+    groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, dp=zero_shards, precision=prec, grad_accum=m,
                                               persistent_params=persistent,
                                               gathers_per_micro_step=comm.zero3_gathers(params - persistent),
-                                              trainable_params=count.trainable_params(layers, c.tp)), dp)}
+                                              trainable_params=count.trainable_params(layers, c.tp)), zero_shards)}
     if c.tp > 1:
         groups["tp"] = ({"all_reduce": pipeline.tp_allreduce_bytes(
             shape, tp=c.tp, blocks=layers, seq_len=seq, micro_batch=mb, micro_batches=m, precision=prec,
-            activation_checkpointing=work["activation_checkpointing"])}, c.tp)
+            activation_checkpointing=work.activation_checkpointing)}, c.tp)
     if c.pp > 1:  # a middle stage (two neighbours) when there is one
         middle = 1 if c.pp > 2 else 0
-        p2p = pipeline.p2p_bytes(shape, stage=middle, pp=c.pp, seq_len=seq, micro_batch=mb, micro_batches=m,
-                                 precision=prec, tp=c.tp, position_ids=work.get("packing", "document") == "document")
+        p2p = pipeline.p2p_bytes(shape, work, stage=middle, pp=c.pp, micro_batches=m, tp=c.tp)
         gathers = p2p.pop("all_gather_into_tensor", 0)
         groups["pp"] = (p2p, c.pp)
         if gathers:
@@ -245,44 +271,46 @@ def _comm(c: Candidate, count: ParamCount, params: int, layers: int, dp: int, m:
             "logged_bytes": sum(r["logged_bytes"] for r in rows)}
 
 
-def _verdict(c: Candidate, mem: dict, shape: dict, hw: dict) -> dict:
+def _verdict(c: Candidate, mem: dict, shape: ModelShape, cluster: Cluster) -> dict:
     reasons = []
     reason = not_applicable(c, shape)
     if reason:
         return {"applicable": False, "fits": False, "why_not": reason}
-    usable_gpu = hw["usable_gpu_bytes"]
+    usable_gpu = cluster.usable_gpu_bytes
     if mem["gpu_bytes"] > usable_gpu:
         acts = mem["activations"]["total"]
         reasons.append(f"GPU: needs {gb(mem['gpu_bytes'])} > {gb(usable_gpu)} usable (backward: model states "
                        f"{gb(mem['gpu_backward_bytes'] - acts)} + activations {gb(acts)}; optimizer step "
                        f"{gb(mem['gpu_step_bytes'])})")
     cpu = mem["cpu_bytes_per_node"]
-    if cpu and hw["usable_cpu_bytes"] is not None and cpu > hw["usable_cpu_bytes"]:
-        reasons.append(f"CPU RAM: needs {gb(cpu)}/node for offload > {gb(hw['usable_cpu_bytes'])} usable")
+    if cpu and cluster.usable_cpu_bytes is not None and cpu > cluster.usable_cpu_bytes:
+        reasons.append(f"CPU RAM: needs {gb(cpu)}/node for offload > {gb(cluster.usable_cpu_bytes)} usable")
     nvme = mem["nvme_bytes_per_node"]
-    if nvme and hw["usable_nvme_bytes"] is None:
+    if nvme and cluster.usable_nvme_bytes is None:
         reasons.append(f"NVMe: needs {gb(nvme)}/node, none given (--nvme)")
-    elif nvme and nvme > hw["usable_nvme_bytes"]:
-        reasons.append(f"NVMe: needs {gb(nvme)}/node > {gb(hw['usable_nvme_bytes'])} usable")
+    elif nvme and nvme > cluster.usable_nvme_bytes:
+        reasons.append(f"NVMe: needs {gb(nvme)}/node > {gb(cluster.usable_nvme_bytes)} usable")
     return {"applicable": True, "fits": not reasons, "why_not": "; ".join(reasons) or None}
 
 
 def gb(nbytes: float) -> str:
-    """Decimal units (GB = 1e9 bytes), as GPUs are sold; render.py shows GiB next to them."""
+    """Decimal units (GB = 1e9 bytes), as GPUs are sold; render/text.py shows GiB next to them."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{int(nbytes)} B"
 
 
-def overrides(c: Candidate, result: dict, work: dict) -> dict:
+def overrides(c: Candidate, result: dict, work: Workload) -> dict:
     """The runner's --set overrides that reproduce this plan with the named recipe."""
     # All three batch keys: a recipe may pin the global batch (zero2_offload: 256), and "auto" derives
     # it from micro x accum x data-parallel size for the world the launch finds.
-    out = {"batch.micro_batch_per_gpu": work["micro_batch"], "batch.grad_accum_steps": result["micro_batches"],
-           "batch.train_batch_size": "auto", "train.seq_len": work["seq_len"], "precision": work["precision"]}
+    out = {"batch.micro_batch_per_gpu": work.micro_batch, "batch.grad_accum_steps": result["micro_batches"],
+           "batch.train_batch_size": "auto", "train.seq_len": work.seq_len, "precision": work.precision}
     if c.checkpointing(work):
         out["activation_checkpointing"] = True
+    if work.packing != "document":  # the recipes' default; the plan's pipeline traffic assumed this one
+        out["train.packing"] = work.packing
     if c.sp > 1:  # sp-core's keys (issue #24)
         out["parallel.sequence"] = c.sp
     if c.tiled:
@@ -304,20 +332,14 @@ def overrides(c: Candidate, result: dict, work: dict) -> dict:
     return out
 
 
-def launch_command(recipe: str, model_name: str, hw: dict, sets: dict) -> str:
-    head = f"harness launch --num_gpus {hw['gpus_per_node']}"  # `deepspeed` that is safe to signal (README)
-    if hw["nodes"] > 1:  # DeepSpeed's pdsh launcher: the other nodes' ranks cannot report to `harness launch`
-        head = f"deepspeed --hostfile hostfile --num_nodes {hw['nodes']} --num_gpus {hw['gpus_per_node']}"
+def launch_command(recipe: str, model_name: str, cluster: Cluster, sets: dict) -> str:
+    head = f"harness launch --num_gpus {cluster.gpus_per_node}"  # `deepspeed` that is safe to signal (README)
+    if cluster.nodes > 1:  # DeepSpeed's pdsh launcher: the other nodes' ranks cannot report to `harness launch`
+        head = f"deepspeed --hostfile hostfile --num_nodes {cluster.nodes} --num_gpus {cluster.gpus_per_node}"
     args = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items())
     return f"{head} harness/run.py --recipe {recipe} --model {shlex.quote(model_name)} {args}"
 
 
 def hardware(gpus_per_node: int, nodes: int, gpu_mem_bytes: int, cpu_mem_bytes: int | None,
-             nvme_bytes: int | None) -> dict:
-    def usable(nbytes):
-        return None if nbytes is None else int(nbytes * (1 - RESERVE_FRACTION))
-
-    return {"gpus_per_node": gpus_per_node, "nodes": nodes, "world": gpus_per_node * nodes,
-            "gpu_mem_bytes": gpu_mem_bytes, "cpu_mem_bytes": cpu_mem_bytes, "nvme_bytes": nvme_bytes,
-            "usable_gpu_bytes": usable(gpu_mem_bytes), "usable_cpu_bytes": usable(cpu_mem_bytes),
-            "usable_nvme_bytes": usable(nvme_bytes), "reserve_fraction": RESERVE_FRACTION}
+             nvme_bytes: int | None) -> Cluster:
+    return Cluster(gpus_per_node, gpu_mem_bytes, nodes, cpu_mem_bytes, nvme_bytes)

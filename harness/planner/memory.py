@@ -1,7 +1,7 @@
 """Per-rank memory: model states term by term, activations, and where each lives (gpu / cpu / nvme).
 
 Two conventions for model states:
-- "seed": the seeds' rule, mixed-precision Adam = 16 bytes/param (2 weights + 2 grads + 4 fp32 master
+- "seed": the rule of thumb (ZeRO paper), mixed-precision Adam = 16 bytes/param (2 weights + 2 grads + 4 fp32 master
   + 8 Adam moments; fp32 training: 4 + 4 + 8), sharded by ZeRO stage: 7B -> 112 GB; ZeRO-3 on 8 -> 14 GB.
 - "deepspeed": what DeepSpeed 0.19.8 allocates, read from its source and checked against live engines
   (docs/deepspeed-facts.md): the fp32 master copy exists in every ZeRO stage even for fp32 training,
@@ -19,9 +19,13 @@ phase="backward" is what backward holds (with the activations), phase="step" wha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from harness.config.defaults import PRECISION_BYTES, TILE_TOKENS, ZERO0_ALLREDUCE_BUCKET_ELEMS, model_sized_buckets
 from harness.config.run_model import ZeroBuckets
 from harness.planner import activations as la
+from harness.planner.inputs import LongContext, Workload
+from harness.planner.shape import ModelShape
 
 FP32_BYTES = 4
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32 each
@@ -80,11 +84,29 @@ def _stage0_entries(p: int, lp: int, t: int) -> list:
             ("reduce_buckets", "gpu", lp * min(t, ZERO0_ALLREDUCE_BUCKET_ELEMS), BACKWARD)]
 
 
-def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, largest_tensor: int,
-                     b: ZeroBuckets, grad_accum: int = 1, accum_elems: int | None = None, t: int | None = None) -> list:
-    """p: parameters (16-bit copies, replicated); t: the trainable ones (gradients, partitions, optimizer)."""
-    t = p if t is None else t
-    frozen, p = p - t, t
+@dataclass(frozen=True)
+class _Rank:
+    """What one rank holds, as model_state_bytes' arguments resolved: p every parameter its ZeRO group shards, t the
+    trainable ones; lp bytes per 16-bit (or fp32) element; the largest module and tensor (ZeRO-3 gathers, offload
+    staging), the largest trainable tensor and module (gradient staging), ZeRO-3's persistent parameters."""
+
+    p: int
+    t: int
+    dp: int
+    lp: int
+    b: ZeroBuckets
+    largest_layer: int
+    largest_tensor: int
+    grad_tensor: int
+    grad_layer: int
+    persistent: int
+    grad_accum: int
+    accum_elems: int | None
+
+
+def _stage12_entries(r: _Rank, stage: int, offload: bool) -> list:
+    """Stage 1/2: the 16-bit parameters replicated; the trainable ones' gradients, partitions and optimizer state."""
+    frozen, p, dp, lp, b, largest_tensor = r.p - r.t, r.t, r.dp, r.lp, r.b, r.grad_tensor
     shard = -(-p // dp)
     opt_dev = "cpu" if offload else "gpu"  # stage 1/2 treat nvme as cpu (deepspeed-facts.md)
     buckets = 2 if b.overlap_comm else 1
@@ -104,11 +126,11 @@ def _stage12_entries(p: int, stage: int, dp: int, lp: int, offload: bool, larges
         # the partition that CPU Adam writes before it is copied back (param_buffer_of_bit16_for_cpu_offload)
         out += [("offload_buffers", "gpu", lp * largest_tensor, ALWAYS),
                 ("offload_buffers", "cpu", lp * largest_tensor + lp * shard, ALWAYS)]
-    if offload and grad_accum > 1:
+    if offload and r.grad_accum > 1:
         # accumulated_grads_in_cpu: a pinned 16-bit buffer of the WHOLE tensor for every parameter that overlaps
         # this rank's partition, kept between steps. A tensor straddling a partition boundary is held whole by
         # both neighbours, so without the layout: at most one largest tensor over the shard.
-        elems = accum_elems if accum_elems is not None else shard + (largest_tensor if dp > 1 else 0)
+        elems = r.accum_elems if r.accum_elems is not None else shard + (largest_tensor if dp > 1 else 0)
         out.append(("grads", "cpu", lp * elems, ALWAYS))
     return out
 
@@ -122,19 +144,18 @@ def zero3_gathered_elems(gathered: int, largest_layer: int, b: ZeroBuckets) -> i
     later modules hold fewer than max_reuse_distance / 2 elements (forward, then again backward) stays gathered
     until its backward: the model's tail of max_reuse_distance / 2 elements (all of a model under 0.5B
     parameters with the default 1e9), plus the module being gathered and the prefetch bucket beyond it.
-    Measured: this is also why a small model is all-gathered once per micro-step, not twice (predict.py)."""
+    Measured: this is also why a small model is all-gathered once per micro-step, not twice
+    (rank.gathers_per_micro_step)."""
     retained = min(gathered, b.max_reuse_distance_elems // 2)
     return min(gathered, retained + largest_layer + b.prefetch_bucket_elems)
 
 
-def _stage3_entries(p: int, dp: int, lp: int, opt_dev: str, param_dev: str, largest_layer: int,
-                    largest_tensor: int, persistent: int, b: ZeroBuckets, t: int | None = None,
-                    largest_trainable_layer: int | None = None) -> list:
-    """p: every parameter (all partitioned and gathered, frozen ones too); t: the trainable ones (gradient
-    partitions, fp32 master, optimizer state)."""
-    t = p if t is None else t
+def _stage3_entries(r: _Rank, opt_dev: str, param_dev: str) -> list:
+    """Stage 3: every parameter partitioned and gathered (frozen ones too); the trainable ones' gradient partitions,
+    fp32 master and optimizer state."""
+    p, t, dp, lp, b, persistent = r.p, r.t, r.dp, r.lp, r.b, r.persistent
+    largest_layer, largest_tensor, grad_layer = r.largest_layer, r.largest_tensor, r.grad_layer
     shard, p_shard = -(-t // dp), -(-p // dp)
-    grad_layer = largest_layer if largest_trainable_layer is None else largest_trainable_layer
     grad_dev = "gpu" if opt_dev == "none" else "cpu"  # the flat grad partition follows the optimizer
     opt_dev = "gpu" if opt_dev == "none" else opt_dev
     sub_group = min(shard, b.sub_group_elems)
@@ -199,13 +220,12 @@ def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
         entries = _seed_entries(num_params, stage, dp, lp, opt, par, trainable)
     elif stage == 0:
         entries = _stage0_entries(num_params, lp, trainable)
-    elif stage in (1, 2):
-        entries = _stage12_entries(num_params, stage, dp, lp, offload_optimizer != "none", grad_tensor, b,
-                                   grad_accum, accum_elems, trainable)
     else:
-        entries = _stage3_entries(num_params, dp, lp, offload_optimizer, offload_param,
-                                  largest_layer_params, largest_tensor, persistent_params, b, trainable,
-                                  largest_trainable_layer)
+        grad_layer = largest_layer_params if largest_trainable_layer is None else largest_trainable_layer
+        r = _Rank(num_params, trainable, dp, lp, b, largest_layer_params, largest_tensor, grad_tensor, grad_layer,
+                  persistent_params, grad_accum, accum_elems)
+        entries = (_stage12_entries(r, stage, offload_optimizer != "none") if stage in (1, 2)
+                   else _stage3_entries(r, offload_optimizer, offload_param))
     out = {term: dict.fromkeys(DEVICES, 0) for term in TERMS}
     for term, device, nbytes, alive in entries:
         if alive in _ALIVE[phase]:
@@ -233,44 +253,46 @@ def by_device(terms: dict[str, dict[str, int]]) -> dict[str, int]:
     return {d: sum(t[d] for t in terms.values()) for d in DEVICES}
 
 
-def _layer_token_elems(shape: dict, tp: int) -> float:
+def _layer_token_elems(shape: ModelShape, tp: int) -> float:
     """Elements saved for backward per token in one block (sdpa/flash attention: no seq x seq scores).
 
     Replicated across tensor-parallel ranks: the norm inputs and outputs that feed the projections.
     Split by tp: q, k, v, attention output and the MLP's intermediate tensors.
     """
-    h, inter = shape["hidden_size"], shape["intermediate_size"]
-    kv_dim = shape["num_key_value_heads"] * shape["head_dim"]
-    if shape["model_type"] == "gpt2":  # ln_1/c_attn in, ln_2/c_fc in | qkv, attn out, fc out, gelu out
+    h, inter = shape.hidden_size, shape.intermediate_size
+    kv_dim = shape.num_key_value_heads * shape.head_dim
+    if shape.model_type == "gpt2":  # ln_1/c_attn in, ln_2/c_fc in | qkv, attn out, fc out, gelu out
         return 4 * h + (4 * h + 2 * inter) / tp
     # input/post-attention norm in+out | q, k, v, attention out | gate, up, act(gate), act*up
     return 4 * h + (2 * h + 2 * kv_dim + 4 * inter) / tp
 
 
-def activation_bytes(shape: dict, *, seq_len: int, micro_batch: int, precision: str,
-                     activation_checkpointing: bool, tp: int = 1, num_layers: int | None = None,
-                     micro_batches_in_flight: int = 1, with_logits: bool = True, sp: int = 1, tiled_mlp: bool = False,
-                     tiled_loss: bool = False, attention: str = "flash", offload: bool = False,
-                     tile_tokens: int = TILE_TOKENS) -> dict[str, int]:
-    """Activation bytes per rank for `num_layers` blocks (default all) and the loss.
+def activation_bytes(shape: ModelShape, work: Workload, *, tp: int = 1, long_context: LongContext = LongContext(),
+                     num_layers: int | None = None, micro_batches_in_flight: int = 1,
+                     with_logits: bool = True) -> dict[str, int]:
+    """Activation bytes per rank for `num_layers` blocks (default all) and the loss, training `work` (its sequence,
+    micro-batch, precision, checkpointing, attention and tile size).
 
     With checkpointing each block keeps only its input and one block is recomputed at a time.
     `micro_batches_in_flight` is what a pipeline stage holds (1F1B: min(stages - stage_id, m)).
     Logits: 16-bit output plus the fp32 upcast and log-softmax that HF's loss keeps.
     Long context (planner/activations.py, with the sources): sp divides the tokens per rank (Ulysses); tiled_mlp
-    drops the MLP intermediates for one tile of tile_tokens; tiled_loss holds one tile of logits; `attention` adds its
-    materialised mask (sdpa, eager) and eager's scores; offload (with checkpointing) moves the block inputs to
+    drops the MLP intermediates for one tile of tile_tokens; tiled_loss holds one tile of logits; the attention adds
+    its materialised mask (sdpa, eager) and eager's scores; offload (with checkpointing) moves the block inputs to
     CPU RAM ("cpu_offload", per rank).
     """
-    lp = PRECISION_BYTES[precision]
+    seq_len, micro_batch, attention, tile_tokens = work.seq_len, work.micro_batch, work.attention, work.tile_tokens
+    activation_checkpointing, lp = work.activation_checkpointing, PRECISION_BYTES[work.precision]
+    sp, tiled_mlp, tiled_loss = long_context.sp, long_context.tiled_mlp, long_context.tiled_loss
+    offload = long_context.offload
     tokens = la.tokens_per_rank(seq_len, micro_batch, sp)
-    layers = shape["num_hidden_layers"] if num_layers is None else num_layers
+    layers = shape.num_hidden_layers if num_layers is None else num_layers
     elems = _layer_token_elems(shape, tp) + la.sp_token_elems(shape, tp, sp)
     elems -= la.mlp_token_elems(shape, tp) if tiled_mlp else 0
     per_layer = int(tokens * lp * elems) + la.scores_bytes(shape, attention, seq_len, sp, micro_batch, lp, tp)
-    if shape.get("dropout_masks"):  # bool masks after attention and MLP (GPT-2's resid_pdrop)
-        per_layer += 2 * tokens * shape["hidden_size"]
-    block_input = tokens * lp * shape["hidden_size"]
+    if shape.dropout_masks:  # bool masks after attention and MLP (GPT-2's resid_pdrop)
+        per_layer += 2 * tokens * shape.hidden_size
+    block_input = tokens * lp * shape.hidden_size
     if activation_checkpointing:
         stored, recompute = layers * block_input * micro_batches_in_flight, per_layer
     else:

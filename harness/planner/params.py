@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.model_shapes import LLAMA_LIKE
+from harness.planner.shape import ModelShape
 
 CLOSED_FORM_FAMILIES = LLAMA_LIKE + ("gpt2",)
 
@@ -44,7 +45,7 @@ class ParamCount:
     # one block's weight tensors in the order the forward uses them, (numel, split by tensor parallelism?):
     # the order backward hooks see them in reverse, which is how ZeRO fills its reduce buckets (known families)
     block_tensors: tuple[tuple[int, bool], ...] = ()
-    # Mixture of Experts (moe_params.py; 0 for dense models): routed experts per sparse block and how many a
+    # Mixture of Experts (moe/counts.py; 0 for dense models): routed experts per sparse block and how many a
     # token goes to, the parameters one token goes through, the routed experts' share of `total` (what AutoEP
     # spreads over the expert-parallel ranks), one sparse block (ZeRO-3 gathers a leaf module whole), its count
     num_experts: int = 0
@@ -219,9 +220,9 @@ def with_lora(count: ParamCount, cfg: dict, r: int, targets=DEFAULT_LORA_TARGETS
 
 
 def _moe_count(cfg: dict) -> ParamCount:
-    """Mixture-of-Experts families (moe_params.py). As in meta_count, per_layer is the first block (DeepSeek-V3's
+    """Mixture-of-Experts families (moe/counts.py). As in meta_count, per_layer is the first block (DeepSeek-V3's
     first blocks are dense) and `other` what the blocks' count as num_layers x per_layer leaves out."""
-    from harness.planner.moe_params import moe_layout, moe_totals
+    from harness.planner.moe.counts import moe_layout, moe_totals
 
     m = moe_layout(cfg)
     sums = moe_totals(m)
@@ -244,7 +245,7 @@ def _moe_count(cfg: dict) -> ParamCount:
 
 def closed_form_count(cfg: dict) -> ParamCount | None:
     """Exact count for known families from the config alone; None for other architectures."""
-    from harness.planner.moe_params import is_moe
+    from harness.planner.moe.counts import is_moe
 
     family = cfg.get("model_type")
     if is_moe(cfg):
@@ -308,25 +309,23 @@ def count_params(cfg: dict, *, exact: bool = False) -> ParamCount:
     return meta_count(cfg)
 
 
-def model_shape(cfg: dict) -> dict:
+def model_shape(cfg: dict) -> ModelShape:
     """The shape fields the planner's activation and tensor-parallel math needs, any family."""
     from harness.model_shapes import shape_summary
+    from harness.planner.moe.counts import is_moe, num_experts
 
-    shape = shape_summary(cfg)
+    summary = shape_summary(cfg)
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
-               if not shape.get(k)]
+               if not summary.get(k)]
     if missing:
         from harness.errors import UsageError
 
         raise UsageError(f"model config lacks {', '.join(missing)}: cannot size activations")
-    shape["head_dim"] = cfg.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
-    shape["num_key_value_heads"] = shape["num_key_value_heads"] or shape["num_attention_heads"]
-    default_tied = shape["model_type"] == "gpt2"
-    shape["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", default_tied))
-    shape["dropout_masks"] = shape["model_type"] == "gpt2" and cfg.get("resid_pdrop", 0.1) > 0
-    shape["max_positions"] = cfg.get("max_position_embeddings", cfg.get("n_positions"))
-    shape["learned_positions"] = shape["model_type"] == "gpt2"  # a longer sequence has no position vector
-    from harness.planner.moe_params import is_moe, num_experts
-
-    shape["num_experts"] = num_experts(cfg) if is_moe(cfg) else 0  # routed experts per sparse block
-    return shape
+    gpt2 = summary["model_type"] == "gpt2"
+    summary["num_key_value_heads"] = summary["num_key_value_heads"] or summary["num_attention_heads"]
+    return ModelShape(
+        **summary, head_dim=cfg.get("head_dim") or summary["hidden_size"] // summary["num_attention_heads"],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gpt2)),  # GPT-2 ties by default
+        dropout_masks=gpt2 and cfg.get("resid_pdrop", 0.1) > 0,
+        max_positions=cfg.get("max_position_embeddings", cfg.get("n_positions")),
+        learned_positions=gpt2, num_experts=num_experts(cfg) if is_moe(cfg) else 0)

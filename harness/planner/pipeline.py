@@ -31,7 +31,9 @@ Traffic per step (logged bytes, comms-logger convention), A = micro x seq x hidd
 from __future__ import annotations
 
 from harness.config.defaults import PRECISION_BYTES
+from harness.planner.inputs import Workload
 from harness.planner.memory import FP32_BYTES
+from harness.planner.shape import ModelShape
 from harness.planner.params import ParamCount
 
 PARTITION_METHODS = ("parameters", "uniform")
@@ -145,20 +147,20 @@ def stages(count: ParamCount, pp: int, method: str = "parameters", tp: int = 1,
     return out
 
 
-def activation_elems(shape: dict, seq_len: int, micro_batch: int) -> int:
+def activation_elems(shape: ModelShape, seq_len: int, micro_batch: int) -> int:
     """Elements of the hidden states crossing a stage boundary per micro-batch."""
-    return micro_batch * seq_len * shape["hidden_size"]
+    return micro_batch * seq_len * shape.hidden_size
 
 
-def p2p_bytes(shape: dict, *, stage: int, pp: int, seq_len: int, micro_batch: int, micro_batches: int,
-              precision: str, tp: int = 1, partitioned: bool = True, position_ids: bool = True) -> dict[str, int]:
-    """Logged bytes per step of one rank of `stage`: send, recv and (3D) the tp all-gathers that rebuild
-    partitioned activations. Steady state: the shape meta of the first step is left out. Under document packing
-    (`position_ids`) every forward message also carries the micro-batch's int64 position ids, whole (DeepSpeed
-    partitions only the first tensor of a tuple; an integer tensor sends no gradient back)."""
+def p2p_bytes(shape: ModelShape, work: Workload, *, stage: int, pp: int, micro_batches: int, tp: int = 1,
+              partitioned: bool = True) -> dict[str, int]:
+    """Logged bytes per step of one rank of `stage` (work: its sequence, micro-batch, precision and packing): send,
+    recv and (3D) the tp all-gathers that rebuild partitioned activations. Steady state: the shape meta of the first
+    step is left out. Under document packing every forward message also carries the micro-batch's int64 position
+    ids, whole (DeepSpeed partitions only the first tensor of a tuple; an integer tensor sends no gradient back)."""
     if pp <= 1:
         return {}
-    lp = PRECISION_BYTES[precision]
+    seq_len, micro_batch, lp = work.seq_len, work.micro_batch, PRECISION_BYTES[work.precision]
     a = activation_elems(shape, seq_len, micro_batch)
     sliced = partitioned and tp > 1
     # the rank's slice: partition_uniform over the flat tensor, the first ranks one element larger
@@ -167,7 +169,7 @@ def p2p_bytes(shape: dict, *, stage: int, pp: int, seq_len: int, micro_batch: in
     per_message = part + meta
     neighbours = (stage > 0) + (stage < pp - 1)
     out = {"send": neighbours * per_message * micro_batches, "recv": neighbours * per_message * micro_batches}
-    if position_ids:
+    if work.packing == "document":
         ids = LONG_BYTES * seq_len * micro_batch * micro_batches
         out["send"] += ids * (stage < pp - 1)
         out["recv"] += ids * (stage > 0)
@@ -177,7 +179,7 @@ def p2p_bytes(shape: dict, *, stage: int, pp: int, seq_len: int, micro_batch: in
     return out
 
 
-def tp_allreduce_bytes(shape: dict, *, tp: int, blocks: int, seq_len: int, micro_batch: int, micro_batches: int,
+def tp_allreduce_bytes(shape: ModelShape, *, tp: int, blocks: int, seq_len: int, micro_batch: int, micro_batches: int,
                        precision: str, activation_checkpointing: bool = False) -> int:
     """Logged all-reduce bytes per step of one tensor-parallel rank holding `blocks` blocks: per block and
     micro-batch two in forward (after o_proj and down_proj), two in backward (the gradients of the column-

@@ -22,21 +22,20 @@ def curve(plan, model_cfg: dict, profile: dict) -> dict:
     r = plan.recommended
     c = layouts.candidate_of(r)
     count, shape = count_params(model_cfg), model_shape(model_cfg)
-    w, hw0 = plan.workload, plan.hardware
-    per_gpu = r.get("global_batch", w["micro_batch"] * w["grad_accum"] * hw0["world"]) / hw0["world"]
+    w, given = plan.workload, plan.hardware
+    per_gpu = r.get("global_batch", w.micro_batch * w.grad_accum * given.world) / given.world
     points = []
-    for nodes in node_counts(hw0["nodes"]):
-        hw = layouts.hardware(hw0["gpus_per_node"], nodes, hw0["gpu_mem_bytes"], hw0["cpu_mem_bytes"],
-                             hw0["nvme_bytes"])
-        if hw["world"] % (c.tp * c.pp):
+    for nodes in node_counts(given.nodes):
+        cluster = given.with_nodes(nodes)
+        if cluster.world % (c.tp * c.pp):
             continue
-        work = dict(w, global_batch=max(1, round(per_gpu * hw["world"])))
-        dp = hw["world"] // (c.tp * c.pp * c.sp)
-        if work["global_batch"] % (dp * r.get("micro_batch", w["micro_batch"])):
+        work = w.but(global_batch=max(1, round(per_gpu * cluster.world)))
+        dp = cluster.world // (c.tp * c.pp * c.sp)
+        if work.global_batch % (dp * r.get("micro_batch", w.micro_batch)):
             continue
-        lw = search.layout_work(work, r.get("micro_batch", w["micro_batch"]),
-                                r.get("activation_checkpointing", w["activation_checkpointing"]), dp)
-        t = search.timed(c, count, shape, hw, lw, profile, plan.model["name"])
+        lw = search.layout_work(work, r.get("micro_batch", w.micro_batch),
+                                r.get("activation_checkpointing", w.activation_checkpointing), dp)
+        t = search.timed(c, count, shape, cluster, lw, profile, plan.model["name"])
         points.append({"nodes": nodes, "tokens_per_s_per_gpu": t["time"]["tokens_per_s_per_gpu"],
                        "mfu": t["time"]["mfu"], "step_time_s": t["time"]["step_time_s"], "fits": t["fits"]})
     return {"layout": r["label"], "profile": profile["name"], "points": points}

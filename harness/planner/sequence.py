@@ -14,14 +14,15 @@ from __future__ import annotations
 
 from harness.config.defaults import PRECISION_BYTES
 from harness.model_shapes import ulysses_splits_heads, ulysses_splits_kv_heads
+from harness.planner.shape import ModelShape
 
 A2A = "all_to_all_single"
 A2A_PER_BLOCK = 4  # q, k, v in; the output back
 
 
-def sp_problem(shape: dict, sp: int) -> str | None:
+def sp_problem(shape: ModelShape, sp: int) -> str | None:
     """Why Ulysses cannot split this model sp ways, or None."""
-    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    heads, kv = shape.num_attention_heads, shape.num_key_value_heads
     if sp <= 1:
         return None
     if not ulysses_splits_heads(heads, sp):
@@ -31,15 +32,15 @@ def sp_problem(shape: dict, sp: int) -> str | None:
     return None
 
 
-def sp_degrees(gpus_per_node: int, shape: dict) -> list[int]:
+def sp_degrees(gpus_per_node: int, shape: ModelShape) -> list[int]:
     """The sp degrees > 1 the rung tries: divisors of the node's GPUs that the heads allow."""
     return [s for s in range(2, gpus_per_node + 1) if gpus_per_node % s == 0 and not sp_problem(shape, s)]
 
 
-def a2a_widths(shape: dict, sp: int) -> list[int]:
+def a2a_widths(shape: ModelShape, sp: int) -> list[int]:
     """Elements per token of the four all-to-alls of one block: q, k, v, output."""
-    d_attn = shape["num_attention_heads"] * shape["head_dim"]
-    d_kv = max(shape["num_key_value_heads"], sp) * shape["head_dim"]
+    d_attn = shape.num_attention_heads * shape.head_dim
+    d_kv = max(shape.num_key_value_heads, sp) * shape.head_dim
     return [d_attn, d_kv, d_kv, d_attn]
 
 
@@ -52,7 +53,7 @@ def a2a_calls(blocks: int, micro_batches: int, activation_checkpointing: bool) -
     return A2A_PER_BLOCK * passes(activation_checkpointing) * blocks * micro_batches
 
 
-def a2a_bytes_per_step(shape: dict, *, seq_len: int, micro_batch: int, micro_batches: int, sp: int, blocks: int,
+def a2a_bytes_per_step(shape: ModelShape, *, seq_len: int, micro_batch: int, micro_batches: int, sp: int, blocks: int,
                        precision: str, activation_checkpointing: bool) -> dict[str, int]:
     """Logged bytes per rank per optimizer step of the sp group's all-to-alls ({} at sp 1)."""
     if sp <= 1:

@@ -72,6 +72,8 @@ from __future__ import annotations
 
 from harness.config.defaults import ALLGATHER_BUCKET_ELEMS, PRECISION_BYTES, ZERO0_ALLREDUCE_BUCKET_ELEMS
 from harness.planner import collectives, comm, hardware, memory, sequence
+from harness.planner.inputs import Cluster, Workload
+from harness.planner.shape import ModelShape
 
 OPT_STATE_READ_BYTES = 16  # fp32 master, exp_avg, exp_avg_sq, fp32 gradient
 OPT_STATE_WRITE_BYTES = 12  # fp32 master, exp_avg, exp_avg_sq
@@ -83,51 +85,51 @@ MASKED = ("sdpa", "eager")  # attention given a materialised s x s mask (planner
 MASKED_DEFAULT = 2.0  # every score against the causal kernel's half, where the profile did not measure it
 
 
-def block_flops_per_token(count, shape: dict, seq_len: int, tp: int, masked: float = 1.0) -> float:
+def block_flops_per_token(count, shape: ModelShape, seq_len: int, tp: int, masked: float = 1.0) -> float:
     """Forward FLOPs of one block per token on one tensor-parallel rank, in causal-kernel equivalents. `masked`:
     the attention gets a materialised s x s mask (sdpa with the document mask, the harness's document_sdpa,
     eager), so its kernel computes every score and reads the mask, where the causal mask-free kernel `harness
     calibrate` times for the efficiency (and every causal flash kernel) skips the upper half: the attention term
     is multiplied by the profile's masked_attention_factor (calibrate measures it: masked over causal sdpa
     forward + backward at the model's shape; 2.98 on this CPU, torch 2.13, s 4096, 2 heads of 16), default 2."""
-    d_attn = shape["num_attention_heads"] * shape["head_dim"]
+    d_attn = shape.num_attention_heads * shape.head_dim
     attention = 4 * seq_len * d_attn / tp * masked
     return 2 * count.block_active(tp) + attention  # MoE: the parameters a token goes through
 
 
-def head_flops_per_token(shape: dict) -> float:
-    return 2 * shape["hidden_size"] * shape["vocab_size"]
+def head_flops_per_token(shape: ModelShape) -> float:
+    return 2 * shape.hidden_size * shape.vocab_size
 
 
-def model_flops_per_step(count, shape: dict, seq_len: int, tokens: int) -> float:
+def model_flops_per_step(count, shape: ModelShape, seq_len: int, tokens: int) -> float:
     """Training model FLOPs per step (forward + backward, no recompute), the whole model."""
     blocks = count.num_layers * block_flops_per_token(count, shape, seq_len, 1)
     return 3 * tokens * (blocks + head_flops_per_token(shape))
 
 
-def elementwise_bytes_per_token(shape: dict, work: dict, tp: int) -> float:
+def elementwise_bytes_per_token(shape: ModelShape, work: Workload, tp: int) -> float:
     """Bytes of activations one block writes per token in forward (memory.py's count of what backward keeps;
     with attention "materialized", Megatron's s x s scores: softmax output, dropout mask and output, 5 a s
     bytes, Korthikanti et al. 2205.05198 eq. 1)."""
     from harness.planner.memory import _layer_token_elems
 
-    lp = PRECISION_BYTES[work["precision"]]
-    scores = 5 * shape["num_attention_heads"] * work["seq_len"] / tp if work.get("attention") == "materialized" else 0
+    lp = PRECISION_BYTES[work.precision]
+    scores = 5 * shape.num_attention_heads * work.seq_len / tp if work.attention == "materialized" else 0
     return lp * _layer_token_elems(shape, tp) + scores
 
 
-def compute_s(count, shape: dict, profile: dict, work: dict, tp: int, blocks: int, head: bool) -> dict:
+def compute_s(count, shape: ModelShape, profile: dict, work: Workload, tp: int, blocks: int, head: bool) -> dict:
     """Forward, backward and recompute seconds of one micro-batch on one rank holding `blocks` blocks: the
     matmuls at the achieved FLOP/s plus the memory-bound elementwise work (norms, activations, softmax,
     dropout), which reads and writes every saved activation: written in forward, read and its gradient
     written and read in backward (3 passes over hbm_gbps), once more when recomputed."""
-    tokens = work["seq_len"] * work["micro_batch"]
-    rate = hardware.achieved_flops(profile, work["precision"])
-    masked = profile.get("masked_attention_factor", MASKED_DEFAULT) if work.get("attention") in MASKED else 1.0
-    block = tokens * blocks * block_flops_per_token(count, shape, work["seq_len"], tp, masked=masked)
+    tokens = work.seq_len * work.micro_batch
+    rate = hardware.achieved_flops(profile, work.precision)
+    masked = profile.get("masked_attention_factor", MASKED_DEFAULT) if work.attention in MASKED else 1.0
+    block = tokens * blocks * block_flops_per_token(count, shape, work.seq_len, tp, masked=masked)
     fwd = block + (tokens * head_flops_per_token(shape) / tp if head else 0.0)
     elem = tokens * blocks * elementwise_bytes_per_token(shape, work, tp) / (profile["hbm_gbps"] * 1e9)
-    recompute = block / rate + elem if work["activation_checkpointing"] else 0.0
+    recompute = block / rate + elem if work.activation_checkpointing else 0.0
     # frozen weights (LoRA) get no weight gradient: backward skips those GEMMs (2 FLOPs per weight per token)
     frozen = 0.0
     if count.lora_per_layer:
@@ -136,17 +138,18 @@ def compute_s(count, shape: dict, profile: dict, work: dict, tp: int, blocks: in
     return {"forward": fwd / rate + elem, "backward": (2 * fwd - frozen) / rate + 2 * elem, "recompute": recompute}
 
 
-def head_params(shape: dict, tp: int) -> float:
-    return shape["hidden_size"] * shape["vocab_size"] / tp
+def head_params(shape: ModelShape, tp: int) -> float:
+    return shape.hidden_size * shape.vocab_size / tp
 
 
-def _placement(c, hw: dict) -> dict[str, tuple[int, bool]]:
+def _placement(c, cluster: Cluster) -> dict[str, tuple[int, bool]]:
     """(stride, spans nodes?) per group name used in the comm rows."""
-    gpn, dp = hw["gpus_per_node"], hw["world"] // (c.tp * c.pp)
-    strides = {"tp": 1, "tp-pipe": 1, "dp": c.tp, "pp": c.tp * dp, "pp-tied": c.tp * dp * max(c.pp - 1, 1), "sp": 1,
+    gpn, shards = cluster.gpus_per_node, cluster.world // (c.tp * c.pp)  # the "dp" group: ZeRO's, sp ranks included
+    strides = {"tp": 1, "tp-pipe": 1, "dp": c.tp, "pp": c.tp * shards, "pp-tied": c.tp * shards * max(c.pp - 1, 1),
+               "sp": 1,
                "ep": 1, "edp": c.ep}  # expert parallel: ep neighbouring ranks; the same experts every ep-th rank
-    sizes = {"tp": c.tp, "tp-pipe": c.tp, "dp": dp, "pp": c.pp, "pp-tied": 2, "sp": c.sp, "ep": c.ep,
-             "edp": dp // c.ep}
+    sizes = {"tp": c.tp, "tp-pipe": c.tp, "dp": shards, "pp": c.pp, "pp-tied": 2, "sp": c.sp, "ep": c.ep,
+             "edp": shards // c.ep}
     return {g: (strides[g], collectives.spans_nodes(strides[g], sizes[g], gpn)) for g in strides}
 
 
@@ -215,9 +218,9 @@ def _dp_exposed(c, rows: list[dict], profile: dict, inter: bool, t_mb: dict, m: 
     return {"dp_reduce": exposed + last_bucket, "dp_gather": first, "dp_total": total}
 
 
-def _offload_s(c, profile: dict, hw: dict, work: dict, shard: int, m: int, t_mb: dict) -> dict:
-    lp = PRECISION_BYTES[work["precision"]]
-    gpn, pcie = hw["gpus_per_node"], profile["pcie_gbps"] * 1e9
+def _offload_s(c, profile: dict, cluster: Cluster, work: Workload, shard: int, m: int, t_mb: dict) -> dict:
+    lp = PRECISION_BYTES[work.precision]
+    gpn, pcie = cluster.gpus_per_node, profile["pcie_gbps"] * 1e9
     out = {"optimizer": 0.0, "pcie": 0.0, "nvme": 0.0}
     if c.offload_optimizer == "none":
         measured = hardware.measured(profile, "optimizer_params_per_s").get(str(c.stage))
@@ -239,53 +242,45 @@ def _offload_s(c, profile: dict, hw: dict, work: dict, shard: int, m: int, t_mb:
     return out
 
 
-def _stage_compute(c, count, shape: dict, profile: dict, work: dict, result: dict, stage_blocks) -> dict:
+def _stage_compute(c, count, shape: ModelShape, profile: dict, work: Workload, result: dict, stage_blocks) -> dict:
     """Compute of one micro-batch on the slowest stage (the last holds the LM head)."""
     if c.pp == 1:
         return compute_s(count, shape, profile, work, c.tp, count.num_layers, True)
     return max(stage_computes(c, count, shape, profile, work, result, stage_blocks), key=lambda t: sum(t.values()))
 
 
-def stage_computes(c, count, shape: dict, profile: dict, work: dict, result: dict, stage_blocks=None) -> list[dict]:
+def stage_computes(c, count, shape: ModelShape, profile: dict, work: Workload, result: dict,
+                   stage_blocks=None) -> list[dict]:
     """Compute of one micro-batch on every pipeline stage."""
     blocks = stage_blocks or [s["blocks"] for s in result["stages"]]
     return [compute_s(count, shape, profile, work, c.tp, b, i == len(blocks) - 1) for i, b in enumerate(blocks)]
 
 
-def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result: dict, *,
+def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work: Workload, result: dict, *,
               interleave: int = 1, stage_blocks: list[int] | None = None) -> dict:
     """Predicted seconds per optimizer step of layout `c` (a layouts.Candidate) with `result` its memory and
     comm evaluation (layouts.evaluate): the total, tokens/s per GPU, MFU and the breakdown."""
-    m, world = result["micro_batches"], hw["world"]
+    m, world = result["micro_batches"], cluster.world
     work = _sequence_work(c, work)
     t_mb = _stage_compute(c, count, shape, profile, work, result, stage_blocks)
     if c.tiled:  # TiledMLP runs the MLP's forward again in backward (ALST s3.3)
         t_mb["recompute"] += tiled_mlp_recompute_s(shape, profile, work, c.tp, result.get("blocks_per_rank", 1))
-    place = _placement(c, hw)
-    rows = result["comm"]["rows"]
-    by_group: dict[str, list[dict]] = {}
-    for row in rows:
-        by_group.setdefault(row["group"], []).append(row)
-    tp_calls = (6 if work["activation_checkpointing"] else 4) * m * result.get("blocks_per_rank", count.num_layers)
+    place, by_group = _placement(c, cluster), _rows_by_group(result["comm"]["rows"])
+    tp_calls = (6 if work.activation_checkpointing else 4) * m * result.get("blocks_per_rank", count.num_layers)
     tp_s = sum(_row_s(profile, r, place["tp"][1], tp_calls) for r in by_group.get("tp", []))
     tp_s += sum(_row_s(profile, r, place["tp-pipe"][1]) for r in by_group.get("tp-pipe", []))
-    sp_calls = sequence.a2a_calls(result.get("blocks_per_rank", count.num_layers), m, work["activation_checkpointing"])
+    sp_calls = sequence.a2a_calls(result.get("blocks_per_rank", count.num_layers), m, work.activation_checkpointing)
     sp_s = sum(_row_s(profile, r, place["sp"][1], sp_calls) for r in by_group.get("sp", []))
     slot = sum(t_mb.values()) + tp_s / m
     slots = m + (c.pp - 1) / interleave
-    p2p_s = 0.0
-    if c.pp > 1:
-        send = next((r for r in by_group.get("pp", []) if r["collective"] == "send"), None)
-        if send:
-            per_message = dict(send, logged_bytes=send["logged_bytes"] / (m * _neighbours(c.pp)))
-            p2p_s = 2 * (m + c.pp - 1) * _row_s(profile, per_message, place["pp"][1])
-    buckets = memory.harness_buckets(shape["hidden_size"])
-    buckets_bytes = PRECISION_BYTES[work["precision"]] * buckets.reduce_bucket_elems
+    p2p_s = _p2p_s(c.pp, profile, by_group.get("pp", []), place["pp"][1], m) if c.pp > 1 else 0.0
+    buckets = memory.harness_buckets(shape.hidden_size)
+    buckets_bytes = PRECISION_BYTES[work.precision] * buckets.reduce_bucket_elems
     blocks = result.get("blocks_per_rank", count.num_layers)
     gathers = comm.zero3_gathers(result["params_per_rank"])  # as layouts._comm counts the gathered bytes
     calls = dp_calls(c, count, blocks, m, buckets, buckets.param_persistence_threshold, gathers)
     dp = _dp_exposed(c, by_group.get("dp", []), profile, place["dp"][1], t_mb, m, buckets_bytes, calls)
-    if by_group.get("edp"):  # an expert-parallel layout's expert gradients, over their own group (moe.py)
+    if by_group.get("edp"):  # an expert-parallel layout's expert gradients, over their own group (moe/parallel.py)
         edp = _dp_exposed(c, by_group["edp"], profile, place["edp"][1], t_mb, m, buckets_bytes, calls)
         dp = {k: dp[k] + edp[k] for k in dp}
     expert_s = _expert_parallel_s(c, count, profile, work, by_group.get("ep", []), place["ep"][1], m)
@@ -296,7 +291,7 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
     trainable = result.get("trainable_per_rank", result["params_per_rank"])  # LoRA: only adapters are stepped
     shard = trainable if c.stage == 0 else -(-trainable // result["dp"])
     shard = result.get("moe", {}).get("optimizer_shard", shard) if c.ep > 1 else shard
-    off = _offload_s(c, profile, hw, work, shard, m, t_mb)
+    off = _offload_s(c, profile, cluster, work, shard, m, t_mb)
     breakdown = {
         "forward_s": m * t_mb["forward"], "backward_s": m * t_mb["backward"], "recompute_s": m * t_mb["recompute"],
         "tp_comm_s": tp_s, "sp_a2a_s": sp_s, "activation_offload_s": activation_offload_s(profile, result, m),
@@ -311,13 +306,29 @@ def step_time(c, count, shape: dict, profile: dict, hw: dict, work: dict, result
         for i, t in enumerate(stage_computes(c, count, shape, profile, work, result, stage_blocks)):
             busy = m * sum(t.values())
             per_stage.append({"stage": i, "compute_s": busy, "idle_s": max(0.0, step - busy), "busy": busy / step})
-    tokens = work["global_batch"] * work["seq_len"]
-    peak = hardware.peak_flops(profile, work["precision"])  # MFU on active parameters (model_flops_per_step)
+    tokens = work.global_batch * work.seq_len
+    peak = hardware.peak_flops(profile, work.precision)  # MFU on active parameters (model_flops_per_step)
     return {"step_time_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,
-            "mfu": model_flops_per_step(count, shape, work["seq_len"], tokens) / (step * world * peak),
+            "mfu": model_flops_per_step(count, shape, work.seq_len, tokens) / (step * world * peak),
             "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"],
-            "per_stage": per_stage,
-            "interleave": interleave}
+            "per_stage": per_stage, "interleave": interleave}
+
+
+def _rows_by_group(rows: list[dict]) -> dict[str, list[dict]]:
+    by_group: dict[str, list[dict]] = {}
+    for row in rows:
+        by_group.setdefault(row["group"], []).append(row)
+    return by_group
+
+
+def _p2p_s(pp: int, profile: dict, rows: list[dict], inter: bool, m: int) -> float:
+    """The pipeline's blocking sends: one activation forward and one gradient back in each of the m + pp - 1 slots
+    of the critical path."""
+    send = next((r for r in rows if r["collective"] == "send"), None)
+    if not send:
+        return 0.0
+    per_message = dict(send, logged_bytes=send["logged_bytes"] / (m * _neighbours(pp)))
+    return 2 * (m + pp - 1) * _row_s(profile, per_message, inter)
 
 
 def activation_offload_s(profile: dict, result: dict, m: int) -> float:
@@ -326,33 +337,34 @@ def activation_offload_s(profile: dict, result: dict, m: int) -> float:
     return 2 * m * result.get("activation_offload_bytes_per_rank", 0) / (profile["pcie_gbps"] * 1e9)
 
 
-def _sequence_work(c, work: dict) -> dict:
+def _sequence_work(c, work: Workload) -> Workload:
     """The workload one rank computes: under Ulysses seq_len x micro_batch / sp tokens (its matmuls), attention over
     the whole sequence for heads / sp (block_flops_per_token keeps seq_len whole: the same FLOPs per rank); the
     long-context rung forces checkpointing."""
-    return dict(work, micro_batch=work["micro_batch"] / c.sp, activation_checkpointing=c.checkpointing(work))
+    return work.but(micro_batch=work.micro_batch / c.sp, activation_checkpointing=c.checkpointing(work))
 
 
-def tiled_mlp_recompute_s(shape: dict, profile: dict, work: dict, tp: int, blocks: int) -> float:
+def tiled_mlp_recompute_s(shape: ModelShape, profile: dict, work: Workload, tp: int, blocks: int) -> float:
     """The MLP matmuls once more per block (2 FLOPs per weight per token): 3 h I weights (GLU), 2 h I (gpt2)."""
-    weights = (2 if shape["model_type"] == "gpt2" else 3) * shape["hidden_size"] * shape["intermediate_size"] / tp
-    tokens = work["seq_len"] * work["micro_batch"]
-    return 2 * weights * tokens * blocks / hardware.achieved_flops(profile, work["precision"])
+    weights = (2 if shape.model_type == "gpt2" else 3) * shape.hidden_size * shape.intermediate_size / tp
+    tokens = work.seq_len * work.micro_batch
+    return 2 * weights * tokens * blocks / hardware.achieved_flops(profile, work.precision)
 
 
-def _expert_parallel_s(c, count, profile: dict, work: dict, rows: list[dict], inter: bool, m: int) -> dict:
+def _expert_parallel_s(c, count, profile: dict, work: Workload, rows: list[dict], inter: bool, m: int) -> dict:
     """An expert-parallel layout's all-to-all seconds per step (on the critical path: the experts wait for their
-    tokens) and the routed experts' extra compute on the busiest rank, both scaled by the imbalance (moe.py)."""
+    tokens) and the routed experts' extra compute on the busiest rank, both scaled by the imbalance
+    (moe/parallel.py)."""
     if c.ep <= 1:
         return {"all_to_all_s": 0.0, "expert_imbalance_s": 0.0}
     from harness.planner.moe import DEFAULT_IMBALANCE, all_to_all_calls, routed_flops_per_token
 
-    imbalance = work.get("expert_imbalance") or DEFAULT_IMBALANCE
-    calls = all_to_all_calls(count, micro_batches=m, activation_checkpointing=work["activation_checkpointing"])
+    imbalance = work.expert_imbalance or DEFAULT_IMBALANCE
+    calls = all_to_all_calls(count, micro_batches=m, activation_checkpointing=work.activation_checkpointing)
     a2a = sum(_row_s(profile, r, inter, calls) for r in rows)
-    tokens = work["seq_len"] * work["micro_batch"] * m
-    passes = 4 if work["activation_checkpointing"] else 3  # forward, backward (2x), recomputed forward
-    routed = passes * tokens * routed_flops_per_token(count) / hardware.achieved_flops(profile, work["precision"])
+    tokens = work.seq_len * work.micro_batch * m
+    passes = 4 if work.activation_checkpointing else 3  # forward, backward (2x), recomputed forward
+    routed = passes * tokens * routed_flops_per_token(count) / hardware.achieved_flops(profile, work.precision)
     return {"all_to_all_s": a2a * imbalance, "expert_imbalance_s": routed * (imbalance - 1)}
 
 

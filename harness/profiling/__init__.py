@@ -55,7 +55,7 @@ profiled steps and once at close, so there are no per-rank files and no gathers 
                   "predicted_peak_total_per_rank": [...] (each rank's own)}                 (profile.memory)
     throughput   {"flops_per_token", "tokens_per_step", "tokens_per_s_median", "tflops_per_gpu", "mfu",
                   "peak_tflops", "device_name", "precision", "mfu_note", "timers_ms_median": {...}}
-  Predictions come from the planner (predict.py) with inputs read off the live engine.
+  Predictions come from the planner (harness.planner.evaluate) with facts read off the live engine (live.py).
 
 Optional DeepSpeed monitors (recipe `monitor.tensorboard` / `monitor.csv`) write into RUN/monitor/; the
 harness adds the train loss, eval loss and tokens/s, which the plain engine does not log. Experiment trackers
@@ -126,10 +126,10 @@ def ds_overrides(spec, run_dir) -> dict:
 
 def make_hooks(spec, engine, dist, run_dir, log, trackers=None) -> list:
     """`trackers`: harness.trackers.start's result (rank 0's running trackers; empty elsewhere)."""
-    from harness.profiling import comm, experts, memory, monitor, pipe, predict, throughput
+    from harness.profiling import comm, experts, live, memory, monitor, pipe, throughput
 
     window = window_of(spec)
-    prediction = predict.for_run(spec, engine)
+    prediction = live.for_run(spec, engine)
     speed = throughput.ThroughputHook(spec, engine, dist, window)
     hooks: list = [speed]  # cheap: no sync, no gather
     if window is not None:

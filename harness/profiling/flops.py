@@ -12,6 +12,10 @@ Pure: no torch.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.planner.shape import ModelShape
 
 PEAK_ENV = "HARNESS_PEAK_TFLOPS"  # override for a device not in the table: dense TFLOP/s per device
 
@@ -31,18 +35,18 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 ]
 
 
-def matmul_params(total: int, shape: dict) -> int:
+def matmul_params(total: int, shape: ModelShape) -> int:
     """Parameters a token multiplies with: all but the lookup tables (learned positions; the token table
     unless it is tied to the head, which multiplies every token). `shape` is planner.params.model_shape."""
-    token_table = shape["vocab_size"] * shape["hidden_size"]
-    positions = shape["max_positions"] * shape["hidden_size"] if shape.get("learned_positions") else 0
-    return total - positions - (0 if shape.get("tie_word_embeddings") else token_table)
+    token_table = shape.vocab_size * shape.hidden_size
+    positions = shape.max_positions * shape.hidden_size if shape.learned_positions else 0
+    return total - positions - (0 if shape.tie_word_embeddings else token_table)
 
 
-def flops_per_token(total_params: int, shape: dict, seq_len: int) -> int:
+def flops_per_token(total_params: int, shape: ModelShape, seq_len: int) -> int:
     """Training model FLOPs per token (forward + backward) for the whole model."""
-    attn_dim = shape["num_attention_heads"] * shape["head_dim"]
-    return 6 * matmul_params(total_params, shape) + 12 * shape["num_hidden_layers"] * attn_dim * seq_len
+    attn_dim = shape.num_attention_heads * shape.head_dim
+    return 6 * matmul_params(total_params, shape) + 12 * shape.num_hidden_layers * attn_dim * seq_len
 
 
 def peak_tflops(device_name: str, precision: str) -> tuple[float | None, str | None]:

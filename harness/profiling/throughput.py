@@ -73,9 +73,9 @@ class ThroughputHook:
             engine.timers.log = _quiet_log(engine.timers)
         self.rows: list[dict] = []
         self._start = 0.0
-        from harness.profiling import predict_time
+        from harness.profiling.live import step_time_for_run
 
-        self.predicted = predict_time.for_run(spec, engine, dist.device, self.device_name, _device_memory(dist.device))
+        self.predicted = step_time_for_run(spec, engine, dist.device, self.device_name, _device_memory(dist.device))
 
     def before_step(self, step: int) -> None:
         self._start = time.perf_counter()

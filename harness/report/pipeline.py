@@ -1,7 +1,7 @@
 """The report's pipeline section: per rank, its stage, p2p and tensor-parallel bytes, and the bubble.
 
 Reads summary.json's "pipeline" block (profiling/pipe.py) and the per-rank comm predictions and breakdown by
-group (dp, pp, tp, tied; profiling/predict_pipe.py). The bubble is not flagged: the planner's (p-1)/(m+p-1)
+group (dp, pp, tp, tied; planner/rank.py). The bubble is not flagged: the planner's (p-1)/(m+p-1)
 assumes equal stages and free communication, so the measured idle share is set beside it for reading, and
 on a shared CPU it also carries scheduling noise. A planned layer split that differs from the engine's is
 flagged: every per-stage number rests on it.

@@ -58,8 +58,9 @@ def choose(overrides: list[str], launch: Launch) -> tuple[str, list[str], str]:
     else:
         cmp = result.comparison or {}
         reason += (f"{best['label']}, predicted {best['time']['step_time_s']:.3g} s/step on {source}"
-                   + (f", {cmp['speedup']:.2f}x the seeds' first fit ({cmp['first_fit']})"
-                      if cmp and not cmp.get("kept_first_fit") else ", the seeds' first fit (fastest within 5 %)"))
+                   + (f", {cmp['speedup']:.2f}x the first fit in the decision order ({cmp['first_fit']})"
+                      if cmp and not cmp.get("kept_first_fit")
+                      else ", the first fit in the decision order (fastest within 5 %)"))
     return best["recipe"], planned, reason
 
 
@@ -68,15 +69,16 @@ def plan_for(settings: dict, hw: dict, profile: dict):
     seq_len (a sequence one rank cannot hold gets the long-context rung: sp, tiling, activation offload),
     micro-batch, precision, checkpointing and attention."""
     from harness.planner import plan
+    from harness.planner.inputs import Cluster, Workload
 
     train, micro = settings["train"], settings["batch"]["micro_batch_per_gpu"]
-    return plan(load_model_config(train["model"]), gpus_per_node=hw["gpus_per_node"], nodes=hw["nodes"],
-                gpu_mem_bytes=hw["gpu_mem_bytes"], cpu_mem_bytes=hw["cpu_mem_bytes"], nvme_bytes=hw["nvme_bytes"],
-                seq_len=train["seq_len"], micro_batch=micro if isinstance(micro, int) else 1,
-                precision=settings["precision"], activation_checkpointing=settings["activation_checkpointing"],
-                model_name=train["model"], hardware_profile=profile,
-                attention=planner_attention(train.get("attention"), hw["device"]),
-                activation_offload=hw["device"] != "cpu")  # DeepSpeed's offload does nothing on CPU: refused there
+    cluster = Cluster(hw["gpus_per_node"], hw["gpu_mem_bytes"], hw["nodes"], hw["cpu_mem_bytes"], hw["nvme_bytes"])
+    work = Workload(train["seq_len"], micro if isinstance(micro, int) else 1, settings["precision"],
+                    settings["activation_checkpointing"],
+                    attention=planner_attention(train.get("attention"), hw["device"]),
+                    activation_offload=hw["device"] != "cpu",  # DeepSpeed's offload does nothing on CPU: refused there
+                    packing=train["packing"])
+    return plan(load_model_config(train["model"]), cluster, work, model_name=train["model"], hardware_profile=profile)
 
 
 def planner_attention(value: str | None, device: str) -> str:

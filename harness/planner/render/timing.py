@@ -1,6 +1,6 @@
-"""The step-time part of a plan as text: the fastest layouts, the seeds' first fit beside them, one evaluated
-layout. Times in seconds per optimizer step; tokens/s per GPU and MFU (model FLOPs, no recompute) over the
-profile's dense peak."""
+"""The step-time part of a plan as text: the fastest layouts, the first fit in the decision order beside them,
+one evaluated layout. Times in seconds per optimizer step; tokens/s per GPU and MFU (model FLOPs, no recompute)
+over the profile's dense peak."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def seq_text(tokens: int | None) -> str:
 def profile_line(plan) -> str:
     p, w = plan.profile, plan.workload
     return (f"time      hardware profile {p['name']} (gemm efficiency {p['gemm_efficiency']:.2f}; --hardware NAME|FILE, "
-            f"`harness calibrate`); global batch {w['global_batch']} x {w['seq_len']} = "
-            f"{w['global_batch'] * w['seq_len']:,} tokens per step")
+            f"`harness calibrate`); global batch {w.global_batch} x {w.seq_len} = "
+            f"{w.global_batch * w.seq_len:,} tokens per step")
 
 
 def ranking(plan, top: int = 5) -> list[str]:
@@ -56,16 +56,19 @@ def ranking(plan, top: int = 5) -> list[str]:
     lines = [f"fastest layouts that fit ({len(plan.ranked)} fit; --json lists all):", head(w)]
     lines += [layout_line(i, r, w) for i, r in enumerate(plan.ranked[:top], 1)]
     if plan.first_fit:
-        lines.append(layout_line("ff", plan.first_fit, w) + "   <- seeds' first fit")
+        lines.append(layout_line("ff", plan.first_fit, w) + "   <- first fit in the decision order")
     cmp = plan.comparison
     if cmp:
         if cmp["fastest"] == cmp["first_fit"]:
-            lines.append(f"the seeds' first fit ({cmp['first_fit']}) is also the fastest predicted layout")
+            lines.append(f"the first fit in the decision order ({cmp['first_fit']}) is also the fastest predicted "
+                         "layout")
         elif cmp.get("kept_first_fit"):
-            lines.append(f"recommending the seeds' first fit ({cmp['first_fit']}): {cmp['fastest']} is predicted only "
+            lines.append(f"recommending the first fit in the decision order ({cmp['first_fit']}): {cmp['fastest']} "
+                         "is predicted only "
                          f"{cmp['speedup']:.2f}x faster, inside the model's error ({cmp['why']})")
         else:
-            lines.append(f"predicted speed-up of {cmp['fastest']} over the seeds' first fit ({cmp['first_fit']}): "
+            lines.append(f"predicted speed-up of {cmp['fastest']} over the first fit in the decision order "
+                         f"({cmp['first_fit']}): "
                          f"{cmp['speedup']:.2f}x ({cmp['why']})")
     return lines
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from harness.planner.decide import Plan
+from harness.planner.inputs import Cluster
 from harness.planner.layouts import gb
 from harness.planner.memory import TERMS
 
@@ -30,19 +31,19 @@ def to_json(plan: Plan) -> str:
 
 
 def _header(plan: Plan) -> list[str]:
-    m, hw, w, seed = plan.model, plan.hardware, plan.workload, plan.seed
+    m, cluster, w, seed = plan.model, plan.hardware, plan.workload, plan.seed
     p, s = m["params"], m["shape"]
-    cpu = f"{gb(hw['cpu_mem_bytes'])} per node" if hw["cpu_mem_bytes"] else "not given (offload not checked)"
-    nvme = f"{gb(hw['nvme_bytes'])} per node" if hw["nvme_bytes"] else "none"
-    nodes = f"{hw['nodes']} node{'s' if hw['nodes'] > 1 else ''} x {hw['gpus_per_node']} GPU = {hw['world']}"
+    cpu = f"{gb(cluster.cpu_mem_bytes)} per node" if cluster.cpu_mem_bytes else "not given (offload not checked)"
+    nvme = f"{gb(cluster.nvme_bytes)} per node" if cluster.nvme_bytes else "none"
+    nodes = f"{cluster.nodes} node{'s' if cluster.nodes > 1 else ''} x {cluster.gpus_per_node} GPU = {cluster.world}"
     return [
         f"model     {m['name']}: {p['total'] / 1e9:.2f} B params ({p['total']:,}; {p['method']}), "
         f"{s['num_hidden_layers']} layers, hidden {s['hidden_size']}, heads {s['num_attention_heads']}"
         f"/{s['num_key_value_heads']} kv, vocab {s['vocab_size']}",
-        f"hardware  {nodes}, {gb(hw['gpu_mem_bytes'])} ({hw['gpu_mem_bytes'] / GIB:.1f} GiB) per GPU, "
-        f"{gb(hw['usable_gpu_bytes'])} usable ({hw['reserve_fraction']:.0%} reserve); CPU RAM {cpu}; NVMe {nvme}",
-        f"workload  micro batch {w['micro_batch']} x {w['seq_len']} tokens, {w['precision']}, activation "
-        f"checkpointing {'on' if w['activation_checkpointing'] else 'off'}, grad accum {w['grad_accum']}",
+        f"hardware  {nodes}, {gb(cluster.gpu_mem_bytes)} ({cluster.gpu_mem_bytes / GIB:.1f} GiB) per GPU, "
+        f"{gb(cluster.usable_gpu_bytes)} usable ({cluster.reserve_fraction:.0%} reserve); CPU RAM {cpu}; NVMe {nvme}",
+        f"workload  micro batch {w.micro_batch} x {w.seq_len} tokens, {w.precision}, activation "
+        f"checkpointing {'on' if w.activation_checkpointing else 'off'}, grad accum {w.grad_accum}",
         *([f"experts   {p['num_experts']} routed per sparse block, top {p['top_k']}, {p['moe_layers']} sparse "
            f"blocks: {p['total'] / 1e9:.2f} B total, {p['active'] / 1e9:.2f} B active per token; step time and "
            "MFU on active parameters"] if p.get("num_experts") else []),
@@ -51,7 +52,7 @@ def _header(plan: Plan) -> list[str]:
     ]
 
 
-def _breakdown(r: dict, hw: dict) -> list[str]:
+def _breakdown(r: dict, cluster: Cluster) -> list[str]:
     mem = r["memory"]
     lines = ["  per GPU, each term at its peak (what DeepSpeed 0.19.8 allocates)"]
     for term in TERMS:
@@ -65,7 +66,7 @@ def _breakdown(r: dict, hw: dict) -> list[str]:
                  + ", ".join(f"{k.replace('_', ' ')} {gb(v)}" for k, v in parts if v))
     lines.append(f"    {'in backward':<18} {'model states + activations':<34}{gb_gib(mem['gpu_backward_bytes'])}")
     lines.append(f"    {'in the step':<18} {'model states (activations freed)':<34}{gb_gib(mem['gpu_step_bytes'])}")
-    lines.append(f"    {'peak':<18} {'the larger, of ' + gb(hw['usable_gpu_bytes']) + ' usable':<34}"
+    lines.append(f"    {'peak':<18} {'the larger, of ' + gb(cluster.usable_gpu_bytes) + ' usable':<34}"
                  f"{gb_gib(mem['gpu_bytes'])}")
     seed = mem["seed_model_states"]
     lines.append(f"    {'(seed rule)':<18} {'16 B/param model states':<34}{gb_gib(seed['gpu'])}")
@@ -75,7 +76,7 @@ def _breakdown(r: dict, hw: dict) -> list[str]:
                               if mem["model_states"][t][device])
             if device == "cpu" and acts.get("cpu_offload"):
                 terms += f"{', ' if terms else ''}checkpointed activations {gb(acts['cpu_offload'])}"
-            lines.append(f"  {device.upper()} per node: {gb(mem[key])} ({gb(mem[key] / hw['gpus_per_node'])}"
+            lines.append(f"  {device.upper()} per node: {gb(mem[key])} ({gb(mem[key] / cluster.gpus_per_node)}"
                          f" per rank: {terms})")
     return lines
 
@@ -97,7 +98,7 @@ def _comm(r: dict) -> list[str]:
 
 
 def _table(plan: Plan) -> list[str]:
-    from harness.planner import render_time
+    from harness.planner.render import timing
 
     first = next((r for r in plan.candidates if r["fits"]), None)
     last = plan.candidates.index(first) if first else len(plan.candidates) - 1
@@ -110,26 +111,26 @@ def _table(plan: Plan) -> list[str]:
         cells = [gb(mem["gpu_bytes"]), gb(mem["cpu_bytes_per_node"]) if mem["cpu_bytes_per_node"] else "-",
                  gb(mem["nvme_bytes_per_node"]) if mem["nvme_bytes_per_node"] else "-"]
         verdict = "yes" if r["fits"] else ("n/a" if not r["applicable"] else "no")
-        why = r["why_not"] or ("<- recommended" if r is plan.recommended else "<- seeds' first fit")
+        why = r["why_not"] or ("<- recommended" if r is plan.recommended else "<- first fit in the decision order")
         lines.append(f"  {i:>2}  {r['label']:<{w}}{verdict:<5}{cells[0]:>10}{cells[1]:>10}{cells[2]:>10}"
                      f"{gb(r['comm']['wire_bytes']) if r['comm']['wire_bytes'] else '-':>11}"
-                     f"{render_time.seq_text(r.get('max_seq_len')):>9}  {why}")
+                     f"{timing.seq_text(r.get('max_seq_len')):>9}  {why}")
     if last + 1 < len(plan.candidates):
         lines.append(f"  ({len(plan.candidates) - last - 1} costlier options also evaluated: --json lists them)")
     top = max(plan.candidates, key=lambda r: r.get("max_seq_len", 0))
     if top.get("max_seq_len"):
         lines.append(f"  longest sequence of any layout: {top['label']} holds {top['max_seq_len']:,} tokens "
-                     f"({render_time.seq_text(top['max_seq_len'])}) at micro-batch {plan.workload['micro_batch']}")
+                     f"({timing.seq_text(top['max_seq_len'])}) at micro-batch {plan.workload.micro_batch}")
     return lines
 
 
 def to_text(plan: Plan) -> str:
-    from harness.planner import render_time
+    from harness.planner.render import timing
 
-    lines = _header(plan) + ([render_time.profile_line(plan)] if plan.profile else [])
+    lines = _header(plan) + ([timing.profile_line(plan)] if plan.profile else [])
     lines += [f"note      {n}" for n in plan.notes] + [""]
     if plan.evaluated:
-        return "\n".join(lines + render_time.evaluated(plan) + [""] + _breakdown(plan.evaluated, plan.hardware)
+        return "\n".join(lines + timing.evaluated(plan) + [""] + _breakdown(plan.evaluated, plan.hardware)
                          + _comm(plan.evaluated)) + "\n"
     r = plan.recommended
     if r:
@@ -143,7 +144,7 @@ def to_text(plan: Plan) -> str:
         lines.append(f"  launch: {r['launch']}")
         lines.append("  overrides: " + ", ".join(f"{k}={v}" for k, v in r["overrides"].items()))
         lines += _breakdown(r, plan.hardware) + _comm(r)
-        lines += [""] + render_time.ranking(plan) if plan.ranked else []
+        lines += [""] + timing.ranking(plan) if plan.ranked else []
     else:
         lines.append("no strategy fits:")
         lines += [f"  {line}" for line in plan.missing]

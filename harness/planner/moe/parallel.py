@@ -32,6 +32,7 @@ from __future__ import annotations
 from harness.config.defaults import PRECISION_BYTES
 from harness.config.moe_families import AUTOEP_FAMILIES
 from harness.planner import comm, memory
+from harness.planner.inputs import Workload
 
 DEFAULT_IMBALANCE = 1.1
 EP_STAGES = (1, 2)  # ZeRO stages the planner pairs with AutoEP (ZeRO-3 + AutoEP has limits: no SP, hpZ, qgZ)
@@ -100,19 +101,19 @@ def all_to_all_calls(count, *, micro_batches: int, activation_checkpointing: boo
     return A2A_PER_BLOCK[bool(activation_checkpointing)] * count.moe_layers * micro_batches
 
 
-def comm_groups(count, *, ep: int, stage: int, dp: int, precision: str, grad_accum: int, hidden: int,
-                seq_len: int, micro_batch: int, activation_checkpointing: bool) -> dict:
-    """comm.comm_rows groups of an EP layout: the non-expert gradients over dp, the experts' over the
-    expert-data-parallel group ("edp", dp / ep ranks), the all-to-all over the expert-parallel group ("ep")."""
+def comm_groups(count, work: Workload, *, ep: int, stage: int, dp: int, hidden: int) -> dict:
+    """comm.comm_rows groups of an EP layout training `work` (no pipeline: its grad_accum micro-batches per step):
+    the non-expert gradients over dp, the experts' over the expert-data-parallel group ("edp", dp / ep ranks), the
+    all-to-all over the expert-parallel group ("ep")."""
     dense, experts = split(count, ep)
-    edp = max(1, dp // ep)
+    edp, precision, grad_accum = max(1, dp // ep), work.precision, work.grad_accum
     groups = {"dp": (comm.comm_bytes_per_step(dense, stage=stage, dp=dp, precision=precision,
                                               grad_accum=grad_accum), dp),
               "edp": (comm.comm_bytes_per_step(experts, stage=stage, dp=edp, precision=precision,
                                                grad_accum=grad_accum), edp)}
-    a2a = all_to_all_bytes(count, hidden, ep=ep, seq_len=seq_len, micro_batch=micro_batch,
+    a2a = all_to_all_bytes(count, hidden, ep=ep, seq_len=work.seq_len, micro_batch=work.micro_batch,
                            micro_batches=grad_accum, precision=precision,
-                           activation_checkpointing=activation_checkpointing)
+                           activation_checkpointing=work.activation_checkpointing)
     groups["ep"] = ({"all_to_all_single": a2a}, ep)
     return groups
 

@@ -1,0 +1,89 @@
+"""What the planner is asked about, as frozen values: the workload one rank trains (Workload) and the machines it
+runs on (Cluster). `harness plan` builds them from its flags, a run from its RunModel (planner/prediction.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from harness.config.defaults import TILE_TOKENS
+
+RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The sequences a layout trains: per rank and micro-step, and how they are handled."""
+
+    seq_len: int = 2048  # `harness plan`'s default
+    micro_batch: int = 1  # sequences per data-parallel replica per micro-step
+    precision: str = "bf16"
+    activation_checkpointing: bool = False  # the run's own; the long-context rung forces it on
+    grad_accum: int = 1  # micro-steps per optimizer step
+    attention: str = "flash"  # the kernel whose mask and scores count (planner/activations.py)
+    activation_offload: bool = True  # False: the long-context rung leaves its offload rows out (CPU ranks)
+    expert_imbalance: float | None = None  # MoE: busiest expert-parallel rank's tokens over the mean (moe/parallel.py)
+    packing: str = "document"  # document rows send their position ids between pipeline stages
+    global_batch: int | None = None  # sequences per optimizer step over all replicas (the step-time search)
+    tile_tokens: int = TILE_TOKENS  # tiled MLP and loss: tokens per tile
+
+    def but(self, **changes) -> "Workload":
+        """This workload with some fields changed."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """The plan's "workload" (fields left unset are left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class LongContext:
+    """How a rank handles a long sequence (planner/activations.py): the Ulysses degree, tiled MLP and loss, and the
+    checkpointed block inputs offloaded to CPU RAM."""
+
+    sp: int = 1
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
+    offload: bool = False
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines: nodes of gpus_per_node GPUs; memory per GPU, CPU RAM and NVMe per node (None: not given),
+    each usable up to RESERVE_FRACTION short of it."""
+
+    gpus_per_node: int
+    gpu_mem_bytes: int
+    nodes: int = 1
+    cpu_mem_bytes: int | None = None
+    nvme_bytes: int | None = None
+    reserve_fraction: float = RESERVE_FRACTION
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def _usable(self, nbytes: int | None) -> int | None:
+        return None if nbytes is None else int(nbytes * (1 - self.reserve_fraction))
+
+    @property
+    def usable_gpu_bytes(self) -> int:
+        return self._usable(self.gpu_mem_bytes)
+
+    @property
+    def usable_cpu_bytes(self) -> int | None:
+        return self._usable(self.cpu_mem_bytes)
+
+    @property
+    def usable_nvme_bytes(self) -> int | None:
+        return self._usable(self.nvme_bytes)
+
+    def with_nodes(self, nodes: int) -> "Cluster":
+        return replace(self, nodes=nodes)
+
+    def to_dict(self) -> dict:
+        """The plan's "hardware"."""
+        return {"gpus_per_node": self.gpus_per_node, "nodes": self.nodes, "world": self.world,
+                "gpu_mem_bytes": self.gpu_mem_bytes, "cpu_mem_bytes": self.cpu_mem_bytes, "nvme_bytes": self.nvme_bytes,
+                "usable_gpu_bytes": self.usable_gpu_bytes, "usable_cpu_bytes": self.usable_cpu_bytes,
+                "usable_nvme_bytes": self.usable_nvme_bytes, "reserve_fraction": self.reserve_fraction}
+

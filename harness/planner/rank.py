@@ -1,0 +1,227 @@
+"""One rank of a run as the planner predicts it, with the facts only its live engine knows (LiveFacts): model-state
+bytes per phase, activations, logged comm bytes per step. The report sets these beside what the hooks measure.
+
+A plain (or ZeRO, TP, SP, AutoEP) run takes the parameters this rank's ZeRO group holds from the live engine
+(ds_numel after any tensor-parallel split, ZeRO-3's persistent tensors, params_in_partition), so a gap between
+predicted and measured is a gap in the planner's model, not in its inputs. A pipeline rank's parameters come
+from the model's shape through the planner's own copy of DeepSpeed's layer partitioning (planner/pipeline.py),
+so the comparison also tests the stage split; only the rank's stage, the engine's partition, its largest tensor
+and its optimizer class are read from the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from harness.config.run_model import RunModel, Sequence
+from harness.planner import comm, memory, moe, pipeline, sequence
+from harness.planner.inputs import LongContext, Workload
+from harness.planner.shape import ModelShape
+from harness.planner.params import count_params, model_shape, with_lora
+
+
+@dataclass(frozen=True)
+class LiveFacts:
+    """Per-rank parameter facts read off the live engine (profiling/live.py)."""
+
+    total: int  # parameters this rank's ZeRO group shards (ds_numel: after any tensor-parallel split)
+    largest_layer: int  # the largest module's own parameters
+    largest_tensor: int
+    persistent: int = 0  # ZeRO-3 tensors DeepSpeed keeps whole on every rank (ds_persist)
+    partition_whole: int | None = None  # ZeRO-1/2: whole tensors overlapping this rank's partition
+    trainable: int | None = None  # LoRA: the adapters (None: every parameter trains)
+    largest_trainable_tensor: int | None = None
+    largest_trainable_layer: int | None = None
+    experts: int = 0  # AutoEP expert parameters on this rank
+    pipe_stage: int = 0  # a pipeline rank's own stage
+    parts: tuple[int, ...] = ()  # the PipelineModule's layer split
+    bf16_optimizer: bool = False  # DeepSpeed's BF16_Optimizer (pipelines in bf16) all-reduces the tied embedding
+
+
+def attention_kind(seq: Sequence, sp: int) -> str:
+    """The kernel whose mask and scores the activations count (planner/activations.py) for train.attention."""
+    attention = str(seq.attention or "auto").lower()  # auto on CPU: sdpa, document_sdpa under SP
+    kind = next((k for k in ("flash", "flex", "eager") if k in attention), "sdpa")
+    if kind == "sdpa" and sp == 1 and seq.packing == "concat":
+        # concat rows carry no position ids: transformers' sdpa runs is_causal without a mask (torch's flash
+        # kernel), so neither the s^2 bool mask nor its float copy exists: the activation model's "flash" terms
+        # (measured, bench/long_context.py: the s^2 terms made the planner's longest 6,211 where 8,192 fit)
+        kind = "flash"
+    return kind
+
+
+def long_context(seq: Sequence, sp: int) -> LongContext:
+    """A run's long-context handling as memory.activation_bytes takes it (Ulysses sp, tiling, activation offload)."""
+    return LongContext(sp, seq.tiled_mlp, seq.tiled_loss, seq.activation_offload)
+
+
+def workload(run: RunModel) -> Workload:
+    """The planner's workload of this run: its batch, sequence handling and precision."""
+    seq, b = run.sequence, run.batch
+    return Workload(seq.seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
+                    attention=attention_kind(seq, run.degrees.sp), packing=seq.packing,
+                    global_batch=b.micro_batch * b.grad_accum * run.degrees.dp, tile_tokens=seq.tile_tokens)
+
+
+def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> int:
+    """ZeRO-3 re-gathers parameters in backward only when it had to release them after forward: when the
+    gathered parameters exceed stage3_max_live_parameters (measured: a small model gathers once)."""
+    return comm.zero3_gathers(gathered_params, max_live) if stage == 3 else 2
+
+
+def shape_of(run: RunModel) -> dict | None:
+    try:
+        return model_shape(dict(run.model_config))
+    except Exception:  # an architecture the planner cannot size: predictions without activations
+        return None
+
+
+def _states(run: RunModel, live: LiveFacts):
+    """states(stage, phase) -> model_state_bytes of this rank with the live facts, at any ZeRO stage."""
+    z, ep = run.zero, run.degrees.ep
+    common = dict(dp=run.degrees.zero_shards, precision=run.precision, offload_optimizer=z.offload_optimizer,
+                  largest_layer_params=live.largest_layer, largest_tensor_params=live.largest_tensor,
+                  buckets=z.buckets, grad_accum=run.batch.grad_accum, accum_elems=live.partition_whole,
+                  trainable_params=live.trainable, largest_trainable_tensor=live.largest_trainable_tensor,
+                  largest_trainable_layer=live.largest_trainable_layer)
+
+    def states(stage: int, phase: str) -> dict:
+        kw = dict(stage=stage, phase=phase, offload_param=z.offload_param if stage == 3 else "none",
+                  persistent_params=live.persistent if stage == 3 else 0, **common)
+        if ep > 1 and live.experts:  # AutoEP: this rank's experts shard over dp / ep ranks (planner/moe/parallel.py)
+            return moe.model_state_bytes(SimpleNamespace(total=live.total - live.experts + live.experts * ep,
+                                                         routed_experts=live.experts * ep), ep=ep, **kw)
+        return memory.model_state_bytes(live.total, **kw)
+
+    return states
+
+
+def rank_prediction(run: RunModel, live: LiveFacts) -> dict:
+    """Predicted model states (after a step and at peak), activations and logged comm bytes per step of a rank
+    outside a pipeline; the sp group's all-to-alls and the tp all-reduces join the comm bytes."""
+    z, d = run.zero, run.degrees
+    dp, notes = d.zero_shards, []
+    states = _states(run, live)
+    out: dict = {"params_per_rank": live.total, "dp": dp, "stage": z.stage,
+                 "after_step": states(z.stage, "after_step"), "peak": states(z.stage, "peak")}
+    out["after_step_by_stage"] = {str(s): sum(memory.by_device(states(s, "after_step")).values()) for s in range(4)}
+    gathers = gathers_per_micro_step(z.stage, live.total - live.persistent, z.max_live_params)
+    out["comm"] = comm.comm_bytes_per_step(live.total, stage=z.stage, dp=dp, precision=run.precision,
+                                           grad_accum=run.batch.grad_accum, persistent_params=live.persistent,
+                                           gathers_per_micro_step=gathers, trainable_params=live.trainable)
+    if d.ep > 1 and live.experts:
+        notes.append(f"expert parallel {d.ep}: {live.experts:,} expert parameters on this rank shard over "
+                     f"{max(1, dp // d.ep)} expert-data-parallel ranks (model states); the comm bytes count them "
+                     "over dp")
+    if z.stage == 3:
+        notes.append(f"ZeRO-3 all-gathers parameters {gathers}x per micro-step "
+                     f"({live.total - live.persistent:,} gathered params vs "
+                     f"stage3_max_live_parameters {z.max_live_params:,})")
+    shape = shape_of(run)
+    if shape is not None:
+        _add_activations(out, run, shape, states)
+    else:
+        notes.append("activations not predicted: the planner cannot size this architecture")
+    out["notes"] = notes
+    return out
+
+
+def _add_activations(out: dict, run: RunModel, shape: ModelShape, states) -> None:
+    """The activations of the run's sequence handling, and the sp all-to-alls and tp all-reduces they cause."""
+    seq, d, prec = run.sequence, run.degrees, run.precision
+    micro, accum, ckpt = run.batch.micro_batch, run.batch.grad_accum, seq.activation_checkpointing
+    acts = memory.activation_bytes(shape, workload(run), tp=d.tp, long_context=long_context(seq, d.sp))
+    out["comm"].update(sequence.a2a_bytes_per_step(
+        shape, seq_len=seq.seq_len, micro_batch=micro, micro_batches=accum, sp=d.sp,
+        blocks=shape.num_hidden_layers, precision=prec, activation_checkpointing=ckpt))
+    out["activations"] = acts
+    out["peak_total_bytes"] = memory.training_peak(lambda phase: states(run.zero.stage, phase), acts["total"])
+    if d.tp > 1:
+        tp_comm = pipeline.tp_allreduce_bytes(shape, tp=d.tp, blocks=shape.num_hidden_layers, seq_len=seq.seq_len,
+                                              micro_batch=micro, micro_batches=accum, precision=prec,
+                                              activation_checkpointing=ckpt)
+        out["comm"]["all_reduce"] = out["comm"].get("all_reduce", 0) + tp_comm
+
+
+def model_count(run: RunModel):
+    """The model's count, with the run's LoRA adapters when it has them."""
+    count = count_params(dict(run.model_config))
+    if run.adapter is not None:
+        count = with_lora(count, dict(run.model_config), run.adapter.r, run.adapter.target_modules)
+    return count
+
+
+def counted_tp(run: RunModel, count, parts: tuple[int, ...]) -> int:
+    """Which block split DeepSpeed weighed when it partitioned (split after the build: 1, the harness; split
+    as built: tp), told by the engine's own partition; 1 when both agree or neither matches (notes say so)."""
+    pp, tp, method = run.degrees.pp, run.degrees.tp, run.pipeline_partition
+    if tp <= 1 or not parts:
+        return 1
+    parts = list(parts)
+    if pipeline.partition(count, pp, method, tp, 1) != parts and pipeline.partition(count, pp, method, tp, tp) == parts:
+        return tp
+    return 1
+
+
+def _pipe_comm(run: RunModel, count, shape: ModelShape, mine: dict, trainable, live: LiveFacts) -> dict:
+    """Logged bytes per step of one pipeline rank by group: dp (at the step boundary), p2p, tp, tied embedding."""
+    d, prec, stage = run.degrees, run.precision, live.pipe_stage
+    seq_len, micro, m = run.sequence.seq_len, run.batch.micro_batch, run.batch.grad_accum
+    return {"dp": comm.comm_bytes_per_step(mine["params"], stage=run.zero.stage, dp=d.dp, precision=prec,
+                                           grad_accum=1 if run.zero.stage <= 1 else m, trainable_params=trainable),
+            "pp": pipeline.p2p_bytes(shape, workload(run), stage=stage, pp=d.pp, micro_batches=m, tp=d.tp,
+                                     partitioned=run.pipe_partitioned),
+            "tp": {"all_reduce": pipeline.tp_allreduce_bytes(
+                shape, tp=d.tp, blocks=mine["blocks"], seq_len=seq_len, micro_batch=micro, micro_batches=m,
+                precision=prec, activation_checkpointing=run.sequence.activation_checkpointing)},
+            "tied": {"all_reduce": 0 if trainable is not None else pipeline.tied_allreduce_bytes(  # frozen: no grad
+                count, stage=stage, pp=d.pp, precision=prec, bf16_optimizer=live.bf16_optimizer)}}
+
+
+def pipeline_rank(run: RunModel, live: LiveFacts) -> dict:
+    """Model states, activations and logged comm bytes per step of one pipeline rank (its stage: live.pipe_stage),
+    the planner's partition beside the engine's."""
+    d, z, stage, method = run.degrees, run.zero, live.pipe_stage, run.pipeline_partition
+    count, shape, m = model_count(run), model_shape(dict(run.model_config)), run.batch.grad_accum
+    tp_counted = counted_tp(run, count, live.parts)
+    mine = pipeline.stages(count, d.pp, method, d.tp, tp_counted)[stage]
+    trainable = count.trainable_params(mine["blocks"], d.tp)
+    lora = {} if trainable is None else {"trainable_params": trainable,
+                                         "largest_trainable_tensor": count.lora_largest_tensor}
+    states = {phase: memory.model_state_bytes(
+        mine["params"], stage=z.stage, dp=d.dp, precision=run.precision, offload_optimizer=z.offload_optimizer,
+        largest_tensor_params=live.largest_tensor, buckets=z.buckets, grad_accum=m, phase=phase, **lora)
+        for phase in memory.PHASES}
+    groups = _pipe_comm(run, count, shape, mine, trainable, live)
+    total: dict = {}
+    for part in groups.values():
+        for op, nbytes in part.items():
+            if nbytes:
+                total[op] = total.get(op, 0) + int(nbytes)
+    # 1F1B: stage s holds min(pp - s, m) micro-batches' activations; the last stage computes the logits
+    work = Workload(run.sequence.seq_len, run.batch.micro_batch, run.precision,
+                    run.sequence.activation_checkpointing)  # no mask counted: a pipeline's blocks see hidden states
+    acts = memory.activation_bytes(shape, work, tp=d.tp, num_layers=mine["blocks"],
+                                   micro_batches_in_flight=min(d.pp - stage, m), with_logits=stage == d.pp - 1)
+    out = {"activations": acts, "peak_total_bytes": memory.training_peak(states.get, acts["total"]),
+           "params_per_rank": mine["params"], "dp": d.dp, "tp": d.tp, "pp": d.pp, "stage": z.stage,
+           "pipe_stage": stage, "partition_method": method,
+           "parts_planned": pipeline.partition(count, d.pp, method, d.tp, tp_counted),
+           "stage_layers": mine["names"], "micro_batches": m, "bubble_fraction": pipeline.bubble_fraction(d.pp, m),
+           "after_step": states["after_step"], "peak": states["peak"], "comm": total,
+           "comm_by_group": {g: {op: n for op, n in part.items() if n} for g, part in groups.items()},
+           "notes": [f"pipeline: stage {stage} of {d.pp} holds layers {mine['layers'][0]}..{mine['layers'][1] - 1} "
+                     f"({', '.join(mine['names'])}) by partition_method {method}"]}
+    return _engine_notes(out, live)
+
+
+def _engine_notes(out: dict, live: LiveFacts) -> dict:
+    parts = list(live.parts)
+    out["parts_engine"] = parts
+    if parts and parts != out["parts_planned"]:
+        out["notes"].append(f"the engine split the layers {parts}, the planner {out['parts_planned']}: "
+                            "the planner's layer list differs from the PipelineModule's")
+    if live.total != out["params_per_rank"]:
+        out["notes"].append(f"this rank holds {live.total:,} parameters, the planner says {out['params_per_rank']:,}")
+    return out
