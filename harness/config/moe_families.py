@@ -1,6 +1,6 @@
 """The one table of MoE families the harness trains: per HF model_type, what ZeRO-3 must treat as one leaf, which
 DeepSpeed AutoEP preset places its experts (None: AutoEP cannot), where the routed experts and the router live, and
-whether the model has a load-balancing (aux) loss. Pure data plus look-ups: no torch. The planner (planner/moe.py)
+whether the model has a load-balancing (aux) loss. Pure data plus look-ups: no torch. The planner (planner/moe/)
 and the run (model/moe/, checkpoint/) both read it.
 
 Read from transformers 5.24 (fused experts: one `*Experts` module with 3D gate_up_proj/down_proj per MoE block) and
