@@ -47,17 +47,20 @@ def ds_config(stage: int, ep: int) -> dict:
 def predicted(stage: int, ep: int, dp: int, ds: dict) -> dict:
     from harness.planner import memory, moe
     from harness.planner.params import count_params
+    from dataclasses import replace
+
     from harness.config.run_model import Zero
 
     count = count_params({k: v for k, v in CFG.items() if k != "output_router_logits"})
     b = Zero.of(ds).buckets
-    common = dict(stage=stage, dp=dp, precision="fp32", phase="after_step", buckets=b,
-                  largest_layer_params=max(count.largest_layer, count.moe_block if stage == 3 else 0),
-                  largest_tensor_params=count.largest_tensor)
+    zero = Zero(stage, buckets=b)
+    held = memory.Holding(count.total, max(count.largest_layer, count.moe_block if stage == 3 else 0),
+                          count.largest_tensor)
+    common = dict(dp=dp, precision="fp32", phase="after_step")
     if ep > 1:
-        return moe.model_state_bytes(count, ep=ep, **common)
-    return memory.model_state_bytes(count.total, persistent_params=count.persistent_numel(
-        b.param_persistence_threshold), **common)
+        return moe.model_state_bytes(count, held, zero, ep=ep, **common)
+    return memory.model_state_bytes(replace(held, persistent=count.persistent_numel(b.param_persistence_threshold)),
+                                    zero, **common)
 
 
 def run_predicted(engine, ds: dict, world: int) -> dict:

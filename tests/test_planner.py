@@ -13,7 +13,9 @@ from harness.planner import plan
 from harness.planner.comm import comm_bytes_per_step, wire_bytes
 from harness.config.run_model import ZeroBuckets
 from harness.planner.inputs import Cluster, LongContext, Workload
-from harness.planner.memory import activation_bytes, by_device, harness_buckets, model_state_bytes, training_peak
+from harness.config.run_model import Zero
+from harness.planner.memory import (Holding, activation_bytes, by_device, harness_buckets, model_state_bytes,
+                                    training_peak)
 from harness.planner.pipeline import bubble_fraction
 from harness.planner.params import closed_form_count, count_params, meta_count, model_shape
 from harness.planner.render import to_json, to_text
@@ -29,8 +31,8 @@ def gpu_total(terms):
 
 def test_seed_example_7b_on_8_gpus():
     """16 B/param: 7B -> 112 GB per GPU under data parallel, 14 GB per GPU under ZeRO-3 on 8."""
-    dp = model_state_bytes(7 * 10**9, stage=0, dp=8, precision="bf16", convention="seed")
-    z3 = model_state_bytes(7 * 10**9, stage=3, dp=8, precision="bf16", convention="seed")
+    dp = model_state_bytes(Holding(7 * 10**9), Zero(0), dp=8, precision="bf16", convention="seed")
+    z3 = model_state_bytes(Holding(7 * 10**9), Zero(3), dp=8, precision="bf16", convention="seed")
     assert gpu_total(dp) == 112 * GB
     assert gpu_total(z3) == 14 * GB
     assert {t: v["gpu"] for t, v in dp.items() if v["gpu"]} == {
@@ -48,7 +50,7 @@ def test_seed_example_in_the_plan_of_a_7b_model():
 
 
 def test_seed_rule_is_16_bytes_per_param_in_fp32_too():
-    terms = model_state_bytes(1000, stage=0, dp=1, precision="fp32", convention="seed")
+    terms = model_state_bytes(Holding(1000), Zero(0), dp=1, precision="fp32", convention="seed")
     assert gpu_total(terms) == 16 * 1000 and terms["fp32_master"]["gpu"] == 0
 
 
@@ -105,7 +107,7 @@ TINY_GPT2_087M = {"model_type": "gpt2", "vocab_size": 512, "n_embd": 128, "n_lay
     (0, 2, "bf16", 14.0), (1, 2, "bf16", 8.0), (2, 2, "bf16", 8.0), (2, 2, "fp32", 10.0),
 ])
 def test_after_step_bytes_match_the_live_engine_measurements(stage, dp, precision, per_param):
-    terms = model_state_bytes(1_000_000, stage=stage, dp=dp, precision=precision, phase="after_step")
+    terms = model_state_bytes(Holding(1_000_000), Zero(stage), dp=dp, precision=precision, phase="after_step")
     assert gpu_total(terms) / 1_000_000 == pytest.approx(per_param, rel=1e-6)
 
 
@@ -113,10 +115,9 @@ def test_after_step_bytes_match_the_live_engine_measurements(stage, dp, precisio
 def test_zero3_after_step_includes_its_fixed_bucket(reduce_bucket, per_param):
     count = count_params(TINY_GPT2_087M)
     buckets = ZeroBuckets(reduce_bucket_elems=reduce_bucket)
-    terms = model_state_bytes(count.total, stage=3, dp=2, precision="bf16", phase="after_step",
-                              largest_layer_params=count.largest_layer,
-                              persistent_params=count.persistent_numel(buckets.param_persistence_threshold),
-                              buckets=buckets)
+    held = Holding(count.total, count.largest_layer,
+                   persistent=count.persistent_numel(buckets.param_persistence_threshold))
+    terms = model_state_bytes(held, Zero(3, buckets=buckets), dp=2, precision="bf16", phase="after_step")
     assert gpu_total(terms) / count.total == pytest.approx(per_param, rel=0.02)
     assert terms["reduce_buckets"]["gpu"] == 2 * reduce_bucket
 
@@ -126,12 +127,13 @@ def test_zero2_step_matches_deepspeeds_estimator_for_llama2_7b_on_8_plus_its_fla
     gradient partition it upcasts (2P/N, measured on CPU ranks: bench/scale.py) and one parameter's gradient;
     the reduce buckets are backward's only."""
     count = count_params(KNOWN["llama-2-7b"])
-    common = dict(stage=2, dp=8, precision="bf16", largest_tensor_params=count.largest_tensor,
-                  buckets=harness_buckets(4096))
-    step = model_state_bytes(count.total, phase="step", **common)
+    held = Holding(count.total, largest_tensor=count.largest_tensor)
+    common = dict(dp=8, precision="bf16")
+    zero = Zero(2, buckets=harness_buckets(4096))
+    step = model_state_bytes(held, zero, phase="step", **common)
     flat, one_grad = 2 * count.total / 8, 2 * count.largest_tensor
     assert gpu_total(step) == pytest.approx(26.67 * GIB + flat + one_grad, rel=0.005)
-    backward = model_state_bytes(count.total, phase="backward", **common)
+    backward = model_state_bytes(held, zero, phase="backward", **common)
     assert gpu_total(step) - gpu_total(backward) == pytest.approx(
         (4 + 2) * count.total / 8 - 2 * 2 * 4096**2, rel=1e-6)  # fp32 + flat partition, less the two buckets
 
@@ -140,8 +142,8 @@ def test_training_peak_is_backward_with_activations_or_the_step_whichever_is_lar
     count = count_params(KNOWN["llama-2-7b"])
 
     def states(phase):
-        return model_state_bytes(count.total, stage=1, dp=8, precision="bf16", phase=phase,
-                                 largest_tensor_params=count.largest_tensor, buckets=harness_buckets(4096))
+        return model_state_bytes(Holding(count.total, largest_tensor=count.largest_tensor),
+                                 Zero(1, buckets=harness_buckets(4096)), dp=8, precision="bf16", phase=phase)
 
     backward, step = gpu_total(states("backward")), gpu_total(states("step"))
     assert step > backward  # the fp32 and 16-bit flat gradient partitions
@@ -152,18 +154,17 @@ def test_training_peak_is_backward_with_activations_or_the_step_whichever_is_lar
 
 
 def test_offload_moves_optimizer_terms_to_cpu_and_nvme():
-    z2 = model_state_bytes(8000, stage=2, dp=2, precision="bf16", offload_optimizer="cpu")
+    z2 = model_state_bytes(Holding(8000), Zero(2, "cpu"), dp=2, precision="bf16")
     assert z2["fp32_master"] == {"gpu": 0, "cpu": 4 * 4000, "nvme": 0}
     assert z2["optimizer_moments"]["cpu"] == 8 * 4000 and z2["fp32_grads"]["cpu"] == 4 * 4000
-    inf = model_state_bytes(8000, stage=3, dp=2, precision="bf16", offload_optimizer="nvme",
-                            offload_param="nvme")
+    inf = model_state_bytes(Holding(8000), Zero(3, "nvme", "nvme"), dp=2, precision="bf16")
     assert inf["params"]["nvme"] == 2 * 4000 and inf["optimizer_moments"]["nvme"] == 8 * 4000
     assert inf["offload_buffers"]["cpu"] > 0 and inf["fp32_master"]["gpu"] == 0
 
 
 def test_offload_param_needs_stage_3():
     with pytest.raises(ValueError, match="needs ZeRO stage 3"):
-        model_state_bytes(10, stage=2, dp=2, precision="bf16", offload_optimizer="cpu", offload_param="cpu")
+        model_state_bytes(Holding(10), Zero(2, "cpu", "cpu"), dp=2, precision="bf16")
 
 
 def test_harness_buckets_follow_hidden_size():
@@ -367,11 +368,9 @@ FP32_TERMS = ("fp32_master", "optimizer_moments", "fp32_grads")
 def test_after_step_terms_match_a_live_engine_within_2_percent(stage, precision, opt, param, total, fp32):
     count = count_params(CALIBRATION_LLAMA)
     buckets = harness_buckets(256)
-    terms = model_state_bytes(count.total, stage=stage, dp=2, precision=precision, offload_optimizer=opt,
-                              offload_param=param, phase="after_step", largest_layer_params=count.largest_layer,
-                              largest_tensor_params=count.largest_tensor,
-                              persistent_params=count.persistent_numel(buckets.param_persistence_threshold),
-                              buckets=buckets)
+    held = Holding(count.total, count.largest_layer, count.largest_tensor,
+                   persistent=count.persistent_numel(buckets.param_persistence_threshold))
+    terms = model_state_bytes(held, Zero(stage, opt, param, buckets), dp=2, precision=precision, phase="after_step")
     predicted = sum(by_device(terms).values())
     predicted_fp32 = sum(sum(terms[t].values()) for t in FP32_TERMS)
     if precision == "fp32":

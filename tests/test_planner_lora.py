@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.config.run_model import Zero
 from harness.model_shapes import KNOWN
 from harness.planner import comm, memory
 from harness.planner.params import count_params, with_lora
@@ -28,13 +29,13 @@ def test_adapter_counts_equal_peft(preset):
 
 def test_frozen_params_cost_their_16bit_copy_only():
     total, trainable, dp = 1_000_000, 10_000, 4
-    full = memory.model_state_bytes(total, stage=2, dp=dp, precision="bf16", convention="seed")
-    lora = memory.model_state_bytes(total, stage=2, dp=dp, precision="bf16", convention="seed",
-                                    trainable_params=trainable)
+    full = memory.model_state_bytes(memory.Holding(total), Zero(2), dp=dp, precision="bf16", convention="seed")
+    lora = memory.model_state_bytes(memory.Holding(total, trainable=trainable), Zero(2), dp=dp, precision="bf16",
+                                    convention="seed")
     assert lora["params"]["gpu"] == full["params"]["gpu"] == 2 * total
     assert lora["optimizer_moments"]["gpu"] == 8 * trainable // dp
-    z3 = memory.model_state_bytes(total, stage=3, dp=dp, precision="bf16", trainable_params=trainable,
-                                  largest_layer_params=1000)
+    z3 = memory.model_state_bytes(memory.Holding(total, largest_layer=1000, trainable=trainable), Zero(3), dp=dp,
+                                  precision="bf16")
     assert z3["params"]["gpu"] == 2 * total // dp  # ZeRO-3 divides the frozen weights too
     assert z3["fp32_master"]["gpu"] == 4 * trainable // dp
 

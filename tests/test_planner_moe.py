@@ -10,11 +10,12 @@ import json
 import pytest
 import transformers
 
+from harness.config.run_model import Zero
 from harness.errors import UsageError
 from harness.model_shapes import KNOWN
 from harness.planner import comm, hardware, layouts, moe, plan, search, steptime
 from harness.planner.inputs import Cluster, Workload
-from harness.planner.memory import harness_buckets, zero3_gathered_elems
+from harness.planner.memory import Holding, harness_buckets, zero3_gathered_elems
 from harness.planner.params import count_params, meta_count, model_shape
 
 # A Qwen2-MoE small enough to count by hand: layers 0 and 1 sparse, layer 2 dense (mlp_only_layers), a shared
@@ -110,12 +111,14 @@ def test_memory_with_experts_over_the_expert_parallel_ranks_by_hand():
     parameters over 4 ranks, of its experts over the 2 ranks holding the same experts."""
     count = count_params(TINY_QWEN2_MOE)
     dense, experts = TOTAL - 2 * 4 * EXPERT, 2 * 4 * EXPERT // 2
-    states = moe.model_state_bytes(count, ep=2, stage=2, dp=4, precision="fp32", phase="after_step")
+    states = moe.model_state_bytes(count, Holding(count.total), Zero(2), ep=2, dp=4, precision="fp32",
+                                   phase="after_step")
     assert states["params"]["gpu"] == 4 * (dense + experts)
     assert states["fp32_master"]["gpu"] == 4 * (-(-dense // 4) + experts // 2)
     assert states["optimizer_moments"]["gpu"] == 8 * (-(-dense // 4) + experts // 2)
     assert states["grads"]["gpu"] == 0  # ZeRO-2 frees gradients after the step
-    one = moe.model_state_bytes(count, ep=1, stage=2, dp=4, precision="fp32", phase="after_step")
+    one = moe.model_state_bytes(count, Holding(count.total), Zero(2), ep=1, dp=4, precision="fp32",
+                                phase="after_step")
     assert one["params"]["gpu"] == 4 * TOTAL
 
 

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from harness.config.run_model import Zero
 from harness.errors import UsageError
 from harness.model_shapes import PRESETS
 from harness.planner import comm as planner_comm, memory as planner_memory
@@ -134,9 +135,9 @@ def test_nvme_swap_files_of_this_rank(tmp_path):
 def planner_states(stage: int) -> dict[str, int]:
     buckets = planner_memory.harness_buckets(HIDDEN)
     persistent = TINY.persistent_numel(buckets.param_persistence_threshold) if stage == 3 else 0
-    terms = planner_memory.model_state_bytes(
-        TINY.total, stage=stage, dp=2, precision="bf16", phase="after_step", largest_layer_params=TINY.largest_layer,
-        largest_tensor_params=TINY.largest_tensor, persistent_params=persistent, buckets=buckets)
+    held = planner_memory.Holding(TINY.total, TINY.largest_layer, TINY.largest_tensor, persistent)
+    terms = planner_memory.model_state_bytes(held, Zero(stage, buckets=buckets), dp=2, precision="bf16",
+                                             phase="after_step")
     return {term: sum(devices.values()) for term, devices in terms.items() if sum(devices.values())}
 
 
@@ -278,10 +279,10 @@ def test_zero_infinity_swap_buffers_and_files_are_counted(tmp_path):
     buckets = planner_memory.harness_buckets(HIDDEN)
     buckets = planner_memory.ZeroBuckets(**{**buckets.__dict__, "param_swap_buffer_elems": swap_elems,
                                             "param_swap_buffer_count": swap_count})
-    predicted = planner_memory.model_state_bytes(
-        TINY.total, stage=3, dp=2, precision="bf16", offload_optimizer="nvme", offload_param="nvme",
-        phase="after_step", largest_layer_params=TINY.largest_layer, largest_tensor_params=TINY.largest_tensor,
-        persistent_params=TINY.persistent_numel(buckets.param_persistence_threshold), buckets=buckets)
+    held = planner_memory.Holding(TINY.total, TINY.largest_layer, TINY.largest_tensor,
+                                  TINY.persistent_numel(buckets.param_persistence_threshold))
+    predicted = planner_memory.model_state_bytes(held, Zero(3, "nvme", "nvme", buckets), dp=2, precision="bf16",
+                                                 phase="after_step")
     want = sum(predicted["offload_buffers"].values())  # pinned swap buffers of both swappers
     memory = json.loads((run_dir / "summary.json").read_text())["memory"]
     assert len(memory["nvme_swap_bytes_per_rank"]) == 2

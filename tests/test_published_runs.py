@@ -76,8 +76,8 @@ def predict(layers, hidden, heads, gpus, tp, pp, dp, batch, micro, interleave) -
     c = layouts.Candidate("3d" if pp > 1 else "tp", 0, tp=tp, pp=pp)
     assert tp * pp * dp == gpus == hw.world
     result = layouts.evaluate(c, count, shape, hw, work)
-    return steptime.step_time(c, count, shape, hardware.load(PROFILE), hw, work, result, interleave=interleave,
-                              stage_blocks=[layers // pp] * pp if pp > 1 else None)
+    megatron = steptime.Megatron(interleave, (layers // pp,) * pp if pp > 1 else None)
+    return steptime.step_time(c, count, shape, hardware.load(PROFILE), hw, work, result, megatron)
 
 
 @pytest.mark.parametrize("row", sorted(TABLE1, key=lambda k: int(k[1:])))

@@ -129,7 +129,7 @@ def _worker(rank: int, ranks: int, port: int, out_path: str, nbytes: int, repeat
     if engine_args:
         from harness.calibration.engine import measure as measure_engine
 
-        result["engine"] = measure_engine(rank, device, result, **engine_args)
+        result["engine"] = measure_engine(**engine_args)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)

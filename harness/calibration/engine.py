@@ -58,31 +58,18 @@ def ds_config(case: str, precision: str, micro_batch: int, world: int, hidden: i
             "zero_optimization": zero, "wall_clock_breakdown": False}
 
 
-def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micro_batch: int, precision: str,
-            layers: int = 2, steps: int = 8, pairs: int = 5) -> dict:
+def measure(*, cfg: dict, seq_len: int, micro_batch: int, precision: str, layers: int = 2, steps: int = 8,
+            pairs: int = 5) -> dict:
     """{"layers", "params", "stages": {stage: {"fwd_bwd_s", "step_s", ...}}}: medians of each step's slowest
     rank, and each step's times; stages 1-3 time `pairs` steps, each right after a stage-0 step."""
     import deepspeed
     import torch
     from deepspeed import comm as dist
-    from deepspeed.accelerator import get_accelerator
 
-    accel = get_accelerator()
     world = dist.get_world_size()
     hidden = cfg.get("hidden_size") or cfg.get("n_embd")
     out: dict = {"layers": layers, "stages": {}}
     base = None  # stage 0's engine, kept to interleave its steps with each hooked stage's (hooks.py)
-
-    def timed(engine, ids) -> tuple[float, float]:
-        dist.barrier()
-        start = time.perf_counter()
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        accel.synchronize()
-        middle = time.perf_counter()
-        engine.step()
-        accel.synchronize()
-        return middle - start, time.perf_counter() - middle
-
     for stage in STAGES:
         torch.manual_seed(0)
         model = cut_model(cfg, layers)
@@ -91,25 +78,7 @@ def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micr
                                           config=ds_config(stage, precision, micro_batch, world, hidden))
         ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len), device=engine.device)
         paired = stage in HOOKED and base is not None
-        n = pairs if paired else steps
-        fwd_bwd, step, base_fwd_bwd = [], [], []
-        for i in range(n + 1):
-            if paired:  # stage 0 right before, under the same load
-                b = timed(base, ids)[0]
-            f, s = timed(engine, ids)
-            if i:  # the first step warms up (ZeRO-3 traces the module order)
-                fwd_bwd.append(f)
-                step.append(s)
-                if paired:
-                    base_fwd_bwd.append(b)
-        # each step's slowest rank (the ranks start each step together)
-        times = torch.tensor(fwd_bwd + step + base_fwd_bwd, dtype=torch.float64, device=engine.device)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        fwd_bwd, step, base_fwd_bwd = (times[:n].tolist(), times[n:2 * n].tolist(), times[2 * n:].tolist())
-        # medians, as training's step times are compared by their median; the fastest step beside them
-        out["stages"][stage] = {"fwd_bwd_s": statistics.median(fwd_bwd), "step_s": statistics.median(step),
-                                "fwd_bwd_min_s": min(fwd_bwd), "step_min_s": min(step), "fwd_bwd_samples_s": fwd_bwd,
-                                **({"base_fwd_bwd_samples_s": base_fwd_bwd} if paired else {})}
+        out["stages"][stage] = _stage_times(engine, base if paired else None, ids, pairs if paired else steps)
         if stage == "0":
             base = engine
             continue
@@ -119,3 +88,45 @@ def measure(rank: int, device: str, comm: dict, *, cfg: dict, seq_len: int, micr
     if base is not None:
         base.destroy()
     return out
+
+
+def _timed(engine, ids) -> tuple[float, float]:
+    """Seconds of one forward + backward and of one engine.step(), the ranks starting together."""
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    dist.barrier()
+    start = time.perf_counter()
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    accel.synchronize()
+    middle = time.perf_counter()
+    engine.step()
+    accel.synchronize()
+    return middle - start, time.perf_counter() - middle
+
+
+def _stage_times(engine, base, ids, n: int) -> dict:
+    """One stage's entry of measure: n timed steps after a warm-up, each right after a step of `base` (stage 0's
+    engine) when given; each step's slowest rank, their medians and fastest."""
+    import torch
+    from deepspeed import comm as dist
+
+    fwd_bwd, step, base_fwd_bwd = [], [], []
+    for i in range(n + 1):
+        if base is not None:  # stage 0 right before, under the same load
+            b = _timed(base, ids)[0]
+        f, s = _timed(engine, ids)
+        if i:  # the first step warms up (ZeRO-3 traces the module order)
+            fwd_bwd.append(f)
+            step.append(s)
+            if base is not None:
+                base_fwd_bwd.append(b)
+    # each step's slowest rank (the ranks start each step together)
+    times = torch.tensor(fwd_bwd + step + base_fwd_bwd, dtype=torch.float64, device=engine.device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    fwd_bwd, step, base_fwd_bwd = (times[:n].tolist(), times[n:2 * n].tolist(), times[2 * n:].tolist())
+    # medians, as training's step times are compared by their median; the fastest step beside them
+    return {"fwd_bwd_s": statistics.median(fwd_bwd), "step_s": statistics.median(step),
+            "fwd_bwd_min_s": min(fwd_bwd), "step_min_s": min(step), "fwd_bwd_samples_s": fwd_bwd,
+            **({"base_fwd_bwd_samples_s": base_fwd_bwd} if base is not None else {})}

@@ -20,6 +20,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 from harness.config.defaults import PRECISION_DTYPES
 from harness.calibration.comm import COLLECTIVES, FACTOR, STEPS, op_curve
@@ -58,8 +59,18 @@ def _ping_pong(dist, nbytes: int, rank: int, repeat: int, dtype: str) -> float:
     return statistics.median(times[1:])
 
 
-def _worker(index: int, node_rank: int, nnodes: int, addr: str, port: int, out_path: str, nbytes: int,
-            repeat: int, precision: str, timeout_min: float) -> None:
+@dataclass(frozen=True)
+class _Timing:
+    """What measure times: messages up to nbytes (link_sizes), repeat calls each, in precision's dtype, giving up
+    on the nodes' process group after timeout_min."""
+
+    nbytes: int
+    repeat: int
+    precision: str
+    timeout_min: float
+
+
+def _worker(index: int, node_rank: int, nnodes: int, addr: str, port: int, out_path: str, timing: _Timing) -> None:
     import datetime
 
     os.environ.update({"RANK": str(node_rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(nnodes),
@@ -75,8 +86,8 @@ def _worker(index: int, node_rank: int, nnodes: int, addr: str, port: int, out_p
     if device != "cpu":
         accel.set_device(0)
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), verbose=False,
-                               timeout=datetime.timedelta(minutes=timeout_min))
-    dtype, n = PRECISION_DTYPES[precision], nnodes
+                               timeout=datetime.timedelta(minutes=timing.timeout_min))
+    dtype, n, nbytes, repeat = PRECISION_DTYPES[timing.precision], nnodes, timing.nbytes, timing.repeat
     result = {"backend": accel.communication_backend_name(), "dtype": dtype, "nodes": n, "bus_gbps": {},
               "latency_us": {}, "seconds_by_bytes": {}}
     for op in COLLECTIVES:
@@ -106,8 +117,8 @@ def measure(node_rank: int, nnodes: int, master_addr: str, master_port: int, *, 
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "link.json")
-        mp.spawn(_worker, args=(node_rank, nnodes, master_addr, master_port, out, nbytes, repeat, precision,
-                                timeout_min), nprocs=1, join=True)
+        timing = _Timing(nbytes, repeat, precision, timeout_min)
+        mp.spawn(_worker, args=(node_rank, nnodes, master_addr, master_port, out, timing), nprocs=1, join=True)
         if node_rank != 0:
             return {}
         with open(out) as f:

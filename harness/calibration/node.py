@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from harness.planner.shape import ModelShape
 
-from harness.config.defaults import PRECISION_BYTES, PRECISION_DTYPES
+from harness.calibration.hooks import add_engine_rates
+from harness.config.defaults import PRECISION_DTYPES
 
 DEFAULT_NVME_GBPS = (2.0, 1.0)  # read, write: a SATA-class SSD, used only when async_io does not load
 
@@ -242,10 +243,7 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
     device, device_name, local = _device()
     host = _host()
     ranks = ranks or local or 2
-    if device == "cpu":  # each training rank gets its share of the cores: measure with that many threads
-        import torch
-
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), host["cores"] // ranks)))
+    _share_cores(device, host, ranks)
     log(f"calibrating {device_name} x {ranks} ranks ({host['cores']} cores, {host['ram_bytes'] / 1e9:.0f} GB RAM)")
     gemm = measure_gemm(shape, seq_len * micro_batch, precision, device)
     log(f"  GEMM at the model's shapes: {gemm['tflops']:.3f} TFLOP/s ({precision})")
@@ -257,18 +255,9 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
     log(f"  sdpa with a materialised mask: {masked['factor']:.2f}x the causal kernel (forward + backward)")
     copy = measure_host_copy(device)
     log(f"  host<->device: {copy['gbps']:.1f} GB/s" + (f" ({copy['note']})" if "note" in copy else ""))
-    adam = measure_cpu_adam()
-    per_node = adam["params_per_s_per_process"] * min(ranks, max(1, host["cores"] // max(1, adam["threads"])))
-    log(f"  DeepSpeedCPUAdam: {adam['params_per_s_per_process'] / 1e6:.1f} M params/s per process, "
-        f"{per_node / 1e6:.1f} M/s per node")
-    from harness.calibration.comm import measure as measure_comm
-
+    adam, per_node = _cpu_adam(host, ranks, log)
     engine_args = {"cfg": cfg, "seq_len": seq_len, "micro_batch": micro_batch, "precision": precision}
-    comm = measure_comm(ranks, precision=precision, engine_args=engine_args)
-    if "error" in comm:  # one GPU: nothing to time; keep the links of this GPU's named profile, and say so
-        comm = _named_links(device, device_name, comm["error"])
-    for op, by_size in comm["bus_gbps"].items():
-        log(f"  {comm['backend']} {op}: " + ", ".join(f"{n} ranks {v:.2f} GB/s" for n, v in by_size.items()))
+    comm = _comm(ranks, precision, engine_args, device, device_name, log)
     nvme = measure_nvme(nvme_path or tempfile_dir())
     log("  NVMe (async_io): " + (nvme["error"] if "error" in nvme else
                                  f"write {nvme['write_gbps']:.2f} GB/s, read {nvme['read_gbps']:.2f} GB/s"))
@@ -298,60 +287,40 @@ def build_profile(cfg: dict, *, seq_len: int, micro_batch: int, precision: str, 
                   "compute (its streams are no-ops); NVMe " + ("not measured (" + nvme["error"] + "), a default"
                                                                if "error" in nvme else "via async_io"),
     }
-    m = profile["measured"]
-    m["seconds_by_bytes"] = comm.get("seconds_by_bytes", {})
+    profile["measured"]["seconds_by_bytes"] = comm.get("seconds_by_bytes", {})
     if "engine" in comm:
-        m["engine"] = comm["engine"]
-        rates = engine_rates(cfg, comm["engine"], profile, precision, ranks)
-        m.update(rates)
-        log("  DeepSpeed step per ZeRO stage: " + ", ".join(
-            f"ZeRO-{s} {r / 1e6:.0f} M params/s" for s, r in m["optimizer_params_per_s"].items())
-            + " per rank; ZeRO hooks "
-            + ", ".join(f"ZeRO-{s} {v * 1e3:.2f} ms" for s, v in m["zero_overhead_s_per_tensor"].items())
-            + " per tensor and micro-step")
-        for s, w in m["zero_overhead_estimate"].items():
-            if "clamped" in w:
-                log(f"  warning: ZeRO-{s} hooks {w['clamped']}; rerun `harness calibrate` on a quieter machine")
+        add_engine_rates(profile, cfg, comm["engine"], precision, ranks, log)
     return profile
 
 
-def engine_rates(cfg: dict, engine: dict, profile: dict, precision: str, ranks: int) -> dict:
-    """From engine.py's times on the cut model: the optimizer step rate per ZeRO stage (parameters
-    stepped per second, the ZeRO-1/2 all-gather after the step taken out) and what ZeRO's hooks add to
-    forward + backward per parameter tensor (stage s minus stage 0, each its fastest interleaved step less its
-    collectives as the time model prices them on this profile's curves; never below 0: hooks.py)."""
-    from harness.planner import collectives, steptime
-    from harness.planner.memory import harness_buckets
-    from harness.planner.params import count_params
+def _share_cores(device: str, host: dict, ranks: int) -> None:
+    """On the CPU each training rank gets its share of the cores: measure with that many threads."""
+    if device == "cpu":
+        import torch
 
-    from harness.calibration.hooks import hook_overhead
-    from harness.calibration.engine import cut_config
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), host["cores"] // ranks)))
 
-    count = count_params(cut_config(cfg, engine["layers"]))
-    lp, total = PRECISION_BYTES[precision], engine["params"]
-    shard = -(-total // ranks)
-    b = harness_buckets(cfg.get("hidden_size") or cfg.get("n_embd"))
-    tensors = steptime.rank_tensors(count, engine["layers"], 1)
-    calls = steptime.reduce_calls(tensors, b.reduce_bucket_elems)
-    gathered = [n for n in tensors if n > b.param_persistence_threshold]
 
-    def cs(op: str, nbytes: float, n_calls: int) -> float:
-        return collectives.collective_s(profile, op, nbytes, ranks, inter=False, calls=n_calls)
+def _cpu_adam(host: dict, ranks: int, log) -> tuple[dict, float]:
+    """DeepSpeedCPUAdam's rate per process, and per node (the ranks sharing the cores)."""
+    adam = measure_cpu_adam()
+    per_node = adam["params_per_s_per_process"] * min(ranks, max(1, host["cores"] // max(1, adam["threads"])))
+    log(f"  DeepSpeedCPUAdam: {adam['params_per_s_per_process'] / 1e6:.1f} M params/s per process, "
+        f"{per_node / 1e6:.1f} M/s per node")
+    return adam, per_node
 
-    comm_fb = {"0": cs("all_reduce", lp * total, 1), "1": cs("all_reduce", lp * total, calls),
-               "2": cs("all_reduce", lp * total, calls),
-               "3": cs("reduce_scatter_tensor", lp * total, calls)
-               + cs("all_gather_into_tensor", lp * sum(gathered) / ranks, len(gathered))}
-    gather = cs("all_gather_into_tensor", lp * shard, 1)
-    step_comm = {"1": gather, "2": gather, "2-offload": gather}
-    stages = engine["stages"]
-    rates, hooks, why = {}, {}, {}
-    for s, t in stages.items():
-        seconds = t["step_s"] - step_comm.get(s, 0.0)
-        rates[s] = (total if s == "0" else shard) / max(seconds, 0.05 * t["step_s"])
-        if s in comm_fb and s != "0":
-            hooks[s], why[s] = hook_overhead(t, stages["0"], comm_fb[s], comm_fb["0"], len(tensors))
-    return {"optimizer_params_per_s": rates, "zero_overhead_s_per_tensor": hooks, "zero_overhead_estimate": why}
+
+def _comm(ranks: int, precision: str, engine_args: dict, device: str, device_name: str, log) -> dict:
+    """The collectives' curves over `ranks` processes and the engine's times (comm.measure); with one GPU the
+    links of this GPU's named profile, saying so."""
+    from harness.calibration.comm import measure as measure_comm
+
+    comm = measure_comm(ranks, precision=precision, engine_args=engine_args)
+    if "error" in comm:
+        comm = _named_links(device, device_name, comm["error"])
+    for op, by_size in comm["bus_gbps"].items():
+        log(f"  {comm['backend']} {op}: " + ", ".join(f"{n} ranks {v:.2f} GB/s" for n, v in by_size.items()))
+    return comm
 
 
 def tempfile_dir() -> str:

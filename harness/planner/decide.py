@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.config.defaults import PRECISION_BYTES
+from harness.config.run_model import Zero
 from harness.planner import longest, memory
 from harness.planner.inputs import RESERVE_FRACTION, Cluster, Workload
 from harness.planner.shape import ModelShape
@@ -120,8 +121,9 @@ def min_nodes_for_zero3(count: ParamCount, shape: ModelShape, cluster: Cluster, 
 
 def seed_headline(count: ParamCount, cluster: Cluster, precision: str) -> dict:
     world = cluster.world
-    dp = memory.model_state_bytes(count.total, stage=0, dp=world, precision=precision, convention="seed")
-    z3 = memory.model_state_bytes(count.total, stage=3, dp=world, precision=precision, convention="seed")
+    held = memory.Holding(count.total)
+    dp = memory.model_state_bytes(held, Zero(stage=0), dp=world, precision=precision, convention="seed")
+    z3 = memory.model_state_bytes(held, Zero(stage=3), dp=world, precision=precision, convention="seed")
     return {"bytes_per_param": 16, "dp_bytes_per_gpu": memory.by_device(dp)["gpu"],
             "zero3_bytes_per_gpu": memory.by_device(z3)["gpu"], "world": world}
 

@@ -7,11 +7,12 @@ decide.py walks these in the decision order and names the first that fits; searc
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from harness.planner import comm, memory, moe, pipeline, sequence
 from harness.config.defaults import TILE_TOKENS
+from harness.config.run_model import Zero
 from harness.planner.inputs import Cluster, LongContext, Workload
 from harness.planner.shape import ModelShape
 from harness.planner.params import ParamCount
@@ -163,18 +164,19 @@ def _states(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, 
         largest_layer = max(largest_layer, count.moe_block)
     if c.tp > 1:  # block matrices are split; the embedding and head are not
         largest_layer = max(count.largest_layer // c.tp, shape.vocab_size * shape.hidden_size)
-    common = dict(stage=c.stage, dp=share.zero_shards, precision=work.precision, offload_optimizer=c.offload_optimizer,
-                  offload_param=c.offload_param, **count.lora_state_args(share.blocks, c.tp))
-    detail = dict(largest_layer_params=largest_layer, largest_tensor_params=count.largest_tensor, buckets=buckets,
-                  grad_accum=share.micro_batches)
+    lora = count.lora_state_args(share.blocks, c.tp)
+    zero = Zero(c.stage, c.offload_optimizer, c.offload_param, buckets)
+    held = memory.Holding(share.params, largest_layer, count.largest_tensor, **lora)
+    common = dict(dp=share.zero_shards, precision=work.precision)
 
     def states(phase: str, convention: str = "deepspeed") -> dict:
         if convention == "seed":
-            return memory.model_state_bytes(share.params, **common, convention="seed")
+            return memory.model_state_bytes(held, zero, **common, convention="seed")
         if c.ep > 1:
-            return moe.model_state_bytes(count, ep=c.ep, **common, **detail, phase=phase)
-        return memory.model_state_bytes(share.params, **common, **detail, persistent_params=share.persistent,
-                                        phase=phase)
+            return moe.model_state_bytes(count, held, zero, ep=c.ep, **common, grad_accum=share.micro_batches,
+                                         phase=phase)
+        return memory.model_state_bytes(replace(held, persistent=share.persistent), zero, **common,
+                                        grad_accum=share.micro_batches, phase=phase)
 
     return states
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.config.defaults import PRECISION_BYTES, TILE_TOKENS, ZERO0_ALLREDUCE_BUCKET_ELEMS, model_sized_buckets
-from harness.config.run_model import ZeroBuckets
+from harness.config.run_model import Zero, ZeroBuckets
 from harness.planner import activations as la
 from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
@@ -181,39 +181,53 @@ def _stage3_entries(r: _Rank, opt_dev: str, param_dev: str) -> list:
     return out
 
 
-def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
-                      offload_optimizer: str = "none", offload_param: str = "none",
-                      convention: str = "deepspeed", phase: str = "peak", largest_layer_params: int = 0,
-                      largest_tensor_params: int | None = None, persistent_params: int = 0,
-                      buckets: ZeroBuckets | None = None, grad_accum: int = 1,
-                      accum_elems: int | None = None, trainable_params: int | None = None,
-                      largest_trainable_tensor: int | None = None,
-                      largest_trainable_layer: int | None = None) -> dict[str, dict[str, int]]:
-    """Bytes per rank: {term: {"gpu": n, "cpu": n, "nvme": n}} for every term in TERMS.
+@dataclass(frozen=True)
+class Holding:
+    """What one rank holds, in elements (model_state_bytes' counts).
 
-    num_params: parameters this rank's ZeRO group shards (after tensor/pipeline splits).
-    largest_layer_params: the largest module's own parameters (ZeRO-3 gathers one at a time).
-    largest_tensor_params: the largest single tensor (offload staging buffers); default largest_layer.
-    persistent_params: elements in tensors at or under ZeRO-3's param_persistence_threshold.
-    grad_accum: gradient accumulation steps (ZeRO-1/2 with offload keep CPU accumulation buffers when > 1).
+    params: parameters this rank's ZeRO group shards (after tensor/pipeline splits).
+    largest_layer: the largest module's own parameters (ZeRO-3 gathers one at a time).
+    largest_tensor: the largest single tensor (offload staging buffers); None = largest_layer.
+    persistent: elements in tensors at or under ZeRO-3's param_persistence_threshold.
     accum_elems: elements of the tensors overlapping this rank's ZeRO-1/2 partition, when the layout is known
     (a live engine); else bounded by the shard plus one largest tensor.
-    trainable_params: of num_params, those with gradients and optimizer state (LoRA adapters); None = all. A
-    frozen parameter costs its 16-bit copy only (sharded under ZeRO-3, which still gathers it per layer).
-    largest_trainable_tensor / _layer: the same for the gradient staging buffers (default: the largest ones).
+    trainable: of params, those with gradients and optimizer state (LoRA adapters); None = all. A frozen
+    parameter costs its 16-bit copy only (sharded under ZeRO-3, which still gathers it per layer).
+    largest_trainable_tensor / _layer: the same for the gradient staging buffers (None: the largest ones).
     """
+
+    params: int
+    largest_layer: int = 0
+    largest_tensor: int | None = None
+    persistent: int = 0
+    accum_elems: int | None = None
+    trainable: int | None = None
+    largest_trainable_tensor: int | None = None
+    largest_trainable_layer: int | None = None
+
+
+def model_state_bytes(held: Holding, zero: Zero, *, dp: int, precision: str, convention: str = "deepspeed",
+                      phase: str = "peak", grad_accum: int = 1) -> dict[str, dict[str, int]]:
+    """Bytes per rank: {term: {"gpu": n, "cpu": n, "nvme": n}} for every term in TERMS.
+
+    held: what the rank holds (Holding); zero: the ZeRO stage, offloads and buffer sizes.
+    grad_accum: gradient accumulation steps (ZeRO-1/2 with offload keep CPU accumulation buffers when > 1).
+    """
+    num_params, stage = held.params, zero.stage
+    offload_optimizer, offload_param = zero.offload_optimizer, zero.offload_param
     _check(precision, stage, dp, offload_optimizer, offload_param)
     if convention not in ("seed", "deepspeed") or phase not in PHASES:
         raise ValueError(f"convention {convention!r} / phase {phase!r}: expected seed|deepspeed, {'|'.join(PHASES)}")
     lp = PRECISION_BYTES[precision]
-    b = buckets or ZeroBuckets()
+    b = zero.buckets
     if b.overlap_comm is None:
         b = ZeroBuckets(**{**b.__dict__, "overlap_comm": stage == 3})
+    largest_layer_params, largest_tensor_params = held.largest_layer, held.largest_tensor
     largest_tensor = largest_layer_params if largest_tensor_params is None else largest_tensor_params
-    trainable = num_params if trainable_params is None else trainable_params
+    trainable = num_params if held.trainable is None else held.trainable
     if trainable > num_params:
         raise ValueError(f"trainable_params {trainable} > num_params {num_params}")
-    grad_tensor = largest_tensor if largest_trainable_tensor is None else largest_trainable_tensor
+    grad_tensor = largest_tensor if held.largest_trainable_tensor is None else held.largest_trainable_tensor
     if convention == "seed":
         opt = "gpu" if offload_optimizer == "none" else offload_optimizer
         par = "gpu" if offload_param == "none" else offload_param
@@ -221,9 +235,9 @@ def model_state_bytes(num_params: int, *, stage: int, dp: int, precision: str,
     elif stage == 0:
         entries = _stage0_entries(num_params, lp, trainable)
     else:
-        grad_layer = largest_layer_params if largest_trainable_layer is None else largest_trainable_layer
+        grad_layer = largest_layer_params if held.largest_trainable_layer is None else held.largest_trainable_layer
         r = _Rank(num_params, trainable, dp, lp, b, largest_layer_params, largest_tensor, grad_tensor, grad_layer,
-                  persistent_params, grad_accum, accum_elems)
+                  held.persistent, grad_accum, held.accum_elems)
         entries = (_stage12_entries(r, stage, offload_optimizer != "none") if stage in (1, 2)
                    else _stage3_entries(r, offload_optimizer, offload_param))
     out = {term: dict.fromkeys(DEVICES, 0) for term in TERMS}

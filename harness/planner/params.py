@@ -63,12 +63,12 @@ class ParamCount:
         return blocks * (self.lora_per_layer - self.lora_per_layer_split + self.lora_per_layer_split // tp)
 
     def lora_state_args(self, blocks: int, tp: int = 1) -> dict:
-        """memory.model_state_bytes arguments for a rank holding `blocks` blocks of a count with LoRA adapters
-        (with_lora); none for full fine-tuning."""
+        """memory.Holding fields for a rank holding `blocks` blocks of a count with LoRA adapters (with_lora);
+        none for full fine-tuning."""
         trainable = self.trainable_params(blocks, tp)
         if trainable is None:
             return {}
-        return {"trainable_params": trainable, "largest_trainable_tensor": self.lora_largest_tensor,
+        return {"trainable": trainable, "largest_trainable_tensor": self.lora_largest_tensor,
                 "largest_trainable_layer": self.lora_largest_tensor}
 
     @property

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from harness.config.run_model import RunModel, Sequence
+from harness.config.run_model import RunModel, Sequence, Zero
 from harness.planner import comm, memory, moe, pipeline, sequence
 from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
@@ -80,19 +80,19 @@ def shape_of(run: RunModel) -> dict | None:
 def _states(run: RunModel, live: LiveFacts):
     """states(stage, phase) -> model_state_bytes of this rank with the live facts, at any ZeRO stage."""
     z, ep = run.zero, run.degrees.ep
-    common = dict(dp=run.degrees.zero_shards, precision=run.precision, offload_optimizer=z.offload_optimizer,
-                  largest_layer_params=live.largest_layer, largest_tensor_params=live.largest_tensor,
-                  buckets=z.buckets, grad_accum=run.batch.grad_accum, accum_elems=live.partition_whole,
-                  trainable_params=live.trainable, largest_trainable_tensor=live.largest_trainable_tensor,
-                  largest_trainable_layer=live.largest_trainable_layer)
+    common = dict(dp=run.degrees.zero_shards, precision=run.precision, grad_accum=run.batch.grad_accum)
 
     def states(stage: int, phase: str) -> dict:
-        kw = dict(stage=stage, phase=phase, offload_param=z.offload_param if stage == 3 else "none",
-                  persistent_params=live.persistent if stage == 3 else 0, **common)
+        zero = Zero(stage, z.offload_optimizer, z.offload_param if stage == 3 else "none", z.buckets)
+        held = memory.Holding(live.total, live.largest_layer, live.largest_tensor,
+                              persistent=live.persistent if stage == 3 else 0, accum_elems=live.partition_whole,
+                              trainable=live.trainable, largest_trainable_tensor=live.largest_trainable_tensor,
+                              largest_trainable_layer=live.largest_trainable_layer)
         if ep > 1 and live.experts:  # AutoEP: this rank's experts shard over dp / ep ranks (planner/moe/parallel.py)
             return moe.model_state_bytes(SimpleNamespace(total=live.total - live.experts + live.experts * ep,
-                                                         routed_experts=live.experts * ep), ep=ep, **kw)
-        return memory.model_state_bytes(live.total, **kw)
+                                                         routed_experts=live.experts * ep), held, zero, ep=ep,
+                                         phase=phase, **common)
+        return memory.model_state_bytes(held, zero, phase=phase, **common)
 
     return states
 
@@ -187,12 +187,12 @@ def pipeline_rank(run: RunModel, live: LiveFacts) -> dict:
     tp_counted = counted_tp(run, count, live.parts)
     mine = pipeline.stages(count, d.pp, method, d.tp, tp_counted)[stage]
     trainable = count.trainable_params(mine["blocks"], d.tp)
-    lora = {} if trainable is None else {"trainable_params": trainable,
+    lora = {} if trainable is None else {"trainable": trainable,
                                          "largest_trainable_tensor": count.lora_largest_tensor}
-    states = {phase: memory.model_state_bytes(
-        mine["params"], stage=z.stage, dp=d.dp, precision=run.precision, offload_optimizer=z.offload_optimizer,
-        largest_tensor_params=live.largest_tensor, buckets=z.buckets, grad_accum=m, phase=phase, **lora)
-        for phase in memory.PHASES}
+    held = memory.Holding(mine["params"], largest_tensor=live.largest_tensor, **lora)
+    zero = Zero(z.stage, z.offload_optimizer, buckets=z.buckets)
+    states = {phase: memory.model_state_bytes(held, zero, dp=d.dp, precision=run.precision, grad_accum=m, phase=phase)
+              for phase in memory.PHASES}
     groups = _pipe_comm(run, count, shape, mine, trainable, live)
     total: dict = {}
     for part in groups.values():

@@ -70,6 +70,8 @@ read twice per micro-step, at nvme_read_gbps / nvme_write_gbps per node.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from harness.config.defaults import ALLGATHER_BUCKET_ELEMS, PRECISION_BYTES, ZERO0_ALLREDUCE_BUCKET_ELEMS
 from harness.planner import collectives, comm, hardware, memory, sequence
 from harness.planner.inputs import Cluster, Workload
@@ -256,11 +258,22 @@ def stage_computes(c, count, shape: ModelShape, profile: dict, work: Workload, r
     return [compute_s(count, shape, profile, work, c.tp, b, i == len(blocks) - 1) for i, b in enumerate(blocks)]
 
 
-def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work: Workload, result: dict, *,
-              interleave: int = 1, stage_blocks: list[int] | None = None) -> dict:
+@dataclass(frozen=True)
+class Megatron:
+    """A published Megatron run's pipeline schedule, for checking those runs only (DeepSpeed runs neither):
+    interleave model chunks per stage (module doc), and the blocks of each stage (Megatron splits them evenly;
+    None: the planner's own partition, result["stages"])."""
+
+    interleave: int = 1
+    stage_blocks: tuple[int, ...] | None = None
+
+
+def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work: Workload, result: dict,
+              megatron: Megatron = Megatron()) -> dict:
     """Predicted seconds per optimizer step of layout `c` (a layouts.Candidate) with `result` its memory and
     comm evaluation (layouts.evaluate): the total, tokens/s per GPU, MFU and the breakdown."""
     m, world = result["micro_batches"], cluster.world
+    interleave, stage_blocks = megatron.interleave, megatron.stage_blocks
     work = _sequence_work(c, work)
     t_mb = _stage_compute(c, count, shape, profile, work, result, stage_blocks)
     if c.tiled:  # TiledMLP runs the MLP's forward again in backward (ALST s3.3)

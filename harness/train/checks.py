@@ -19,6 +19,7 @@ from pathlib import Path
 from harness import model_shapes
 from harness.config.adapter_rules import lora_on
 from harness.config.defaults import PATH_PREFIXES
+from harness.config.run_model import Zero
 from harness.errors import Problem, UsageError, raise_if_errors
 from harness.model.moe import rules as moe_rules
 
@@ -221,9 +222,9 @@ def _needs(spec, cfg: dict) -> dict[str, tuple[str, int]]:
     devices = {b: (zo.get(b) or {}).get("device", "none") for b in ("offload_optimizer", "offload_param")}
     if zo.get("stage") == 3 and "nvme" in devices.values():
         local_ranks = spec.launch.local_size
-        states = memory.model_state_bytes(total // (spec.tp * spec.pp), stage=3, dp=spec.dp, precision=precision,
-                                          offload_optimizer=devices["offload_optimizer"],
-                                          offload_param=devices["offload_param"])
+        zero = Zero(3, devices["offload_optimizer"], devices["offload_param"])
+        states = memory.model_state_bytes(memory.Holding(total // (spec.tp * spec.pp)), zero, dp=spec.dp,
+                                          precision=precision)
         per_rank = memory.by_device(states)["nvme"]
         out["nvme"] = (f"NVMe swap files ({per_rank:,} B per rank x {local_ranks} on this node)",
                        per_rank * local_ranks)

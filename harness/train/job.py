@@ -24,7 +24,7 @@ from harness.model.moe.wiring import prepare_model as prepare_moe
 from harness.trackers import start as start_trackers, summary_metrics
 from harness.train import checks, preempt, restarts
 from harness.train.metrics import MetricsLog
-from harness.train.trainer import Data, Trainer
+from harness.train.trainer import Boundaries, Data, Trainer
 
 
 def choose_run_dir(spec, dist) -> Path:
@@ -213,7 +213,8 @@ def run(spec, dist) -> int:
             checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer)
         hooks = profiling.make_hooks(spec, engine, dist, run_dir, log, trackers)
         with preempt.Preemption() as stop:  # until the end: a later signal (the launcher's) must not cut the exit
-            result = Trainer(engine, spec, dist, data, run_dir, log, hooks, preempt=stop, model_info=info).run(step0)
+            result = Trainer(engine, spec, dist, data, run_dir, log, Boundaries(tuple(hooks), stop),
+                             model_info=info).run(step0)
             result.update(startup_summary)
             for hook in hooks:
                 result.update(hook.close() or {})

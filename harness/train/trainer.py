@@ -128,13 +128,22 @@ def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
     return mean_across_ranks([loss])[0]
 
 
+@dataclass(frozen=True)
+class Boundaries:
+    """What the trainer tells and asks at the step boundaries: the hooks (profiling, trackers), told every step
+    and record, and the preemption (harness.train.preempt.Preemption; None: never stop early)."""
+
+    hooks: tuple = ()
+    preempt: object = None
+
+
 class Trainer:
-    def __init__(self, engine, spec, dist: DistInfo, data: Data, run_dir, log: MetricsLog, hooks=(), preempt=None, *,
-                 model_info):
+    def __init__(self, engine, spec, dist: DistInfo, data: Data, run_dir, log: MetricsLog,
+                 boundaries: Boundaries = Boundaries(), *, model_info):
         self.engine, self.spec, self.dist, self.data = engine, spec, dist, data
         self.model_info = model_info  # harness.model.load.meta.ModelInfo: dtypes and partition for the manifests
-        self.run_dir, self.log, self.hooks = run_dir, log, list(hooks)
-        self.preempt = preempt  # harness.train.preempt.Preemption: asked at every step boundary
+        self.run_dir, self.log, self.hooks = run_dir, log, list(boundaries.hooks)
+        self.preempt = boundaries.preempt  # asked at every step boundary
         self.plan = batch_plan(spec, dist, data.train.shape[0])
         self.train_cfg = spec.recipe["train"]
         self.tokens_per_step = self.plan.global_batch * data.train.shape[1]

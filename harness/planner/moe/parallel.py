@@ -29,6 +29,8 @@ experts it needs, so imbalance shifts work between experts on one rank, not betw
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from harness.config.defaults import PRECISION_BYTES
 from harness.config.moe_families import AUTOEP_FAMILIES
 from harness.planner import comm, memory
@@ -75,13 +77,13 @@ def rank_params(count, ep: int) -> int:
     return dense + experts
 
 
-def model_state_bytes(count, *, ep: int, stage: int, dp: int, phase: str = "peak", **kw) -> dict:
+def model_state_bytes(count, held: memory.Holding, zero, *, ep: int, dp: int, **kw) -> dict:
     """memory.model_state_bytes for a rank of an ep-way expert-parallel layout: the non-expert parameters over
-    the dp ranks, this rank's experts over the dp / ep ranks of its expert-data-parallel group; the buffers
-    (buckets, staging, gathered parameters) of the non-expert call only."""
+    the dp ranks, this rank's experts over the dp / ep ranks of its expert-data-parallel group (held's params
+    replaced by those two shares); the buffers (buckets, staging, gathered parameters) of the non-expert call only."""
     dense, experts = split(count, ep)
-    out = memory.model_state_bytes(dense, stage=stage, dp=dp, phase=phase, **kw)
-    theirs = memory.model_state_bytes(experts, stage=stage, dp=max(1, dp // ep), phase=phase, **kw)
+    out = memory.model_state_bytes(replace(held, params=dense), zero, dp=dp, **kw)
+    theirs = memory.model_state_bytes(replace(held, params=experts), zero, dp=max(1, dp // ep), **kw)
     for term in STATE_TERMS:
         for device, nbytes in theirs[term].items():
             out[term][device] += nbytes
