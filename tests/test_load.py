@@ -178,7 +178,7 @@ def _args(folder: str, recipe: str, precision: str, run, micro: int, accum: int)
 
 def _hf_first_loss(folder: str, global_batch: int, micro_batches: int) -> float:
     """The HF model's loss (fp32, from the folder) on the run's first global batch: one forward, no step."""
-    from baseline import plain_pytorch_losses
+    from helpers.baseline import plain_pytorch_losses
 
     return plain_pytorch_losses(model=folder, steps=1, seq_len=SEQ_LEN, global_batch=global_batch, lr=LR,
                                 betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, clip=1.0, seed=SEED,
@@ -203,7 +203,7 @@ def _check_startup(summary: dict, owned_per_rank: list[int], train_bytes: int) -
 def _check_fp32_from_bf16_folder(folder: str, run, stdout: str):
     """A run of 2 steps of 8 sequences trained fp32 on the bf16 folder: its dtypes announced and in the manifest,
     its first-step loss the HF model's on the same batch (fp32, 1e-5). Returns the saved step's folder."""
-    from launch import losses
+    from helpers.launch import losses
 
     assert "fp32 (float32 weights, checkpoint bfloat16)" in stdout
     first = losses(run)[1]
@@ -217,7 +217,7 @@ def _check_fp32_from_bf16_folder(folder: str, run, stdout: str):
 
 @pytest.mark.multirank
 def test_pipeline_trains_a_bf16_folder_in_fp32_from_its_own_weights(folder, tmp_path):
-    from launch import launch
+    from helpers.launch import launch
 
     run = tmp_path / "pipe"
     proc = launch(*_args(folder, "pipeline", "fp32", run, micro=4, accum=2), ranks=2)
@@ -234,7 +234,7 @@ def test_pipeline_trains_a_bf16_folder_in_fp32_from_its_own_weights(folder, tmp_
 
 @pytest.mark.multirank
 def test_tp_trains_a_bf16_folder_in_bf16_with_an_fp32_master(folder, tmp_path):
-    from launch import launch, losses
+    from helpers.launch import launch, losses
 
     run = tmp_path / "tp"
     launch(*_args(folder, "tp", "bf16", run, micro=4, accum=1), ranks=2)
@@ -262,7 +262,7 @@ def test_zero3_trains_a_bf16_folder_in_fp32_partitioned_at_load(folder, tmp_path
     """ZeRO-3 of a folder is partitioned at construction and filled module by module (load/zero3.py): the
     first-step loss is the HF model's, the saved partitions are fp32 and hold exactly the planner's share, and
     each rank's build terms are the planner's (its share + twice the largest module)."""
-    from launch import launch
+    from helpers.launch import launch
 
     run = tmp_path / "zero3"
     proc = launch(*_args(folder, "zero3", "fp32", run, micro=2, accum=2), ranks=2)

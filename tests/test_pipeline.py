@@ -14,10 +14,10 @@ import json
 import pytest
 import torch
 
-from baseline import plain_pytorch_losses
-from launch import launch, losses, records
-from test_training import (BETAS, CLIP, COMMON, EPS, EVAL_FRACTION, LR, SEED, SEQ_LEN, STEPS, WD, assert_close,
-                           assert_planner_matches_engine)
+from helpers.baseline import plain_pytorch_losses
+from helpers.launch import launch, losses, records
+from helpers.parity import (BETAS, CLIP, COMMON, EPS, EVAL_FRACTION, LR, SEED, SEQ_LEN, STEPS, WD, assert_close,
+                            assert_planner_matches_engine)
 
 pytestmark = pytest.mark.multirank
 

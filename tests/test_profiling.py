@@ -149,7 +149,7 @@ def planner_comm_bytes(stage: int) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    from launch import launch
+    from helpers.launch import launch
 
     out = {}
     for recipe in ("zero2", "zero3"):
@@ -266,7 +266,7 @@ def test_report_renders_both_runs(runs):
 @pytest.mark.multirank
 @pytest.mark.nvme
 def test_zero_infinity_swap_buffers_and_files_are_counted(tmp_path):
-    from launch import launch
+    from helpers.launch import launch
 
     run_dir, nvme = tmp_path / "run", tmp_path / "nvme"
     swap_elems, swap_count = 1_000_000, 3  # not DeepSpeed's 5 x 1e8 (1 GB pinned per rank)

@@ -14,8 +14,9 @@ import json
 import pytest
 import torch
 
-from baseline import plain_pytorch_losses
-from launch import launch, losses
+from helpers.baseline import plain_pytorch_losses
+from helpers.launch import launch, losses
+from helpers.models import qwen2_folder
 
 pytestmark = pytest.mark.multirank
 
@@ -29,22 +30,6 @@ COMMON = ["--recipe", "tp", "--set", "precision=fp32", "--set", f"train.steps={S
           "--set", f"gradient_clipping={CLIP}", "--set", f"batch.micro_batch_per_gpu={MICRO}",
           "--set", "batch.grad_accum_steps=1", "--set", "batch.train_batch_size=\"auto\"",
           "--set", f"train.eval_fraction={EVAL_FRACTION}"]
-
-
-def _qwen2_folder(path) -> str:
-    """A tiny Qwen2 (GQA, q/k/v biases, tied embeddings) with seeded random weights and the shipped tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from harness.model.hf import _shipped_eos_id, load_tokenizer
-
-    eos = _shipped_eos_id()
-    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, attention_dropout=0.0)
-    torch.manual_seed(SEED)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    load_tokenizer("tiny-llama").save_pretrained(path)
-    return str(path)
 
 
 def _full_params(model: str) -> int:
@@ -70,7 +55,7 @@ def runs(tmp_path_factory) -> dict:
     out = {}
     # The Qwen2 run uses ZeRO-3 (the recipe's ZeRO-1 otherwise): shards partitioned over the data-parallel
     # group, exported through zero_to_fp32 one tensor rank at a time.
-    for name, model, stage in (("tiny-llama", "tiny-llama", 1), ("qwen2", _qwen2_folder(base / "qwen2-model"), 3)):
+    for name, model, stage in (("tiny-llama", "tiny-llama", 1), ("qwen2", qwen2_folder(base / "qwen2-model"), 3)):
         run = base / name
         proc = launch(*COMMON, "--set", f"train.model={model}", "--set", f"zero.stage={stage}",
                       "--profile-steps", "3-4", "--output-dir", str(run))

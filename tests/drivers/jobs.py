@@ -1,10 +1,11 @@
-"""Run several harness jobs in ONE DeepSpeed process group: deepspeed --num_gpus N tests/jobs_driver.py CASES.json.
+"""Run several harness jobs in ONE DeepSpeed process group: deepspeed --num_gpus N tests/drivers/jobs.py CASES.json.
 
 CASES.json is a list of harness/run.py argument lists, run in order by every rank (a resume case after the run it
 resumes). Each launch costs ~20 s of start-up and process-group set-up on a loaded 2-core machine; the jobs
 themselves take seconds. Every case goes through the same session.prepare -> job.run as harness/run.py, only the
 process group is shared (job.main would tear it down after each job). A failing case raises: the launcher then
-ends every rank and the test reports the launch's output.
+ends every rank and the test reports the launch's output. Rank 0 marks the start of each case's output on stdout
+and stderr, so a test can read one case's share (tests/helpers/launch.py: job_output).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(TESTS))  # the repository (harness)
+sys.path.insert(0, TESTS)  # helpers
 
 from harness.dist import exit_now  # noqa: E402
+from helpers.launch import JOB_MARK  # noqa: E402
 
 
 def main(cases_path: str) -> int:
@@ -25,7 +29,10 @@ def main(cases_path: str) -> int:
     cases = json.loads(open(cases_path).read())
     dist = distmod.init(10)
     try:
-        for argv in cases:
+        for index, argv in enumerate(cases):
+            if dist.is_main:  # where each case's output starts: the other ranks wrote theirs before the barrier
+                for stream in (sys.stdout, sys.stderr):
+                    print(f"{JOB_MARK}{index}", file=stream, flush=True)
             code = job.run(session.prepare(run_args.parse(argv)), dist)
             if code != 0:
                 raise SystemExit(f"case {argv} exited {code}")
