@@ -1,10 +1,11 @@
-"""MoE jobs in ONE 2-rank process group: deepspeed --num_gpus 2 tests/drivers/moe_training.py CASES.json RESULT.json.
+"""MoE jobs in ONE 2-rank process group:
+deepspeed --num_gpus 2 tests/drivers/moe_training.py CASES.json RESULT.json.
 
 CASES.json: {"jobs": [harness/run.py argument lists, run as tests/drivers/jobs.py runs them], "disjoint": argv or
 null}. The disjoint case builds the engine the harness builds for argv (ZeRO-3 with the leaf table, the router's
-loss on) and trains it on batches chosen per rank (tests/helpers/moe_models.disjoint_batches: rank 0 only token ids that its
-router sends to experts {0, 1}, rank 1 ids sent to {2, 3}), counting the experts each rank's router picked; rank 0
-writes the mean losses, grad norms and each rank's experts per layer to RESULT.json.
+loss on) and trains it on batches chosen per rank (tests/helpers/moe_models.disjoint_batches: rank 0 only token
+ids that its router sends to experts {0, 1}, rank 1 ids sent to {2, 3}), counting the experts each rank's router
+picked; rank 0 writes the mean losses, grad norms and each rank's experts per layer to RESULT.json.
 """
 
 from __future__ import annotations
