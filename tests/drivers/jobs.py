@@ -22,6 +22,17 @@ from harness.dist import exit_now  # noqa: E402
 from helpers.launch import JOB_MARK  # noqa: E402
 
 
+def forget_engine_groups() -> None:
+    """DeepSpeed keeps the last engine's model-parallel unit (and device mesh) in module globals and overwrites them
+    only when the next engine brings its own: a data-parallel case after a tensor- or pipeline-parallel one would
+    read the old groups (measured: ZeRO-3 after tp fails in get_model_parallel_rank). A fresh process starts with
+    none; so does each case here."""
+    from deepspeed.utils import groups
+
+    groups.mpu = None
+    groups.mesh_device = None
+
+
 def main(cases_path: str) -> int:
     from harness.train import job, run_args, session
     from harness import dist as distmod
@@ -36,6 +47,7 @@ def main(cases_path: str) -> int:
             code = job.run(session.prepare(run_args.parse(argv)), dist)
             if code != 0:
                 raise SystemExit(f"case {argv} exited {code}")
+            forget_engine_groups()
             distmod.barrier()
     finally:
         distmod.teardown()
