@@ -1,6 +1,6 @@
 """LoRA on every strategy, on real DeepSpeed ranks: fp32 loss parity with ONE process training the same
-peft-wrapped model with torch AdamW on the same global batch of 8 sequences (tests/helpers/baseline.py), exact resume,
-planner bytes vs the live engine, and both exports checked against the engine's logits.
+peft-wrapped model with torch AdamW on the same global batch of 8 sequences (tests/helpers/baseline.py), exact
+resume, planner bytes vs the live engine, and both exports checked against the engine's logits.
 
 Two launches: one 2-rank process group runs nine jobs in a row (tests/drivers/jobs.py): zero2, zero2 with LoRA+,
 zero2 with DoRA and lm_head in modules_to_save, zero3 (+ its resume from step 3), zero3 with the optimizer on
@@ -11,13 +11,11 @@ checkpoint (another world size).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from helpers.baseline import plain_pytorch_losses
-from helpers.launch import launch, losses
+from helpers.launch import launch, launch_jobs, losses
 from helpers.models import qwen2_folder
 from helpers.parity import COMMON, assert_close, assert_planner_matches_engine
 
@@ -65,9 +63,7 @@ def _cases(root, qwen: str) -> list[list[str]]:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     qwen = qwen2_folder(root / "qwen2")
-    cases = root / "cases.json"
-    cases.write_text(json.dumps(_cases(root, qwen)))
-    launch(str(cases), script="tests/drivers/jobs.py", timeout_s=900)
+    launch_jobs(_cases(root, qwen), root)
     return root, qwen
 
 

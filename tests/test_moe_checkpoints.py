@@ -21,7 +21,7 @@ import torch
 
 from helpers.baseline import plain_pytorch_losses
 from helpers.export_checks import assert_export_equals_engine
-from helpers.launch import ROOT, env, launch, losses
+from helpers.launch import ROOT, env, launch_jobs, losses
 from helpers.parity import COMMON, assert_close
 
 pytestmark = pytest.mark.multirank
@@ -62,9 +62,7 @@ def launched(tmp_path_factory):
     """The launch's output; the cases run in order and a failing one ends the launch, so each test checks that
     its own runs finished (and shows the launch's output if not)."""
     root = tmp_path_factory.mktemp("moe_ckpt")
-    cases = root / "cases.json"
-    cases.write_text(json.dumps(_cases(root)))
-    proc = launch(str(cases), script="tests/drivers/jobs.py", timeout_s=900, check=False)
+    proc = launch_jobs(_cases(root), root, check=False)
     return root, proc
 
 

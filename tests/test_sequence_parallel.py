@@ -15,7 +15,7 @@ import pytest
 
 from harness.errors import ConfigError
 from harness.train import run_args, session
-from helpers.launch import ROOT, env, launch, losses, records
+from helpers.launch import ROOT, env, launch, launch_jobs, losses, records
 
 STAGES = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
 
@@ -134,8 +134,7 @@ def test_harness_runs_lora_at_sp2_like_sp1_and_resumes_exactly(tmp_path):
              [*common, *sp2_args, "--output-dir", str(sp2)],
              [*common, *sp2_args, "--output-dir", str(tmp_path / "resumed"),
               "--resume", str(sp2 / "checkpoints" / "global_step2")]]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    launch(str(tmp_path / "cases.json"), script="tests/drivers/jobs.py", timeout_s=600)
+    launch_jobs(cases, tmp_path, timeout_s=600)
     first, resumed = losses(sp2), losses(tmp_path / "resumed")
     assert sorted(resumed) == [3, 4]
     for step, loss in losses(sp1).items():
