@@ -1,12 +1,12 @@
 """ZeRO-3 and pipeline across a real wire, open and slowed: predicted vs measured step time, and the planner's pick.
 
-Two hosts (tests/twohosts.py: two network namespaces joined by a veth pair, one rank each, root only) train a
+Two hosts (tests/helpers/twohosts.py: two network namespaces joined by a veth pair, one rank each, root only) train a
 Llama-shaped model of ~3.5M parameters, whose ZeRO-3 traffic (weights gathered twice per step, gradients
 reduce-scattered: ~20 MB each way per step) is large beside its pipeline traffic (activations at one stage
 boundary: ~2 MB), with the same global batch of 8 x 128 tokens:
 
 1. `harness calibrate` on this machine at the model's shapes (2 ranks: compute, memory, the ZeRO step), once;
-2. per wire, open and capped with a tbf at --rate (no netem in this kernel; see tests/twohosts.py):
+2. per wire, open and capped with a tbf at --rate (no netem in this kernel; see tests/helpers/twohosts.py):
    `harness calibrate --link` across the hosts (the wire's curves), then zero3 and pipeline for --steps each,
    the run's prediction made on that profile ($HARNESS_HARDWARE) beside each rank's measured median step;
 3. `harness plan` on each wire's profile: the layout it recommends for this model on 2 nodes x 1 rank.
@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import twohosts  # noqa: E402
-from launch import env  # noqa: E402
-from bench_shapes import LLAMA_3M  # noqa: E402
+from helpers import twohosts  # noqa: E402
+from helpers.launch import env  # noqa: E402
+from helpers.bench_shapes import LLAMA_3M  # noqa: E402
 from time_model import make_model  # noqa: E402
 
 MODEL = LLAMA_3M

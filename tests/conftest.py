@@ -14,10 +14,10 @@ import pytest
 
 @pytest.fixture(scope="session")
 def zero2_uninterrupted(tmp_path_factory):
-    """The run folder of 2 ranks, zero2 fp32, test_reliability.TOTAL steps uninterrupted (deepspeed directly):
+    """The run folder of 2 ranks, zero2 fp32, helpers/reliability.TOTAL steps uninterrupted (deepspeed directly):
     the reference of the preemption and resume tests (its losses) and of the restart tests (its last checkpoint)."""
-    from launch import launch
-    from test_reliability import COMMON, TOTAL, steps
+    from helpers.launch import launch
+    from helpers.reliability import COMMON, TOTAL, steps
 
     run = tmp_path_factory.mktemp("z2") / "straight"
     launch("--recipe", "zero2", "--output-dir", str(run), *COMMON, *steps(TOTAL))
@@ -42,7 +42,7 @@ def skip_docker(items):
     docker = [item for item in items if item.get_closest_marker("docker")]
     if not docker or os.environ.get("DSHARNESS_REQUIRE_DOCKER") == "1":
         return
-    from test_docker_image import docker_problem
+    from helpers.docker_daemon import docker_problem
 
     problem = docker_problem()
     if problem is not None:

@@ -28,7 +28,7 @@ def test_lora_on_any_recipe(name):
 
 
 def test_lora_plus_gives_deepspeed_one_max_lr_per_group():
-    from test_builder import deepspeed_accepts
+    from helpers.deepspeed_verdict import deepspeed_accepts
 
     ds = checked("lora_zero2", ["adapter.lr_B_ratio=16", "optimizer.lr=0.0002"])
     assert ds["scheduler"]["params"]["warmup_max_lr"] == [0.0002, 0.0002 * 16]

@@ -1,6 +1,5 @@
 """Recipe -> DeepSpeed dict: every shipped recipe builds, its ds_configs/ file is exactly the builder's output,
 and the resolved config is accepted by the schema and by DeepSpeed's own DeepSpeedConfig (offline, world 1)."""
-import copy
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from harness.commands.common import context
 from harness.config.recipes import complete, load_recipe, recipe_names
 from harness.config.schema import DS_SCHEMA, validate
 from harness.config.validate import check_recipe, strip_annotations
+from helpers.deepspeed_verdict import deepspeed_accepts
 
 REPO = Path(__file__).resolve().parents[1]
 # World sizes each recipe is valid for (3d = pipeline 2 x tensor 2 needs a multiple of 4).
@@ -21,15 +21,6 @@ CASES = [(name, world) for name in sorted(WORLDS) for world in WORLDS[name]]
 def resolved(name: str, world: int, overrides=()) -> dict:
     recipe, source = load_recipe(name, overrides)
     return strip_annotations(check_recipe(recipe, context(recipe, world), source).ds_config)
-
-
-def deepspeed_accepts(cfg: dict):
-    """DeepSpeedConfig built offline sees world size 1, so give it the per-rank triple for one rank."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    one_rank = copy.deepcopy(cfg)
-    one_rank["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"]
-    return DeepSpeedConfig(one_rank)  # it mutates nested dicts: one_rank is already a deep copy
 
 
 def test_fifteen_recipes_ship():

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from launch import ROOT, env, launch
-from test_planner import run_plan
+from helpers.launch import ROOT, env, launch
+from helpers.plan import run_plan
 
 from harness.planner import hardware
 from harness.report import write_report

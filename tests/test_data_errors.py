@@ -18,7 +18,7 @@ from harness.errors import UsageError
 from harness.data.corpus import DataSpec
 from harness.data.files import HEAD_RECORDS, check_local
 
-from launch import ROOT, env
+from helpers.launch import ROOT, env
 
 
 def write(path, text: str):

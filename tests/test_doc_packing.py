@@ -11,7 +11,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from corpora import write_instruction  # noqa: E402
+from helpers.corpora import write_instruction  # noqa: E402
 from harness.data.corpus import DataSpec  # noqa: E402
 from harness.data.rows import IGNORE_INDEX, Rows, model_inputs  # noqa: E402
 from harness.data.store import prepare  # noqa: E402
@@ -31,9 +31,9 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from test_tp_training import _qwen2_folder
+    from helpers.models import qwen2_folder
 
-    return {"llama": "tiny-llama", "qwen2": _qwen2_folder(tmp_path_factory.mktemp("qwen2"))}
+    return {"llama": "tiny-llama", "qwen2": qwen2_folder(tmp_path_factory.mktemp("qwen2"))}
 
 
 def _documents(store) -> list[tuple[int, int]]:

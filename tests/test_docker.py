@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from launch import ROOT
+from helpers.launch import ROOT
 
 DOCKER = ROOT / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"

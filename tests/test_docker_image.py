@@ -15,7 +15,6 @@ sets DSHARNESS_REQUIRE_DOCKER=1, which turns that skip into a failure.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -23,8 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT, losses, records
-from test_reliability import COMMON, assert_continues, latest_is_complete, steps, train_steps_logged, wait_for
+from helpers.docker_daemon import docker_problem
+from helpers.launch import ROOT, losses, records
+from helpers.reliability import (COMMON, assert_continues, latest_is_complete, steps, train_steps_logged,
+                                 wait_for)
 
 pytestmark = [pytest.mark.docker, pytest.mark.multirank]
 
@@ -34,24 +35,6 @@ STOP_GRACE_S = 60
 RTOL = 1e-6  # fp32 losses after the first resumed step
 ENV = ["-e", "OMP_NUM_THREADS=1", "-e", "TOKENIZERS_PARALLELISM=false", "-e", "HF_HUB_OFFLINE=1",
        "-e", "HF_DATASETS_OFFLINE=1"]
-
-
-def docker_problem() -> str | None:
-    """Why the image cannot be built and run here, or None. tests/conftest.py skips the tests with it."""
-    if shutil.which("docker") is None:
-        return "no docker command (apt-get install docker.io; .ci/run installs it)"
-    try:
-        info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
-                              timeout=30)
-    except subprocess.TimeoutExpired:
-        return "`docker info` did not answer in 30 s"
-    if info.returncode != 0:
-        first = (info.stderr.strip().splitlines() or ["?"])[0]
-        return f"no Docker daemon answers ({first}); start dockerd (.ci/run does, logging to .cache/dockerd.log)"
-    base = subprocess.run(["docker", "image", "inspect", "dsharness-base:bookworm"], capture_output=True)
-    if base.returncode != 0 and (shutil.which("debootstrap") is None or os.geteuid() != 0):
-        return "the base image dsharness-base:bookworm is missing and building it needs root and debootstrap"
-    return None
 
 
 def docker(*args: str, timeout_s: float = 120, check: bool = True) -> subprocess.CompletedProcess:

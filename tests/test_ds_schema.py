@@ -19,7 +19,7 @@ from deepspeed.runtime.zenflow.zenflow_config import ZenFlowConfig
 from deepspeed.runtime.zero import config as zc, leaf_module_config as leaf, offload_config as off
 from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
 
-import deepspeed_verdict as truth
+from helpers import deepspeed_verdict as truth
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "harness/schemas/ds_config.schema.json").read_text())
 VALIDATOR = Draft202012Validator(SCHEMA)

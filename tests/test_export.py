@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from export_checks import assert_export_equals_engine, read_sharded
+from helpers.export_checks import assert_export_equals_engine, read_sharded
 from harness.model import hf as models
-from launch import ROOT, env, launch
+from helpers.launch import ROOT, env, launch
 
 SHARD = "1MB"
 
@@ -75,9 +75,9 @@ def zero3_run(tmp_path_factory) -> Path:
 
 @pytest.mark.multirank
 def test_export_memory_is_one_shard_not_the_model(zero3_run, tmp_path):
-    """High-water marks of a fresh export process (tests/export_memory.py): private memory (RssAnon, sampled)
+    """High-water marks of a fresh export process (tests/drivers/export_memory.py): private memory (RssAnon, sampled)
     while writing and while verifying, and VmHWM (private + mapped checkpoint pages) while writing."""
-    proc = subprocess.run([sys.executable, "tests/export_memory.py", str(zero3_run), str(tmp_path / "hf"), SHARD],
+    proc = subprocess.run([sys.executable, "tests/drivers/export_memory.py", str(zero3_run), str(tmp_path / "hf"), SHARD],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(proc.stdout.splitlines()[-1])

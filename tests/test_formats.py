@@ -10,7 +10,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from corpora import chat_tokenizer, write_chat, write_instruction  # noqa: E402
+from helpers.corpora import chat_tokenizer, write_chat, write_instruction  # noqa: E402
 from harness.errors import UsageError  # noqa: E402
 from harness.data.corpus import DataSpec  # noqa: E402
 from harness.model.hf import build_model, load_tokenizer  # noqa: E402

@@ -30,8 +30,8 @@ import pytest
 from harness.commands.launch import ranks_code
 from harness.dist import Launch, free_port
 from harness.train.preempt import EXIT_DIR_ENV, report_exit
-from launch import ROOT, env, records
-from test_reliability import latest_is_complete, train_steps_logged, tree, wait_for
+from helpers.launch import ROOT, env, records
+from helpers.reliability import latest_is_complete, train_steps_logged, tree, wait_for
 
 HARNESS = Path(sys.executable).parent / "harness"
 GRACE_S = 40

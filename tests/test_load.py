@@ -7,7 +7,7 @@ build bytes. On 2 real ranks each: the bf16 folder trains fp32 on a 2-stage pipe
 HF model's loss on the same batch; saved layer states fp32; manifest dtypes; each rank's reported build memory and
 the planner's count of the tensors it owns, exactly), fp32 on ZeRO-3 (partitioned at construction and filled module
 by module: the same loss check, fp32 partitions of exactly the planner's share) and bf16 on tp (16-bit weights +
-DeepSpeed's fp32 master).
+DeepSpeed's fp32 master). The three runs share one launch.
 """
 
 from __future__ import annotations
@@ -179,9 +179,25 @@ def _args(folder: str, recipe: str, precision: str, run, micro: int, accum: int)
             "--set", "batch.train_batch_size=\"auto\"", "--set", "train.eval_fraction=0.02"]
 
 
+RUNS = {"pipe": ("pipeline", "fp32", 4, 2), "tp": ("tp", "bf16", 4, 1), "zero3": ("zero3", "fp32", 2, 2)}
+
+
+@pytest.fixture(scope="module")
+def launched(folder, tmp_path_factory):
+    """The three 2-rank runs of the bf16 folder (RUNS: recipe, precision, micro, accum) in ONE launch
+    (tests/drivers/jobs.py); each run's folder by name under the root, and each run's stdout."""
+    from helpers.launch import job_output, launch_jobs
+
+    root = tmp_path_factory.mktemp("runs")
+    cases = [_args(folder, recipe, precision, root / name, micro=micro, accum=accum)
+             for name, (recipe, precision, micro, accum) in RUNS.items()]
+    proc = launch_jobs(cases, root)
+    return root, {name: job_output(proc.stdout, i) for i, name in enumerate(RUNS)}
+
+
 def _hf_first_loss(folder: str, global_batch: int, micro_batches: int) -> float:
     """The HF model's loss (fp32, from the folder) on the run's first global batch: one forward, no step."""
-    from baseline import plain_pytorch_losses
+    from helpers.baseline import plain_pytorch_losses
 
     return plain_pytorch_losses(model=folder, steps=1, seq_len=SEQ_LEN, global_batch=global_batch, lr=LR,
                                 betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, clip=1.0, seed=SEED,
@@ -206,7 +222,7 @@ def _check_startup(summary: dict, owned_per_rank: list[int], train_bytes: int) -
 def _check_fp32_from_bf16_folder(folder: str, run, stdout: str):
     """A run of 2 steps of 8 sequences trained fp32 on the bf16 folder: its dtypes announced and in the manifest,
     its first-step loss the HF model's on the same batch (fp32, 1e-5). Returns the saved step's folder."""
-    from launch import losses
+    from helpers.launch import losses
 
     assert "fp32 (float32 weights, checkpoint bfloat16)" in stdout
     first = losses(run)[1]
@@ -219,12 +235,9 @@ def _check_fp32_from_bf16_folder(folder: str, run, stdout: str):
 
 
 @pytest.mark.multirank
-def test_pipeline_trains_a_bf16_folder_in_fp32_from_its_own_weights(folder, tmp_path):
-    from launch import launch
-
-    run = tmp_path / "pipe"
-    proc = launch(*_args(folder, "pipeline", "fp32", run, micro=4, accum=2), ranks=2)
-    step = _check_fp32_from_bf16_folder(folder, run, proc.stdout)
+def test_pipeline_trains_a_bf16_folder_in_fp32_from_its_own_weights(folder, launched):
+    run, stdout = launched[0] / "pipe", launched[1]["pipe"]
+    step = _check_fp32_from_bf16_folder(folder, run, stdout)
     manifest = json.loads((step / "manifest.json").read_text())
     owned = [0, 0]
     for layer in manifest["partition"]["layers"]:
@@ -232,15 +245,14 @@ def test_pipeline_trains_a_bf16_folder_in_fp32_from_its_own_weights(folder, tmp_
         assert {t.dtype for t in states.values()} == {torch.float32}, layer
         owned[layer["stage"]] += sum(t.numel() for t in states.values())
     _check_startup(json.loads((run / "summary.json").read_text()), owned, 4)
-    assert "[memory]  rank 1: build" in proc.stdout
+    assert "[memory]  rank 1: build" in stdout
 
 
 @pytest.mark.multirank
-def test_tp_trains_a_bf16_folder_in_bf16_with_an_fp32_master(folder, tmp_path):
-    from launch import launch, losses
+def test_tp_trains_a_bf16_folder_in_bf16_with_an_fp32_master(folder, launched):
+    from helpers.launch import losses
 
-    run = tmp_path / "tp"
-    launch(*_args(folder, "tp", "bf16", run, micro=4, accum=1), ranks=2)
+    run = launched[0] / "tp"
     first = losses(run)[1]
     want = _hf_first_loss(folder, global_batch=4, micro_batches=1)
     assert abs(first - want) <= 2e-2 * want, (first, want)  # bf16 weights and activations vs fp32
@@ -261,15 +273,12 @@ def test_tp_trains_a_bf16_folder_in_bf16_with_an_fp32_master(folder, tmp_path):
 
 
 @pytest.mark.multirank
-def test_zero3_trains_a_bf16_folder_in_fp32_partitioned_at_load(folder, tmp_path):
+def test_zero3_trains_a_bf16_folder_in_fp32_partitioned_at_load(folder, launched):
     """ZeRO-3 of a folder is partitioned at construction and filled module by module (load/zero3.py): the
     first-step loss is the HF model's, the saved partitions are fp32 and hold exactly the planner's share, and
     each rank's build terms are the planner's (its share + twice the largest module)."""
-    from launch import launch
-
-    run = tmp_path / "zero3"
-    proc = launch(*_args(folder, "zero3", "fp32", run, micro=2, accum=2), ranks=2)
-    step = _check_fp32_from_bf16_folder(folder, run, proc.stdout)
+    run, stdout = launched[0] / "zero3", launched[1]["zero3"]
+    step = _check_fp32_from_bf16_folder(folder, run, stdout)
     owned = []
     for rank in (0, 1):
         optim = torch.load(step / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=False)

@@ -1,8 +1,8 @@
 """LoRA on every strategy, on real DeepSpeed ranks: fp32 loss parity with ONE process training the same
-peft-wrapped model with torch AdamW on the same global batch of 8 sequences (tests/baseline.py), exact resume,
-planner bytes vs the live engine, and both exports checked against the engine's logits.
+peft-wrapped model with torch AdamW on the same global batch of 8 sequences (tests/helpers/baseline.py), exact
+resume, planner bytes vs the live engine, and both exports checked against the engine's logits.
 
-Two launches: one 2-rank process group runs nine jobs in a row (tests/jobs_driver.py): zero2, zero2 with LoRA+,
+Two launches: one 2-rank process group runs nine jobs in a row (tests/drivers/jobs.py): zero2, zero2 with LoRA+,
 zero2 with DoRA and lm_head in modules_to_save, zero3 (+ its resume from step 3), zero3 with the optimizer on
 CPU and activation checkpointing (frozen inputs, non-reentrant), pipeline 2 (+ resume), tp 2 on a Qwen2-shaped
 folder; and one 8-rank 3D job (pipeline 2 x tensor 2 x data 2). One single-process resume of the 2-rank ZeRO-3
@@ -11,15 +11,13 @@ checkpoint (another world size).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from baseline import plain_pytorch_losses
-from launch import launch, losses
-from test_tp_training import _qwen2_folder
-from test_training import COMMON, assert_close, assert_planner_matches_engine
+from helpers.baseline import plain_pytorch_losses
+from helpers.launch import launch, launch_jobs, losses
+from helpers.models import qwen2_folder
+from helpers.parity import COMMON, assert_close, assert_planner_matches_engine
 
 pytestmark = pytest.mark.multirank
 
@@ -64,10 +62,8 @@ def _cases(root, qwen: str) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
-    qwen = _qwen2_folder(root / "qwen2")
-    cases = root / "cases.json"
-    cases.write_text(json.dumps(_cases(root, qwen)))
-    launch(str(cases), script="tests/jobs_driver.py", timeout_s=900)
+    qwen = qwen2_folder(root / "qwen2")
+    launch_jobs(_cases(root, qwen), root)
     return root, qwen
 
 
@@ -190,7 +186,7 @@ def test_resume_on_another_world_size(runs, tmp_path):
     import subprocess
     import sys
 
-    from launch import ROOT, env
+    from helpers.launch import ROOT, env
 
     run = tmp_path / "world1"
     cmd = [sys.executable, str(ROOT / "harness" / "run.py"), "--recipe", "lora_zero3", "--output-dir", str(run),

@@ -1,6 +1,6 @@
 """MoE checkpoints, export and LoRA on experts, on real DeepSpeed ranks (tiny-qwen3-moe: 4 fused experts, top 2, fp32).
 
-One 2-rank launch runs every job in one process group (tests/jobs_driver.py): ZeRO-2 and ZeRO-3 (the family's leaf
+One 2-rank launch runs every job in one process group (tests/drivers/jobs.py): ZeRO-2 and ZeRO-3 (the family's leaf
 table) full fine-tuning with a resume from step 3 each, AutoEP (parallel.expert=2, ZeRO-2 and ZeRO-3), LoRA on attention + the fused experts (peft
 target_parameters) on ZeRO-2 with the router frozen, and on ZeRO-3 with adapter.train_router. Asserted: exact
 resume, exported folders (transformers' fused layout, AutoEP included) equal to the engine's weights and loading
@@ -19,10 +19,10 @@ import sys
 import pytest
 import torch
 
-from baseline import plain_pytorch_losses
-from export_checks import assert_export_equals_engine, read_sharded
-from launch import ROOT, env, launch, losses
-from test_training import COMMON, assert_close
+from helpers.baseline import plain_pytorch_losses
+from helpers.export_checks import assert_export_equals_engine, read_sharded
+from helpers.launch import ROOT, env, launch_jobs, losses
+from helpers.parity import COMMON, assert_close
 
 pytestmark = pytest.mark.multirank
 
@@ -62,9 +62,7 @@ def launched(tmp_path_factory):
     """The launch's output; the cases run in order and a failing one ends the launch, so each test checks that
     its own runs finished (and shows the launch's output if not)."""
     root = tmp_path_factory.mktemp("moe_ckpt")
-    cases = root / "cases.json"
-    cases.write_text(json.dumps(_cases(root)))
-    proc = launch(str(cases), script="tests/jobs_driver.py", timeout_s=900, check=False)
+    proc = launch_jobs(_cases(root), root, check=False)
     return root, proc
 
 
@@ -196,7 +194,7 @@ def test_expert_lora_matches_one_peft_process(launched, name, router, tmp_path):
 
 
 def _train(run_dir) -> dict[int, tuple[float, float]]:
-    from launch import records
+    from helpers.launch import records
 
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in records(run_dir, "train")}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_models import configs, folder
+from helpers.moe_models import configs, folder
 
 FAMILIES = sorted(configs())
 

@@ -1,6 +1,6 @@
 """The planner's bytes per rank equal the live engine's for a MoE model (issue #26): a tiny Qwen3-MoE (fp32) on 2 CPU
 ranks under ZeRO-2 with DeepSpeed AutoEP at ep 2 and ZeRO-3 with the sparse block as leaf module, all in
-one process group (tests/moe_bytes_driver.py), and the all-to-all bytes DeepSpeed's comms logger counted against
+one process group (tests/drivers/moe_plan_bytes.py), and the all-to-all bytes DeepSpeed's comms logger counted against
 the planner's. The planner side is computed from the config dict alone."""
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ import json
 
 import pytest
 
-from launch import launch
+from helpers.launch import launch
 
 pytestmark = pytest.mark.multirank
 
 TERMS = ("params", "grads", "fp32_master", "optimizer_moments")
-RTOL = 0.02  # as the dense tests (tests/test_training.py STATE_RTOL); measured: equal to the byte
+RTOL = 0.02  # as the dense tests (tests/helpers/parity.py STATE_RTOL); measured: equal to the byte
 
 
 def test_planner_bytes_per_rank_equal_the_live_engines(tmp_path):
     out = tmp_path / "bytes.json"
-    launch(str(out), script="tests/moe_bytes_driver.py", timeout_s=240)
+    launch(str(out), script="tests/drivers/moe_plan_bytes.py", timeout_s=240)
     for rank in (0, 1):
         results = json.loads((tmp_path / f"bytes.json.rank{rank}").read_text())
         assert sorted(results) == ["zero2 ep2", "zero3 leaves"]
@@ -42,4 +42,4 @@ def test_planner_bytes_per_rank_equal_the_live_engines(tmp_path):
     planned = sent[0]["all_to_all_planned"]
     assert planned == 4 * 2 * 16 * 2 * 2 * 64 * 4  # 4 calls x 2 sparse blocks x (16 x 2 tokens) x top 2 x 64 x fp32
     assert sent[0]["all_to_all"] + sent[1]["all_to_all"] == 2 * planned, [s["all_to_all"] for s in sent]
-    print("all_to_all_single bytes per rank (comms logger):", [s["all_to_all"] for s in sent], "planner", planned)  # the whole fp32 model (tests/moe_bytes_driver.CFG)
+    print("all_to_all_single bytes per rank (comms logger):", [s["all_to_all"] for s in sent], "planner", planned)  # the whole fp32 model (tests/drivers/moe_plan_bytes.CFG)

@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 from harness.run import main
-from moe_models import folder
+from helpers.moe_models import folder
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_leaf_table_names_each_familys_moe_block(family, leaf, preset):
 
     from harness.config import moe_families
     from harness.model.moe.wiring import engine_blocks
-    from moe_models import configs
+    from helpers.moe_models import configs
 
     config = configs()[family]
     with torch.device("meta"):

@@ -1,9 +1,9 @@
 """Mixture-of-Experts training on real DeepSpeed ranks (2 CPU ranks, fp32): every layout against ONE process
-training the same model on the same global batch (tests/moe_models.reference), the balancing loss logged apart,
+training the same model on the same global batch (tests/helpers/moe_models.reference), the balancing loss logged apart,
 ZeRO-3 with the harness's leaf table when the ranks route to disjoint experts, and the all-to-all bytes of expert
 parallelism (DeepSpeed AutoEP) against the planner's count.
 
-One launch (tests/moe_driver.py): a Qwen3-MoE folder on ddp, ZeRO-2, ZeRO-3 and EP 2 on ZeRO-1 and ZeRO-2; a Mixtral
+One launch (tests/drivers/moe_training.py): a Qwen3-MoE folder on ddp, ZeRO-2, ZeRO-3 and EP 2 on ZeRO-1 and ZeRO-2; a Mixtral
 folder on EP 2; OLMoE on EP 2 (no aux loss), Qwen2-MoE on ZeRO-3 with the optimizer on CPU, DeepSeek-V3 (no aux loss)
 on EP 2, gpt-oss on ZeRO-3; then the disjoint-experts ZeRO-3 case.
 """
@@ -15,10 +15,10 @@ import json
 import pytest
 import torch
 
-from baseline import train_rows
+from helpers.baseline import train_rows
 from harness.data.batches import BatchPlan
-from launch import launch, records
-from moe_models import biased_folder, disjoint_batches, folder, reference
+from helpers.launch import launch, records
+from helpers.moe_models import biased_folder, disjoint_batches, folder, reference
 
 pytestmark = pytest.mark.multirank
 
@@ -63,7 +63,7 @@ def runs(tmp_path_factory):
     cases = root / "cases.json"
     cases.write_text(json.dumps({"jobs": jobs, "disjoint": disjoint,
                                  "disjoint_shape": {"steps": STEPS, "micro": MICRO, "seq_len": SEQ_LEN}}))
-    proc = launch(str(cases), str(root / "result.json"), script="tests/moe_driver.py", timeout_s=600)
+    proc = launch(str(cases), str(root / "result.json"), script="tests/drivers/moe_training.py", timeout_s=600)
     (root / "launch.log").write_text(proc.stdout)
     return root, folders, json.loads((root / "result.json").read_text())
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from launch import DEEPSPEED, ROOT, env, free_port, records
+from helpers.launch import DEEPSPEED, ROOT, env, free_port, records
 
 pytestmark = pytest.mark.multirank
 

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from launch import launch
+from helpers.launch import launch
 
 pytestmark = pytest.mark.multirank
 

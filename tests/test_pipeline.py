@@ -2,9 +2,10 @@
 global batch, exact resume, export to an HF folder whose logits equal the engine's.
 
 Every layout trains the same 8 rows per step (micro x accum x data-parallel replicas), so one reference per
-model serves all of them. Each launch checks several things: a 6-step run saves at step 3 and 6, evaluates,
+model serves all of them. Each run checks several things: a 6-step run saves at step 3 and 6, evaluates,
 profiles a window (hooks must cope with the pipe engine) and gives the parity trajectory; resuming from step 3
-must reproduce steps 4-6 exactly; the step-6 checkpoint exports.
+must reproduce steps 4-6 exactly; the step-6 checkpoint exports. Runs of the same world size share ONE launch
+(tests/drivers/jobs.py: start-up and process group paid once): three launches in all, on 2, 4 and 8 ranks.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import json
 import pytest
 import torch
 
-from baseline import plain_pytorch_losses
-from launch import launch, losses, records
-from test_training import (BETAS, CLIP, COMMON, EPS, EVAL_FRACTION, LR, SEED, SEQ_LEN, STEPS, WD, assert_close,
-                           assert_planner_matches_engine)
+from helpers.baseline import plain_pytorch_losses
+from helpers.launch import launch, launch_jobs, losses, records
+from helpers.parity import (BETAS, CLIP, COMMON, EPS, EVAL_FRACTION, LR, SEED, SEQ_LEN, STEPS, WD, assert_close,
+                            assert_planner_matches_engine)
 
 pytestmark = pytest.mark.multirank
 
@@ -94,9 +95,37 @@ def check_export(run, out, micro: int | None = None) -> float:
     return info["max_logit_diff"]
 
 
-def check_resume(recipe: str, straight, resumed, *extra: str, ranks: int) -> None:
-    launch("--recipe", recipe, "--output-dir", str(resumed), "--resume",
-           str(straight / "checkpoints" / "global_step3"), *COMMON, *PIPE, *extra, ranks=ranks)
+def run_args(recipe: str, run, *extra: str) -> list[str]:
+    return ["--recipe", recipe, "--output-dir", str(run), *COMMON, *PIPE, *extra]
+
+
+def resume_args(recipe: str, straight, resumed, *extra: str) -> list[str]:
+    return run_args(recipe, resumed, "--resume", str(straight / "checkpoints" / "global_step3"), *extra)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """tiny-llama on 2 stages (+ its resume from step 3) and tiny-gpt2 with activation checkpointing: one launch."""
+    root = tmp_path_factory.mktemp("pipe2")
+    launch_jobs([run_args("pipeline", root / "llama", *batch(4, 2)),
+                 resume_args("pipeline", root / "llama", root / "llama_resumed", *batch(4, 2)),
+                 run_args("pipeline", root / "gpt2", "--model", "tiny-gpt2", "--set", "activation_checkpointing=true",
+                          *batch(4, 2))], root, ranks=2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory):
+    """3D tiny-llama (+ its resume from step 3) and 3D on a saved Qwen2-shaped folder: one 8-rank launch."""
+    root = tmp_path_factory.mktemp("pipe8")
+    folder = qwen2_folder(root / "qwen2")
+    launch_jobs([run_args("3d", root / "llama", *batch(2, 2)),
+                 resume_args("3d", root / "llama", root / "llama_resumed", *batch(2, 2)),
+                 run_args("3d", root / "qwen2_run", "--model", folder, *batch(2, 2))], root, ranks=8)
+    return root, folder
+
+
+def check_resume(straight, resumed) -> None:
     after, before = losses(resumed), losses(straight)
     assert sorted(after) == [4, 5, 6]
     for step in (4, 5, 6):
@@ -142,14 +171,13 @@ def check_planner(run, summary: dict, manifest: dict) -> None:
           f"bubble predicted {pipe['predicted_bubble']:.3f} measured {pipe['measured_bubble_per_rank']}")
 
 
-def test_pipeline_llama_parity_resume_export(tmp_path):
+def test_pipeline_llama_parity_resume_export(two_ranks, tmp_path):
     """2 stages, 2 micro-batches per step: parity, manifest partition, eval, exact resume, export."""
-    straight = tmp_path / "straight"
-    launch("--recipe", "pipeline", "--output-dir", str(straight), *COMMON, *PIPE, *batch(4, 2), ranks=2)
+    straight = two_ranks / "llama"
     worst = check_run(straight, reference("tiny-llama", 4), pp=2, tp=1, dp=1)
     print(f"pipeline tiny-llama: max relative loss difference vs one process {worst:.2e}")
     print(f"pipeline export: max |logit diff| {check_export(straight, tmp_path / 'hf', micro=4):.2e}")
-    check_resume("pipeline", straight, tmp_path / "resumed", *batch(4, 2), ranks=2)
+    check_resume(straight, two_ranks / "llama_resumed")
 
 
 def test_pipeline_x_dp_llama_parity(tmp_path):
@@ -159,32 +187,27 @@ def test_pipeline_x_dp_llama_parity(tmp_path):
     print(f"pipeline x dp tiny-llama: max relative loss difference vs one process {worst:.2e}")
 
 
-def test_pipeline_gpt2_tied_head_with_activation_checkpointing(tmp_path):
+def test_pipeline_gpt2_tied_head_with_activation_checkpointing(two_ranks, tmp_path):
     """GPT-2 (learned positions, LM head tied to the embedding across stages), layers recomputed in backward."""
-    run = tmp_path / "run"
-    launch("--recipe", "pipeline", "--output-dir", str(run), "--model", "tiny-gpt2",
-           "--set", "activation_checkpointing=true", *COMMON, *PIPE, *batch(4, 2), ranks=2)
+    run = two_ranks / "gpt2"
     worst = check_run(run, reference("tiny-gpt2", 4), pp=2, tp=1, dp=1)
     print(f"pipeline tiny-gpt2: max relative loss difference vs one process {worst:.2e}")
     print(f"pipeline gpt2 export: max |logit diff| {check_export(run, tmp_path / 'hf'):.2e}")
 
 
-def test_3d_llama_parity_resume_export(tmp_path):
+def test_3d_llama_parity_resume_export(eight_ranks, tmp_path):
     """pipeline 2 x tensor 2 x data 2 on 8 ranks: parity, eval, partition, export (TP shards merged), resume."""
-    straight = tmp_path / "straight"
-    launch("--recipe", "3d", "--output-dir", str(straight), *COMMON, *PIPE, *batch(2, 2), ranks=8)
+    straight = eight_ranks[0] / "llama"
     worst = check_run(straight, reference("tiny-llama", 2), pp=2, tp=2, dp=2)
     print(f"3d tiny-llama: max relative loss difference vs one process {worst:.2e}")
     print(f"3d export: max |logit diff| {check_export(straight, tmp_path / 'hf'):.2e}")
-    check_resume("3d", straight, tmp_path / "resumed", *batch(2, 2), ranks=8)
+    check_resume(straight, eight_ranks[0] / "llama_resumed")
 
 
-def test_3d_qwen2_folder_parity_export(tmp_path):
+def test_3d_qwen2_folder_parity_export(eight_ranks, tmp_path):
     """A saved Qwen2-shaped folder (GQA: 1 kv head per TP rank, q/k/v biases, tied embeddings) trains from its
     own weights on 8 ranks and exports."""
-    folder = qwen2_folder(tmp_path / "qwen2")
-    run = tmp_path / "run"
-    launch("--recipe", "3d", "--output-dir", str(run), "--model", folder, *COMMON, *PIPE, *batch(2, 2), ranks=8)
+    run, folder = eight_ranks[0] / "qwen2_run", eight_ranks[1]
     worst = check_run(run, reference(folder, 2), pp=2, tp=2, dp=2)
     print(f"3d qwen2 folder: max relative loss difference vs one process {worst:.2e}")
     print(f"3d qwen2 export: max |logit diff| {check_export(run, tmp_path / 'hf'):.2e}")

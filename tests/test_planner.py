@@ -19,6 +19,7 @@ from harness.planner.memory import (Holding, activation_bytes, by_device, harnes
 from harness.planner.pipeline import bubble_fraction
 from harness.planner.params import closed_form_count, count_params, meta_count, model_shape
 from harness.planner.render import to_json, to_text
+from helpers.plan import run_plan
 
 GB, GIB = 10**9, 2**30
 
@@ -300,15 +301,6 @@ def test_sizes_with_units(text, nbytes):
 def test_ambiguous_or_bad_sizes_are_refused(text):
     with pytest.raises(UsageError, match="--gpu-mem"):
         plan_cmd.parse_size(text, "--gpu-mem")
-
-
-def run_plan(argv, capsys):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    plan_cmd.add_arguments(parser)
-    code = plan_cmd.run(parser.parse_args(argv))
-    return code, capsys.readouterr().out
 
 
 def test_command_prints_the_plan_and_json(capsys):

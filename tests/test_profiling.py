@@ -1,7 +1,7 @@
 """Profiling hooks: unit checks of the pieces, then real 2-rank ZeRO-2 and ZeRO-3 runs on CPU whose
 measured comm bytes and model-state bytes are held against the planner (5 % and 2 %).
 
-Two launches (~40 s each) check everything multi-rank: records of both ranks on the profiled steps only,
+Two runs sharing one launch check everything multi-rank: records of both ranks on the profiled steps only,
 the planner comparison, timers and MFU fields, the CSV monitor with the harness's loss, and the report.
 """
 
@@ -150,15 +150,13 @@ def planner_comm_bytes(stage: int) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    from launch import launch
+    """A zero2 and a zero3 run, both in ONE launch (tests/drivers/jobs.py)."""
+    from helpers.launch import launch_jobs
 
-    out = {}
-    for recipe in ("zero2", "zero3"):
-        run_dir = tmp_path_factory.mktemp(recipe)
-        launch("--recipe", recipe, "--set", "train.steps=6", "--set", "train.seq_len=64", "--profile-steps", "3-4",
-               "--set", "monitor.csv=true", "--set", "train.eval_every=0", "--output-dir", str(run_dir),
-               "--overwrite")
-        out[recipe] = run_dir
+    out = {recipe: tmp_path_factory.mktemp(recipe) for recipe in ("zero2", "zero3")}
+    launch_jobs([["--recipe", recipe, "--set", "train.steps=6", "--set", "train.seq_len=64", "--profile-steps", "3-4",
+                  "--set", "monitor.csv=true", "--set", "train.eval_every=0", "--output-dir", str(run_dir),
+                  "--overwrite"] for recipe, run_dir in out.items()], tmp_path_factory.mktemp("jobs"))
     return out
 
 
@@ -267,7 +265,7 @@ def test_report_renders_both_runs(runs):
 @pytest.mark.multirank
 @pytest.mark.nvme
 def test_zero_infinity_swap_buffers_and_files_are_counted(tmp_path):
-    from launch import launch
+    from helpers.launch import launch
 
     run_dir, nvme = tmp_path / "run", tmp_path / "nvme"
     swap_elems, swap_count = 1_000_000, 3  # not DeepSpeed's 5 x 1e8 (1 GB pinned per rank)

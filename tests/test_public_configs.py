@@ -1,14 +1,14 @@
 """`harness validate` agrees with DeepSpeed 0.19.8 (+ the HF Trainer / accelerate "auto" fill) on the patterns found in
 configs that public projects ship (tests/public_configs.md). Ground truth is DeepSpeed itself: DeepSpeedConfig at
 world 4 and 8 and, for configs that name an optimizer, an engine built on a tiny Llama in this process (one gloo
-rank); see tests/deepspeed_verdict.py."""
+rank); see tests/helpers/deepspeed_verdict.py."""
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-import deepspeed_verdict as truth
+from helpers import deepspeed_verdict as truth
 
 HERE = Path(__file__).parent
 TABLE = (HERE / "public_configs.md").read_text()

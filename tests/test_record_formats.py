@@ -11,7 +11,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from corpora import WORDS, chat_tokenizer  # noqa: E402
+from helpers.corpora import WORDS, chat_tokenizer  # noqa: E402
 from harness.data import files  # noqa: E402
 from harness.data.corpus import DataSpec  # noqa: E402
 from harness.data.rows import IGNORE_INDEX, Rows  # noqa: E402

@@ -30,8 +30,8 @@ from harness.dist import free_port
 from harness.report.restarts import restarts_line, restarts_section
 from harness.train import restarts
 from harness.train.metrics import drop_partial_line
-from launch import ROOT, env, losses, records
-from test_reliability import COMMON, TOTAL, rank_pid, steps, train_steps_logged, wait_for
+from helpers.launch import ROOT, env, losses, records
+from helpers.reliability import COMMON, TOTAL, rank_pid, steps, train_steps_logged, wait_for
 
 HARNESS = Path(sys.executable).parent / "harness"
 SAVE = 4

@@ -4,7 +4,7 @@ any rank trains.
 
 Every case is the real entry point, `harness.run.main(argv)`, with the environment a launcher would give it
 (WORLD_SIZE, RANK, ...). To keep the whole catalogue cheap they run in one interpreter
-(tests/catalogue_driver.py, start-up paid once), with file descriptors 1 and 2 captured per case, so a process
+(tests/drivers/catalogue.py, start-up paid once), with file descriptors 1 and 2 captured per case, so a process
 group started by mistake shows ("Initializing TorchBackend"); tests/test_run_args.py runs the entry point by path.
 The last cases get past every pre-init check on purpose: their problem shows only once the data is packed,
 after init and before the engine is built.
@@ -203,7 +203,7 @@ def results(tmp_path_factory) -> dict:
              for c in sorted(CASES, key=lambda c: c["post_init"])]  # post-init cases last (see the driver)
     (fx / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "HF_TOKEN": SECRET}  # no message may ever echo a token
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "catalogue_driver.py"), str(fx / "cases.json"),
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "drivers" / "catalogue.py"), str(fx / "cases.json"),
                            str(fx / "results.json")], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads((fx / "results.json").read_text())

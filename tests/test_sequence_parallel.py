@@ -1,5 +1,5 @@
 """Ulysses sequence parallelism (harness/model/sequence/): refusals before any rank trains, and, on 2 CPU ranks in
-ONE process group (tests/sp_driver.py), sp=2 against sp=1 on every ZeRO stage with SGD at lr 1 and no clipping
+ONE process group (tests/drivers/sequence_parallel.py), sp=2 against sp=1 on every ZeRO stage with SGD at lr 1 and no clipping
 (the update is the gradient), the tiled loss against the plain one, and document masking under SP."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from harness.dist import Launch
 from harness.errors import ConfigError
 from harness.train import run_args, session
-from tests.launch import ROOT, env, launch, losses, records
+from helpers.launch import ROOT, env, launch, launch_jobs, losses, records
 
 STAGES = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
 
@@ -98,7 +98,7 @@ def test_refusal_exits_2_before_any_rank(tmp_path):
 def parity(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp") / "out.json"
     qwen2 = _qwen2_folder(tmp_path_factory.mktemp("qwen2") / "model")
-    launch(str(out), "tiny-llama", qwen2, script="tests/sp_driver.py", timeout_s=600)
+    launch(str(out), "tiny-llama", qwen2, script="tests/drivers/sequence_parallel.py", timeout_s=600)
     return json.loads(out.read_text())
 
 
@@ -122,7 +122,7 @@ def test_sp2_update_equals_sp1(parity, stage):
 
 @pytest.mark.multirank
 def test_harness_runs_lora_at_sp2_like_sp1_and_resumes_exactly(tmp_path):
-    """The real entry (session.prepare -> job.run) in ONE process group (tests/jobs_driver.py): LoRA on ZeRO-3 at
+    """The real entry (session.prepare -> job.run) in ONE process group (tests/drivers/jobs.py): LoRA on ZeRO-3 at
     sp=1 (dp 2, micro 1) and sp=2 (dp 1, micro 2: the same 2 sequences per step) log the same losses; the sp=2 run
     resumed from its step-2 checkpoint logs steps 3-4 exactly as the uninterrupted run did; its export equals sp=1's."""
     sets = ["precision=fp32", "train.seq_len=64", "train.steps=4", "train.log_every=1", "train.eval_every=4",
@@ -134,8 +134,7 @@ def test_harness_runs_lora_at_sp2_like_sp1_and_resumes_exactly(tmp_path):
              [*common, *sp2_args, "--output-dir", str(sp2)],
              [*common, *sp2_args, "--output-dir", str(tmp_path / "resumed"),
               "--resume", str(sp2 / "checkpoints" / "global_step2")]]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    launch(str(tmp_path / "cases.json"), script="tests/jobs_driver.py", timeout_s=600)
+    launch_jobs(cases, tmp_path, timeout_s=600)
     first, resumed = losses(sp2), losses(tmp_path / "resumed")
     assert sorted(resumed) == [3, 4]
     for step, loss in losses(sp1).items():

@@ -9,7 +9,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from corpora import chat_tokenizer, write_chat  # noqa: E402
+from helpers.corpora import chat_tokenizer, write_chat  # noqa: E402
 from harness.errors import UsageError  # noqa: E402
 from harness.data import store as storemod  # noqa: E402
 from harness.data.corpus import DataSpec  # noqa: E402

@@ -8,13 +8,12 @@ import time
 
 import pytest
 
-from test_planner import run_plan
-
 from harness.errors import ConfigError, UsageError
 from harness.model_shapes import KNOWN
 from harness.planner import collectives, hardware, plan
 from harness.planner.inputs import Cluster, Workload
 from harness.planner.render import to_text
+from helpers.plan import run_plan
 
 GB = 10**9
 

@@ -4,7 +4,7 @@ local model folder (GQA 4 heads / 2 kv heads, q/k/v biases, tied embeddings) sav
 ZeRO-3; the start-up line shows the whole model's size; save -> resume continues exactly; `harness export`
 merges the tensor-parallel shards into one HF folder whose logits equal the engine's; profiled steps 3-4: each
 rank's logged collectives (tensor-parallel all-reduces + the gradient reduction over a data-parallel group of
-one) equal the run's own planner prediction. Three launches in all.
+one) equal the run's own planner prediction. The three runs (tiny-llama, Qwen2, the resume) share ONE launch.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import json
 import pytest
 import torch
 
-from baseline import plain_pytorch_losses
-from launch import launch, losses
+from helpers.baseline import plain_pytorch_losses
+from helpers.launch import job_output, launch_jobs, losses
+from helpers.models import qwen2_folder
 
 pytestmark = pytest.mark.multirank
 
@@ -29,22 +30,6 @@ COMMON = ["--recipe", "tp", "--set", "precision=fp32", "--set", f"train.steps={S
           "--set", f"gradient_clipping={CLIP}", "--set", f"batch.micro_batch_per_gpu={MICRO}",
           "--set", "batch.grad_accum_steps=1", "--set", "batch.train_batch_size=\"auto\"",
           "--set", f"train.eval_fraction={EVAL_FRACTION}"]
-
-
-def _qwen2_folder(path) -> str:
-    """A tiny Qwen2 (GQA, q/k/v biases, tied embeddings) with seeded random weights and the shipped tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from harness.model.hf import _shipped_eos_id, load_tokenizer
-
-    eos = _shipped_eos_id()
-    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, attention_dropout=0.0)
-    torch.manual_seed(SEED)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    load_tokenizer("tiny-llama").save_pretrained(path)
-    return str(path)
 
 
 def _full_params(model: str) -> int:
@@ -65,17 +50,20 @@ def _worst(got: dict[int, float], want: list[float]) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """One 2-rank tp launch per model (6 steps, checkpoints at 3 and 6)."""
+    """A 2-rank tp run per model (6 steps, checkpoints at 3 and 6), then tiny-llama's resume from step 3 (its
+    folder under "resumed"): one launch."""
     base = tmp_path_factory.mktemp("tp")
-    out = {}
     # The Qwen2 run uses ZeRO-3 (the recipe's ZeRO-1 otherwise): shards partitioned over the data-parallel
     # group, exported through zero_to_fp32 one tensor rank at a time.
-    for name, model, stage in (("tiny-llama", "tiny-llama", 1), ("qwen2", _qwen2_folder(base / "qwen2-model"), 3)):
-        run = base / name
-        proc = launch(*COMMON, "--set", f"train.model={model}", "--set", f"zero.stage={stage}",
-                      "--profile-steps", "3-4", "--output-dir", str(run))
-        out[name] = {"model": model, "run": run, "stdout": proc.stdout}
-    return out
+    models = (("tiny-llama", "tiny-llama", 1), ("qwen2", qwen2_folder(base / "qwen2-model"), 3))
+    cases = [[*COMMON, "--set", f"train.model={model}", "--set", f"zero.stage={stage}", "--profile-steps", "3-4",
+              "--output-dir", str(base / name)] for name, model, stage in models]
+    cases.append([*COMMON, "--output-dir", str(base / "resumed"),
+                  "--resume", str(base / "tiny-llama" / "checkpoints" / "global_step3")])
+    proc = launch_jobs(cases, base)
+    out = {name: {"model": model, "run": base / name, "stdout": job_output(proc.stdout, i)}
+           for i, (name, model, _) in enumerate(models)}
+    return {**out, "resumed": base / "resumed"}
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "qwen2"])
@@ -106,10 +94,9 @@ def test_tp_matches_one_process_and_exports(name, runs, tmp_path):
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
 
 
-def test_tp_resume_is_exact(runs, tmp_path):
+def test_tp_resume_is_exact(runs):
     straight = runs["tiny-llama"]["run"]
-    resumed = tmp_path / "resumed"
-    launch(*COMMON, "--output-dir", str(resumed), "--resume", str(straight / "checkpoints" / "global_step3"))
+    resumed = runs["resumed"]
     after = losses(resumed)
     assert sorted(after) == [4, 5, 6]
     for step in (4, 5, 6):

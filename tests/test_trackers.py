@@ -1,5 +1,5 @@
 """Experiment trackers (monitor.wandb, monitor.mlflow) with the real libraries, offline: W&B in offline mode and an
-MLflow file store in the run folder, read back with the libraries' own pieces (tests/tracker_files.py). Real ranks
+MLflow file store in the run folder, read back with the libraries' own pieces (tests/helpers/tracker_files.py). Real ranks
 train the tiny built-in model; nothing reaches the network (the only server addresses are closed ports on
 127.0.0.1). Fake credentials sit in the environment of every launch here and must show up nowhere."""
 
@@ -17,8 +17,8 @@ from harness.dist import free_port
 from harness.errors import Problem
 from harness import trackers
 from harness.trackers import backends as tracker_backends
-from launch import ROOT, launch, records
-from tracker_files import mlflow_client, wandb_run
+from helpers.launch import ROOT, launch, records
+from helpers.tracker_files import mlflow_client, wandb_run
 
 FAKE_WANDB_KEY = "fakeWandbKey" + "0123456789" * 4  # the form wandb accepts (40+ word characters)
 FAKE_MLFLOW_TOKEN = "fakeMlflowToken-0123456789abcdef"

@@ -1,38 +1,27 @@
 """Real DeepSpeed ranks on CPU: loss parity with plain PyTorch, exact resume, export round-trip.
 
-Each launch costs ~30 s of process start-up, so one launch checks several things: a 6-step run with a
-checkpoint at step 3 gives the parity trajectory, and resuming from that checkpoint must reproduce
-steps 4-6 exactly.
+Each launch costs ~30 s of process start-up, so the runs share ONE launch (tests/drivers/jobs.py), and each
+run checks several things: a 6-step run with a checkpoint at step 3 gives the parity trajectory, and resuming
+from that checkpoint must reproduce steps 4-6 exactly. Only the NVMe run launches on its own.
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from baseline import plain_pytorch_losses
-from corpora import chat_model_dir, write_chat, write_instruction
-from export_checks import assert_export_equals_engine
 from harness.data.corpus import DataSpec
-from launch import launch, losses, records
+from helpers.baseline import plain_pytorch_losses
+from helpers.corpora import chat_model_dir, write_chat, write_instruction
+from helpers.export_checks import assert_export_equals_engine
+from helpers.launch import job_output, launch, launch_jobs, losses, records
+from helpers.parity import (BETAS, CLIP, COMMON, EPS, EVAL_FRACTION, LR, MICRO, SEED, SEQ_LEN, STEPS, WD, assert_close,
+                            assert_planner_matches_engine)
 
 pytestmark = pytest.mark.multirank
 
-STEPS, SEQ_LEN, MICRO, SEED, LR = 6, 64, 4, 1234, 1e-3
-BETAS, EPS, WD, CLIP, EVAL_FRACTION = (0.9, 0.999), 1e-8, 0.01, 1.0, 0.02
 FP32_RTOL = 1e-4  # issue bound; measured differences are ~1e-7
 BF16_RTOL = 2e-2  # bf16 weights/activations vs an fp32 reference: documented tolerance
-
-COMMON = ["--set", f"train.steps={STEPS}", "--set", f"train.seq_len={SEQ_LEN}", "--set", "train.save_every=3",
-          "--set", "train.eval_every=0", "--set", "scheduler.type=none", "--set", f"optimizer.lr={LR}",
-          "--set", f"optimizer.betas={list(BETAS)}", "--set", f"optimizer.eps={EPS}",
-          "--set", f"optimizer.weight_decay={WD}", "--set", f"gradient_clipping={CLIP}",
-          "--set", f"batch.micro_batch_per_gpu={MICRO}", "--set", "batch.grad_accum_steps=1",
-          "--set", "batch.train_batch_size=\"auto\"", "--set", f"train.eval_fraction={EVAL_FRACTION}",
-          "--profile-steps", "2-3"]
-STATE_RTOL, COMM_RTOL = 0.02, 0.05
 
 
 def reference_losses(model: str = "tiny-llama", **data) -> list[float]:
@@ -46,56 +35,58 @@ def reference() -> list[float]:
     return reference_losses()
 
 
-# Working buffers whose split between terms depends on where DeepSpeed parks them (an offloaded fp32
-# gradient partition lives inside the pinned CPU buffer, for one): compared as one group.
-BUFFER_TERMS = {"fp32_grads", "offload_buffers", "reduce_buckets", "gathered_params", "other"}
+RECIPES = ["ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]
+RESUMED = ("ddp", "zero1", "zero2", "zero3")  # resume is covered per ZeRO stage; offload adds no resume state
 
 
-def _grouped(states: dict) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for term, devices in states.items():
-        key = "buffers" if term in BUFFER_TERMS else term
-        out[key] = out.get(key, 0) + sum(devices.values())
-    out["total"] = sum(v for k, v in out.items())
-    return out
+def data_cases(root) -> dict[str, list[str]]:
+    """The instruction run on a store prepared beforehand (`harness data prepare`) and the chat run on a model
+    folder whose tokenizer has a chat template (the launch prepares its store itself)."""
+    from harness.cli import main
+
+    path, stores = write_instruction(root / "instr.jsonl", 400), root / "instr_stores"
+    assert main(["data", "prepare", "--dataset", str(path), "--model", "tiny-llama", "--seq-len", str(SEQ_LEN),
+                 "--format", "instruction", "--out", str(stores)]) == 0
+    model, chat = chat_model_dir(root / "chat_model", SEED), write_chat(root / "chat.jsonl", 400)
+    fp32 = ["--recipe", "zero2", "--set", "precision=fp32"]
+    return {"instruction": [*fp32, "--output-dir", str(root / "instruction"), *COMMON, "--set", f"train.dataset={path}",
+                            "--set", "train.format=instruction", "--set", f"train.store_dir={stores}"],
+            "chat": [*fp32, "--output-dir", str(root / "chat"), *COMMON, "--set", f"train.model={model}",
+                     "--set", f"train.dataset={chat}", "--set", "train.format=chat",
+                     "--set", f"train.store_dir={root / 'chat_stores'}"]}
 
 
-def assert_planner_matches_engine(run_dir) -> dict:
-    """Each rank's planner prediction of its model-state bytes (params, grads, fp32 master, optimizer state,
-    buffers, total) and comm bytes per collective vs what the profiling hooks counted on the live engine (each
-    rank against its own prediction: pipeline stages hold different layers and neighbours)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    ratios = {}
-    for rank, states in enumerate(summary["memory"]["model_states_per_rank"]):
-        predicted = _grouped(summary["memory"]["predicted_after_step_per_rank"][rank])
-        measured = _grouped(states)
-        for term, want in predicted.items():
-            got = measured.get(term, 0)
-            if want:
-                ratios[f"rank{rank}.{term}"] = got / want
-                assert abs(got - want) <= STATE_RTOL * want, f"rank {rank} {term}: measured {got} vs planner {want}"
-    comm = summary["comm"]
-    own = comm.get("predicted_per_rank") or [comm["predicted"]] * len(comm["measured_per_rank"])
-    for rank, (measured, predicted) in enumerate(zip(comm["measured_per_rank"], own)):
-        for op, want in predicted.items():
-            got = measured.get(op, 0)
-            if want > 1024:  # scalar all-reduces (overflow, grad norm) are not modelled
-                ratios[f"rank{rank}.{op}"] = got / want
-                assert abs(got - want) <= COMM_RTOL * want, f"rank {rank} {op}: measured {got} vs planner {want}"
-    return ratios
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every fp32 recipe (+ its resume from step 3), ZeRO-2 offload with accumulation, bf16 with eval, a ZeRO-3
+    run to export, the instruction and chat runs: one 2-rank launch. The root (run folders by name) and the
+    data runs' (stdout, stderr)."""
+    root = tmp_path_factory.mktemp("training")
+    cases = []
+    for recipe in RECIPES:
+        straight = root / recipe / "straight"
+        cases.append(["--recipe", recipe, "--set", "precision=fp32", "--output-dir", str(straight), *COMMON])
+        if recipe in RESUMED:
+            cases.append(["--recipe", recipe, "--set", "precision=fp32", "--output-dir", str(root / recipe / "resumed"),
+                          "--resume", str(straight / "checkpoints" / "global_step3"), *COMMON])
+    cases.append(["--recipe", "zero2_offload", "--set", "precision=fp32", "--output-dir", str(root / "accum"),
+                  *COMMON, "--set", f"batch.micro_batch_per_gpu={MICRO // 2}", "--set", "batch.grad_accum_steps=2"])
+    cases.append(["--recipe", "zero2", "--output-dir", str(root / "bf16"), *COMMON, "--set", "train.eval_every=3"])
+    cases.append(["--recipe", "zero3", "--set", "precision=fp32", "--output-dir", str(root / "z3"), *COMMON])
+    data = data_cases(root)
+    proc = launch_jobs(cases + list(data.values()), root)
+    return root, {name: (job_output(proc.stdout, i), job_output(proc.stderr, i))
+                  for i, name in enumerate(data, start=len(cases))}
 
 
-def assert_close(got: dict[int, float], want: list[float], rtol: float) -> float:
-    assert sorted(got) == list(range(1, len(want) + 1)), f"steps logged: {sorted(got)}"
-    worst = max(abs(got[i + 1] - w) / abs(w) for i, w in enumerate(want))
-    assert worst <= rtol, f"largest relative loss difference {worst:.3g} > {rtol}: {got} vs {want}"
-    return worst
+@pytest.fixture(scope="module")
+def runs(launched):
+    return launched[0]
 
 
-@pytest.mark.parametrize("recipe", ["ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
-def test_fp32_parity_and_exact_resume(recipe, reference, tmp_path):
-    straight = tmp_path / "straight"
-    launch("--recipe", recipe, "--set", "precision=fp32", "--output-dir", str(straight), *COMMON)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp32_parity_and_exact_resume(recipe, reference, runs, tmp_path):
+    straight = runs / recipe / "straight"
     worst = assert_close(losses(straight), reference, FP32_RTOL)
     print(f"{recipe}: max relative loss difference vs plain PyTorch {worst:.2e}")
     print(f"{recipe}: measured / planner", assert_planner_matches_engine(straight))
@@ -103,23 +94,18 @@ def test_fp32_parity_and_exact_resume(recipe, reference, tmp_path):
     if recipe in ("ddp", "zero1", "zero2"):  # ZeRO-3 export: test_export_round_trip and tests/test_export.py
         info = assert_export_equals_engine(straight, tmp_path / "hf")
         print(f"{recipe}: export in {info['shards']} shards equals the engine's weights")
-    if recipe in ("zero2_offload", "zero3_offload"):
+    if recipe not in RESUMED:
         return  # resume is covered per ZeRO stage; offload adds no resume state of its own
-    resumed = tmp_path / "resumed"
-    launch("--recipe", recipe, "--set", "precision=fp32", "--output-dir", str(resumed),
-           "--resume", str(straight / "checkpoints" / "global_step3"), *COMMON)
-    after = losses(resumed)
+    after = losses(runs / recipe / "resumed")
     assert sorted(after) == [4, 5, 6]
     for step in (4, 5, 6):
         assert after[step] == losses(straight)[step], f"step {step}: resumed {after[step]} != straight"
 
 
-def test_zero2_offload_grad_accumulation(reference, tmp_path):
+def test_zero2_offload_grad_accumulation(reference, runs):
     """2 micro-batches of 2 per rank instead of 1 of 4: the same 8 rows per step, so the same losses; with
     accumulation, ZeRO-2 offload keeps whole-tensor 16-bit gradient buffers on the CPU between steps."""
-    run = tmp_path / "accum"
-    launch("--recipe", "zero2_offload", "--set", "precision=fp32", "--output-dir", str(run), *COMMON,
-           "--set", f"batch.micro_batch_per_gpu={MICRO // 2}", "--set", "batch.grad_accum_steps=2")
+    run = runs / "accum"
     assert_close(losses(run), reference, FP32_RTOL)
     print("zero2_offload accum 2: measured / planner", assert_planner_matches_engine(run))
 
@@ -135,21 +121,19 @@ def test_zero3_nvme_matches_offload_and_reference(reference, tmp_path):
     print("zero3_nvme: measured / planner", assert_planner_matches_engine(run))
 
 
-def test_bf16_within_documented_tolerance_and_eval(reference, tmp_path):
-    run = tmp_path / "bf16"
-    launch("--recipe", "zero2", "--output-dir", str(run), *COMMON, "--set", "train.eval_every=3")
+def test_bf16_within_documented_tolerance_and_eval(reference, runs):
+    run = runs / "bf16"
     assert_close(losses(run), reference, BF16_RTOL)
     evals = records(run, "eval")
     assert [r["step"] for r in evals] == [3, 6] and all(r["eval_loss"] < 7 for r in evals)
 
 
-def test_export_round_trip(tmp_path):
+def test_export_round_trip(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from harness.checkpoint.export.folder import export
 
-    run = tmp_path / "z3"
-    launch("--recipe", "zero3", "--set", "precision=fp32", "--output-dir", str(run), *COMMON)
+    run = runs / "z3"
     info = export(run, tmp_path / "hf")
     assert info["zero_stage"] == 3 and info["step"] == STEPS
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -160,31 +144,21 @@ def test_export_round_trip(tmp_path):
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
 
 
-def test_instruction_parity_on_a_store_prepared_beforehand(tmp_path):
+def test_instruction_parity_on_a_store_prepared_beforehand(launched):
     """`harness data prepare` first, then the launch only memory-maps the store: no tokenization in the launch.
     Loss only on response tokens; the reference averages the two ranks' micro-batch means as DeepSpeed does."""
-    from harness.cli import main
-
-    path, stores = write_instruction(tmp_path / "instr.jsonl", 400), tmp_path / "stores"
-    assert main(["data", "prepare", "--dataset", str(path), "--model", "tiny-llama", "--seq-len", str(SEQ_LEN),
-                 "--format", "instruction", "--out", str(stores)]) == 0
-    run = tmp_path / "run"
-    proc = launch("--recipe", "zero2", "--set", "precision=fp32", "--output-dir", str(run), *COMMON,
-                  "--set", f"train.dataset={path}", "--set", "train.format=instruction",
-                  "--set", f"train.store_dir={stores}")
-    assert "using store" in proc.stdout and "tokenize" not in proc.stderr
+    root, (stdout, stderr) = launched[0], launched[1]["instruction"]
+    path, stores, run = root / "instr.jsonl", root / "instr_stores", root / "instruction"
+    assert "using store" in stdout and "tokenize" not in stderr
     want = reference_losses(data=DataSpec(str(path), format="instruction"), store_dir=str(stores), micro_batches=2)
     print(f"instruction: max relative loss difference vs one process {assert_close(losses(run), want, FP32_RTOL):.2e}")
 
 
-def test_chat_parity_with_a_chat_template_model_folder(tmp_path):
+def test_chat_parity_with_a_chat_template_model_folder(launched):
     """A model folder whose tokenizer has a chat template; the launch prepares the store itself."""
-    model, path = chat_model_dir(tmp_path / "model", SEED), write_chat(tmp_path / "chat.jsonl", 400)
-    run, stores = tmp_path / "run", tmp_path / "stores"
-    proc = launch("--recipe", "zero2", "--set", "precision=fp32", "--output-dir", str(run), *COMMON,
-                  "--set", f"train.model={model}", "--set", f"train.dataset={path}", "--set", "train.format=chat",
-                  "--set", f"train.store_dir={stores}")
-    assert "prepared store" in proc.stdout
+    root, (stdout, _) = launched[0], launched[1]["chat"]
+    model, path, run, stores = root / "chat_model", root / "chat.jsonl", root / "chat", root / "chat_stores"
+    assert "prepared store" in stdout
     want = reference_losses(str(model), data=DataSpec(str(path), format="chat"), store_dir=str(stores),
                             micro_batches=2)
     print(f"chat: max relative loss difference vs one process {assert_close(losses(run), want, FP32_RTOL):.2e}")

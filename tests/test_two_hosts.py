@@ -1,6 +1,6 @@
 """Two hosts joined by a wire: a multi-node run whose traffic crosses a real network interface.
 
-Each "host" is a network namespace with its own address at one end of a veth pair (tests/twohosts.py), each
+Each "host" is a network namespace with its own address at one end of a veth pair (tests/helpers/twohosts.py), each
 runs one node's `harness launch --no_ssh --node_rank N` (docker/launch_multinode.sh) with one rank, and
 MASTER_ADDR is host 0's address on the wire. Needs root (CI runs as root, with DSHARNESS_REQUIRE_NETNS=1);
 elsewhere the tests skip and say why.
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-import twohosts
-from launch import ROOT, launch, losses
-from twohosts import start_nodes, tails, wait_nodes
+from helpers import twohosts
+from helpers.launch import ROOT, launch, losses
+from helpers.twohosts import start_nodes, tails, wait_nodes
 
 # CI (root) sets DSHARNESS_REQUIRE_NETNS=1: there the tests always run, and fail where namespaces cannot be made
 SKIP = twohosts.unavailable() is not None and os.environ.get("DSHARNESS_REQUIRE_NETNS") != "1"
@@ -127,7 +127,7 @@ RATE_MBIT = 100
 
 def test_calibrate_link_measures_the_slow_wire(hosts, tmp_path):
     """`harness calibrate --link` on both hosts, the wire capped at 100 Mbit/s by a tbf (netem is not in every
-    kernel; tests/twohosts.py): the all-reduce bus bandwidth and the send rate it measures are the cap, less TCP/IP
+    kernel; tests/helpers/twohosts.py): the all-reduce bus bandwidth and the send rate it measures are the cap, less TCP/IP
     headers, and the open wire measures far faster. The base is a named profile: --link replaces only the
     inter-node figures, which planner/collectives.py then prices cross-node calls on."""
     from harness.planner import collectives
@@ -156,7 +156,7 @@ def test_calibrate_link_measures_the_slow_wire(hosts, tmp_path):
     # crosses the wire), where over the base's own link (23 GB/s) the two are close. bench/two_hosts.py runs
     # both on CPU ranks across the wire and sets the planner's step times beside the measured ones. (The open wire's
     # small-message times swing with the machine's load, so its pick is not asserted here.)
-    from bench_shapes import LLAMA_3M
+    from helpers.bench_shapes import LLAMA_3M
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3M))
     margin = {name: pipeline_margin(tmp_path / "config.json", profile) for name, profile in

@@ -28,7 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
-from launch import DEEPSPEED, ROOT, env, free_port
+from helpers.launch import DEEPSPEED, ROOT, env, free_port
 
 IP = "/usr/sbin/ip" if os.path.exists("/usr/sbin/ip") else "ip"
 TC = "/usr/sbin/tc" if os.path.exists("/usr/sbin/tc") else "tc"

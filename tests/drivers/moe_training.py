@@ -1,10 +1,11 @@
-"""MoE jobs in ONE 2-rank process group: deepspeed --num_gpus 2 tests/moe_driver.py CASES.json RESULT.json.
+"""MoE jobs in ONE 2-rank process group:
+deepspeed --num_gpus 2 tests/drivers/moe_training.py CASES.json RESULT.json.
 
-CASES.json: {"jobs": [harness/run.py argument lists, run as tests/jobs_driver.py runs them], "disjoint": argv or
+CASES.json: {"jobs": [harness/run.py argument lists, run as tests/drivers/jobs.py runs them], "disjoint": argv or
 null}. The disjoint case builds the engine the harness builds for argv (ZeRO-3 with the leaf table, the router's
-loss on) and trains it on batches chosen per rank (tests/moe_models.disjoint_batches: rank 0 only token ids that its
-router sends to experts {0, 1}, rank 1 ids sent to {2, 3}), counting the experts each rank's router picked; rank 0
-writes the mean losses, grad norms and each rank's experts per layer to RESULT.json.
+loss on) and trains it on batches chosen per rank (tests/helpers/moe_models.disjoint_batches: rank 0 only token
+ids that its router sends to experts {0, 1}, rank 1 ids sent to {2, 3}), counting the experts each rank's router
+picked; rank 0 writes the mean losses, grad norms and each rank's experts per layer to RESULT.json.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(TESTS))  # the repository (harness)
+sys.path.insert(0, TESTS)  # helpers
 
 from harness.dist import exit_now  # noqa: E402
 
@@ -27,7 +29,7 @@ def disjoint(argv: list[str], dist, steps: int, micro: int, seq_len: int) -> dic
     from harness.dist import launched
     from harness.model.moe.routing import counter_for
     from harness.train import job, run_args, session
-    from moe_models import disjoint_batches
+    from helpers.moe_models import disjoint_batches
 
     spec = session.prepare(run_args.parse(argv), launched())
     engine, *_ = job.build_engine(spec, profiling.Startup(dist.device))

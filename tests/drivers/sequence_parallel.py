@@ -1,4 +1,5 @@
-"""Sequence-parallel parity in ONE process group: deepspeed --num_gpus 2 tests/sp_driver.py OUT.json MODEL.
+"""Sequence-parallel parity in ONE process group:
+deepspeed --num_gpus 2 tests/drivers/sequence_parallel.py OUT.json MODEL.
 
 Every engine is built in this process (SP patches transformers' attention table process-wide, so the sp=1
 references are built and stepped first, with plain sdpa, then the sp=2 engines with the harness's document_sdpa
@@ -14,7 +15,7 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from harness.dist import exit_now  # noqa: E402
 

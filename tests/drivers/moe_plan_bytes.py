@@ -1,5 +1,5 @@
 """The planner's MoE bytes per rank against a live DeepSpeed engine, several layouts in ONE process group:
-deepspeed --num_gpus 2 tests/moe_bytes_driver.py OUT.json
+deepspeed --num_gpus 2 tests/drivers/moe_plan_bytes.py OUT.json
 
 Each rank builds the same tiny Qwen3-MoE (transformers' config class, fp32, random weights), hands it to
 deepspeed.initialize with a plain ds config per case (ZeRO-2 with DeepSpeed AutoEP at ep 2, ZeRO-3 with the sparse
@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from harness.dist import exit_now  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Run many `harness/run.py` invocations in ONE interpreter: python catalogue_driver.py CASES.json RESULTS.json.
+"""Run many `harness/run.py` invocations in ONE interpreter: python tests/drivers/catalogue.py CASES.json RESULTS.json.
 
 Each case is {"argv": [...], "env": {...}, "needs": None | "no_libaio" | "cpu_accelerator"}; its result is
 {"rc", "stderr", "stdout"}, with the process's file descriptors 1 and 2 captured (so logging handlers and C++ output are seen too). The interpreter's start-up
@@ -20,7 +20,7 @@ import tempfile
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from harness.run import main  # noqa: E402
 

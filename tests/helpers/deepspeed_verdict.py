@@ -2,8 +2,9 @@
 accelerate fill their "auto" keys first (their real code), then DeepSpeedConfig decides at world N and, for a
 config that names an optimizer, deepspeed.initialize builds an engine on a tiny Llama (one gloo process).
 
-Used by tests/test_public_configs.py. Nothing here re-implements a DeepSpeed check: every verdict is an exception
-raised (or not) by DeepSpeed, transformers or accelerate. What is adapted to this CPU-only single process is
+Used by tests/test_public_configs.py (and `deepspeed_accepts`, DeepSpeedConfig at world 1, by the recipe tests).
+Nothing here re-implements a DeepSpeed check: every verdict is an exception raised (or not) by DeepSpeed,
+transformers or accelerate. What is adapted to this CPU-only single process is
 listed in `engine_config`.
 """
 from __future__ import annotations
@@ -216,3 +217,12 @@ def refused_worlds(cell: str) -> set[int]:
     if head in ("refused", "refused at init"):
         return set(WORLDS)
     return {int(w) for w in head[len("refused at "):].split(", ")}
+
+
+def deepspeed_accepts(cfg: dict):
+    """DeepSpeedConfig built offline sees world size 1, so give it the per-rank triple for one rank."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    one_rank = copy.deepcopy(cfg)
+    one_rank["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"]
+    return DeepSpeedConfig(one_rank)  # it mutates nested dicts: one_rank is already a deep copy

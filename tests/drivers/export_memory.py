@@ -1,5 +1,5 @@
-"""Peak memory of one export, measured in a fresh process: `python tests/export_memory.py CKPT OUT [SHARD] [DTYPE]`
-prints one JSON line.
+"""Peak memory of one export, measured in a fresh process:
+`python tests/drivers/export_memory.py CKPT OUT [SHARD] [DTYPE]` prints one JSON line.
 
 Two high-water marks per phase, both relative to the process just before the phase (torch, transformers and
 DeepSpeed already imported):

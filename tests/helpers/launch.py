@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from harness.dist import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
+JOB_MARK = "[tests/drivers/jobs.py] case "  # + the case's index: rank 0 prints it as each case starts
 
 
 def env() -> dict:
@@ -42,6 +44,21 @@ def launch(*args: str, ranks: int = 2, timeout_s: int = 600, check: bool = True,
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def launch_jobs(cases: list[list[str]], folder: Path, ranks: int = 2, timeout_s: int = 900,
+                check: bool = True) -> subprocess.CompletedProcess:
+    """Run harness/run.py argument lists one after another in ONE process group (tests/drivers/jobs.py): the
+    start-up (imports, process group) is paid once instead of once per case; a resume case goes after its run."""
+    path = Path(folder) / "cases.json"
+    path.write_text(json.dumps([[str(a) for a in argv] for argv in cases]))
+    return launch(str(path), ranks=ranks, timeout_s=timeout_s, check=check, script="tests/drivers/jobs.py")
+
+
+def job_output(text: str, case: int) -> str:
+    """Case `case`'s share of a launch_jobs stdout or stderr (from its mark to the next case's)."""
+    parts = re.split(rf"^{re.escape(JOB_MARK)}(\d+)\n", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))[str(case)]
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
