@@ -370,21 +370,3 @@ def test_after_step_terms_match_a_live_engine_within_2_percent(stage, precision,
     assert predicted == pytest.approx(total, rel=0.02)
     assert predicted_fp32 == pytest.approx(fp32, rel=0.02)
     assert abs(predicted - total) < 1024  # in fact exact up to a few scalars
-
-
-def test_no_planner_function_takes_a_dict_named_work_hw_or_shape():
-    """The planner speaks typed values (issue #31): the workload is a Workload, the machines a Cluster, the model's
-    shape a ModelShape (planner/inputs.py, planner/shape.py), never an untyped dict under those names."""
-    import ast
-    from pathlib import Path
-
-    import harness.planner
-
-    bad = []
-    for path in Path(harness.planner.__file__).parent.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-                bad += [f"{path.name}:{node.name}({a.arg})" for a in args if a.arg in ("work", "hw", "shape")
-                        and (a.annotation is None or "dict" in ast.unparse(a.annotation) or a.arg == "hw")]
-    assert not bad, f"planner functions taking an untyped work/hw/shape: {bad}"
