@@ -19,20 +19,14 @@ from helpers.baseline import train_rows
 from harness.data.batches import BatchPlan
 from helpers.launch import launch, records
 from helpers.moe_models import biased_folder, disjoint_batches, folder, reference
+from helpers.parity import BETAS, CLIP, EPS, EVAL_FRACTION, LR, SEED, WD, common_args
 
 pytestmark = pytest.mark.multirank
 
-STEPS, SEQ_LEN, MICRO, SEED, LR = 6, 32, 2, 1234, 1e-3
-BETAS, EPS, WD, CLIP, EVAL_FRACTION = (0.9, 0.999), 1e-8, 0.01, 1.0, 0.02
+STEPS, SEQ_LEN, MICRO = 6, 32, 2  # the optimizer settings are the parity runs' (helpers/parity.py)
 LOSS_TOL = 1e-6  # issue bound: losses relative (they are ~6: 1e-6 is ~2 fp32 ulps), aux losses absolute (~1)
 NORM_RTOL = 1e-5
-COMMON = ["--set", f"train.steps={STEPS}", "--set", f"train.seq_len={SEQ_LEN}", "--set", "train.save_every=0",
-          "--set", "train.eval_every=0", "--set", "scheduler.type=none", "--set", f"optimizer.lr={LR}",
-          "--set", f"optimizer.betas={list(BETAS)}", "--set", f"optimizer.eps={EPS}",
-          "--set", f"optimizer.weight_decay={WD}", "--set", f"gradient_clipping={CLIP}",
-          "--set", f"batch.micro_batch_per_gpu={MICRO}", "--set", "batch.grad_accum_steps=1",
-          "--set", "batch.train_batch_size=\"auto\"", "--set", f"train.eval_fraction={EVAL_FRACTION}",
-          "--set", "precision=fp32", "--set", "train.log_every=1"]
+COMMON = common_args(STEPS, SEQ_LEN, MICRO, save_every=0) + ["--set", "precision=fp32", "--set", "train.log_every=1"]
 AUX = ["--set", "moe.aux_loss=true"]
 EP2 = ["--set", "parallel.expert=2"]
 # name -> (family, recipe, extra args); the balancing loss on except DeepSeek-V3 (none) and OLMoE under EP (refused)

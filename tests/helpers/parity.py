@@ -7,13 +7,18 @@ import json
 
 STEPS, SEQ_LEN, MICRO, SEED, LR = 6, 64, 4, 1234, 1e-3
 BETAS, EPS, WD, CLIP, EVAL_FRACTION = (0.9, 0.999), 1e-8, 0.01, 1.0, 0.02
-COMMON = ["--set", f"train.steps={STEPS}", "--set", f"train.seq_len={SEQ_LEN}", "--set", "train.save_every=3",
-          "--set", "train.eval_every=0", "--set", "scheduler.type=none", "--set", f"optimizer.lr={LR}",
-          "--set", f"optimizer.betas={list(BETAS)}", "--set", f"optimizer.eps={EPS}",
-          "--set", f"optimizer.weight_decay={WD}", "--set", f"gradient_clipping={CLIP}",
-          "--set", f"batch.micro_batch_per_gpu={MICRO}", "--set", "batch.grad_accum_steps=1",
-          "--set", "batch.train_batch_size=\"auto\"", "--set", f"train.eval_fraction={EVAL_FRACTION}",
-          "--profile-steps", "2-3"]
+def common_args(steps: int, seq_len: int, micro: int, save_every: int) -> list[str]:
+    """The --set arguments every parity run shares: AdamW with these betas, eps, weight decay and clipping, no
+    scheduler, no eval, a fixed micro-batch with no accumulation."""
+    return ["--set", f"train.steps={steps}", "--set", f"train.seq_len={seq_len}", "--set", f"train.save_every={save_every}",
+            "--set", "train.eval_every=0", "--set", "scheduler.type=none", "--set", f"optimizer.lr={LR}",
+            "--set", f"optimizer.betas={list(BETAS)}", "--set", f"optimizer.eps={EPS}",
+            "--set", f"optimizer.weight_decay={WD}", "--set", f"gradient_clipping={CLIP}",
+            "--set", f"batch.micro_batch_per_gpu={micro}", "--set", "batch.grad_accum_steps=1",
+            "--set", "batch.train_batch_size=\"auto\"", "--set", f"train.eval_fraction={EVAL_FRACTION}"]
+
+
+COMMON = common_args(STEPS, SEQ_LEN, MICRO, save_every=3) + ["--profile-steps", "2-3"]
 STATE_RTOL, COMM_RTOL = 0.02, 0.05
 
 # Working buffers whose split between terms depends on where DeepSpeed parks them (an offloaded fp32
