@@ -32,11 +32,11 @@ def gpu_total(terms):
 
 def test_seed_example_7b_on_8_gpus():
     """16 B/param: 7B -> 112 GB per GPU under data parallel, 14 GB per GPU under ZeRO-3 on 8."""
-    dp = model_state_bytes(Holding(7 * 10**9), Zero(0), dp=8, precision="bf16", convention="seed")
-    z3 = model_state_bytes(Holding(7 * 10**9), Zero(3), dp=8, precision="bf16", convention="seed")
-    assert gpu_total(dp) == 112 * GB
+    ddp = model_state_bytes(Holding(7 * 10**9), Zero(0), zero_shards=8, precision="bf16", convention="seed")
+    z3 = model_state_bytes(Holding(7 * 10**9), Zero(3), zero_shards=8, precision="bf16", convention="seed")
+    assert gpu_total(ddp) == 112 * GB
     assert gpu_total(z3) == 14 * GB
-    assert {t: v["gpu"] for t, v in dp.items() if v["gpu"]} == {
+    assert {t: v["gpu"] for t, v in ddp.items() if v["gpu"]} == {
         "params": 14 * GB, "grads": 14 * GB, "fp32_master": 28 * GB, "optimizer_moments": 56 * GB}
 
 
@@ -51,7 +51,7 @@ def test_seed_example_in_the_plan_of_a_7b_model():
 
 
 def test_seed_rule_is_16_bytes_per_param_in_fp32_too():
-    terms = model_state_bytes(Holding(1000), Zero(0), dp=1, precision="fp32", convention="seed")
+    terms = model_state_bytes(Holding(1000), Zero(0), zero_shards=1, precision="fp32", convention="seed")
     assert gpu_total(terms) == 16 * 1000 and terms["fp32_master"]["gpu"] == 0
 
 
@@ -104,11 +104,12 @@ TINY_GPT2_087M = {"model_type": "gpt2", "vocab_size": 512, "n_embd": 128, "n_lay
                   "n_positions": 128}
 
 
-@pytest.mark.parametrize("stage, dp, precision, per_param", [
+@pytest.mark.parametrize("stage, zero_shards, precision, per_param", [
     (0, 2, "bf16", 14.0), (1, 2, "bf16", 8.0), (2, 2, "bf16", 8.0), (2, 2, "fp32", 10.0),
 ])
-def test_after_step_bytes_match_the_live_engine_measurements(stage, dp, precision, per_param):
-    terms = model_state_bytes(Holding(1_000_000), Zero(stage), dp=dp, precision=precision, phase="after_step")
+def test_after_step_bytes_match_the_live_engine_measurements(stage, zero_shards, precision, per_param):
+    terms = model_state_bytes(Holding(1_000_000), Zero(stage), zero_shards=zero_shards, precision=precision,
+                              phase="after_step")
     assert gpu_total(terms) / 1_000_000 == pytest.approx(per_param, rel=1e-6)
 
 
@@ -118,7 +119,7 @@ def test_zero3_after_step_includes_its_fixed_bucket(reduce_bucket, per_param):
     buckets = ZeroBuckets(reduce_bucket_elems=reduce_bucket)
     held = Holding(count.total, count.largest_layer,
                    persistent=count.persistent_numel(buckets.param_persistence_threshold))
-    terms = model_state_bytes(held, Zero(3, buckets=buckets), dp=2, precision="bf16", phase="after_step")
+    terms = model_state_bytes(held, Zero(3, buckets=buckets), zero_shards=2, precision="bf16", phase="after_step")
     assert gpu_total(terms) / count.total == pytest.approx(per_param, rel=0.02)
     assert terms["reduce_buckets"]["gpu"] == 2 * reduce_bucket
 
@@ -129,7 +130,7 @@ def test_zero2_step_matches_deepspeeds_estimator_for_llama2_7b_on_8_plus_its_fla
     the reduce buckets are backward's only."""
     count = count_params(KNOWN["llama-2-7b"])
     held = Holding(count.total, largest_tensor=count.largest_tensor)
-    common = dict(dp=8, precision="bf16")
+    common = dict(zero_shards=8, precision="bf16")
     zero = Zero(2, buckets=harness_buckets(4096))
     step = model_state_bytes(held, zero, phase="step", **common)
     flat, one_grad = 2 * count.total / 8, 2 * count.largest_tensor
@@ -144,7 +145,7 @@ def test_training_peak_is_backward_with_activations_or_the_step_whichever_is_lar
 
     def states(phase):
         return model_state_bytes(Holding(count.total, largest_tensor=count.largest_tensor),
-                                 Zero(1, buckets=harness_buckets(4096)), dp=8, precision="bf16", phase=phase)
+                                 Zero(1, buckets=harness_buckets(4096)), zero_shards=8, precision="bf16", phase=phase)
 
     backward, step = gpu_total(states("backward")), gpu_total(states("step"))
     assert step > backward  # the fp32 and 16-bit flat gradient partitions
@@ -155,17 +156,17 @@ def test_training_peak_is_backward_with_activations_or_the_step_whichever_is_lar
 
 
 def test_offload_moves_optimizer_terms_to_cpu_and_nvme():
-    z2 = model_state_bytes(Holding(8000), Zero(2, "cpu"), dp=2, precision="bf16")
+    z2 = model_state_bytes(Holding(8000), Zero(2, "cpu"), zero_shards=2, precision="bf16")
     assert z2["fp32_master"] == {"gpu": 0, "cpu": 4 * 4000, "nvme": 0}
     assert z2["optimizer_moments"]["cpu"] == 8 * 4000 and z2["fp32_grads"]["cpu"] == 4 * 4000
-    inf = model_state_bytes(Holding(8000), Zero(3, "nvme", "nvme"), dp=2, precision="bf16")
+    inf = model_state_bytes(Holding(8000), Zero(3, "nvme", "nvme"), zero_shards=2, precision="bf16")
     assert inf["params"]["nvme"] == 2 * 4000 and inf["optimizer_moments"]["nvme"] == 8 * 4000
     assert inf["offload_buffers"]["cpu"] > 0 and inf["fp32_master"]["gpu"] == 0
 
 
 def test_offload_param_needs_stage_3():
     with pytest.raises(ValueError, match="needs ZeRO stage 3"):
-        model_state_bytes(Holding(10), Zero(2, "cpu", "cpu"), dp=2, precision="bf16")
+        model_state_bytes(Holding(10), Zero(2, "cpu", "cpu"), zero_shards=2, precision="bf16")
 
 
 def test_harness_buckets_follow_hidden_size():
@@ -199,29 +200,31 @@ P = 536_064  # the facts' tiny GPT-2
 
 
 def test_comm_bytes_as_the_comms_logger_records_them():
-    assert comm_bytes_per_step(P, stage=0, dp=2, precision="bf16") == {"all_reduce": 2 * P}
-    assert comm_bytes_per_step(P, stage=1, dp=2, precision="bf16", grad_accum=2) == {
+    assert comm_bytes_per_step(P, stage=0, zero_shards=2, precision="bf16") == {"all_reduce": 2 * P}
+    assert comm_bytes_per_step(P, stage=1, zero_shards=2, precision="bf16", grad_accum=2) == {
         "all_reduce": 2 * P, "all_gather_into_tensor": P}
-    assert comm_bytes_per_step(P, stage=2, dp=2, precision="bf16", grad_accum=2)["all_reduce"] == 4 * P
-    z3 = comm_bytes_per_step(P, stage=3, dp=2, precision="bf16", grad_accum=2)
+    assert comm_bytes_per_step(P, stage=2, zero_shards=2, precision="bf16", grad_accum=2)["all_reduce"] == 4 * P
+    z3 = comm_bytes_per_step(P, stage=3, zero_shards=2, precision="bf16", grad_accum=2)
     assert z3 == {"reduce_scatter_tensor": 4 * P, "all_gather_into_tensor": 2 * 2 * P}
-    assert comm_bytes_per_step(P, stage=3, dp=4, precision="fp32") == {
+    assert comm_bytes_per_step(P, stage=3, zero_shards=4, precision="fp32") == {
         "reduce_scatter_tensor": 4 * P, "all_gather_into_tensor": 2 * P}
     # a group of one: DeepSpeed still calls (and the logger logs) the gradient reductions, no all-gather
     # (measured on one CPU rank, fp32, 2 micro-batches per step: ZeRO-1 4P, ZeRO-2 8P, ZeRO-3 8P + 8 B)
-    assert comm_bytes_per_step(P, stage=1, dp=1, precision="fp32", grad_accum=2) == {"all_reduce": 4 * P}
-    assert comm_bytes_per_step(P, stage=2, dp=1, precision="fp32", grad_accum=2) == {"all_reduce": 8 * P}
-    assert comm_bytes_per_step(P, stage=3, dp=1, precision="fp32", grad_accum=2) == {"reduce_scatter_tensor": 8 * P}
-    assert all(wire_bytes(op, n, 1) == 0 for op, n in comm_bytes_per_step(P, stage=3, dp=1, precision="bf16").items())
+    assert comm_bytes_per_step(P, stage=1, zero_shards=1, precision="fp32", grad_accum=2) == {"all_reduce": 4 * P}
+    assert comm_bytes_per_step(P, stage=2, zero_shards=1, precision="fp32", grad_accum=2) == {"all_reduce": 8 * P}
+    assert comm_bytes_per_step(P, stage=3, zero_shards=1, precision="fp32", grad_accum=2) == {
+        "reduce_scatter_tensor": 8 * P}
+    alone = comm_bytes_per_step(P, stage=3, zero_shards=1, precision="bf16")
+    assert all(wire_bytes(op, n, 1) == 0 for op, n in alone.items())
 
 
 def test_zero3_moves_one_and_a_half_times_data_parallel_traffic():
     n = 8
-    dp = comm_bytes_per_step(8 * P, stage=0, dp=n, precision="bf16")
-    z3 = comm_bytes_per_step(8 * P, stage=3, dp=n, precision="bf16")
-    dp_wire = sum(wire_bytes(k, v, n) for k, v in dp.items())
+    ddp = comm_bytes_per_step(8 * P, stage=0, zero_shards=n, precision="bf16")
+    z3 = comm_bytes_per_step(8 * P, stage=3, zero_shards=n, precision="bf16")
+    ddp_wire = sum(wire_bytes(k, v, n) for k, v in ddp.items())
     z3_wire = sum(wire_bytes(k, v, n) for k, v in z3.items())
-    assert z3_wire == pytest.approx(1.5 * dp_wire, rel=1e-6)
+    assert z3_wire == pytest.approx(1.5 * ddp_wire, rel=1e-6)
 
 
 @pytest.mark.parametrize("p, m, expected", [(1, 8, 0.0), (2, 4, 1 / 5), (4, 16, 3 / 19), (8, 8, 7 / 15)])
@@ -362,7 +365,8 @@ def test_after_step_terms_match_a_live_engine_within_2_percent(stage, precision,
     buckets = harness_buckets(256)
     held = Holding(count.total, count.largest_layer, count.largest_tensor,
                    persistent=count.persistent_numel(buckets.param_persistence_threshold))
-    terms = model_state_bytes(held, Zero(stage, opt, param, buckets), dp=2, precision=precision, phase="after_step")
+    terms = model_state_bytes(held, Zero(stage, opt, param, buckets), zero_shards=2, precision=precision,
+                              phase="after_step")
     predicted = sum(by_device(terms).values())
     predicted_fp32 = sum(sum(terms[t].values()) for t in FP32_TERMS)
     if precision == "fp32":

@@ -28,23 +28,24 @@ def test_adapter_counts_equal_peft(preset):
 
 
 def test_frozen_params_cost_their_16bit_copy_only():
-    total, trainable, dp = 1_000_000, 10_000, 4
-    full = memory.model_state_bytes(memory.Holding(total), Zero(2), dp=dp, precision="bf16", convention="seed")
-    lora = memory.model_state_bytes(memory.Holding(total, trainable=trainable), Zero(2), dp=dp, precision="bf16",
+    total, trainable, shards = 1_000_000, 10_000, 4
+    full = memory.model_state_bytes(memory.Holding(total), Zero(2), zero_shards=shards, precision="bf16",
                                     convention="seed")
+    lora = memory.model_state_bytes(memory.Holding(total, trainable=trainable), Zero(2), zero_shards=shards,
+                                    precision="bf16", convention="seed")
     assert lora["params"]["gpu"] == full["params"]["gpu"] == 2 * total
-    assert lora["optimizer_moments"]["gpu"] == 8 * trainable // dp
-    z3 = memory.model_state_bytes(memory.Holding(total, largest_layer=1000, trainable=trainable), Zero(3), dp=dp,
-                                  precision="bf16")
-    assert z3["params"]["gpu"] == 2 * total // dp  # ZeRO-3 divides the frozen weights too
-    assert z3["fp32_master"]["gpu"] == 4 * trainable // dp
+    assert lora["optimizer_moments"]["gpu"] == 8 * trainable // shards
+    z3 = memory.model_state_bytes(memory.Holding(total, largest_layer=1000, trainable=trainable), Zero(3),
+                                  zero_shards=shards, precision="bf16")
+    assert z3["params"]["gpu"] == 2 * total // shards  # ZeRO-3 divides the frozen weights too
+    assert z3["fp32_master"]["gpu"] == 4 * trainable // shards
 
 
 def test_dp_traffic_covers_the_adapters_and_zero3_still_gathers_the_base():
     total, trainable = 1_000_000, 10_000
-    z2 = comm.comm_bytes_per_step(total, stage=2, dp=4, precision="bf16", trainable_params=trainable)
+    z2 = comm.comm_bytes_per_step(total, stage=2, zero_shards=4, precision="bf16", trainable_params=trainable)
     assert z2 == {"all_reduce": 2 * trainable, "all_gather_into_tensor": 2 * trainable // 4}
-    z3 = comm.comm_bytes_per_step(total, stage=3, dp=4, precision="bf16", trainable_params=trainable)
+    z3 = comm.comm_bytes_per_step(total, stage=3, zero_shards=4, precision="bf16", trainable_params=trainable)
     assert z3["reduce_scatter_tensor"] == 2 * trainable
     assert z3["all_gather_into_tensor"] == 2 * 2 * total // 4
 

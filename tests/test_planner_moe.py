@@ -111,13 +111,13 @@ def test_memory_with_experts_over_the_expert_parallel_ranks_by_hand():
     parameters over 4 ranks, of its experts over the 2 ranks holding the same experts."""
     count = count_params(TINY_QWEN2_MOE)
     dense, experts = TOTAL - 2 * 4 * EXPERT, 2 * 4 * EXPERT // 2
-    states = moe.model_state_bytes(count, Holding(count.total), Zero(2), ep=2, dp=4, precision="fp32",
+    states = moe.model_state_bytes(count, Holding(count.total), Zero(2), ep=2, zero_shards=4, precision="fp32",
                                    phase="after_step")
     assert states["params"]["gpu"] == 4 * (dense + experts)
     assert states["fp32_master"]["gpu"] == 4 * (-(-dense // 4) + experts // 2)
     assert states["optimizer_moments"]["gpu"] == 8 * (-(-dense // 4) + experts // 2)
     assert states["grads"]["gpu"] == 0  # ZeRO-2 frees gradients after the step
-    one = moe.model_state_bytes(count, Holding(count.total), Zero(2), ep=1, dp=4, precision="fp32",
+    one = moe.model_state_bytes(count, Holding(count.total), Zero(2), ep=1, zero_shards=4, precision="fp32",
                                 phase="after_step")
     assert one["params"]["gpu"] == 4 * TOTAL
 

@@ -136,7 +136,7 @@ def planner_states(stage: int) -> dict[str, int]:
     buckets = planner_memory.harness_buckets(HIDDEN)
     persistent = TINY.persistent_numel(buckets.param_persistence_threshold) if stage == 3 else 0
     held = planner_memory.Holding(TINY.total, TINY.largest_layer, TINY.largest_tensor, persistent)
-    terms = planner_memory.model_state_bytes(held, Zero(stage, buckets=buckets), dp=2, precision="bf16",
+    terms = planner_memory.model_state_bytes(held, Zero(stage, buckets=buckets), zero_shards=2, precision="bf16",
                                              phase="after_step")
     return {term: sum(devices.values()) for term, devices in terms.items() if sum(devices.values())}
 
@@ -144,7 +144,7 @@ def planner_states(stage: int) -> dict[str, int]:
 def planner_comm_bytes(stage: int) -> dict[str, int]:
     persistent = TINY.persistent_numel(10 * HIDDEN) if stage == 3 else 0
     # A model this small stays gathered between forward and backward (deepspeed-facts.md): one gather.
-    return planner_comm.comm_bytes_per_step(TINY.total, stage=stage, dp=2, precision="bf16",
+    return planner_comm.comm_bytes_per_step(TINY.total, stage=stage, zero_shards=2, precision="bf16",
                                             persistent_params=persistent, gathers_per_micro_step=1)
 
 
@@ -279,8 +279,8 @@ def test_zero_infinity_swap_buffers_and_files_are_counted(tmp_path):
                                             "param_swap_buffer_count": swap_count})
     held = planner_memory.Holding(TINY.total, TINY.largest_layer, TINY.largest_tensor,
                                   TINY.persistent_numel(buckets.param_persistence_threshold))
-    predicted = planner_memory.model_state_bytes(held, Zero(3, "nvme", "nvme", buckets), dp=2, precision="bf16",
-                                                 phase="after_step")
+    predicted = planner_memory.model_state_bytes(held, Zero(3, "nvme", "nvme", buckets), zero_shards=2,
+                                                 precision="bf16", phase="after_step")
     want = sum(predicted["offload_buffers"].values())  # pinned swap buffers of both swappers
     memory = json.loads((run_dir / "summary.json").read_text())["memory"]
     assert len(memory["nvme_swap_bytes_per_rank"]) == 2

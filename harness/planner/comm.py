@@ -21,7 +21,7 @@ from __future__ import annotations
 from harness.config.defaults import PRECISION_BYTES, STAGE3_MAX_LIVE_PARAMETERS
 
 
-def comm_bytes_per_step(num_params: int, *, stage: int, dp: int, precision: str, grad_accum: int = 1,
+def comm_bytes_per_step(num_params: int, *, stage: int, zero_shards: int, precision: str, grad_accum: int = 1,
                         persistent_params: int = 0, gathers_per_micro_step: int = 2,
                         trainable_params: int | None = None) -> dict[str, int]:
     """Logged bytes per rank per optimizer step of the data-parallel (ZeRO) group.
@@ -39,16 +39,16 @@ def comm_bytes_per_step(num_params: int, *, stage: int, dp: int, precision: str,
     lp = PRECISION_BYTES[precision]
     trainable = num_params if trainable_params is None else trainable_params
     grads = lp * trainable
-    shard = lp * -(-trainable // dp) if dp > 1 else 0
+    shard = lp * -(-trainable // zero_shards) if zero_shards > 1 else 0
     if stage == 0:
         return {"all_reduce": grads}
     if stage in (1, 2):
         reduces = 1 if stage == 1 else grad_accum  # ZeRO-1 reduces at the accumulation boundary only
         return _nonzero({"all_reduce": grads * reduces, "all_gather_into_tensor": shard})
     if stage == 3:
-        gathered = lp * -(-(num_params - persistent_params) // dp) if dp > 1 else 0
+        gathered = lp * -(-(num_params - persistent_params) // zero_shards) if zero_shards > 1 else 0
         # after every optimizer step ZeRO-3 re-gathers ALL persistent tensors, frozen ones too (stage3 _post_step)
-        persistent = lp * -(-persistent_params // dp) if dp > 1 else 0
+        persistent = lp * -(-persistent_params // zero_shards) if zero_shards > 1 else 0
         return _nonzero({"reduce_scatter_tensor": grads * grad_accum,
                          "all_gather_into_tensor": gathered * gathers_per_micro_step * grad_accum + persistent})
     raise ValueError(f"zero stage {stage}: expected 0, 1, 2 or 3")

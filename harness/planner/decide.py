@@ -122,9 +122,9 @@ def min_nodes_for_zero3(count: ParamCount, shape: ModelShape, cluster: Cluster, 
 def seed_headline(count: ParamCount, cluster: Cluster, precision: str) -> dict:
     world = cluster.world
     held = memory.Holding(count.total)
-    dp = memory.model_state_bytes(held, Zero(stage=0), dp=world, precision=precision, convention="seed")
-    z3 = memory.model_state_bytes(held, Zero(stage=3), dp=world, precision=precision, convention="seed")
-    return {"bytes_per_param": 16, "dp_bytes_per_gpu": memory.by_device(dp)["gpu"],
+    ddp = memory.model_state_bytes(held, Zero(stage=0), zero_shards=world, precision=precision, convention="seed")
+    z3 = memory.model_state_bytes(held, Zero(stage=3), zero_shards=world, precision=precision, convention="seed")
+    return {"bytes_per_param": 16, "dp_bytes_per_gpu": memory.by_device(ddp)["gpu"],
             "zero3_bytes_per_gpu": memory.by_device(z3)["gpu"], "world": world}
 
 

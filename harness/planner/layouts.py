@@ -167,7 +167,7 @@ def _states(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, 
     lora = count.lora_state_args(share.blocks, c.tp)
     zero = Zero(c.stage, c.offload_optimizer, c.offload_param, buckets)
     held = memory.Holding(share.params, largest_layer, count.largest_tensor, **lora)
-    common = dict(dp=share.zero_shards, precision=work.precision)
+    common = dict(zero_shards=share.zero_shards, precision=work.precision)
 
     def states(phase: str, convention: str = "deepspeed") -> dict:
         if convention == "seed":
@@ -242,12 +242,12 @@ def _comm(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, sh
                                                   share.persistent)
     prec, seq, mb = work.precision, work.seq_len, work.micro_batch
     if c.ep > 1:
-        rows = comm.comm_rows(moe.comm_groups(count, work, ep=c.ep, stage=c.stage, dp=zero_shards,
+        rows = comm.comm_rows(moe.comm_groups(count, work, ep=c.ep, stage=c.stage, zero_shards=zero_shards,
                                               hidden=shape.hidden_size))
         return {"rows": rows, "wire_bytes": sum(r["wire_bytes"] for r in rows),
                 "logged_bytes": sum(r["logged_bytes"] for r in rows)}
-    groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, dp=zero_shards, precision=prec, grad_accum=m,
-                                              persistent_params=persistent,
+    groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, zero_shards=zero_shards, precision=prec,
+                                              grad_accum=m, persistent_params=persistent,
                                               gathers_per_micro_step=comm.zero3_gathers(params - persistent),
                                               trainable_params=count.trainable_params(layers, c.tp)), zero_shards)}
     if c.tp > 1:

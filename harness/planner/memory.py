@@ -51,13 +51,13 @@ def harness_buckets(hidden_size: int) -> ZeroBuckets:
                        param_persistence_threshold=sized["stage3_param_persistence_threshold"], overlap_comm=True)
 
 
-def _check(precision: str, stage: int, dp: int, offload_optimizer: str, offload_param: str) -> None:
+def _check(precision: str, stage: int, zero_shards: int, offload_optimizer: str, offload_param: str) -> None:
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISION_BYTES)}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero stage {stage}: expected 0, 1, 2 or 3")
-    if dp < 1:
-        raise ValueError(f"dp {dp}: expected >= 1")
+    if zero_shards < 1:
+        raise ValueError(f"zero_shards {zero_shards}: expected >= 1")
     for name, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
         if value not in OFFLOAD_DEVICES:
             raise ValueError(f"{name} {value!r}: expected one of {', '.join(OFFLOAD_DEVICES)}")
@@ -65,9 +65,9 @@ def _check(precision: str, stage: int, dp: int, offload_optimizer: str, offload_
         raise ValueError(f"offload_param={offload_param} needs ZeRO stage 3 (got stage {stage})")
 
 
-def _seed_entries(p: int, stage: int, dp: int, lp: int, opt_dev: str, param_dev: str, t: int) -> list:
+def _seed_entries(p: int, stage: int, zero_shards: int, lp: int, opt_dev: str, param_dev: str, t: int) -> list:
     def shard(nbytes: int, from_stage: int) -> int:
-        return -(-nbytes // dp) if stage >= from_stage else nbytes
+        return -(-nbytes // zero_shards) if stage >= from_stage else nbytes
 
     master = 0 if lp == FP32_BYTES else FP32_BYTES * t
     return [("params", param_dev, shard(lp * p, 3), ALWAYS), ("grads", "gpu", shard(lp * t, 2), ALWAYS),
@@ -92,7 +92,7 @@ class _Rank:
 
     p: int
     t: int
-    dp: int
+    zero_shards: int
     lp: int
     b: ZeroBuckets
     largest_layer: int
@@ -106,8 +106,8 @@ class _Rank:
 
 def _stage12_entries(r: _Rank, stage: int, offload: bool) -> list:
     """Stage 1/2: the 16-bit parameters replicated; the trainable ones' gradients, partitions and optimizer state."""
-    frozen, p, dp, lp, b, largest_tensor = r.p - r.t, r.t, r.dp, r.lp, r.b, r.grad_tensor
-    shard = -(-p // dp)
+    frozen, p, zero_shards, lp, b, largest_tensor = r.p - r.t, r.t, r.zero_shards, r.lp, r.b, r.grad_tensor
+    shard = -(-p // zero_shards)
     opt_dev = "cpu" if offload else "gpu"  # stage 1/2 treat nvme as cpu (deepspeed-facts.md)
     buckets = 2 if b.overlap_comm else 1
     if stage == 1:
@@ -130,7 +130,7 @@ def _stage12_entries(r: _Rank, stage: int, offload: bool) -> list:
         # accumulated_grads_in_cpu: a pinned 16-bit buffer of the WHOLE tensor for every parameter that overlaps
         # this rank's partition, kept between steps. A tensor straddling a partition boundary is held whole by
         # both neighbours, so without the layout: at most one largest tensor over the shard.
-        elems = r.accum_elems if r.accum_elems is not None else shard + (largest_tensor if dp > 1 else 0)
+        elems = r.accum_elems if r.accum_elems is not None else shard + (largest_tensor if zero_shards > 1 else 0)
         out.append(("grads", "cpu", lp * elems, ALWAYS))
     return out
 
@@ -153,9 +153,9 @@ def zero3_gathered_elems(gathered: int, largest_layer: int, b: ZeroBuckets) -> i
 def _stage3_entries(r: _Rank, opt_dev: str, param_dev: str) -> list:
     """Stage 3: every parameter partitioned and gathered (frozen ones too); the trainable ones' gradient partitions,
     fp32 master and optimizer state."""
-    p, t, dp, lp, b, persistent = r.p, r.t, r.dp, r.lp, r.b, r.persistent
+    p, t, zero_shards, lp, b, persistent = r.p, r.t, r.zero_shards, r.lp, r.b, r.persistent
     largest_layer, largest_tensor, grad_layer = r.largest_layer, r.largest_tensor, r.grad_layer
-    shard, p_shard = -(-t // dp), -(-p // dp)
+    shard, p_shard = -(-t // zero_shards), -(-p // zero_shards)
     grad_dev = "gpu" if opt_dev == "none" else "cpu"  # the flat grad partition follows the optimizer
     opt_dev = "gpu" if opt_dev == "none" else opt_dev
     sub_group = min(shard, b.sub_group_elems)
@@ -206,7 +206,7 @@ class Holding:
     largest_trainable_layer: int | None = None
 
 
-def model_state_bytes(held: Holding, zero: Zero, *, dp: int, precision: str, convention: str = "deepspeed",
+def model_state_bytes(held: Holding, zero: Zero, *, zero_shards: int, precision: str, convention: str = "deepspeed",
                       phase: str = "peak", grad_accum: int = 1) -> dict[str, dict[str, int]]:
     """Bytes per rank: {term: {"gpu": n, "cpu": n, "nvme": n}} for every term in TERMS.
 
@@ -215,7 +215,7 @@ def model_state_bytes(held: Holding, zero: Zero, *, dp: int, precision: str, con
     """
     num_params, stage = held.params, zero.stage
     offload_optimizer, offload_param = zero.offload_optimizer, zero.offload_param
-    _check(precision, stage, dp, offload_optimizer, offload_param)
+    _check(precision, stage, zero_shards, offload_optimizer, offload_param)
     if convention not in ("seed", "deepspeed") or phase not in PHASES:
         raise ValueError(f"convention {convention!r} / phase {phase!r}: expected seed|deepspeed, {'|'.join(PHASES)}")
     lp = PRECISION_BYTES[precision]
@@ -231,13 +231,13 @@ def model_state_bytes(held: Holding, zero: Zero, *, dp: int, precision: str, con
     if convention == "seed":
         opt = "gpu" if offload_optimizer == "none" else offload_optimizer
         par = "gpu" if offload_param == "none" else offload_param
-        entries = _seed_entries(num_params, stage, dp, lp, opt, par, trainable)
+        entries = _seed_entries(num_params, stage, zero_shards, lp, opt, par, trainable)
     elif stage == 0:
         entries = _stage0_entries(num_params, lp, trainable)
     else:
         grad_layer = largest_layer_params if held.largest_trainable_layer is None else held.largest_trainable_layer
-        r = _Rank(num_params, trainable, dp, lp, b, largest_layer_params, largest_tensor, grad_tensor, grad_layer,
-                  held.persistent, grad_accum, held.accum_elems)
+        r = _Rank(num_params, trainable, zero_shards, lp, b, largest_layer_params, largest_tensor, grad_tensor,
+                  grad_layer, held.persistent, grad_accum, held.accum_elems)
         entries = (_stage12_entries(r, stage, offload_optimizer != "none") if stage in (1, 2)
                    else _stage3_entries(r, offload_optimizer, offload_param))
     out = {term: dict.fromkeys(DEVICES, 0) for term in TERMS}

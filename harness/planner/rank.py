@@ -80,7 +80,7 @@ def shape_of(run: RunModel) -> dict | None:
 def _states(run: RunModel, live: LiveFacts):
     """states(stage, phase) -> model_state_bytes of this rank with the live facts, at any ZeRO stage."""
     z, ep = run.zero, run.degrees.ep
-    common = dict(dp=run.degrees.zero_shards, precision=run.precision, grad_accum=run.batch.grad_accum)
+    common = dict(zero_shards=run.degrees.zero_shards, precision=run.precision, grad_accum=run.batch.grad_accum)
 
     def states(stage: int, phase: str) -> dict:
         zero = Zero(stage, z.offload_optimizer, z.offload_param if stage == 3 else "none", z.buckets)
@@ -88,7 +88,8 @@ def _states(run: RunModel, live: LiveFacts):
                               persistent=live.persistent if stage == 3 else 0, accum_elems=live.partition_whole,
                               trainable=live.trainable, largest_trainable_tensor=live.largest_trainable_tensor,
                               largest_trainable_layer=live.largest_trainable_layer)
-        if ep > 1 and live.experts:  # AutoEP: this rank's experts shard over dp / ep ranks (planner/moe/parallel.py)
+        # AutoEP: this rank's experts shard over zero_shards / ep ranks (planner/moe/parallel.py)
+        if ep > 1 and live.experts:
             return moe.model_state_bytes(SimpleNamespace(total=live.total - live.experts + live.experts * ep,
                                                          routed_experts=live.experts * ep), held, zero, ep=ep,
                                          phase=phase, **common)
@@ -101,19 +102,20 @@ def rank_prediction(run: RunModel, live: LiveFacts) -> dict:
     """Predicted model states (after a step and at peak), activations and logged comm bytes per step of a rank
     outside a pipeline; the sp group's all-to-alls and the tp all-reduces join the comm bytes."""
     z, d = run.zero, run.degrees
-    dp, notes = d.zero_shards, []
+    zero_shards, notes = d.zero_shards, []
     states = _states(run, live)
-    out: dict = {"params_per_rank": live.total, "dp": dp, "stage": z.stage,
+    out: dict = {"params_per_rank": live.total, "dp": zero_shards, "stage": z.stage,
                  "after_step": states(z.stage, "after_step"), "peak": states(z.stage, "peak")}
     out["after_step_by_stage"] = {str(s): sum(memory.by_device(states(s, "after_step")).values()) for s in range(4)}
     gathers = gathers_per_micro_step(z.stage, live.total - live.persistent, z.max_live_params)
-    out["comm"] = comm.comm_bytes_per_step(live.total, stage=z.stage, dp=dp, precision=run.precision,
-                                           grad_accum=run.batch.grad_accum, persistent_params=live.persistent,
-                                           gathers_per_micro_step=gathers, trainable_params=live.trainable)
+    out["comm"] = comm.comm_bytes_per_step(live.total, stage=z.stage, zero_shards=zero_shards,
+                                           precision=run.precision, grad_accum=run.batch.grad_accum,
+                                           persistent_params=live.persistent, gathers_per_micro_step=gathers,
+                                           trainable_params=live.trainable)
     if d.ep > 1 and live.experts:
+        edp = max(1, zero_shards // d.ep)
         notes.append(f"expert parallel {d.ep}: {live.experts:,} expert parameters on this rank shard over "
-                     f"{max(1, dp // d.ep)} expert-data-parallel ranks (model states); the comm bytes count them "
-                     "over dp")
+                     f"{edp} expert-data-parallel ranks (model states); the comm bytes count them over dp")
     if z.stage == 3:
         notes.append(f"ZeRO-3 all-gathers parameters {gathers}x per micro-step "
                      f"({live.total - live.persistent:,} gathered params vs "
@@ -168,7 +170,7 @@ def _pipe_comm(run: RunModel, count, shape: ModelShape, mine: dict, trainable, l
     """Logged bytes per step of one pipeline rank by group: dp (at the step boundary), p2p, tp, tied embedding."""
     d, prec, stage = run.degrees, run.precision, live.pipe_stage
     seq_len, micro, m = run.sequence.seq_len, run.batch.micro_batch, run.batch.grad_accum
-    return {"dp": comm.comm_bytes_per_step(mine["params"], stage=run.zero.stage, dp=d.dp, precision=prec,
+    return {"dp": comm.comm_bytes_per_step(mine["params"], stage=run.zero.stage, zero_shards=d.dp, precision=prec,
                                            grad_accum=1 if run.zero.stage <= 1 else m, trainable_params=trainable),
             "pp": pipeline.p2p_bytes(shape, workload(run), stage=stage, pp=d.pp, micro_batches=m, tp=d.tp,
                                      partitioned=run.pipe_partitioned),
@@ -191,7 +193,8 @@ def pipeline_rank(run: RunModel, live: LiveFacts) -> dict:
                                          "largest_trainable_tensor": count.lora_largest_tensor}
     held = memory.Holding(mine["params"], largest_tensor=live.largest_tensor, **lora)
     zero = Zero(z.stage, z.offload_optimizer, buckets=z.buckets)
-    states = {phase: memory.model_state_bytes(held, zero, dp=d.dp, precision=run.precision, grad_accum=m, phase=phase)
+    states = {phase: memory.model_state_bytes(held, zero, zero_shards=d.dp, precision=run.precision, grad_accum=m,
+                                             phase=phase)
               for phase in memory.PHASES}
     groups = _pipe_comm(run, count, shape, mine, trainable, live)
     total: dict = {}

@@ -223,8 +223,8 @@ def _needs(spec, cfg: dict) -> dict[str, tuple[str, int]]:
     if zo.get("stage") == 3 and "nvme" in devices.values():
         local_ranks = spec.launch.local_size
         zero = Zero(3, devices["offload_optimizer"], devices["offload_param"])
-        states = memory.model_state_bytes(memory.Holding(total // (spec.tp * spec.pp)), zero, dp=spec.dp,
-                                          precision=precision)
+        states = memory.model_state_bytes(memory.Holding(total // (spec.tp * spec.pp)), zero,
+                                          zero_shards=spec.dp, precision=precision)
         per_rank = memory.by_device(states)["nvme"]
         out["nvme"] = (f"NVMe swap files ({per_rank:,} B per rank x {local_ranks} on this node)",
                        per_rank * local_ranks)

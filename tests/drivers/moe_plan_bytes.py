@@ -44,7 +44,7 @@ def ds_config(stage: int, ep: int) -> dict:
     return out
 
 
-def predicted(stage: int, ep: int, dp: int, ds: dict) -> dict:
+def predicted(stage: int, ep: int, zero_shards: int, ds: dict) -> dict:
     from harness.planner import memory, moe
     from harness.planner.params import count_params
     from dataclasses import replace
@@ -56,7 +56,7 @@ def predicted(stage: int, ep: int, dp: int, ds: dict) -> dict:
     zero = Zero(stage, buckets=b)
     held = memory.Holding(count.total, max(count.largest_layer, count.moe_block if stage == 3 else 0),
                           count.largest_tensor)
-    common = dict(dp=dp, precision="fp32", phase="after_step")
+    common = dict(zero_shards=zero_shards, precision="fp32", phase="after_step")
     if ep > 1:
         return moe.model_state_bytes(count, held, zero, ep=ep, **common)
     return memory.model_state_bytes(replace(held, persistent=count.persistent_numel(b.param_persistence_threshold)),

@@ -77,13 +77,14 @@ def rank_params(count, ep: int) -> int:
     return dense + experts
 
 
-def model_state_bytes(count, held: memory.Holding, zero, *, ep: int, dp: int, **kw) -> dict:
+def model_state_bytes(count, held: memory.Holding, zero, *, ep: int, zero_shards: int, **kw) -> dict:
     """memory.model_state_bytes for a rank of an ep-way expert-parallel layout: the non-expert parameters over
-    the dp ranks, this rank's experts over the dp / ep ranks of its expert-data-parallel group (held's params
-    replaced by those two shares); the buffers (buckets, staging, gathered parameters) of the non-expert call only."""
+    the zero_shards ranks, this rank's experts over the zero_shards / ep ranks of its expert-data-parallel group
+    (held's params replaced by those two shares); the buffers (buckets, staging, gathered parameters) of the
+    non-expert call only."""
     dense, experts = split(count, ep)
-    out = memory.model_state_bytes(replace(held, params=dense), zero, dp=dp, **kw)
-    theirs = memory.model_state_bytes(replace(held, params=experts), zero, dp=max(1, dp // ep), **kw)
+    out = memory.model_state_bytes(replace(held, params=dense), zero, zero_shards=zero_shards, **kw)
+    theirs = memory.model_state_bytes(replace(held, params=experts), zero, zero_shards=max(1, zero_shards // ep), **kw)
     for term in STATE_TERMS:
         for device, nbytes in theirs[term].items():
             out[term][device] += nbytes
@@ -103,15 +104,15 @@ def all_to_all_calls(count, *, micro_batches: int, activation_checkpointing: boo
     return A2A_PER_BLOCK[bool(activation_checkpointing)] * count.moe_layers * micro_batches
 
 
-def comm_groups(count, work: Workload, *, ep: int, stage: int, dp: int, hidden: int) -> dict:
+def comm_groups(count, work: Workload, *, ep: int, stage: int, zero_shards: int, hidden: int) -> dict:
     """comm.comm_rows groups of an EP layout training `work` (no pipeline: its grad_accum micro-batches per step):
-    the non-expert gradients over dp, the experts' over the expert-data-parallel group ("edp", dp / ep ranks), the
-    all-to-all over the expert-parallel group ("ep")."""
+    the non-expert gradients over the ZeRO group ("dp", zero_shards ranks), the experts' over the expert-data-parallel
+    group ("edp", zero_shards / ep ranks), the all-to-all over the expert-parallel group ("ep")."""
     dense, experts = split(count, ep)
-    edp, precision, grad_accum = max(1, dp // ep), work.precision, work.grad_accum
-    groups = {"dp": (comm.comm_bytes_per_step(dense, stage=stage, dp=dp, precision=precision,
-                                              grad_accum=grad_accum), dp),
-              "edp": (comm.comm_bytes_per_step(experts, stage=stage, dp=edp, precision=precision,
+    edp, precision, grad_accum = max(1, zero_shards // ep), work.precision, work.grad_accum
+    groups = {"dp": (comm.comm_bytes_per_step(dense, stage=stage, zero_shards=zero_shards, precision=precision,
+                                              grad_accum=grad_accum), zero_shards),
+              "edp": (comm.comm_bytes_per_step(experts, stage=stage, zero_shards=edp, precision=precision,
                                                grad_accum=grad_accum), edp)}
     a2a = all_to_all_bytes(count, hidden, ep=ep, seq_len=work.seq_len, micro_batch=work.micro_batch,
                            micro_batches=grad_accum, precision=precision,
@@ -120,12 +121,12 @@ def comm_groups(count, work: Workload, *, ep: int, stage: int, dp: int, hidden: 
     return groups
 
 
-def optimizer_shard(count, ep: int, stage: int, dp: int) -> int:
+def optimizer_shard(count, ep: int, stage: int, zero_shards: int) -> int:
     """Parameters this rank's optimizer steps."""
     dense, experts = split(count, ep)
     if stage == 0:
         return dense + experts
-    return -(-dense // dp) + -(-experts // max(1, dp // ep))
+    return -(-dense // zero_shards) + -(-experts // max(1, zero_shards // ep))
 
 
 def routed_flops_per_token(count) -> float:
