@@ -138,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     recipe = {"precision": "bf16", "activation_checkpointing": False, "monitor": {},
               "profile": {"steps": args.profile_steps, "memory": True},
               "train": {"model": args.shape, "seq_len": args.seq_len, "steps": args.steps}}
-    spec = SimpleNamespace(recipe=recipe, recipe_name="zero2", world_size=dist.world_size, dp=dist.world_size,
+    from harness.config.recipes import complete
+
+    # the spec's recipe is complete like a launch's (the run's prediction builds the planner's RunModel from every
+    # key); recipe.json keeps the check's own keys
+    full = complete({**recipe, "description": "GPU check"}, "gpu_check")
+    spec = SimpleNamespace(recipe=full, recipe_name="zero2", world_size=dist.world_size, dp=dist.world_size,
                            tp=1, pp=1, ds_config=ds_config(cfg["hidden_size"], args.micro_batch, args.steps,
                                                            dist.world_size))
     spec.ds_config = {**spec.ds_config, **profiling.ds_overrides(spec, run_dir)}  # new top-level keys only
