@@ -61,7 +61,7 @@ def workload(run: RunModel) -> Workload:
     seq, b = run.sequence, run.batch
     return Workload(seq.seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
                     attention=attention_kind(seq, run.degrees.sp), packing=seq.packing,
-                    global_batch=b.micro_batch * b.grad_accum * run.degrees.dp, tile_tokens=seq.tile_tokens)
+                    global_batch=b.global_batch, tile_tokens=seq.tile_tokens)
 
 
 def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> int:
