@@ -67,10 +67,9 @@ def _settled(betas: list[tuple[float, float]], powers: np.ndarray) -> bool:
 
 
 @torch.no_grad()
-def rebuild(engine) -> int:
-    """After a checkpoint load, put the Adam kernel's running beta powers where an uninterrupted run has them.
-    Every rank (each process has its own kernel). Returns the steps replayed."""
-    opt = base_optimizer(engine)
+def rebuild(opt) -> int:
+    """After `opt` (base_optimizer(engine)) loaded its state, put its Adam kernel's running beta powers where an
+    uninterrupted run has them. Every rank: each process has its own kernel. Returns the steps replayed."""
     call = _kernel(opt) if opt is not None else None
     steps = loaded_step(opt) if call is not None else 0
     groups = [g for g in (opt.param_groups if call is not None else []) if g["params"]]

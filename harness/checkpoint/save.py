@@ -163,7 +163,7 @@ def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str, rng_dir: Path | None 
     path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=strict)
     if path is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint {ckpt_dir / tag}")
-    adam_powers.rebuild(engine)  # the CPU Adam kernel's beta^t, which no checkpoint holds: else 1 ulp off
+    adam_powers.rebuild(adam_powers.base_optimizer(engine))  # the CPU Adam kernel's beta^t: no checkpoint holds it
     client = client or {}
     rng = (rng_dir or ckpt_dir / tag) / f"rng_rank{dist.rank}.pt"
     if rng.is_file():
