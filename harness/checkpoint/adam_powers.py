@@ -10,6 +10,9 @@ that was never stopped (issue #33 part 4). The products live in the kernel, per 
 state_dict; `rebuild` makes them again after a load by calling the kernel for steps 1..k on a one-element dummy
 tensor, with each param group's betas, as the uninterrupted run did. The real tensors are not touched.
 
+Checked on 2 CPU ranks (issue #33): ZeRO-1, 2 and 3, fp32 and bf16, ZeRO-2 with CPU offload, resumed from
+another process: every loss and every checkpoint tensor bit-equal to the uninterrupted run with the rebuild.
+
 CUDA's FusedAdam computes pow(beta, step) at every step (no state), so there is nothing to rebuild on a GPU unless
 the optimizer is offloaded to the CPU.
 """
@@ -71,10 +74,11 @@ def rebuild(opt) -> int:
     """After `opt` (base_optimizer(engine)) loaded its state, put its Adam kernel's running beta powers where an
     uninterrupted run has them. Every rank: each process has its own kernel. Returns the steps replayed."""
     call = _kernel(opt) if opt is not None else None
-    steps = loaded_step(opt) if call is not None else 0
-    groups = [g for g in (opt.param_groups if call is not None else []) if g["params"]]
-    if not steps or not groups:
+    if call is None or not loaded_step(opt):
         return 0
+    steps = loaded_step(opt)
+    # ZeRO-3 puts each sub-group's partition into its param group only while it steps: then every group counts
+    groups = [g for g in opt.param_groups if g["params"]] or opt.param_groups
     betas = [tuple(g["betas"]) for g in groups]
     powers = np.ones(2 * len(groups), dtype=np.float32)
     factors = np.asarray(np.ravel(betas), dtype=np.float32)
