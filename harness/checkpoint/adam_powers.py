@@ -4,14 +4,15 @@ DeepSpeed's C++ Adam (csrc/includes/cpu_adam.h, Adam_Optimizer::IncrementStep), 
 offload, on any machine) and FusedAdam on the CPU accelerator, computes the bias corrections from beta^t that it
 updates in float: beta^t *= beta when a call's step is the last one + 1, else std::pow(beta, step). A process that
 trained from step 1 holds the product of t roundings; a process that loaded step k from a checkpoint calls with
-k + 1 first and gets pow(beta, k + 1), often 1 ulp away from the product (betas 0.9, 0.95: at 17 of the steps
+k + 1 first and gets pow(beta, k + 1), often 1 ulp away from the product (betas 0.9, 0.95: at 18 of the steps
 6..24), so 1 - beta2^t, every update after the resume, and the weights differ in their last bits from the run
 that was never stopped (issue #33 part 4). The products live in the kernel, per process, not in the optimizer's
 state_dict; `rebuild` makes them again after a load by calling the kernel for steps 1..k on a one-element dummy
 tensor, with each param group's betas, as the uninterrupted run did. The real tensors are not touched.
 
-Checked on 2 CPU ranks (issue #33): ZeRO-1, 2 and 3, fp32 and bf16, ZeRO-2 with CPU offload, resumed from
-another process: every loss and every checkpoint tensor bit-equal to the uninterrupted run with the rebuild.
+Checked on 2 CPU ranks (issue #33), resumed in another process: ZeRO-0 bf16, ZeRO-1 fp32, ZeRO-2 and ZeRO-3 fp32
+and bf16, ZeRO-2 with CPU offload; with the rebuild every loss and checkpoint tensor is bit-equal to the
+uninterrupted run's.
 
 CUDA's FusedAdam computes pow(beta, step) at every step (no state), so there is nothing to rebuild on a GPU unless
 the optimizer is offloaded to the CPU.
