@@ -162,10 +162,6 @@ def until(proc: subprocess.Popen, log: Path, predicate, what: str, timeout_s: fl
     return value
 
 
-def kill_rank(proc: subprocess.Popen, log: Path, rank: int) -> None:
-    os.kill(until(proc, log, lambda: rank_pid(proc.pid, rank), f"rank {rank}"), signal.SIGKILL)
-
-
 def tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor in a loaded checkpoint file, by its path in the nested dicts and lists."""
     if torch.is_tensor(obj):
@@ -206,8 +202,7 @@ def test_killed_three_times_restarts_in_the_same_folder_and_ends_bitwise_equal(z
     began = time.monotonic()
     try:
         run = until(proc, log, lambda: next(out.glob("*_zero2"), None), "the run folder")
-        until(proc, log, lambda: train_steps_logged(run) >= 1, "step 1")
-        kill_rank(proc, log, 1)  # before the first checkpoint: the restart starts over
+        kill_when(proc, log, 1, lambda: train_steps_logged(run) >= 1, "step 1")  # no checkpoint yet: starts over
         until(proc, log, lambda: len(restarts.read(run)) == 1, "the first restart")
         kill_when(proc, log, 0, lambda: complete(run, SAVE), f"a complete global_step{SAVE}")
         until(proc, log, lambda: len(restarts.read(run)) == 2, "the second restart")
