@@ -324,8 +324,8 @@ def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work
             per_stage.append({"stage": i, "compute_s": busy, "idle_s": max(0.0, step - busy), "busy": busy / step})
     tokens = work.global_batch * work.seq_len  # a preference run's: both sequences of each pair (_sequence_work)
     peak = hardware.peak_flops(profile, work.precision)  # MFU on active parameters (model_flops_per_step)
-    extra = {"reference_pass_s": reference.pass_s(work, world, t_mb["forward"])} if ref.get("mode") == "precomputed" \
-        else {}
+    # what the precomputed pass would cost before training (shown beside every mode; in the step for none)
+    extra = {"reference_pass_s": reference.pass_s(work, world, t_mb["forward"])} if ref.get("mode") else {}
     return {**extra, "step_time_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,
             "mfu": model_flops_per_step(count, shape, work.seq_len, tokens) / (step * world * peak),
             "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"],
