@@ -162,3 +162,24 @@ def test_run_model_resolves_the_reference_mode(overrides, mode):
     assert run.preference.reference_mode == mode and run.preference.beta == 0.1
     lm, source = load_recipe("zero2", ["train.model=tiny-llama"])
     assert RunModel.from_resolved(lm, ds, 2, {}).preference is None
+
+
+@pytest.mark.multirank
+def test_reference_engine_bytes_equal_the_live_engines(tmp_path):
+    """A frozen reference engine (deepspeed.initialize, no optimizer) on 2 CPU ranks holds the bytes the planner
+    counts: ZeRO-3 its partitions plus the persistent tensors whole, stage 0 a whole copy (tests/drivers/
+    reference_bytes.py); after a no_grad forward ZeRO-3 holds nothing gathered."""
+    from helpers.launch import launch
+
+    out = tmp_path / "bytes.json"
+    launch(str(out), script="tests/drivers/reference_bytes.py", timeout_s=240)
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"bytes.json.rank{rank}").read_text())
+        z3, z0 = results["zero3"], results["zero0"]
+        held = z3["held"]["partitioned"] + z3["held"]["whole"]
+        # DeepSpeed pads each tensor's partition to a multiple of the world: at most 1 element per tensor more
+        assert 0 <= held - z3["planned"]["gpu"] <= 4 * 64, (rank, held, z3["planned"])
+        assert z3["held"]["whole"] > 0 and z3["held"]["partitioned"] < 4 * z3["params"]  # sharded, norms whole
+        assert z3["after_forward"]["gathered"] == 0, z3["after_forward"]
+        assert z0["held"]["whole"] == z0["planned"]["gpu"] == 4 * z0["params"]
+        print(f"rank {rank}: zero3 engine {held} B, planner {z3['planned']['gpu']} B; zero0 {z0['held']['whole']} B")
