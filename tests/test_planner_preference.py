@@ -155,11 +155,22 @@ def test_run_model_resolves_the_reference_mode(overrides, mode):
     from harness.config.recipes import load_recipe
     from harness.config.run_model import RunModel
     from harness.config.validate import check_recipe, context, strip_annotations
+    from harness.model_shapes import PRESETS
+    from harness.planner import evaluate
+    from harness.planner.rank import LiveFacts
 
     recipe, source = load_recipe("zero2", ["train.model=tiny-llama", "train.objective=dpo", *overrides])
     ds = strip_annotations(check_recipe(recipe, context(recipe, 2), source).ds_config)
-    run = RunModel.from_resolved(recipe, ds, 2, {})
+    cfg = dict(PRESETS["tiny-llama"])
+    run = RunModel.from_resolved(recipe, ds, 2, cfg)
     assert run.preference.reference_mode == mode and run.preference.beta == 0.1
+    # the run's own prediction: two sequences per pair, an engine's frozen weights in its peak
+    count = count_params(cfg)
+    live = LiveFacts(total=count.total, largest_layer=count.largest_layer, largest_tensor=count.largest_tensor)
+    own = evaluate(run, live=live).rank
+    assert own["activations"]["tokens_per_rank"] == 2 * run.batch.micro_batch * run.sequence.seq_len
+    assert own.get("reference") == (reference.engine_bytes(count.total, stage=2, offload_param="none", zero_shards=2,
+                                                           precision=run.precision) if mode == "engine" else None)
     lm, source = load_recipe("zero2", ["train.model=tiny-llama"])
     assert RunModel.from_resolved(lm, ds, 2, {}).preference is None
 

@@ -58,10 +58,11 @@ def long_context(seq: Sequence, sp: int) -> LongContext:
 
 def workload(run: RunModel) -> Workload:
     """The planner's workload of this run: its batch, sequence handling and precision."""
-    seq, b = run.sequence, run.batch
+    seq, b, pref = run.sequence, run.batch, run.preference
+    goal = {"objective": pref.objective, "reference_mode": pref.reference_mode} if pref else {}
     return Workload(seq.seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
                     attention=attention_kind(seq, run.degrees.sp), packing=seq.packing,
-                    global_batch=b.global_batch, tile_tokens=seq.tile_tokens)
+                    global_batch=b.global_batch, tile_tokens=seq.tile_tokens, **goal)
 
 
 def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> int:
