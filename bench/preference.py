@@ -59,12 +59,13 @@ def write_model(folder: Path, size: str) -> int:
 
 
 def write_pairs(path: Path, pairs: int, seq_len: int) -> None:
-    """Prompts of about seq_len / 4 words, completions longer than seq_len: every row is cut to seq_len."""
+    """Prompts of seq_len / 10 words (a word is 2-3 tokens), completions longer than seq_len: every row is cut to
+    seq_len."""
     rng = random.Random(0)
     words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
     with path.open("w") as f:
         for _ in range(pairs):
-            f.write(json.dumps({"prompt": words(seq_len // 4), "chosen": words(seq_len),
+            f.write(json.dumps({"prompt": words(seq_len // 10), "chosen": words(seq_len),
                                 "rejected": words(seq_len)}) + "\n")
 
 
