@@ -13,7 +13,8 @@ resolved config. Reported per mode from the runs' own files: the peak per rank m
 (summary.json memory.predicted_peak_total_per_rank, which counts the engine mode's reference weights), and tokens/s
 over the steps after the warm-up (2 x seq_len tokens per pair; the precomputed pass is before step 1 and not in
 it). Goal: harness engine mode / plain loop >= 0.98. Everything goes under a temporary folder deleted at the end
-(unless --keep).
+(unless --keep). On CPU ranks the measured peak includes each process's own heap (Python, torch, the tokenizer:
+hundreds of MB), so the memory ratio says something only where the model dominates, or on GPUs.
 """
 
 from __future__ import annotations
