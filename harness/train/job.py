@@ -64,6 +64,13 @@ def load_data(spec, dist, tokenizer) -> Data:
 
     start = time.perf_counter()
     train = spec.recipe["train"]
+    if train["objective"] != "lm":  # preference pairs (harness/data/preference.py), not packed rows
+        from harness.data.preference import load_pairs
+
+        train_pairs, eval_pairs, lines = load_pairs(spec, dist, tokenizer)
+        for line in lines if dist.is_main else ():
+            say("data", line)
+        return Data(train=train_pairs, eval=eval_pairs)
     data_spec = DataSpec.from_train(train)
     if data_spec.uses_chat_template:  # every rank, so all exit with the message before any waits on a store
         check_chat_template(tokenizer, train["model"], data_spec.format)
