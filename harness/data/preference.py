@@ -75,7 +75,7 @@ class Pairs:
 
     def completion_tokens(self) -> torch.Tensor:
         start, end = self._bounds()
-        return end - start.clamp(min=1)  # position 0 is never a target after the shift
+        return (end - start.clamp(min=1)).clamp(min=0)  # position 0 is never a target after the shift
 
 
 def notes(meta: dict, truncation: str) -> list[str]:

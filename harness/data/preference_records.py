@@ -106,10 +106,14 @@ def pair_problem(record: dict, prompt_field: str = "prompt") -> str | None:
     return None
 
 
-def check_pair_template(tokenizer, model: str = "") -> None:
-    from harness.data.formats import check_chat_template
-
-    check_chat_template(tokenizer, model, "message-list preference records")
+def check_pair_template(tokenizer, where: str = "a preference record") -> None:
+    if getattr(tokenizer, "chat_template", None):
+        return
+    model = getattr(tokenizer, "name_or_path", "") or "(the run's)"
+    raise UsageError(f"{where} holds message lists but the tokenizer of model {model} has no chat "
+                     "template to render them\n    fix: use a model whose tokenizer_config.json (or chat_template.jinja) "
+                     "defines one (tokenizer.chat_template = '<jinja>'; tokenizer.save_pretrained(model_dir)), or "
+                     "write the records as prompt/chosen/rejected texts")
 
 
 def _chat_ids(tokenizer, messages: list, generation: bool = False) -> list[int]:

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from harness.data.corpus import DataSpec, source_fingerprint
-from harness.data.preference_records import (empty_after_tokens, encode_pairs, fit_pair, pair_fix, pair_problem,
-                                             prompt_fills, split_pair)
+from harness.data.preference_records import (check_pair_template, empty_after_tokens, encode_pairs, fit_pair,
+                                             pair_fix, pair_problem, prompt_fills, split_pair)
 from harness.data.store import _exclusive, _publish, dtype_for, run_in_child, store_path, tokenizer_hash
 from harness.errors import UsageError
 
@@ -82,6 +82,8 @@ def fitted_rows(spec: DataSpec, tokenizer, records: list[dict], first: int, seq_
             raise UsageError(f"{where(offset)} is not a valid preference record (train.objective "
                              f"{spec.objective!r}): {problem}: {str(record)[:160]}\n"
                              f"    fix: {pair_fix(spec.prompt_field)}")
+    if lists := [offset for offset, record in enumerate(records) if isinstance(record["chosen"], list)]:
+        check_pair_template(tokenizer, where(lists[0]))
     encoded = encode_pairs(tokenizer, [split_pair(r, spec.prompt_field) for r in records])
     out = []
     for offset, (prompt, chosen, rejected, mismatched) in enumerate(encoded):
