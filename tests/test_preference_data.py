@@ -106,6 +106,21 @@ def test_message_and_ultrafeedback_pairs_use_the_chat_template(tmp_path, chat_to
     assert meta["mismatched"] == 0
 
 
+def test_parquet_and_json_array_files_give_the_same_pairs_as_json_lines(tmp_path, chat_tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    user = [{"role": "user", "content": f"word {i}?"} for i in range(3)]
+    records = [{"prompt": "p", "chosen": [u, {"role": "assistant", "content": "yes"}],
+                "rejected": [u, {"role": "assistant", "content": "no"}]} for u in user]
+    want, _, _ = pairs_of(jsonl(tmp_path / "a.jsonl", records), chat_tok, 32)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "a.parquet")
+    (tmp_path / "a.json").write_text(json.dumps(records))
+    for name in ("a.parquet", "a.json"):
+        got, meta, _ = pairs_of(tmp_path / name, chat_tok, 32)
+        assert meta["pairs"] == 3 and all(torch.equal(a, b) for a, b in zip(got.tensors(), want.tensors()))
+
+
 def test_text_without_a_prompt_splits_at_the_common_prefix_like_trl(tmp_path, tok):
     records = [{"chosen": Q + " Blue sky.", "rejected": Q + " Green sky."},  # the space goes with the completion
                {"chosen": Q + " It is blue.", "rejected": Q + " It is green."}]  # the prompt runs to " It is"

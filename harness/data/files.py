@@ -146,7 +146,7 @@ def _check_parquet(path: Path, spec: DataSpec) -> None:
         raise _problem(path, f"is not a readable parquet file ({type(e).__name__}: {str(e).splitlines()[0]})",
                        "write it with pandas.DataFrame.to_parquet / pyarrow.parquet.write_table, or use "
                        ".jsonl") from None
-    names = meta.schema.names
+    names = meta.schema.to_arrow_schema().names  # top-level columns (schema.names lists nested leaves)
     if meta.num_rows == 0:
         raise _problem(path, f"has no rows (columns: {', '.join(names)})", _empty_fix(spec, "parquet"))
     for recipe_key, column in spec.columns.items():

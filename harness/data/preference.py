@@ -110,6 +110,6 @@ def load_pairs(spec, dist, tokenizer) -> tuple[Pairs, Pairs, list[str]]:
                                dist.local_rank)
     train_pairs, eval_pairs = split_rows(Pairs.of(store), train["eval_fraction"], train["seed"])
     meta = store["meta"]
-    lines = [f"{'prepared' if made else 'using'} preference store {store['path']}: ({meta['dtype']}) data ready in "
+    lines = [f"{'prepared' if made else 'using'} preference store {store['path']} ({meta['dtype']}); data ready in "
              f"{time.perf_counter() - start:.2f}s", *notes(meta, truncation)]
     return train_pairs, eval_pairs, lines
