@@ -124,6 +124,10 @@ def _chat_ids(tokenizer, messages: list, generation: bool = False) -> list[int]:
 def encode_pairs(tokenizer, pairs: list[tuple]) -> list[tuple[list[int], list[int], list[int], bool]]:
     """(prompt ids, chosen completion ids, rejected completion ids, mismatched) per (prompt, chosen, rejected)."""
     eos = tokenizer.eos_token
+    if eos is None and any(isinstance(pair[1], str) for pair in pairs):
+        raise UsageError("the tokenizer has no eos token to end each text completion with (TRL's rule)\n    fix: use "
+                         "a tokenizer with an eos token, or write the records as message lists (the chat template "
+                         "ends each turn)")
     texts = [(p, c if c.endswith(eos) else c + eos, r if r.endswith(eos) else r + eos)
              for p, c, r in pairs if isinstance(c, str)]
     flat = [t for p, c, r in texts for t in (p, p + c, p + r)]
