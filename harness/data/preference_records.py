@@ -82,7 +82,8 @@ def pair_problem(record: dict, prompt_field: str = "prompt") -> str | None:
     chosen, rejected = (record.get(c) for c in PAIR_COLUMNS)
     for name, value in zip(PAIR_COLUMNS, (chosen, rejected)):
         if value is None:
-            return f"has no {name!r} (its keys: {', '.join(record) or '(none)'})"
+            held = [key for key, v in record.items() if v is not None]  # `datasets` fills a missing key with None
+            return f"has no {name!r} (its keys: {', '.join(held) or '(none)'})"
         if not isinstance(value, (str, list)):
             return f"{name!r} is a {type(value).__name__} ({str(value)[:40]!r}), not text or a list of messages"
         if isinstance(value, list) and (problem := _messages_problem(value)):
