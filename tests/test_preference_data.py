@@ -168,14 +168,31 @@ def test_tensors_put_chosen_first_ids_are_stable_and_the_store_is_reused(tmp_pat
     assert np.shares_memory(batch.store["chosen"], pairs.store["chosen"])  # a view of the one map
 
 
+def test_data_prepare_builds_the_store_a_run_reuses_and_counts_identical_pairs(tmp_path, tok, capsys):
+    from harness.cli import main
+
+    records = [{"prompt": f"Q{i}:", "chosen": f" yes {i}", "rejected": f" no {i}"} for i in range(5)]
+    path = jsonl(tmp_path / "c.jsonl", records + [{"prompt": "Q:", "chosen": " same", "rejected": " same"}])
+    root = tmp_path / "stores"
+    assert main(["data", "prepare", "--dataset", str(path), "--model", "tiny-llama", "--seq-len", "24", "--out",
+                 str(root), "--set", "train.objective=dpo", "--set", "preference.truncation=drop"]) == 0
+    out = capsys.readouterr().out
+    assert "prepared in" in out and "6 pairs from 6 records" in out and "1 pairs have the same chosen" in out
+    _, meta, made = pairs_of(path, tok, 24, "drop", root=root)
+    assert not made and meta["identical"] == 1
+
+
 def test_builtin_preference_set_and_load_pairs(tmp_path, tok):
     from types import SimpleNamespace
 
     recipe = {"train": {"dataset": "builtin", "objective": "dpo", "seq_len": 64, "store_dir": str(tmp_path),
                         "eval_fraction": 0.05, "seed": 0, "model": "tiny-llama"},
               "preference": {"truncation": "truncate"}}
+    built, _ = prepare_pairs(DataSpec(objective="dpo"), tok, 64, "truncate", str(tmp_path))  # in this process
+    # (a launch's local rank 0 builds it in a spawned child: store.run_in_child, tested in test_store.py)
     train, held, lines = load_pairs(SimpleNamespace(recipe=recipe), SimpleNamespace(local_rank=0), tok)
-    assert (len(train), len(held)) == (190, 10) and train.shape[1] == 64
+    assert (len(train), len(held)) == (190, 10) and train.shape[1] == 64 and train.path == built["path"]
+    assert lines[0].startswith(f"using preference store {built['path']}")
     assert "200 pairs from 200 records" in lines[1] and "0 truncated" in lines[1]
     ids, labels = train[:4].tensors()
     assert all(tok.decode(ids[i]).startswith("Question: ") for i in range(8))
