@@ -14,6 +14,7 @@ from harness.checkpoint import files as ckpt_files
 from harness.checkpoint import resume
 from harness.checkpoint import save as checkpoint
 from harness.config.jsonio import dump_json
+from harness.config.preference_rules import is_preference
 from harness.config.recipes import deep_merge
 from harness.config.resolve import render_provenance
 from harness.errors import UsageError
@@ -77,6 +78,19 @@ def load_data(spec, dist, tokenizer) -> Data:
         if note := empty_rows_note(meta):
             say("data", f"warning: {note}")
     return Data(train=train_rows, eval=eval_rows)
+
+
+def load_preference(spec, dist, tokenizer, run_dir: Path) -> Data:
+    """A preference run's pairs (harness/data/preference.py) and its reference (train/reference.py), before the
+    policy is built: a precomputed reference is loaded, run over the pairs and freed first."""
+    from harness.data.preference import load_pairs
+    from harness.train import reference
+
+    train, evals, notes = load_pairs(spec, dist, tokenizer)
+    for note in notes if dist.is_main else ():
+        say("data", note)
+    folder = getattr(train, "store_dir", None) or run_dir  # the cache lives beside the pairs' token store
+    return Data(train=train, eval=evals, reference=reference.start(spec, dist, (train, evals), folder, say))
 
 
 def build_engine(spec, startup):
@@ -199,7 +213,8 @@ def run(spec, dist) -> int:
         distmod.barrier()
         trackers = start_trackers(spec, dist, run_dir)  # exit 2 on every rank when one cannot start
         tokenizer = load_tokenizer(spec.recipe["train"]["model"])
-        data = load_data(spec, dist, tokenizer)
+        data = (load_preference(spec, dist, tokenizer, run_dir) if is_preference(spec.recipe)
+                else load_data(spec, dist, tokenizer))
         checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
         startup = profiling.Startup(dist.device)
         engine, info, notes = build_engine(spec, startup)
