@@ -185,8 +185,9 @@ def reference_problems(recipe: dict, cfg: dict) -> list[Problem]:
         other = model_config(ref)
     except UsageError as e:
         return [_as_problem("preference.reference", e)]
-    return [Problem("preference.reference", f"the reference {ref} has {key} {other.get(key)!r}, the policy "
-                    f"{recipe['train']['model']} {cfg.get(key)!r}: their log-probs of the same tokens do not compare",
+    return [Problem("preference.reference", f"{key} {other.get(key)!r} of the reference, {cfg.get(key)!r} of the "
+                    f"policy: their log-probs of the same tokens do not compare (reference {ref}, policy "
+                    f"{recipe['train']['model']})",
                     "use a reference of the policy's architecture and tokenizer (the model the policy starts from)")
             for key in ("model_type", "vocab_size") if other.get(key) != cfg.get(key)]
 
