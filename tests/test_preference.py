@@ -9,9 +9,6 @@ reads the precomputed table from the cache. The layout refusals run without rank
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,9 +19,10 @@ from helpers.models import llama_folder, perturbed_folder, qwen2_folder
 from helpers.pairs_standin import build_pairs, split, write_pairs
 from helpers.preference_ref import METRICS, Case, expected
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, SEQ_LEN, MICRO, LR, EVAL_FRACTION = 2, 32, 2, 1.0, 0.25
-RTOL, ATOL = 1e-5, 1e-6  # relative, with an absolute floor for values near 0 (a margin of two close rewards)
+# Relative, with an absolute floor for values near 0: a reward is beta x a difference of two ~100-nat fp32 sums, whose
+# ulp is 7.6e-6, so a margin of two close rewards carries ~1e-6 of rounding on either side.
+RTOL, ATOL = 1e-5, 2e-6
 
 
 def common(folder: Path, case: Case, data: Path) -> list[str]:
@@ -49,12 +47,12 @@ def cases(root: Path) -> list[Case]:
     llama, qwen = llama_folder(root / "llama"), qwen2_folder(root / "qwen2")
     llama_ref, qwen_ref = perturbed_folder(llama, root / "llama_ref"), perturbed_folder(qwen, root / "qwen2_ref")
     return [Case("ddp_dpo_precomputed", "ddp", llama, "dpo", "precomputed", llama_ref, label_smoothing=0.1),
-            Case("zero1_orpo", "zero1", qwen, "orpo"),
+            Case("zero1_ipo_engine", "zero1", llama, "ipo", "engine", llama_ref),  # a stage-0 reference copy
             Case("zero2_dpo_ga2_precomputed", "zero2", qwen, "dpo", "auto", qwen_ref, gas=2),
-            Case("zero3_dpo_engine", "zero3", qwen, "dpo", "engine", qwen_ref),
-            Case("zero3_ipo_precomputed", "zero3", llama, "ipo", "precomputed", llama_ref),
-            Case("zero2_offload_simpo", "zero2_offload", llama, "simpo"),
-            Case("zero1_ipo_engine", "zero1", llama, "ipo", "engine", llama_ref),
+            Case("zero3_dpo_engine", "zero3", qwen, "dpo", "engine", qwen_ref),  # a ZeRO-3 reference engine
+            Case("zero3_ipo_precomputed", "zero3", llama, "ipo", "precomputed", llama_ref),  # a ZeRO-3 pass
+            Case("zero1_simpo", "zero1", qwen, "simpo"),
+            Case("zero2_offload_orpo", "zero2_offload", llama, "orpo"),
             Case("zero2_lora_dpo_adapter", "zero2", llama, "dpo", "adapter", lora=True),
             Case("zero3_lora_dpo_adapter", "zero3", qwen, "dpo", "auto", lora=True)]
 
@@ -76,11 +74,19 @@ def launched(tmp_path_factory):
     return root, data, all_cases, proc, time.perf_counter() - start
 
 
-def _close(got, want) -> float:
-    assert got is not None, f"not logged (want {want})"
+def _close(name: str, got, want) -> tuple[float, float]:
+    """(the logged value's expected magnitude, its absolute error)."""
+    assert got is not None, f"{name} not logged (want {want})"
     err = abs(got - want)
-    assert err <= RTOL * abs(want) + ATOL, f"{got} vs {want}"
-    return err / max(abs(want), ATOL / RTOL)
+    assert err <= RTOL * abs(want) + ATOL, f"{name}: {got} vs {want}"
+    return abs(want), err
+
+
+def _worst(errs: list[tuple[float, float]]) -> str:
+    """The largest relative error of the values not near 0, the largest absolute error of those near 0."""
+    rel = max((err / size for size, err in errs if size >= 0.01), default=0.0)
+    near = max((err for size, err in errs if size < 0.01), default=0.0)
+    return f"rel {rel:.2g}, abs {near:.2g} near 0"
 
 
 @pytest.mark.multirank
@@ -98,14 +104,14 @@ def test_every_objective_layout_and_mode_matches_plain_torch(launched):
         got = records(root / case.name, "train")
         errs = []
         for step, (g, w) in enumerate(zip(got, want["train"])):
-            keys = ("loss", *METRICS) + (("grad_norm",) if g["grad_norm"] is not None else ())  # ddp: none
-            errs += [(f"step{step + 1}.{k}", _close(g[k], w[k])) for k in keys]
+            # DeepSpeed computes no grad norm on ZeRO-0 without clipping (gradient_clipping 0): logged as null
+            keys = ("loss", *METRICS) + (("grad_norm",) if case.recipe != "ddp" else ())
+            errs += [_close(f"step{step + 1}.{k}", g[k], w[k]) for k in keys]
         [evaluated] = records(root / case.name, "eval")
-        errs += [(k, _close(evaluated[k], v)) for k, v in want["eval"].items()]
-        worst[case.name] = max(errs, key=lambda e: e[1])
+        errs += [_close(k, evaluated[k], v) for k, v in want["eval"].items()]
+        worst[case.name] = _worst(errs)
         assert len(got) == STEPS and got[1]["loss"] != got[0]["loss"]
-    print(f"launch {seconds:.1f}s; worst relative error per case: {worst}")
-    assert any(r["grad_norm"] is not None for r in records(root / "zero3_dpo_engine", "train"))
+    print(f"launch {seconds:.1f}s; worst error per case over {len(errs)} values: {worst}")
 
 
 @pytest.mark.multirank
@@ -117,12 +123,42 @@ def test_modes_are_named_and_the_precomputed_table_is_reused_on_resume(launched)
     assert "reference: engine of" in out("zero3_dpo_engine") and "ZeRO-3 sharded" in out("zero3_dpo_engine")
     assert "reference: adapter" in out("zero3_lora_dpo_adapter")  # auto under LoRA with no other reference
     assert "reference: precomputed" in out("zero2_dpo_ga2_precomputed")  # auto otherwise
-    assert "reference:" not in out("zero1_orpo") + out("zero2_offload_simpo")
+    assert "reference:" not in out("zero1_simpo") + out("zero2_offload_orpo")
     resumed = job_output(proc.stdout, len(all_cases))
     assert "read from" in resumed and "reference_logps-" in resumed
     first, again = records(root / all_cases[0].name, "train"), records(root / "resumed", "train")
     assert [r["step"] for r in again] == [2] and again[0]["loss"] == first[1]["loss"]
     assert all(not p.name.startswith("reference") for p in (root / all_cases[0].name / "checkpoints").rglob("*"))
+
+
+@pytest.mark.multirank
+def test_report_plots_margin_and_accuracy(launched):
+    from harness.report import write_report
+
+    root, _, all_cases, _, _ = launched
+    report = write_report(root / all_cases[0].name).read_text()
+    assert (root / all_cases[0].name / "preference.png").stat().st_size > 0
+    assert "preference.png" in report and "reward margin (chosen - rejected)" in report
+
+
+def test_label_logps_equal_log_softmax_in_value_and_gradient():
+    import torch
+
+    from harness.train.objectives import label_logps
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 7, 11, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (4, 7))
+    labels[:, :3], labels[1, 5:] = -100, -100
+    sums, counts = label_logps(logits, labels)
+    target = labels[:, 1:]
+    plain = torch.log_softmax(logits[:, :-1], -1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
+    want = (plain * (target != -100)).sum(-1)
+    assert torch.allclose(sums, want, rtol=1e-12) and counts.tolist() == [4, 2, 4, 4]
+    weights = torch.arange(1.0, 5.0, dtype=torch.float64)
+    got_grad, = torch.autograd.grad((sums * weights).sum(), logits)
+    want_grad, = torch.autograd.grad((want * weights).sum(), logits)
+    assert torch.allclose(got_grad, want_grad, rtol=1e-12, atol=1e-15)
 
 
 def _validate(tmp_path, recipe: dict, capsys) -> str:
@@ -152,17 +188,17 @@ def test_adapter_mode_without_lora_is_refused(tmp_path, capsys):
     assert "reference_mode adapter without LoRA" in err and "set adapter.type=lora" in err
 
 
-def test_a_reference_of_another_architecture_exits_2_before_ranks(tmp_path):
+def test_a_reference_of_another_architecture_exits_2_before_ranks(tmp_path, capsys):
+    from harness.dist import ONE_PROCESS
+    from harness.run import main as run_main
+
     llama, qwen = llama_folder(tmp_path / "llama"), qwen2_folder(tmp_path / "qwen2")
     data = write_pairs(tmp_path / "pairs.jsonl", count=8)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
-    env.update(WORLD_SIZE="1", PYTHONPATH=str(ROOT))
     argv = ["--recipe", "ddp", "--set", "precision=fp32", "--set", f"train.model={llama}", "--set",
             f"train.dataset={data}", "--set", "train.text_field=prompt", "--set", "train.objective=dpo",
             "--set", f"preference.reference={qwen}",
-            "--output-dir", str(tmp_path / "run")]
-    proc = subprocess.run([sys.executable, "harness/run.py", *argv], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=180)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "preference.reference: model_type 'qwen2' of the reference, 'llama' of the policy" in proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+            "--set", "train.steps=1", "--output-dir", str(tmp_path / "run")]
+    assert run_main(argv, launch=ONE_PROCESS) == 2
+    err = capsys.readouterr().err
+    assert "preference.reference: model_type 'qwen2' of the reference, 'llama' of the policy" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
