@@ -47,12 +47,13 @@ class _LabelLogps(torch.autograd.Function):
 
 
 def label_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-prob of each row's label tokens [N] float32, their count [N]) from logits [N, L, V] and labels
-    [N, L] (-100: no loss); the token at position t is predicted by the logits at t - 1, as in HF's LM loss."""
+    """(summed log-prob of each row's label tokens [N] float64, their count [N]) from logits [N, L, V] and labels
+    [N, L] (-100: no loss); the token at position t is predicted by the logits at t - 1, as in HF's LM loss. Summed
+    in float64: a ~100-nat sum in float32 is 4e-6 off, which a reward (beta x a difference of two) would carry."""
     logits, labels = logits[:, :-1], labels[:, 1:].to(logits.device)
     mask = labels != -100
     per_token = _LabelLogps.apply(logits, labels.clamp(min=0))
-    return (per_token * mask).sum(-1), mask.sum(-1)
+    return (per_token.double() * mask).sum(-1), mask.sum(-1)
 
 
 def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +68,8 @@ def _sigmoid_loss(logits: torch.Tensor, smoothing: float) -> torch.Tensor:
 
 def preference_loss(objective: str, pref: dict, logps: torch.Tensor, counts: torch.Tensor,
                     ref_logps: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-    """(loss, metrics) of one micro-batch. logps, counts: the policy's [2B] sums and token counts; ref_logps: the
+    """(loss, metrics) of one micro-batch, computed in the dtype of logps (float64 from label_logps; the loss is
+    returned in float32 for the engine). logps, counts: the policy's [2B] sums and token counts; ref_logps: the
     reference's [2B] sums (None for simpo / orpo). pref: the recipe's preference block."""
     beta = pref["beta"]
     chosen, rejected = _halves(logps)
@@ -97,5 +99,5 @@ def preference_loss(objective: str, pref: dict, logps: torch.Tensor, counts: tor
     metrics = {"rewards_chosen": reward_c.mean(), "rewards_rejected": reward_r.mean(),
                "rewards_margin": (reward_c - reward_r).mean(), "rewards_accuracy": (reward_c > reward_r).float().mean(),
                "logps_chosen": chosen.detach().mean(), "logps_rejected": rejected.detach().mean()}
-    return loss, metrics
+    return loss.float(), metrics
 

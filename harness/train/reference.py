@@ -52,7 +52,7 @@ class Reference:
     def logps(self, policy, input_ids, labels, ids) -> torch.Tensor:
         if self.mode == "precomputed":
             rows = self.table[ids.long()]
-            return torch.cat([rows[:, 0], rows[:, 1]]).to(device=policy.device, dtype=torch.float32)
+            return torch.cat([rows[:, 0], rows[:, 1]]).to(policy.device)
         if self.mode == "engine":
             return forward_logps(self.engine, input_ids, labels)
         with adapters_off(policy.module):

@@ -62,6 +62,6 @@ def build_engine(spec):
 
 @torch.no_grad()
 def forward_logps(engine, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The [2B] summed label log-probs of a no_grad forward (float32)."""
+    """The [2B] summed label log-probs of a no_grad forward (float64)."""
     logits = engine(input_ids=input_ids.to(engine.device), use_cache=False).logits
     return label_logps(logits, labels)[0]

@@ -34,7 +34,7 @@ def side_logps(model, input_ids, labels):
     target = labels[:, 1:]
     mask = target != -100
     tokens = torch.log_softmax(logits, -1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (tokens * mask).sum(-1), mask.sum(-1).float()
+    return (tokens.double() * mask).sum(-1), mask.sum(-1).double()  # sums of ~100 nats: float64
 
 
 def pair_loss(case: Case, pref: dict, pol, counts, ref):
