@@ -76,9 +76,11 @@ def cost_line(spec, mode: str, num_pairs: int, info=None, seconds: float | None 
 
 
 def start(spec, dist, pairs, folder, say) -> Reference | None:
-    """The run's reference (None: simpo, orpo, lm), announced on rank 0; precomputed before the policy exists."""
+    """The run's reference (None: simpo, orpo), announced on rank 0; precomputed before the policy exists."""
     mode = reference_mode(spec.recipe)
     if mode is None:
+        if dist.is_main:
+            say("pref", f"reference: none ({spec.recipe['train']['objective']} has no reference model)")
         return None
     num = sum(p.shape[0] for p in pairs)
     if mode == "adapter":
