@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from helpers.launch import job_output, launch, records
+from helpers.launch import job_output, launch_jobs, records
 from helpers.models import llama_folder, perturbed_folder, qwen2_folder
-from helpers.pairs_standin import build_pairs, split, write_pairs
-from helpers.preference_ref import METRICS, Case, expected
+from helpers.preference_ref import METRICS, Case, expected, write_pairs
 
 STEPS, SEQ_LEN, MICRO, LR, EVAL_FRACTION = 2, 32, 2, 1.0, 0.25
 # Relative, with an absolute floor for values near 0: both sides sum fp32 per-token log-probs (each ~1e-7 off) and
@@ -32,7 +31,8 @@ def common(folder: Path, case: Case, data: Path) -> list[str]:
             "optimizer.lr": LR, "optimizer.weight_decay": 0, "gradient_clipping": 0,
             "batch.micro_batch_per_gpu": MICRO, "batch.grad_accum_steps": case.gas, "batch.train_batch_size": '"auto"',
             "train.eval_fraction": EVAL_FRACTION, "train.model": case.model, "train.dataset": data,
-            "train.text_field": "prompt", "train.objective": case.objective, "preference.reference_mode": case.mode,
+            "train.store_dir": folder / "stores", "train.objective": case.objective,
+            "preference.reference_mode": case.mode,
             "preference.label_smoothing": case.label_smoothing}
     if case.reference:
         sets["preference.reference"] = case.reference
@@ -69,9 +69,8 @@ def launched(tmp_path_factory):
     resume = common(root, all_cases[0], data)
     resume[resume.index("--output-dir") + 1] = str(root / "resumed")
     resume += ["--resume", str(root / all_cases[0].name / "checkpoints" / "global_step1")]
-    (root / "cases.json").write_text(json.dumps(argvs + [resume]))
     start = time.perf_counter()
-    proc = launch(str(root / "cases.json"), ranks=2, timeout_s=900, script="tests/drivers/preference_jobs.py")
+    proc = launch_jobs(argvs + [resume], root, ranks=2, timeout_s=900)
     return root, data, all_cases, proc, time.perf_counter() - start
 
 
@@ -90,17 +89,27 @@ def _worst(errs: list[tuple[float, float]]) -> str:
     return f"rel {rel:.2g}, abs {near:.2g} near 0"
 
 
+def pairs_of(recipe: dict, model: str):
+    """(train, eval) Pairs of the store the launch prepared (harness/data/preference.py)."""
+    from types import SimpleNamespace
+
+    from harness.data.preference import load_pairs
+    from harness.model.hf import load_tokenizer
+
+    train, evals, _ = load_pairs(SimpleNamespace(recipe=recipe), SimpleNamespace(local_rank=0), load_tokenizer(model))
+    return train, evals
+
+
 @pytest.mark.multirank
 def test_every_objective_layout_and_mode_matches_plain_torch(launched):
     from harness.config.recipes import load_recipe
-    from harness.model.hf import load_tokenizer
 
     root, data, all_cases, proc, seconds = launched
     worst = {}
     for case in all_cases:
         argv = common(root, case, data)
         recipe = load_recipe(case.recipe, [argv[i + 1] for i, a in enumerate(argv) if a == "--set"])[0]
-        train, evals = split(build_pairs(str(data), load_tokenizer(case.model), SEQ_LEN), EVAL_FRACTION)
+        train, evals = pairs_of(recipe, case.model)
         want = expected(case, recipe, train, evals, STEPS, LR)
         got = records(root / case.name, "train")
         errs = []
@@ -197,7 +206,7 @@ def test_a_reference_of_another_architecture_exits_2_before_ranks(tmp_path, caps
     llama, qwen = llama_folder(tmp_path / "llama"), qwen2_folder(tmp_path / "qwen2")
     data = write_pairs(tmp_path / "pairs.jsonl", count=8)
     argv = ["--recipe", "ddp", "--set", "precision=fp32", "--set", f"train.model={llama}", "--set",
-            f"train.dataset={data}", "--set", "train.text_field=prompt", "--set", "train.objective=dpo",
+            f"train.dataset={data}", "--set", "train.objective=dpo",
             "--set", f"preference.reference={qwen}",
             "--set", "train.steps=1", "--output-dir", str(tmp_path / "run")]
     assert run_main(argv, launch=ONE_PROCESS) == 2

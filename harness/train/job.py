@@ -65,6 +65,13 @@ def load_data(spec, dist, tokenizer) -> Data:
 
     start = time.perf_counter()
     train = spec.recipe["train"]
+    if train["objective"] != "lm":  # preference pairs (harness/data/preference.py), not packed rows
+        from harness.data.preference import load_pairs
+
+        train_pairs, eval_pairs, lines = load_pairs(spec, dist, tokenizer)
+        for line in lines if dist.is_main else ():
+            say("data", line)
+        return Data(train=train_pairs, eval=eval_pairs)
     data_spec = DataSpec.from_train(train)
     if data_spec.uses_chat_template:  # every rank, so all exit with the message before any waits on a store
         check_chat_template(tokenizer, train["model"], data_spec.format)
@@ -78,19 +85,6 @@ def load_data(spec, dist, tokenizer) -> Data:
         if note := empty_rows_note(meta):
             say("data", f"warning: {note}")
     return Data(train=train_rows, eval=eval_rows)
-
-
-def load_preference(spec, dist, tokenizer, run_dir: Path) -> Data:
-    """A preference run's pairs (harness/data/preference.py) and its reference (train/reference.py), before the
-    policy is built: a precomputed reference is loaded, run over the pairs and freed first."""
-    from harness.data.preference import load_pairs
-    from harness.train import reference
-
-    train, evals, notes = load_pairs(spec, dist, tokenizer)
-    for note in notes if dist.is_main else ():
-        say("data", note)
-    folder = getattr(train, "store_dir", None) or run_dir  # the cache lives beside the pairs' token store
-    return Data(train=train, eval=evals, reference=reference.start(spec, dist, (train, evals), folder, say))
 
 
 def build_engine(spec, startup):
@@ -213,8 +207,11 @@ def run(spec, dist) -> int:
         distmod.barrier()
         trackers = start_trackers(spec, dist, run_dir)  # exit 2 on every rank when one cannot start
         tokenizer = load_tokenizer(spec.recipe["train"]["model"])
-        data = (load_preference(spec, dist, tokenizer, run_dir) if is_preference(spec.recipe)
-                else load_data(spec, dist, tokenizer))
+        data = load_data(spec, dist, tokenizer)
+        if is_preference(spec.recipe):  # before the policy is built: a precomputed reference runs and is freed first
+            from harness.train import reference
+
+            data = dataclasses.replace(data, reference=reference.start(spec, dist, data, run_dir, say))
         checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
         startup = profiling.Startup(dist.device)
         engine, info, notes = build_engine(spec, startup)

@@ -75,13 +75,15 @@ def cost_line(spec, mode: str, num_pairs: int, info=None, seconds: float | None 
             f"per rank ({'ZeRO-3 sharded' if shards > 1 else 'a whole copy'}), one more forward per micro-batch")
 
 
-def start(spec, dist, pairs, folder, say) -> Reference | None:
-    """The run's reference (None: simpo, orpo), announced on rank 0; precomputed before the policy exists."""
+def start(spec, dist, data, run_dir, say) -> Reference | None:
+    """The run's reference (None: simpo, orpo), announced on rank 0; precomputed before the policy exists, over
+    data.train and data.eval (Pairs, harness/data/preference.py), cached in their store's folder."""
     mode = reference_mode(spec.recipe)
     if mode is None:
         if dist.is_main:
             say("pref", f"reference: none ({spec.recipe['train']['objective']} has no reference model)")
         return None
+    pairs = (data.train, data.eval)
     num = sum(p.shape[0] for p in pairs)
     if mode == "adapter":
         ref = Reference(mode)
@@ -93,6 +95,7 @@ def start(spec, dist, pairs, folder, say) -> Reference | None:
         from harness.train import reference_cache
 
         began = time.perf_counter()
+        folder = getattr(data.train, "path", None) or run_dir  # the pairs' store folder
         table, cached = reference_cache.table(spec, dist, pairs, folder)
         ref = Reference(mode, table=table)
         line = cost_line(spec, mode, num, seconds=time.perf_counter() - began) + (

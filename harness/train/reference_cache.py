@@ -1,10 +1,9 @@
 """The precomputed reference: one sharded pass over the pairs, cached by what determines its numbers.
 
 Key: the reference (name and a fingerprint of its weight files: name, size, mtime; a preset: its seed), the run's
-precision, and a digest of the pairs' tokens (ids, input_ids, labels of train and eval: data, tokenizer, seq_len
-and truncation are all in them). The table is float64 [pairs, 2] (chosen, rejected summed log-probs by pair id),
-published atomically (a temporary file renamed) beside the pairs' token store, so a resume or a second run reads it
-instead of loading the reference.
+precision, and the pairs' store (its folder, named by the digest of data, tokenizer, seq_len and truncation). The
+table is float64 [pairs, 2] (chosen, rejected summed log-probs by pair id), published atomically (a temporary file
+renamed) into that store folder, so a resume or a second run reads it instead of loading the reference.
 
 Rank 0 decides whether the cache is there and tells every rank (ranks on other nodes may not see its folder); then
 either rank 0 reads the table or each rank computes its pairs (id % world == rank), and ONE all-reduce of the
@@ -38,19 +37,13 @@ def weights_fingerprint(name: str, seed: int) -> list:
             if p.suffix in (".safetensors", ".bin", ".json") and p.is_file()]
 
 
-def pairs_digest(pairs) -> str:
-    sha = hashlib.sha256()
-    for split in pairs:
-        input_ids, labels = split.tensors()[:2]
-        for t in (split.ids, input_ids, labels):
-            sha.update(t.numpy().astype(np.int64).tobytes())
-    return sha.hexdigest()
-
-
-def cache_path(spec, pairs, folder: Path) -> Path:
+def cache_path(spec, folder: Path) -> Path:
+    """The table's file in the pairs' store folder, whose name is already the digest of the data's key (dataset and
+    its fingerprint, tokenizer, seq_len, truncation: harness/data/preference_store.py); this name adds the
+    reference's and the precision's."""
     name = reference_name(spec)
     key = {"reference": name, "weights": weights_fingerprint(name, spec.recipe["train"]["seed"]),
-           "precision": spec.run.precision, "pairs": pairs_digest(pairs)}
+           "precision": spec.run.precision, "store": Path(folder).name}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return Path(folder) / f"reference_logps-{digest}.npy"
 
@@ -100,7 +93,7 @@ def compute(spec, dist, pairs, table: torch.Tensor) -> None:
 
 def table(spec, dist, pairs, folder: Path) -> tuple[torch.Tensor, Path | None]:
     """(float64 [pairs, 2] table by pair id, the cache file when it was read, else None)."""
-    path = cache_path(spec, pairs, folder)
+    path = cache_path(spec, folder)
     num = max((int(s.ids.max()) + 1 for s in pairs if s.shape[0]), default=0)
     hit = distmod.broadcast_object(path.is_file() if dist.is_main else None)
     out = torch.zeros(num, 2, dtype=torch.float64)

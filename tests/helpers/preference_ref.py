@@ -1,15 +1,32 @@
 """A plain-torch DPO / IPO / SimPO / ORPO, written from issue 32's formulas (TRL's), the parity reference of the
-preference tests: one process, HF models, the same pairs each rank of a launch takes (the harness's BatchPlan), SGD
-(p -= lr x grad) with no clipping. It does not call the harness's objective, step or reference code."""
+preference tests: one process, HF models, the same pairs each rank of a launch takes (the harness's pair store and
+BatchPlan), SGD (p -= lr x grad) with no clipping. It does not call the harness's objective, step or reference code.
+Also the tests' tiny preference set (prompt / chosen / rejected strings)."""
 
 from __future__ import annotations
 
+import json
+import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from harness.data.batches import BatchPlan
+
+WORDS = ("the cat sat on a mat while river stones hum quietly under green light and every clock ticks "
+         "toward noon but birds argue about bread crumbs near old wooden benches").split()
+
+
+def write_pairs(path: Path, count: int = 16, seed: int = 5) -> Path:
+    rng = random.Random(seed)
+    phrase = lambda lo, hi: " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))  # noqa: E731
+    with open(path, "w") as f:
+        for _ in range(count):
+            f.write(json.dumps({"prompt": phrase(2, 5), "chosen": phrase(2, 8), "rejected": phrase(2, 8)}) + "\n")
+    return Path(path)
+
 
 METRICS = ("rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
            "logps_rejected")
