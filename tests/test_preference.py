@@ -186,6 +186,14 @@ def test_pipeline_tensor_and_sequence_parallel_are_refused_with_the_reason(tmp_p
     assert f"{key}: {key.split('.')[1]} 2 with objective dpo is not implemented" in err and "fix:" in err
 
 
+@pytest.mark.parametrize("block,message", [
+    ({"train": {"objective": "ipo", "tiled_loss": True}}, "train.tiled_loss: the tiled LM loss with objective ipo"),
+    ({"train": {"objective": "dpo"}, "moe": {"aux_loss": True}},
+     "moe.aux_loss: the router's balancing loss with objective dpo is not implemented")])
+def test_the_tiled_lm_loss_and_a_balancing_loss_are_refused(tmp_path, capsys, block, message):
+    assert message in _validate(tmp_path, {"description": "pref", **block}, capsys)
+
+
 def test_a_reference_mode_on_a_reference_free_objective_is_refused(tmp_path, capsys):
     err = _validate(tmp_path, {"description": "simpo", "train": {"objective": "simpo"},
                                "preference": {"reference_mode": "engine", "reference": "x"}}, capsys)
