@@ -35,12 +35,12 @@ def _recipe(args) -> dict:
     return complete({"description": "harness data prepare"}, "harness data prepare", [*args.overrides, *sets])
 
 
-def _prepare_pairs(spec, tokenizer, train: dict, truncation: str) -> int:
+def _prepare_pairs(spec, tokenizer, train: dict, truncation: str, num_proc: int | None) -> int:
     """--set train.objective=dpo (ipo, simpo, orpo): the preference store the run will read."""
     from harness.data.preference import notes
     from harness.data.preference_store import prepare_pairs
 
-    store, made = prepare_pairs(spec, tokenizer, train["seq_len"], truncation, train["store_dir"] or None)
+    store, made = prepare_pairs(spec, tokenizer, train["seq_len"], truncation, train["store_dir"] or None, num_proc)
     meta = store["meta"]
     how = f"prepared in {meta['prepared_s']:.1f}s" if made else "already prepared"
     print(f"[data] {store['path']}: {how}")
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     train = recipe["train"]
     spec, tokenizer = DataSpec.from_train(train), load_tokenizer(train["model"])
     if spec.preference:
-        return _prepare_pairs(spec, tokenizer, train, recipe["preference"]["truncation"])
+        return _prepare_pairs(spec, tokenizer, train, recipe["preference"]["truncation"], args.num_proc)
     if spec.uses_chat_template:
         check_chat_template(tokenizer, train["model"], spec.format)
     store, made = prepare(spec, tokenizer, train["seq_len"], train["store_dir"] or None,

@@ -16,7 +16,7 @@ checks work unchanged; a micro-batch of B pairs is 2B sequences:
     pairs.completion_tokens() LongTensor [2B]: each row's scored targets, labels[:, 1:] != IGNORE_INDEX (a causal
                               LM's shift: the divisor of IPO's and SimPO's per-token averages)
     pairs.records             int64 [B]: the dataset record each pair came from (for messages)
-    pairs.path                the store folder (the reference cache lives beside it)
+    pairs.path, .store_dir    the store folder (the precomputed reference cache is kept in it)
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ class Pairs:
 
     @property
     def path(self):
+        return self.store["path"]
+
+    @property
+    def store_dir(self):
+        """The folder the reference's precomputed log-probs are cached in: the pairs' store itself."""
         return self.store["path"]
 
     @property

@@ -82,7 +82,8 @@ def pair_problem(record: dict, prompt_field: str = "prompt") -> str | None:
     chosen, rejected = (record.get(c) for c in PAIR_COLUMNS)
     for name, value in zip(PAIR_COLUMNS, (chosen, rejected)):
         if value is None:
-            return f"has no {name!r} (its keys: {', '.join(record) or '(none)'})"
+            held = [key for key, v in record.items() if v is not None]  # `datasets` fills a missing key with None
+            return f"has no {name!r} (its keys: {', '.join(held) or '(none)'})"
         if not isinstance(value, (str, list)):
             return f"{name!r} is a {type(value).__name__} ({str(value)[:40]!r}), not text or a list of messages"
         if isinstance(value, list) and (problem := _messages_problem(value)):
@@ -124,6 +125,10 @@ def _chat_ids(tokenizer, messages: list, generation: bool = False) -> list[int]:
 def encode_pairs(tokenizer, pairs: list[tuple]) -> list[tuple[list[int], list[int], list[int], bool]]:
     """(prompt ids, chosen completion ids, rejected completion ids, mismatched) per (prompt, chosen, rejected)."""
     eos = tokenizer.eos_token
+    if eos is None and any(isinstance(pair[1], str) for pair in pairs):
+        raise UsageError("the tokenizer has no eos token to end each text completion with (TRL's rule)\n    fix: use "
+                         "a tokenizer with an eos token, or write the records as message lists (the chat template "
+                         "ends each turn)")
     texts = [(p, c if c.endswith(eos) else c + eos, r if r.endswith(eos) else r + eos)
              for p, c, r in pairs if isinstance(c, str)]
     flat = [t for p, c, r in texts for t in (p, p + c, p + r)]

@@ -27,11 +27,13 @@ import numpy as np
 from harness.data.corpus import DataSpec, source_fingerprint
 from harness.data.preference_records import (check_pair_template, empty_after_tokens, encode_pairs, fit_pair,
                                              pair_fix, pair_problem, prompt_fills, split_pair)
-from harness.data.store import _exclusive, _publish, dtype_for, run_in_child, store_path, tokenizer_hash
+from harness.data.store import (_exclusive, _one_thread_per_process, _publish, default_num_proc, dtype_for,
+                                run_in_child, store_path, tokenizer_hash)
 from harness.errors import UsageError
 
 PAIRS_VERSION = 1  # bump when the layout or the tokenization rules change: old stores are not reused
 BATCH_RECORDS = 1000
+MIN_PAIRS_PER_PROC = 10_000  # fewer records per process: forking costs more than it saves (as store.py)
 SAME_FIX = "check that the 'chosen' and 'rejected' columns hold the preferred and the dispreferred completion"
 COUNTS = ("records", "pairs", "truncated", "dropped_long", "dropped_prompt", "identical", "mismatched")
 
@@ -72,11 +74,9 @@ def record_where(spec: DataSpec, number: int) -> str:
     return f"dataset {spec.dataset!r}: record {number + 1} (counting from 1 over the dataset's files)"
 
 
-def fitted_rows(spec: DataSpec, tokenizer, records: list[dict], first: int, seq_len: int, truncation: str,
-                counts: dict, where=None) -> list[tuple[int, list[int], list[int], list[int]]]:
-    """(record number, prompt, chosen, rejected ids) of the records that fit seq_len; counts updated. A bad record
-    raises UsageError naming it: where(offset) in words (default: its number, the records numbered from first)."""
-    where = where or (lambda offset: record_where(spec, first + offset))
+def encoded_records(spec: DataSpec, tokenizer, records: list[dict], where) -> list[tuple]:
+    """(prompt, chosen, rejected ids, mismatched) of each record (preference_records.encode_pairs); a malformed
+    record raises UsageError naming it: where(offset) in words."""
     for offset, record in enumerate(records):
         if problem := pair_problem(record, spec.prompt_field):
             raise UsageError(f"{where(offset)} is not a valid preference record (train.objective "
@@ -84,15 +84,21 @@ def fitted_rows(spec: DataSpec, tokenizer, records: list[dict], first: int, seq_
                              f"    fix: {pair_fix(spec.prompt_field)}")
     if lists := [offset for offset, record in enumerate(records) if isinstance(record["chosen"], list)]:
         check_pair_template(tokenizer, where(lists[0]))
-    encoded = encode_pairs(tokenizer, [split_pair(r, spec.prompt_field) for r in records])
+    return encode_pairs(tokenizer, [split_pair(r, spec.prompt_field) for r in records])
+
+
+def fitted_rows(encoded, numbers, seq_len: int, truncation: str, counts: dict,
+                where) -> list[tuple[int, list[int], list[int], list[int]]]:
+    """(record number, prompt, chosen, rejected ids) of the encoded records that fit seq_len (fit_pair); counts
+    updated; a prompt that fills seq_len under truncate raises UsageError naming it: where(offset)."""
     out = []
-    for offset, (prompt, chosen, rejected, mismatched) in enumerate(encoded):
+    for offset, (number, (prompt, chosen, rejected, mismatched)) in enumerate(zip(numbers, encoded)):
         counts["records"] += 1
-        counts["mismatched"] += mismatched
+        counts["mismatched"] += bool(mismatched)
         for name, ids in (("chosen", chosen), ("rejected", rejected)):
             if not ids:
                 raise empty_after_tokens(where(offset), name)
-        fitted, what = fit_pair(prompt, chosen, rejected, seq_len, truncation)
+        fitted, what = fit_pair(list(prompt), list(chosen), list(rejected), seq_len, truncation)
         if what == "prompt" and truncation == "truncate":
             raise prompt_fills(where(offset), len(prompt), seq_len)
         if fitted is None:
@@ -100,7 +106,7 @@ def fitted_rows(spec: DataSpec, tokenizer, records: list[dict], first: int, seq_
             continue
         counts["truncated"] += what == "truncated"
         counts["identical"] += fitted[1] == fitted[2]
-        out.append((first + offset, *fitted))
+        out.append((number, *fitted))
     return out
 
 
@@ -113,8 +119,9 @@ def check_head(spec: DataSpec, tokenizer, seq_len: int, truncation: str) -> None
 
     for path, wheres, records in head_records(spec):
         counts = dict.fromkeys(COUNTS, 0)
-        rows = fitted_rows(spec, tokenizer, records, 0, seq_len, truncation, counts,
-                           where=lambda offset: f"data file {path} {wheres[offset]}")
+        where = lambda offset: f"data file {path} {wheres[offset]}"  # noqa: E731
+        encoded = encoded_records(spec, tokenizer, records, where)
+        rows = fitted_rows(encoded, range(len(records)), seq_len, truncation, counts, where)
         if rows and counts["identical"] == len(rows):
             raise UsageError(f"data file {path}: chosen and rejected are the same tokens in each of its first "
                              f"{len(rows)} pairs: there is no preference to learn\n    fix: {SAME_FIX}")
@@ -134,7 +141,19 @@ def _write_rows(files: dict, rows: list, seq_len: int, dtype: np.dtype, pad: int
         array.tofile(files[name])
 
 
-def _records(spec: DataSpec):
+def _encoder(spec: DataSpec, tokenizer):
+    """A batched, indexed `datasets.map` function: each record's ids (a picklable closure over the tokenizer)."""
+    def encode(batch: dict, indices: list[int]) -> dict:
+        names = list(batch)
+        records = [dict(zip(names, values)) for values in zip(*batch.values())]
+        encoded = encoded_records(spec, tokenizer, records, lambda offset: record_where(spec, indices[offset]))
+        return {"prompt_ids": [e[0] for e in encoded], "chosen_ids": [e[1] for e in encoded],
+                "rejected_ids": [e[2] for e in encoded], "mismatched": [e[3] for e in encoded], "number": indices}
+    return encode
+
+
+def _encoded(spec: DataSpec, tokenizer, tmp: Path, num_proc: int):
+    """Every record encoded (over num_proc processes for a large set), read back BATCH_RECORDS at a time."""
     from harness.data.corpus import load_dataset_for
     from harness.data.files import check_local, load_failure
 
@@ -145,12 +164,17 @@ def _records(spec: DataSpec):
         raise
     except Exception as err:  # datasets' builders fail on a malformed file in many ways
         raise load_failure(spec, err) or err from None
-    for batch in ds.iter(batch_size=BATCH_RECORDS):
-        names = list(batch)
-        yield [dict(zip(names, values)) for values in zip(*batch.values())]
+    num_proc = max(1, min(num_proc, len(ds) // MIN_PAIRS_PER_PROC))
+    with _one_thread_per_process(num_proc):
+        done = ds.map(_encoder(spec, tokenizer), batched=True, batch_size=BATCH_RECORDS, with_indices=True,
+                      remove_columns=ds.column_names, num_proc=num_proc if num_proc > 1 else None,
+                      cache_file_name=str(tmp / "encoded.arrow"), desc="tokenize pairs")
+    for batch in done.iter(batch_size=BATCH_RECORDS):
+        yield list(zip(batch["prompt_ids"], batch["chosen_ids"], batch["rejected_ids"], batch["mismatched"])), \
+            batch["number"]
 
 
-def _build(spec: DataSpec, tokenizer, key: dict, tmp: Path) -> dict:
+def _build(spec: DataSpec, tokenizer, key: dict, tmp: Path, num_proc: int) -> dict:
     """Tokenize every pair into tmp; returns its meta (not yet written)."""
     start = time.perf_counter()
     seq_len, dtype = key["seq_len"], dtype_for(len(tokenizer))
@@ -158,10 +182,13 @@ def _build(spec: DataSpec, tokenizer, key: dict, tmp: Path) -> dict:
     names = ("chosen.bin", "rejected.bin", "bounds.bin", "records.bin")
     with contextlib.ExitStack() as stack:
         files = {name: stack.enter_context(open(tmp / name, "wb")) for name in names}
-        for records in _records(spec):
-            rows = fitted_rows(spec, tokenizer, records, counts["records"], seq_len, key["truncation"], counts)
+        for encoded, numbers in _encoded(spec, tokenizer, tmp, num_proc):
+            rows = fitted_rows(encoded, numbers, seq_len, key["truncation"], counts,
+                               lambda offset: record_where(spec, numbers[offset]))
             _write_rows(files, rows, seq_len, dtype, tokenizer.pad_token_id)
             counts["pairs"] += len(rows)
+    for leftover in tmp.glob("encoded*.arrow"):
+        leftover.unlink()
     if counts["pairs"] == 0:
         raise UsageError(f"train.dataset {spec.dataset!r}: none of its {counts['records']} preference records fits "
                          f"train.seq_len={seq_len} ({counts['dropped_prompt']} prompts fill it, "
@@ -174,8 +201,8 @@ def _build(spec: DataSpec, tokenizer, key: dict, tmp: Path) -> dict:
             "pad_id": tokenizer.pad_token_id, "prepared_s": round(time.perf_counter() - start, 3)}
 
 
-def prepare_pairs(spec: DataSpec, tokenizer, seq_len: int, truncation: str,
-                  root: str | None = None) -> tuple[dict, bool]:
+def prepare_pairs(spec: DataSpec, tokenizer, seq_len: int, truncation: str, root: str | None = None,
+                  num_proc: int | None = None) -> tuple[dict, bool]:
     """(opened store, prepared_now): the existing store for this key, else a new one built and published
     atomically (store.py's lock and rename)."""
     key = pairs_key(spec, tokenizer, seq_len, truncation)
@@ -189,7 +216,7 @@ def prepare_pairs(spec: DataSpec, tokenizer, seq_len: int, truncation: str,
         tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         tmp.mkdir()
         try:
-            meta = _build(spec, tokenizer, key, tmp)
+            meta = _build(spec, tokenizer, key, tmp, num_proc or default_num_proc())
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
             _publish(tmp, path, key, opener=open_pairs)
         finally:
