@@ -221,3 +221,28 @@ def test_a_reference_of_another_architecture_exits_2_before_ranks(tmp_path, caps
     err = capsys.readouterr().err
     assert "preference.reference: model_type 'qwen2' of the reference, 'llama' of the policy" in err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_adapters_off_is_the_base_model_and_restores_the_adapters():
+    import torch
+
+    from harness.config.recipes import load_recipe
+    from harness.model import adapters
+    from harness.model.hf import build_model
+    from harness.train.reference import adapters_off
+
+    model = build_model("tiny-llama", seed=1).float().train()
+    ids = torch.randint(0, 100, (1, 8))
+    base = model(input_ids=ids).logits
+    adapters.apply(model, {"adapter": load_recipe("lora_zero2")[0]["adapter"], "train": {"seed": 1},
+                           "activation_checkpointing": False})
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.add_(0.1)  # adapters that change the output (B starts at 0)
+    tuned = model(input_ids=ids).logits
+    with adapters_off(model):
+        off = model(input_ids=ids).logits
+    assert torch.equal(off, base) and not torch.allclose(tuned, base)
+    assert model.training and torch.equal(model(input_ids=ids).logits, tuned)
+    assert all(p.requires_grad == (".lora_" in n) for n, p in model.named_parameters())

@@ -28,15 +28,18 @@ from harness.train.reference_engine import build_engine, forward_logps, referenc
 
 @contextlib.contextmanager
 def adapters_off(module):
-    """The LoRA model as its base: every peft layer's adapters skipped, restored on exit. The flag is set directly:
-    peft's enable_adapters also flips requires_grad, which the engine's gradient hooks were set up with."""
+    """The LoRA model as its base, in eval mode (no dropout, as the other modes' reference): every peft layer's
+    adapters skipped, restored on exit. The flag is set directly: peft's enable_adapters also flips requires_grad,
+    which the engine's gradient hooks were set up with."""
     layers = [m for m in module.modules() if hasattr(m, "_disable_adapters")]
-    before = [m._disable_adapters for m in layers]
+    before, training = [m._disable_adapters for m in layers], module.training
     for m in layers:
         m._disable_adapters = True
+    module.eval()
     try:
         yield
     finally:
+        module.train(training)
         for m, state in zip(layers, before):
             m._disable_adapters = state
 
