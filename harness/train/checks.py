@@ -40,7 +40,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     cfg = spec.model_config  # read by inputs()
     problems = op_problems(spec.ds_config) + model_problems(spec.recipe["train"], cfg)
     problems += path_problems(spec, cfg) + qlora_problems(spec.recipe) + sequence_problems(spec, cfg)
-    problems += attention_problems(spec) + preference_problems(spec.recipe)
+    problems += attention_problems(spec) + preference_problems(spec.recipe) + reference_problems(spec.recipe, cfg)
     problems += moe_rules.problems(spec.recipe, spec.world_size, cfg)  # MoE: ep, tp, pipeline, aux loss
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
@@ -196,6 +196,22 @@ def model_problems(train: dict, cfg: dict) -> list[Problem]:
                                "use the tokenizer saved with this model (tokenizer.save_pretrained into its "
                                "folder), or a model whose vocab_size covers the tokenizer"))
     return out
+
+
+def reference_problems(recipe: dict, cfg: dict) -> list[Problem]:
+    """A dpo / ipo reference of another architecture or vocabulary than the policy (its config.json only)."""
+    ref = recipe.get("preference", {}).get("reference")
+    if recipe["train"].get("objective", "lm") == "lm" or ref is None:
+        return []
+    try:
+        other = model_config(ref)
+    except UsageError as e:
+        return [_as_problem("preference.reference", e)]
+    return [Problem("preference.reference", f"{key} {other.get(key)!r} of the reference, {cfg.get(key)!r} of the "
+                    f"policy: their log-probs of the same tokens do not compare (reference {ref}, policy "
+                    f"{recipe['train']['model']})",
+                    "use a reference of the policy's architecture and tokenizer (the model the policy starts from)")
+            for key in ("model_type", "vocab_size") if other.get(key) != cfg.get(key)]
 
 
 def existing(path: Path) -> Path:
