@@ -14,6 +14,7 @@ from harness.checkpoint import files as ckpt_files
 from harness.checkpoint import resume
 from harness.checkpoint import save as checkpoint
 from harness.config.jsonio import dump_json
+from harness.config.preference_rules import is_preference
 from harness.config.recipes import deep_merge
 from harness.config.resolve import render_provenance
 from harness.errors import UsageError
@@ -64,6 +65,13 @@ def load_data(spec, dist, tokenizer) -> Data:
 
     start = time.perf_counter()
     train = spec.recipe["train"]
+    if train["objective"] != "lm":  # preference pairs (harness/data/preference.py), not packed rows
+        from harness.data.preference import load_pairs
+
+        train_pairs, eval_pairs, lines = load_pairs(spec, dist, tokenizer)
+        for line in lines if dist.is_main else ():
+            say("data", line)
+        return Data(train=train_pairs, eval=eval_pairs)
     data_spec = DataSpec.from_train(train)
     if data_spec.uses_chat_template:  # every rank, so all exit with the message before any waits on a store
         check_chat_template(tokenizer, train["model"], data_spec.format)
@@ -200,6 +208,10 @@ def run(spec, dist) -> int:
         trackers = start_trackers(spec, dist, run_dir)  # exit 2 on every rank when one cannot start
         tokenizer = load_tokenizer(spec.recipe["train"]["model"])
         data = load_data(spec, dist, tokenizer)
+        if is_preference(spec.recipe):  # before the policy is built: a precomputed reference runs and is freed first
+            from harness.train import reference
+
+            data = dataclasses.replace(data, reference=reference.start(spec, dist, data, run_dir, say))
         checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
         startup = profiling.Startup(dist.device)
         engine, info, notes = build_engine(spec, startup)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from harness.checkpoint import save as checkpoint
+from harness.config.defaults import PREFERENCE_METRICS
+from harness.config.preference_rules import is_preference
 from harness.data.batches import BatchPlan
 from harness.dist import DistInfo, mean_across_ranks
 from harness.log import say
@@ -23,10 +25,15 @@ from harness.train.metrics import MetricsLog
 from harness.data.rows import Rows, loss_items, model_inputs
 
 
+# Values a step may return beside its loss ({name: this rank's mean}), averaged over ranks in the flush's all-reduce
+RANK_MEANS = ("lm_loss", "aux_loss", *PREFERENCE_METRICS)  # MoE with its balancing loss; a preference run
+
+
 @dataclass
 class Data:
-    train: Rows  # .shape == (rows, seq_len); views over the memory-mapped token store
+    train: Rows  # .shape == (rows, seq_len); views over the memory-mapped token store (a preference run: Pairs)
     eval: Rows
+    reference: object = None  # a dpo / ipo run's reference log-probs (harness/train/reference.py)
 
 
 def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
@@ -51,8 +58,11 @@ def batch_plan(spec, dist: DistInfo, num_rows: int) -> BatchPlan:
 
 def fetch(split, rows) -> tuple[torch.Tensor, ...]:
     """(input_ids, labels[, position_ids]) of the given rows of a split; labels are -100 where a token carries no
-    loss; position_ids under train.packing=document (harness/data/rows.py)."""
-    return split[rows].tensors()
+    loss; position_ids under train.packing=document (harness/data/rows.py). Preference pairs (harness/data/
+    preference.py): (input_ids, labels, pair ids), the ids keying the precomputed reference."""
+    view = split[rows]
+    ids = getattr(view, "ids", None)
+    return view.tensors() if ids is None else (*view.tensors(), ids)
 
 
 def _forward(engine, batch: tuple[torch.Tensor, ...]):
@@ -98,8 +108,14 @@ def micro_eval(engine, batches: list) -> float:
     return sum(losses) / len(losses)
 
 
-def strategy(spec):
-    """(train step, eval) functions: the pipeline engine runs a whole step in train_batch / eval_batch."""
+def strategy(spec, reference=None):
+    """(train step, eval) functions: the pipeline engine runs a whole step in train_batch / eval_batch; a
+    preference objective has its own (pipeline, tensor and sequence parallel are refused with it)."""
+    if is_preference(spec.recipe):
+        from harness.train.preference import PreferenceSteps
+
+        steps = PreferenceSteps(spec, reference)
+        return steps.train, steps.eval
     if spec.pp > 1:
         from harness.model.parallel import pipe_engine
 
@@ -112,10 +128,11 @@ def strategy(spec):
     return micro_steps, micro_eval
 
 
-def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
-    """Mean loss over the same eval rows every time: rank r takes rows r, r + dp, ... (equal count per rank)."""
+def evaluate(engine, spec, dist: DistInfo, data: Data) -> dict:
+    """{"eval_loss": mean loss[, "eval_<metric>": ...]} over the same eval rows every time: rank r takes rows r,
+    r + dp, ... (equal count per rank)."""
     if data.eval.shape[0] == 0:
-        return float("nan")
+        return {"eval_loss": float("nan")}
     micro = spec.run.batch.micro_batch
     dp_rank, dp_size = dp_coords(spec, dist)
     per_rank = max(1, min(spec.recipe["train"]["eval_batches"] * micro, data.eval.shape[0] // dp_size))
@@ -123,9 +140,12 @@ def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
     if rows.shape[0] == 0:  # fewer eval rows than replicas (long rows, a small set): this one repeats a row
         rows = data.eval[dp_rank % data.eval.shape[0]:][:1]
     engine.eval()
-    loss = strategy(spec)[1](engine, [fetch(rows, slice(i, i + micro)) for i in range(0, rows.shape[0], micro)])
+    loss = strategy(spec, data.reference)[1](engine, [fetch(rows, slice(i, i + micro))
+                                                      for i in range(0, rows.shape[0], micro)])
     engine.train()
-    return mean_across_ranks([loss])[0]
+    loss, parts = loss if isinstance(loss, tuple) else (loss, {})  # a preference run: its metrics too
+    values = mean_across_ranks([loss, *parts.values()])
+    return dict(zip(["eval_loss", *(f"eval_{k}" for k in parts)], values))
 
 
 @dataclass(frozen=True)
@@ -146,14 +166,15 @@ class Trainer:
         self.preempt = boundaries.preempt  # asked at every step boundary
         self.plan = batch_plan(spec, dist, data.train.shape[0])
         self.train_cfg = spec.recipe["train"]
-        self.tokens_per_step = self.plan.global_batch * data.train.shape[1]
-        self.step_fn = strategy(spec)[0]
+        rows_per_sample = 2 if is_preference(spec.recipe) else 1  # a pair is two rows
+        self.tokens_per_step = self.plan.global_batch * data.train.shape[1] * rows_per_sample
+        self.step_fn = strategy(spec, data.reference)[0]
 
     def train_step(self, step: int) -> dict:
         start = time.perf_counter()
         lr = self.engine.get_lr()[0] if self.engine.lr_scheduler is not None else self.engine.optimizer.param_groups[0]["lr"]
         loss = self.step_fn(self.engine, [fetch(self.data.train, rows) for rows in self.plan.micro_batches(step)])
-        loss, parts = loss if isinstance(loss, tuple) else (loss, {})  # MoE: lm_loss and aux_loss apart
+        loss, parts = loss if isinstance(loss, tuple) else (loss, {})  # RANK_MEANS: MoE's, a preference run's
         step_time = time.perf_counter() - start
         norm = self.engine.get_global_grad_norm()
         norm = norm.detach().clone() if torch.is_tensor(norm) else norm  # read (synchronised) at the flush
@@ -164,11 +185,11 @@ class Trainer:
     def flush(self, pending: list[tuple[int, float, dict]]) -> float:
         """Average the pending steps' losses over ranks (one all-reduce), check them, write their records.
         Returns the last step's loss."""
-        moe = [(record, key) for _, _, record in pending for key in ("lm_loss", "aux_loss") if key in record]
-        values = mean_across_ranks([record["loss"] for _, _, record in pending] + [r[key] for r, key in moe])
+        parts = [(record, key) for _, _, record in pending for key in RANK_MEANS if key in record]
+        values = mean_across_ranks([record["loss"] for _, _, record in pending] + [r[key] for r, key in parts])
         losses = values[:len(pending)]
-        for (record, key), value in zip(moe, values[len(pending):]):
-            record[key] = value  # MoE: each rank's aux loss is of its own micro-batch; logged as the mean
+        for (record, key), value in zip(parts, values[len(pending):]):
+            record[key] = value  # each rank's value is of its own micro-batches; logged as the mean
         for (done, at, record), loss in zip(pending, losses):
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {done}; lower optimizer.lr or check the data")
@@ -232,9 +253,10 @@ class Trainer:
                     say("step", f"{done}/{total} loss {last:.4f} lr {record['lr']:.2e} grad_norm {norm} "
                                 f"{tokens_per_s:.0f} tok/s")
             if eval_now:
-                eval_loss = evaluate(self.engine, self.spec, self.dist, self.data)
-                self.log.write("eval", done, eval_loss=eval_loss)
-                self.notify("eval", done, {"eval_loss": eval_loss})
+                evals = evaluate(self.engine, self.spec, self.dist, self.data)
+                eval_loss = evals["eval_loss"]
+                self.log.write("eval", done, **evals)
+                self.notify("eval", done, evals)
                 if self.dist.is_main:
                     say("eval", f"step {done}: eval loss {eval_loss:.4f}")
             if save_now:
