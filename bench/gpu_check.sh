@@ -56,7 +56,8 @@ if ! $PY -c "import deepspeed" 2>/dev/null; then
         exit 2
     fi
     if $PY -m pip --version >/dev/null 2>&1; then
-        $PY -m pip install --quiet --no-index --find-links "$WHEELS" "deepspeed==$DEEPSPEED_VERSION" peft bitsandbytes
+        bnb=(); ls "$WHEELS"/bitsandbytes-*.whl >/dev/null 2>&1 && bnb=(bitsandbytes)  # the qlora case's only
+        $PY -m pip install --quiet --no-index --find-links "$WHEELS" "deepspeed==$DEEPSPEED_VERSION" peft "${bnb[@]}"
     else  # no pip in the image: wheels are zip files, unpack them onto the path
         $PY - "$WHEELS" "$OUT/site" <<'EOF'
 import sys, zipfile, pathlib
