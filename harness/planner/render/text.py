@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from harness.config.defaults import REFERENCE_FREE
 from harness.planner.decide import Plan
 from harness.planner.inputs import Cluster
 from harness.planner.layouts import gb
@@ -46,8 +47,8 @@ def _header(plan: Plan) -> list[str]:
         f"workload  micro batch {w.micro_batch} x {w.seq_len} tokens, {w.precision}, activation "
         f"checkpointing {'on' if w.activation_checkpointing else 'off'}, grad accum {w.grad_accum}",
         *([f"objective {w.objective}: the micro batch counts pairs, {2 * w.micro_batch} sequences (chosen and "
-           f"rejected) per micro-step; preference set "
-           f"{f'{w.pairs:,} pairs' if w.pairs else 'size not given (--pairs)'}"] if w.objective else []),
+           f"rejected) per micro-step" + ("" if w.objective in REFERENCE_FREE else "; preference set "
+           f"{f'{w.pairs:,} pairs' if w.pairs else 'size not given (--pairs)'}")] if w.objective else []),
         *([f"experts   {p['num_experts']} routed per sparse block, top {p['top_k']}, {p['moe_layers']} sparse "
            f"blocks: {p['total'] / 1e9:.2f} B total, {p['active'] / 1e9:.2f} B active per token; step time and "
            "MFU on active parameters"] if p.get("num_experts") else []),
