@@ -10,7 +10,8 @@
 # GPUs, AutoEP of size 1 on one); OUT_DIR/moe.
 # Also a DPO case (one GPU): a TinyLlama-shaped bf16 folder and a generated preference jsonl (300 pairs of random
 # words as prompt/chosen/rejected strings), train.objective=dpo for 10 steps at seq 1024 twice: the reference as a
-# frozen engine (recipe zero2) and as the base with the adapters off (recipe lora_zero2); OUT_DIR/dpo/{engine,adapter}
+# frozen engine (recipe zero2) and as the base with the adapters off (recipe lora_zero2), and precomputed;
+# OUT_DIR/dpo/{precomputed,engine,adapter}. Also fp16 (dynamic loss scaling) on ZeRO-2 and ZeRO-3; OUT_DIR/fp16
 # with summary.json (loss, peak memory beside the planner's).
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
@@ -78,7 +79,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -186,7 +187,7 @@ with open(out / "pairs.jsonl", "w") as f:  # prompt + completion stay under seq 
     for _ in range(300):
         f.write(json.dumps({"prompt": text(20, 200), "chosen": text(10, 300), "rejected": text(10, 300)}) + "\n")
 EOF
-            for mode in engine adapter; do
+            for mode in precomputed engine adapter; do
                 recipe=zero2; [[ $mode == adapter ]] && recipe=lora_zero2
                 timeout 180 $PY -m deepspeed.launcher.runner --num_gpus 1 "$ROOT/harness/run.py" --recipe $recipe \
                     --set train.objective=dpo --set preference.reference_mode=$mode \
@@ -201,7 +202,14 @@ print(f"[dpo]     {sys.argv[2]}: loss {s['first_loss']:.4f} -> {s['last_loss']:.
       f"{mem.get('peak_per_rank')}; planner {mem.get('predicted_peak_total_per_rank')}")
 EOF
             done ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo)" >&2; exit 2 ;;
+        fp16)  # fp16 with DeepSpeed's dynamic loss scaling (GPU only), ZeRO-2 and ZeRO-3 on the built-in tiny model
+            for recipe in zero2 zero3; do
+                timeout 120 $PY -m deepspeed.launcher.runner --num_gpus 1 "$ROOT/harness/run.py" --recipe $recipe \
+                    --set precision=fp16 --set train.steps=30 --set train.seq_len=512 --set train.log_every=10 \
+                    --set train.eval_every=0 --set train.save_every=15 --output-dir "$OUT/fp16/$recipe" --overwrite \
+                    || echo "[fp16]    $recipe run failed (exit $?)"
+            done ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"
