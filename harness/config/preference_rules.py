@@ -19,6 +19,12 @@ def is_preference(recipe: dict) -> bool:
     return objective(recipe) != "lm"
 
 
+def packing(recipe: dict) -> str:
+    """train.packing as the attention choice sees it: a preference row is one sequence (prompt + completion, padding
+    after it) with no position ids, which is concat (a plain causal mask; the padding is never a target)."""
+    return "concat" if is_preference(recipe) else recipe["train"]["packing"]
+
+
 def reference_mode(recipe: dict) -> str | None:
     """precomputed, engine or adapter; None where the run has no reference (lm, simpo, orpo). auto: the adapters
     switched off under LoRA when no other reference is named (no second copy), else one pass up front."""

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from harness.config import defaults as dd
 from harness.config.defaults import STAGE3_MAX_LIVE_PARAMETERS, TILE_TOKENS
-from harness.config.preference_rules import objective, reference_mode
+from harness.config.preference_rules import objective, packing, reference_mode
 from harness.config.resolve import degrees as pipe_tensor_degrees
 from harness.config.resolve import sequence_parallel
 
@@ -170,7 +170,7 @@ class RunModel:
         micro = int(ds.get("train_micro_batch_size_per_gpu", 1))
         accum = int(ds.get("gradient_accumulation_steps", 1))
         batch = Batch(micro, accum, int(ds.get("train_batch_size", micro * accum * d.dp)))
-        seq = Sequence(seq_len=int(train["seq_len"]), packing=train["packing"], attention=train["attention"],
+        seq = Sequence(seq_len=int(train["seq_len"]), packing=packing(recipe), attention=train["attention"],
                        tiled_mlp=bool(train["tiled_mlp"]), tiled_loss=bool(train["tiled_loss"]),
                        tile_tokens=int(train["tile_tokens"]),
                        activation_checkpointing=bool(recipe["activation_checkpointing"]),

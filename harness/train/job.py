@@ -146,10 +146,13 @@ def announce(spec, dist, run_dir: Path, info, data: Data, notes: list[str]) -> N
     say("config", f"recipe {spec.recipe_name} | world {spec.world_size} ({dist.backend}) | zero {spec.zero_stage}"
                   f" | tp {spec.tp} pp {spec.pp} dp {spec.dp} | {spec.run.precision}"
                   f" ({info.train_dtype} weights, checkpoint {info.checkpoint_dtype or 'dtype unknown'})")
-    say("batch", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = "
-                 f"{batch.micro_batch * batch.grad_accum * spec.dp} sequences x {data.train.shape[1]} tokens per step")
+    rows = batch.micro_batch * batch.grad_accum * spec.dp
+    unit, per_step = ("pairs", f"{rows} pairs = {2 * rows} sequences") if spec.run.preference else \
+        ("blocks", f"{rows} sequences")
+    say("batch", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = {per_step} x "
+                 f"{data.train.shape[1]} tokens per step")
     say("model", f"{spec.recipe['train']['model']}: {n_params / 1e6:.2f}M params")
-    say("data", f"{spec.recipe['train']['dataset']}: {data.train.shape[0]} train / {data.eval.shape[0]} eval blocks")
+    say("data", f"{spec.recipe['train']['dataset']}: {data.train.shape[0]} train / {data.eval.shape[0]} eval {unit}")
     if spec.provenance:
         say("config", render_provenance(spec.provenance).replace("\n", "\n         "))
     for note in notes:
