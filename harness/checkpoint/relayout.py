@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -81,6 +82,48 @@ def set_cat_dims(zero_dir: Path) -> None:
             state = torch.load(path, weights_only=False)
             if isinstance(state, dict) and state.get(CAT_DIM, 1) != 1:
                 torch.save({**state, CAT_DIM: 1}, path)
+
+
+def both_stage_names(folder: Path) -> None:
+    """The converted folder's model-states files (the client state, the step) under the names both kinds of engine
+    look for: mp_rank_XX_model_states.pt (ZeRO-1/2, DeepSpeed's bf16 optimizer) and zero_pp_rank_0_mp_rank_XX_
+    model_states.pt (ZeRO-3); ds_to_universal writes the saving stage's only. Hard links: no copy."""
+    for path in list(folder.glob("mp_rank_*_model_states.pt")) + list(folder.glob("zero_pp_rank_0_mp_rank_*_model_states.pt")):
+        mp = re.search(r"mp_rank_(\d+)_model_states", path.name).group(1)
+        for name in (f"mp_rank_{mp}_model_states.pt", f"zero_pp_rank_0_mp_rank_{mp}_model_states.pt"):
+            if not (folder / name).exists():
+                os.link(path, folder / name)
+
+
+def for_every_stage(folder: Path) -> None:
+    """The converted folder as both kinds of ZeRO engine read it (ds_to_universal writes the saving stage's form):
+    ZeRO-1/2 want per-parameter {param: whole tensor, cat_dim} dicts with a step.pt, and the DeepSpeed version and
+    gradient clipping in zero/optimizer_state.pt; ZeRO-3 wants the Adam step and param groups under its
+    optimizer_state_dict. A ZeRO-3 save gives flat tensors: shaped here from the saved param_shapes."""
+    import torch
+    from deepspeed.checkpoint.constants import CAT_DIM, OPTIMIZER_STATE_DICT, PARAM
+
+    from harness.model.parallel.tensor import split_dim
+
+    both_stage_names(folder)
+    path = folder / "zero" / "optimizer_state.pt"
+    state = torch.load(path, weights_only=False)
+    model_states = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False, mmap=True)
+    shapes = {name: tuple(shape) for group in model_states["param_shapes"] for name, shape in group.items()}
+    step = state[OPTIMIZER_STATE_DICT]["state"][0]["step"] if OPTIMIZER_STATE_DICT in state else None
+    for param in [p for p in (folder / "zero").iterdir() if p.is_dir()]:
+        if step is None:
+            step = torch.load(param / "step.pt", weights_only=False)
+        for file in param.glob("*.pt"):
+            tensor = torch.load(file, weights_only=False)
+            if isinstance(tensor, torch.Tensor):  # a ZeRO-3 save's flat whole tensor
+                torch.save({PARAM: tensor.view(shapes[param.name]), CAT_DIM: split_dim(param.name) or 0}, file)
+        if not (param / "step.pt").exists():
+            torch.save(step, param / "step.pt")
+    state.setdefault("ds_version", model_states["ds_version"])
+    state.setdefault("clip_grad", float(model_states["ds_config"].get("gradient_clipping", 0.0)))
+    state.setdefault(OPTIMIZER_STATE_DICT, {"state": {0: {"step": step}}, "param_groups": state["param_groups"]})
+    torch.save(state, path)
 
 
 @contextlib.contextmanager

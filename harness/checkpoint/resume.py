@@ -233,6 +233,7 @@ def _convert(point: ResumePoint, root: Path, out: Path) -> None:
     (root / "latest_universal").unlink(missing_ok=True)  # it writes one naming the hidden folder; tags are explicit
     relayout.to_hf_names(tmp / "zero", point.manifest)
     relayout.set_cat_dims(tmp / "zero")
+    relayout.for_every_stage(tmp)
     from harness.checkpoint import expert_layout
 
     (tmp / CONVERTED).write_text(json.dumps({"source": str(source), expert_layout.FORM:
