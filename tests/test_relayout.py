@@ -3,7 +3,8 @@ step 2 on one layout continues on another, converted once into DeepSpeed's unive
 tensor-parallel slicing and pipeline names (harness/checkpoint/relayout.py), and its losses from step 3 on equal
 those of the run that never moved (same global batch 4, so the same rows in the same order) within 1e-6.
 
-Cases: tp2 -> tp1, pp2 -> pp1 -> pp2, sp2 on ZeRO-3 -> sp1 on ZeRO-2, LoRA tp2 -> tp1 (one 2-rank launch), and
+Cases: tp2 -> tp1, pp2 -> pp1 -> pp2, sp2 on ZeRO-3 -> sp1 on ZeRO-2, ep2 -> ep1 on ZeRO-3 (tiny-qwen3-moe),
+LoRA tp2 -> tp1 (one 2-rank launch), and
 3D (pp2 x tp2) -> ZeRO-2 on 4 ranks (one 4-rank launch). Each save case runs before its resume case in the same
 process group (tests/drivers/jobs.py). Measured on the 2-core machine: ~35 s and ~36 s.
 """
@@ -23,6 +24,7 @@ COMMON = ["--set", "precision=fp32", "--set", "train.seq_len=64", "--set", "trai
           "--set", "scheduler.type=none", "--set", "train.log_every=1", "--profile-steps", "",
           "--set", "batch.train_batch_size=\"auto\"", "--set", "train.model=tiny-llama"]
 LORA = ["--set", "adapter.type=lora"]
+MOE = ["--set", "train.model=tiny-qwen3-moe"]  # after COMMON's tiny-llama: the later --set wins
 
 
 def case(recipe: str, out, micro: int, accum: int, steps: int = 4, every: int = 2, *extra: str) -> list[str]:
@@ -38,8 +40,8 @@ def from_step(run, step: int) -> list[str]:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("relayout2")
-    r = {name: root / name for name in ("tp2", "tp1", "pp2", "pp1", "pp2_again", "sp2", "sp1", "lora_tp2",
-                                         "lora_tp1")}
+    r = {name: root / name for name in ("tp2", "tp1", "pp2", "pp1", "pp2_again", "sp2", "sp1", "ep2", "ep1",
+                                         "lora_tp2", "lora_tp1")}
     launch_jobs([case("tp", r["tp2"], 4, 1),
                  case("zero1", r["tp1"], 2, 1, 4, 2, *from_step(r["tp2"], 2)),
                  case("pipeline", r["pp2"], 2, 2),
@@ -47,6 +49,8 @@ def two_ranks(tmp_path_factory):
                  case("pipeline", r["pp2_again"], 2, 2, 4, 2, *from_step(r["pp1"], 3)),
                  case("zero3", r["sp2"], 4, 1, 4, 2, "--set", "parallel.sequence=2"),
                  case("zero2", r["sp1"], 2, 1, 4, 2, *from_step(r["sp2"], 2)),
+                 case("zero3", r["ep2"], 2, 1, 4, 2, *MOE, "--set", "parallel.expert=2"),
+                 case("zero3", r["ep1"], 2, 1, 4, 2, *MOE, *from_step(r["ep2"], 2)),
                  case("tp", r["lora_tp2"], 4, 1, 4, 2, *LORA),
                  case("lora_zero2", r["lora_tp1"], 2, 1, 4, 2, *LORA, *from_step(r["lora_tp2"], 2))], root)
     return r
@@ -91,6 +95,12 @@ def test_pp2_to_pp1_to_pp2(two_ranks):
 
 def test_sp2_zero3_to_sp1_zero2(two_ranks):
     check_continues(two_ranks["sp2"], two_ranks["sp1"], 3, {"sp": 2, "zero_stage": 3}, {"sp": 1, "zero_stage": 2})
+
+
+def test_ep2_to_ep1_on_zero3(two_ranks):
+    check_continues(two_ranks["ep2"], two_ranks["ep1"], 3, {"ep": 2, "zero_stage": 3}, {"ep": 1, "zero_stage": 3})
+    marker = json.loads((two_ranks["ep2"] / "checkpoints" / "universal" / "global_step2" / "converted.json").read_text())
+    assert marker["experts"] == "transformers"  # AutoEP's w1/w2/w3 rewritten to the fused experts ep 1 trains
 
 
 def test_lora_tp2_to_tp1(two_ranks):

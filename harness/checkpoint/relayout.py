@@ -88,7 +88,8 @@ def both_stage_names(folder: Path) -> None:
     """The converted folder's model-states files (the client state, the step) under the names both kinds of engine
     look for: mp_rank_XX_model_states.pt (ZeRO-1/2, DeepSpeed's bf16 optimizer) and zero_pp_rank_0_mp_rank_XX_
     model_states.pt (ZeRO-3); ds_to_universal writes the saving stage's only. Hard links: no copy."""
-    for path in list(folder.glob("mp_rank_*_model_states.pt")) + list(folder.glob("zero_pp_rank_0_mp_rank_*_model_states.pt")):
+    found = [*folder.glob("mp_rank_*_model_states.pt"), *folder.glob("zero_pp_rank_0_mp_rank_*_model_states.pt")]
+    for path in found:
         mp = re.search(r"mp_rank_(\d+)_model_states", path.name).group(1)
         for name in (f"mp_rank_{mp}_model_states.pt", f"zero_pp_rank_0_mp_rank_{mp}_model_states.pt"):
             if not (folder / name).exists():

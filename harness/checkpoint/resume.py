@@ -102,8 +102,9 @@ def needs_universal(point: ResumePoint, world_size: int, pp: int, tp: int, zero_
 def check_expert(point: ResumePoint, ds: dict) -> bool:
     """True when the checkpoint's expert degree (DeepSpeed AutoEP's parallel.expert) differs from this launch's: it
     then loads through the universal form, rewritten by rank 0 into this launch's expert layout
-    (checkpoint/expert_layout.py). Refused before any rank starts where that path is not built or not tested:
-    ZeRO-0 and ZeRO-3 on either side (ZeRO-3 AutoEP keeps experts partitioned in its own format) and LoRA."""
+    (checkpoint/expert_layout.py; a ZeRO-3 save's experts are gathered by ds_to_universal, relayout.for_every_stage
+    shapes them). Refused before any rank starts where that path is not built or not tested: ZeRO-0 on either side
+    (no universal form) and LoRA."""
     from harness.checkpoint.save import expert_degree
 
     saved, here = int(point.manifest.get("ep", 1)), expert_degree(ds)
@@ -111,15 +112,15 @@ def check_expert(point: ResumePoint, ds: dict) -> bool:
         return False
     stages = (int(point.manifest.get("zero_stage", 0)), int(ds.get("zero_optimization", {}).get("stage", 0)))
     lora = point.manifest.get("adapter", {}).get("type", "none") != "none"
-    why = ("ZeRO-3 or ZeRO-0" if not all(s in (1, 2) for s in stages) else "LoRA" if lora else None)
+    why = ("ZeRO-0" if 0 in stages else "LoRA" if lora else None)
     if why is not None:
         raise UsageError(f"--resume {point.folder}: saved with parallel.expert={saved} (ZeRO-{stages[0]}), this "
                          f"launch asks parallel.expert={here} (ZeRO-{stages[1]}): changing the expert degree goes "
                          "through DeepSpeed's universal checkpoint with the experts rewritten between AutoEP's "
-                         f"and transformers' layout, built and tested for full fine-tuning on ZeRO-1/2 only ({why} "
+                         f"and transformers' layout, built and tested for full fine-tuning on ZeRO-1/2/3 only ({why} "
                          "here)\n"
-                         f"    fix: --set parallel.expert={saved}, or resume on ZeRO-1/2 on both sides, or `harness "
-                         f"export {point.folder} --out DIR` and start a new run from DIR (train.model=DIR; the "
+                         f"    fix: --set parallel.expert={saved}, or resume on ZeRO-1 or above on both sides, or "
+                         f"`harness export {point.folder} --out DIR` and start a new run from DIR (train.model=DIR; the "
                          "optimizer state starts afresh)")
     return True
 
