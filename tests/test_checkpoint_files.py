@@ -107,3 +107,37 @@ def test_zero0_on_one_side_of_a_layout_change_is_refused(tmp_path):
         resume.needs_universal(point, 2, 2, 1, 1)
 
 
+
+
+def test_universal_slicing_patterns_say_what_the_tensor_parallel_table_says():
+    """ds_to_universal joins tensor ranks by the patterns every save declares (checkpoint/relayout.py); they must
+    classify every name as parallel/tensor.py's split_dim does, for HF, pipeline and LoRA names."""
+    import re
+
+    from harness.model.parallel.tensor import split_dim, universal_patterns
+
+    replicated, row = universal_patterns()
+    for prefix in ("model.layers.0.", "3.layer."):
+        for block, name in [("self_attn", p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + \
+                           [("mlp", p) for p in ("gate_proj", "up_proj", "down_proj")]:
+            for tail in ("weight", "bias", "base_layer.weight", "base_layer.bias", "lora_A.default.weight",
+                         "lora_B.default.weight"):
+                key = f"{prefix}{block}.{name}.{tail}"
+                got = None if re.match(replicated, key) else 1 if re.match(row, key) else 0
+                assert got == split_dim(key), key
+    for key in ("model.embed_tokens.weight", "lm_head.weight", "3.norm.weight", "tied_modules.embed.embed.weight"):
+        assert re.match(replicated, key) and not re.match(row, key)
+
+
+def test_pipeline_parameter_names_map_to_hf_names():
+    from harness.checkpoint.relayout import hf_name
+
+    partition = {"layers": [
+        {"index": 0, "tied": "embed", "hf_names": {"embed.weight": "model.embed_tokens.weight"}},
+        {"index": 1, "tied": None, "hf_names": {"layer.mlp.up_proj.weight": "model.layers.0.mlp.up_proj.weight"}},
+        {"index": 2, "tied": "embed", "hf_names": {}}]}
+    assert hf_name("1.layer.mlp.up_proj.weight", partition) == "model.layers.0.mlp.up_proj.weight"
+    assert hf_name("1.layer.mlp.up_proj.lora_A.default.weight", partition) == \
+        "model.layers.0.mlp.up_proj.lora_A.default.weight"  # a key the partition does not list: its sibling's prefix
+    assert hf_name("tied_modules.embed.embed.weight", partition) == "model.embed_tokens.weight"
+    assert hf_name("model.norm.weight", None) == "model.norm.weight"
