@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 
 PATTERNS_VERSION = 1  # manifest "universal_patterns": its model states declare the tensor-parallel slicing
+FORM_VERSION = 1  # converted.json "relayout": the folder is in the form above (an older conversion is redone)
 CONVERSIONS = "conversions.jsonl"  # in the run folder: one line per conversion a launch made
 
 
@@ -110,17 +111,18 @@ def for_every_stage(folder: Path) -> None:
     path = folder / "zero" / "optimizer_state.pt"
     state = torch.load(path, weights_only=False)
     model_states = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False, mmap=True)
-    shapes = {name: tuple(shape) for group in model_states["param_shapes"] for name, shape in group.items()}
-    step = state[OPTIMIZER_STATE_DICT]["state"][0]["step"] if OPTIMIZER_STATE_DICT in state else None
-    for param in [p for p in (folder / "zero").iterdir() if p.is_dir()]:
-        if step is None:
-            step = torch.load(param / "step.pt", weights_only=False)
-        for file in param.glob("*.pt"):
-            tensor = torch.load(file, weights_only=False)
-            if isinstance(tensor, torch.Tensor):  # a ZeRO-3 save's flat whole tensor
-                torch.save({PARAM: tensor.view(shapes[param.name]), CAT_DIM: split_dim(param.name) or 0}, file)
-        if not (param / "step.pt").exists():
-            torch.save(step, param / "step.pt")
+    if OPTIMIZER_STATE_DICT in state:  # a ZeRO-3 save: flat tensors, the step in the global state only
+        step = state[OPTIMIZER_STATE_DICT]["state"][0]["step"]
+        shapes = {name: tuple(shape) for group in model_states["param_shapes"] for name, shape in group.items()}
+        for param in [p for p in (folder / "zero").iterdir() if p.is_dir()]:
+            for file in param.glob("*.pt"):
+                tensor = torch.load(file, weights_only=False)
+                if isinstance(tensor, torch.Tensor):  # (AutoEP's gathered experts come as dicts already)
+                    torch.save({PARAM: tensor.view(shapes[param.name]), CAT_DIM: split_dim(param.name) or 0}, file)
+            if not (param / "step.pt").exists():
+                torch.save(step, param / "step.pt")
+    else:
+        step = torch.load(next((folder / "zero").glob("*/step.pt")), weights_only=False)
     state.setdefault("ds_version", model_states["ds_version"])
     state.setdefault("clip_grad", float(model_states["ds_config"].get("gradient_clipping", 0.0)))
     state.setdefault(OPTIMIZER_STATE_DICT, {"state": {0: {"step": step}}, "param_groups": state["param_groups"]})

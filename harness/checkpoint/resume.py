@@ -120,8 +120,8 @@ def check_expert(point: ResumePoint, ds: dict) -> bool:
                          f"and transformers' layout, built and tested for full fine-tuning on ZeRO-1/2/3 only ({why} "
                          "here)\n"
                          f"    fix: --set parallel.expert={saved}, or resume on ZeRO-1 or above on both sides, or "
-                         f"`harness export {point.folder} --out DIR` and start a new run from DIR (train.model=DIR; the "
-                         "optimizer state starts afresh)")
+                         f"`harness export {point.folder} --out DIR` and start a new run from DIR (train.model=DIR; "
+                         "the optimizer state starts afresh)")
     return True
 
 
@@ -169,7 +169,7 @@ def universal(point: ResumePoint, dist, ep: int = 1) -> tuple[Path, str, bool]:
     the others wait), its MoE experts in the layout of a launch on parallel.expert=ep. Atomic: built in a hidden
     folder, marked complete, then renamed into place; a finished one is reused (an interrupted expert rewrite is
     redone). Parameters are under their HF names (relayout.py), whatever the saving layout."""
-    from harness.checkpoint import expert_layout
+    from harness.checkpoint import expert_layout, relayout
     from harness.dist import barrier
     from harness.log import say
 
@@ -178,8 +178,10 @@ def universal(point: ResumePoint, dist, ep: int = 1) -> tuple[Path, str, bool]:
     converted = False
     if dist.is_main:
         marker = _marker(out)
-        if marker is not None and expert_layout.form(marker) not in expert_layout.FORMS:
-            say("ckpt", f"{out}: an expert rewrite was interrupted; converting again")
+        if marker is not None and (expert_layout.form(marker) not in expert_layout.FORMS
+                                   or marker.get("relayout") != relayout.FORM_VERSION):
+            say("ckpt", f"{out}: an expert rewrite was interrupted, or an older harness converted it; converting "
+                        "again")
             shutil.rmtree(out)
             marker = None
         if marker is not None:
@@ -188,7 +190,7 @@ def universal(point: ResumePoint, dist, ep: int = 1) -> tuple[Path, str, bool]:
             world, pp, tp = point.layout()
             say("ckpt", f"{point.folder} was saved on world size {world} (pp {pp}, tp {tp}, expert "
                         f"{point.manifest.get('ep', 1)}): converting it once to DeepSpeed's universal checkpoint in "
-                        f"{out}, which loads on any world size")
+                        f"{out}, which loads on any layout")
             _convert(point, root, out)
             marker, converted = _marker(out), True
         _expert_layout(point, out, marker, ep, say)
@@ -237,8 +239,8 @@ def _convert(point: ResumePoint, root: Path, out: Path) -> None:
     relayout.for_every_stage(tmp)
     from harness.checkpoint import expert_layout
 
-    (tmp / CONVERTED).write_text(json.dumps({"source": str(source), expert_layout.FORM:
-                                             expert_layout.source_form(tmp / "zero")}) + "\n")
+    (tmp / CONVERTED).write_text(json.dumps({"source": str(source), "relayout": relayout.FORM_VERSION,
+                                             expert_layout.FORM: expert_layout.source_form(tmp / "zero")}) + "\n")
     if out.exists():  # a conversion interrupted before its marker
         shutil.rmtree(out)
     os.replace(tmp, out)
