@@ -141,3 +141,18 @@ def test_pipeline_parameter_names_map_to_hf_names():
         "model.layers.0.mlp.up_proj.lora_A.default.weight"  # a key the partition does not list: its sibling's prefix
     assert hf_name("tied_modules.embed.embed.weight", partition) == "model.embed_tokens.weight"
     assert hf_name("model.norm.weight", None) == "model.norm.weight"
+
+
+def test_another_expert_degree_goes_through_the_universal_form_but_not_with_zero0_or_lora(tmp_path):
+    """ZeRO-1/2/3 on both sides converts (ep2 -> ep1 on ZeRO-3 runs in tests/test_relayout.py); ZeRO-0 and LoRA exit 2
+    before any rank starts."""
+    ds = {"zero_optimization": {"stage": 3}, "expert_parallel": {"enabled": False}}
+    point = resume.find(str(make(tmp_path / "ep", 4, ep=2, zero_stage=3)), tmp_path)
+    assert resume.check_expert(point, ds) and not resume.check_expert(point, {**ds, "expert_parallel": {
+        "enabled": True, "autoep_size": 2}})
+    lora = resume.find(str(make(tmp_path / "lora", 4, ep=2, adapter={"type": "lora"})), tmp_path)
+    with pytest.raises(UsageError, match=r"parallel.expert=2 \(ZeRO-2\), this launch asks parallel.expert=1 "
+                                         r"\(ZeRO-3\).*\(LoRA here\)\n    fix: --set parallel.expert=2"):
+        resume.check_expert(lora, ds)
+    with pytest.raises(UsageError, match=r"\(ZeRO-0 here\)"):
+        resume.check_expert(point, {"zero_optimization": {"stage": 0}})

@@ -191,7 +191,7 @@ def universal(point: ResumePoint, dist, ep: int = 1) -> tuple[Path, str, bool]:
             say("ckpt", f"{point.folder} was saved on world size {world} (pp {pp}, tp {tp}, expert "
                         f"{point.manifest.get('ep', 1)}): converting it once to DeepSpeed's universal checkpoint in "
                         f"{out}, which loads on any layout")
-            _convert(point, root, out)
+            _convert(point.folder, root, out)
             marker, converted = _marker(out), True
         _expert_layout(point, out, marker, ep, say)
     barrier()
@@ -220,12 +220,11 @@ def _expert_layout(point: ResumePoint, out: Path, marker: dict, ep: int, say) ->
                 f"(parallel.expert={ep})")
 
 
-def _convert(point: ResumePoint, root: Path, out: Path) -> None:
+def _convert(source: Path, root: Path, out: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
     from harness.checkpoint import relayout
 
-    source = point.folder
     tmp = root / f".{out.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -234,7 +233,7 @@ def _convert(point: ResumePoint, root: Path, out: Path) -> None:
     with open(tmp / "conversion.log", "w") as log, contextlib.redirect_stdout(log):
         ds_to_universal.main(args)  # in this process: worker pools would fork a rank holding a process group
     (root / "latest_universal").unlink(missing_ok=True)  # it writes one naming the hidden folder; tags are explicit
-    relayout.to_hf_names(tmp / "zero", point.manifest)
+    relayout.to_hf_names(tmp / "zero", read_manifest(source))
     relayout.set_cat_dims(tmp / "zero")
     relayout.for_every_stage(tmp)
     from harness.checkpoint import expert_layout
