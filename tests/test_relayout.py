@@ -5,7 +5,7 @@ those of the run that never moved (same global batch 4, so the same rows in the 
 
 Cases: tp2 -> tp1, pp2 -> pp1 -> pp2, sp2 on ZeRO-3 -> sp1 on ZeRO-2, ep2 -> ep1 on ZeRO-3 (tiny-qwen3-moe),
 LoRA tp2 -> tp1 (one 2-rank launch), and
-3D (pp2 x tp2) -> ZeRO-2 on 4 ranks (one 4-rank launch). Each save case runs before its resume case in the same
+3D (pp2 x tp2) -> ZeRO-2 -> 3D on 4 ranks (one 4-rank launch). Each save case runs before its resume case in the same
 process group (tests/drivers/jobs.py). Measured on the 2-core machine: ~35 s and ~36 s.
 """
 
@@ -59,9 +59,9 @@ def two_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("relayout4")
-    r = {"3d": root / "3d", "zero2": root / "zero2"}
-    launch_jobs([case("3d", r["3d"], 2, 2), case("zero2", r["zero2"], 1, 1, 4, 2, *from_step(r["3d"], 2))],
-                root, ranks=4)
+    r = {"3d": root / "3d", "zero2": root / "zero2", "3d_again": root / "3d_again"}
+    launch_jobs([case("3d", r["3d"], 2, 2), case("zero2", r["zero2"], 1, 1, 3, 1, *from_step(r["3d"], 2)),
+                 case("3d", r["3d_again"], 2, 2, 4, 2, *from_step(r["zero2"], 3))], root, ranks=4)
     return r
 
 
@@ -107,6 +107,9 @@ def test_lora_tp2_to_tp1(two_ranks):
     check_continues(two_ranks["lora_tp2"], two_ranks["lora_tp1"], 3, {"tp": 2}, {"tp": 1, "zero_stage": 2})
 
 
-def test_3d_to_zero2(four_ranks):
-    check_continues(four_ranks["3d"], four_ranks["zero2"], 3, {"pp": 2, "tp": 2, "zero_stage": 1},
+def test_3d_to_zero2_to_3d(four_ranks):
+    """Back to 3D: the whole tensors sliced again for 2 tensor ranks (row-parallel ones along dim 1) on 2 stages."""
+    r = four_ranks
+    check_continues(r["3d"], r["zero2"], 3, {"pp": 2, "tp": 2, "zero_stage": 1},
                     {"pp": 1, "tp": 1, "dp": 4, "zero_stage": 2})
+    check_continues(r["3d"], r["3d_again"], 4, {"tp": 1, "dp": 4, "zero_stage": 2}, {"pp": 2, "tp": 2, "dp": 1})
