@@ -11,7 +11,7 @@ from pathlib import Path
 from harness import dist as distmod
 from harness import profiling
 from harness.checkpoint import files as ckpt_files
-from harness.checkpoint import resume
+from harness.checkpoint import relayout, resume
 from harness.checkpoint import save as checkpoint
 from harness.config.jsonio import dump_json
 from harness.config.preference_rules import is_preference
@@ -116,16 +116,34 @@ def build_engine(spec, startup):
     return engine, built.info, notes
 
 
-def start_step(engine, spec, dist, run_dir: Path) -> int:
+def universal_form(spec, dist, run_dir: Path) -> tuple[Path, str]:
+    """The resume point's universal form, converted here once if it has none yet; a conversion's time and peak
+    memory (rank 0's) go to RUN/conversions.jsonl."""
+    point, meter = spec.resume_point, profiling.Startup(dist.device)
+    with meter.phase("conversion"):
+        ckpt_dir, tag, converted = resume.universal(point, dist, ep=spec.run.degrees.ep)
+    if converted:
+        run = spec.run.degrees
+        here = {"world_size": spec.world_size, "dp": spec.dp, "tp": spec.tp, "pp": spec.pp, "sp": run.sp,
+                "ep": run.ep, "zero_stage": spec.zero_stage}
+        line = relayout.record(run_dir, point, here, meter.records["conversion"])
+        say("ckpt", f"converted {point.tag} in {line['seconds']:.2f}s, peak private memory "
+                    f"{line['peak_rss_anon_bytes'] / 2**20:,.0f} MiB (recorded in {run_dir / relayout.CONVERSIONS})")
+    return ckpt_dir, tag
+
+
+def start_step(engine, spec, dist, run_dir: Path, info) -> int:
+    """`info`: the built model's ModelInfo (a pipeline's partition names its parameters)."""
     point = spec.resume_point
     if point is None:
         return 0
     for tag in point.skipped if dist.is_main else ():
         say("ckpt", f"skipped {point.ckpt_dir / tag}: incomplete (no {ckpt_files.MANIFEST}, its save was interrupted)")
     if spec.ds_config.get("checkpoint", {}).get("load_universal"):
-        ckpt_dir, tag = resume.universal(point, dist, ep=spec.run.degrees.ep)
-        client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder,
-                                 strict=not checkpoint.frozen_excluded(spec))
+        ckpt_dir, tag = universal_form(spec, dist, run_dir)
+        with relayout.hf_names_while_loading(engine, info.partition):
+            client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder,
+                                     strict=not checkpoint.frozen_excluded(spec))
     else:
         client = checkpoint.load(engine, dist, point.ckpt_dir, point.tag, strict=not checkpoint.frozen_excluded(spec))
     step = int(client.get("step", point.step))
@@ -223,7 +241,7 @@ def run(spec, dist) -> int:
         lines, startup_summary = profiling.report_startup(startup)
         for line in lines if dist.is_main else ():
             say("memory", line)
-        step0 = start_step(engine, spec, dist, run_dir)
+        step0 = start_step(engine, spec, dist, run_dir, info)
         if dist.is_main:
             checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer)
         hooks = profiling.make_hooks(spec, engine, dist, run_dir, log, trackers)
