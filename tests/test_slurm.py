@@ -1,0 +1,217 @@
+"""`harness slurm`: the batch script it writes, its refusals, the Slurm step as harness.dist reads it, and three
+jobs on a real one-node Slurm cluster (tests/helpers/slurm_cluster.py; root, Slurm installed; skipped with the
+reason elsewhere, required in CI) submitted through the generated script, 2 CPU ranks each, all at once:
+  complete   runs to the end;
+  requeued   gets SIGUSR1 (`scancel --signal=USR1 --batch`, what `--signal=B:USR1@S` sends before the time
+             limit) after step 2: checkpoints, exits 75, requeues itself, and the rerun (SLURM_RESTART_COUNT=1)
+             resumes from `latest` and ends with the weights of `complete`;
+  cancelled  plain `scancel` after step 2 (SIGTERM, SIGKILL KillWait = 15 s later): a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import time
+from contextlib import contextmanager, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.commands.launch import check_slurm_step
+from harness.dist import Launch, launched
+from harness.errors import UsageError
+from helpers.launch import ROOT, env, losses, records
+from helpers.reliability import COMMON, latest_is_complete, steps, train_steps_logged, wait_for
+
+STEPS = 8
+JOB_TIMEOUT_S = 420
+SLURM_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_TASKS",
+              "SLURM_STEP_NUM_NODES", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID")
+
+
+def write_script(tmp_path, *extra: str) -> tuple[int, Path]:
+    script = tmp_path / "job.sbatch"
+    code = main(["slurm", str(script), "--recipe", "zero2", "--output-dir", str(tmp_path / "run"), *extra])
+    return code, script
+
+
+def test_the_script_asks_slurm_for_the_world_signals_and_requeues(tmp_path, capsys):
+    code, script = write_script(tmp_path, "--nodes", "2", "--gpus-per-node", "4", "--time", "2:00:00",
+                                "--partition", "gpu", "--account", "lab", "--set", "train.steps=50")
+    out = capsys.readouterr().out
+    assert code == 0, out
+    text = script.read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --time=2:00:00", "#SBATCH --signal=B:USR1@120", "#SBATCH --requeue",
+                 "#SBATCH --open-mode=append", "#SBATCH --partition=gpu", "#SBATCH --account=lab",
+                 f"#SBATCH --output={tmp_path / 'run' / 'slurm'}/job-%j.log", "RANKS_PER_NODE=4",
+                 f"RUN_ARGS=(--recipe zero2 --set train.steps=50 --output-dir {tmp_path / 'run'})",
+                 'scontrol requeue "$SLURM_JOB_ID"', "trap 'forward USR1' USR1"):
+        assert line in text, line
+    assert "{{" not in text
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    assert "world 8" in out and f"submit with: sbatch {script}" in out
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["--nodes", "1", "--gpus-per-node", "3", "--recipe", "pipeline"], "does not divide the world size 3"),
+    (["--gpus-per-node", "2", "--time", "1:00", "--signal-lead", "120"], "the signal must come after the start and "
+                                                                          "before the limit (1 <= lead < 60"),
+    (["--gpus-per-node", "2", "--time", "1-2:3:4:5"], "not a Slurm time limit"),
+    (["--gpus-per-node", "2", "--submit"], "no sbatch on PATH"),
+])
+def test_bad_input_exits_2_with_the_fix(tmp_path, capsys, monkeypatch, extra, said):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
+    code, _ = write_script(tmp_path, *extra)
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and "fix:" in err and "Traceback" not in err, err
+
+
+def test_the_tasks_of_a_slurm_step_are_the_ranks_unless_a_launcher_says_otherwise(monkeypatch):
+    for name in SLURM_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert launched() is None  # a batch script outside srun: no step
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
+    assert launched() is None  # one task: one process, as without Slurm
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    assert launched() == Launch(world_size=4, local_size=2, rank=3, local_rank=1)  # srun started the ranks
+    with pytest.raises(UsageError, match="more than one launcher per node"):
+        check_slurm_step(["--num_gpus", "2", "harness/run.py"])
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    with pytest.raises(UsageError, match="without --node_rank: every task would start a world of its own"):
+        check_slurm_step(["--num_gpus", "2", "harness/run.py"])
+    check_slurm_step(["--no_ssh", "--node_rank=1", "harness/run.py"])  # one launcher per node: as it should
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "5")
+    assert launched() == Launch(world_size=8, local_size=8, rank=5, local_rank=0)  # DeepSpeed's launcher's rank
+
+
+# --- a real cluster -------------------------------------------------------------------------------------------
+
+@contextmanager
+def job_environment(cluster):
+    """sbatch passes the submitting environment to the job: the tests' (offline, one thread) and the cluster's."""
+    saved = dict(os.environ)
+    os.environ.update({**env(), "SLURM_CONF": cluster.env["SLURM_CONF"], "PYTHONPATH": str(ROOT)})
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def submit(cluster, run: Path) -> str:
+    """`harness slurm ... --submit` for `run`: 2 CPU ranks, the reliability tests' settings; the job id."""
+    args = [a for a in COMMON if a not in ("--profile-steps", "")] + ["--set", "profile.steps="] + steps(STEPS)
+    out = io.StringIO()
+    with job_environment(cluster), redirect_stdout(out):
+        code = main(["slurm", "--recipe", "zero2", "--cpu", "--gpus-per-node", "2", "--time", "10",
+                     "--signal-lead", "30", "--output-dir", str(run), *args, "--submit"])
+    assert code == 0, out.getvalue()
+    return re.search(r"submitted job (\d+)", out.getvalue()).group(1)
+
+
+def ended(cluster, job_id: str, requeues: int) -> dict:
+    """`scontrol show job` once the job has ended for good ({} before): a requeued job passes COMPLETED only
+    after its requeues."""
+    info = cluster.job(job_id)
+    state = info.get("JobState")
+    if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"):
+        return info
+    return info if state == "COMPLETED" and int(info.get("Restarts", 0)) >= requeues else {}
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory):
+    """The three jobs, run at once; what each left: its run folder, `scontrol show job`, its log, when the test
+    signalled it."""
+    folder = tmp_path_factory.mktemp("slurm_jobs")
+    began = time.monotonic()
+    runs = {name: folder / name for name in ("complete", "requeued", "cancelled")}
+    ids = {name: submit(slurm_cluster, run) for name, run in runs.items()}
+    signalled = {}
+    for name, how in (("requeued", ["--signal=USR1", "--batch"]), ("cancelled", [])):
+        wait_for(lambda: train_steps_logged(runs[name]) >= 2 or ended(slurm_cluster, ids[name], 0),
+                 JOB_TIMEOUT_S, f"step 2 of job {name}", poll_s=0.05)
+        signalled[name] = time.time()
+        slurm_cluster.run("scancel", *how, ids[name])
+    out = {}
+    for name, run in runs.items():
+        info = wait_for(lambda: ended(slurm_cluster, ids[name], 1 if name == "requeued" else 0), JOB_TIMEOUT_S,
+                        f"job {name} ({ids[name]}) to end", poll_s=0.5)
+        logs = sorted((run / "slurm").glob("job-*.log"))
+        out[name] = {"run": run, "info": info, "log": logs[0].read_text(errors="replace") if logs else "",
+                     "signalled": signalled.get(name)}
+    print(f"three Slurm jobs (2 CPU ranks each, at once) ended {time.monotonic() - began:.0f} s after submission")
+    return out
+
+
+def weights(run: Path) -> dict:
+    """The model's full fp32 weights at the last step, gathered from the ZeRO shards by DeepSpeed itself."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints"), tag=f"global_step{STEPS}")
+
+
+@pytest.mark.slurm
+@pytest.mark.multirank
+def test_a_two_rank_job_runs_to_completion_through_the_script(jobs):
+    job = jobs["complete"]
+    info, log, run = job["info"], job["log"], job["run"]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (info, log[-3000:])
+    assert "run 0 on" in log and "ranks exited 0" in log and "num_local_procs=2, node_rank=0" in log, log[-3000:]
+    assert sorted(losses(run)) == list(range(1, STEPS + 1))
+    assert latest_is_complete(run / "checkpoints") == f"global_step{STEPS}"
+    assert (run / "slurm" / "hostfile").read_text().split()[1] == "slots=2"
+
+
+@pytest.mark.slurm
+@pytest.mark.multirank
+def test_usr1_before_the_limit_checkpoints_requeues_and_ends_with_the_uninterrupted_weights(jobs):
+    job, reference = jobs["requeued"], jobs["complete"]
+    info, log, run = job["info"], job["log"], job["run"]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (info, log[-4000:])
+    assert "USR1 at" in log and "ranks exited 75" in log, log[-4000:]
+    rerun = log[log.index("run 1 on"):]
+    assert "--resume latest" in rerun.splitlines()[0] and "ranks exited 0" in rerun, rerun[-3000:]
+    stopped = records(run, "preempted")
+    assert len(stopped) == 1 and 2 <= stopped[0]["step"] < STEPS, stopped
+    at = stopped[0]["step"]
+
+    want, got = losses(reference["run"]), losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1)), "a step was repeated or skipped across the requeue"
+    worst = max(abs(got[s] - want[s]) for s in want)
+    assert worst <= 1e-6, f"losses differ from the uninterrupted run's by up to {worst:.3g}: {got} vs {want}"
+    a, b = weights(reference["run"]), weights(run)
+    assert a.keys() == b.keys() and a
+    diff = max(float((a[k] - b[k]).detach().abs().max()) for k in a)
+    assert diff <= 1e-6, f"final weights differ from the uninterrupted run's by up to {diff:.3g}"
+    first_rerun_step = next(r for r in records(run, "train") if r["step"] == at + 1)
+    requeue_s = first_rerun_step["time"] - job["signalled"]
+    print(f"USR1 -> stopped at step {at}, exit 75, requeued (SLURM_RESTART_COUNT=1), the rerun's first step "
+          f"{requeue_s:.1f} s after the signal; final weights {'bit-equal' if diff == 0 else f'within {diff:.2g}'}, "
+          f"losses within {worst:.2g} of the uninterrupted run's")
+
+
+@pytest.mark.slurm
+@pytest.mark.multirank
+def test_scancel_leaves_a_complete_checkpoint_and_no_requeue(jobs):
+    job = jobs["cancelled"]
+    info, log, run = job["info"], job["log"], job["run"]
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), (info, log[-4000:])
+    stopped = records(run, "preempted")
+    assert len(stopped) == 1, log[-4000:]
+    assert latest_is_complete(run / "checkpoints") == f"global_step{stopped[0]['step']}"
+    assert "run 1 on" not in log and "scontrol requeue" not in log
+    saved = next(r for r in records(run, "checkpoint") if r["step"] == stopped[0]["step"])
+    print(f"scancel after step 2: checkpoint global_step{stopped[0]['step']} complete "
+          f"{saved['time'] - job['signalled']:.1f} s after SIGTERM (KillWait 15 s)")
