@@ -20,7 +20,6 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-import harness
 from harness.errors import UsageError
 
 TEMPLATE = "slurm.sbatch"  # in harness/assets/
@@ -130,7 +129,7 @@ def script_fields(args, run_dir: Path, script: Path, world: int) -> dict[str, st
             "time": args.time, "lead": str(args.signal_lead), "log": str(run_dir / "slurm" / "job-%j.log"),
             "root": str(Path.cwd()), "extra": "\n".join(extra), "per_node": str(per_node),
             "run_dir": shlex.quote(str(run_dir)), "harness": shlex.quote(harness_bin),
-            "run_py": shlex.quote(str(Path(harness.__file__).resolve().parent / "run.py")),
+            "run_py": shlex.quote(str(Path(str(resources.files("harness") / "run.py")).resolve())),
             "run_args": " ".join(shlex.quote(a) for a in run_arguments(args, run_dir))}
 
 
