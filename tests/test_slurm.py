@@ -27,7 +27,8 @@ from harness.errors import UsageError
 from helpers.launch import ROOT, env, losses, records
 from helpers.reliability import COMMON, latest_is_complete, steps, train_steps_logged, wait_for
 
-STEPS = 8
+STEPS = 24  # room for the signal after step 2 to land well before the end (steps take 0.05-0.5 s here)
+CANCELLED_STEPS = 1000  # never reached: scancel ends it
 JOB_TIMEOUT_S = 420
 SLURM_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_TASKS",
               "SLURM_STEP_NUM_NODES", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID")
@@ -109,9 +110,9 @@ def job_environment(cluster):
         os.environ.update(saved)
 
 
-def submit(cluster, run: Path) -> str:
+def submit(cluster, run: Path, total: int = STEPS) -> str:
     """`harness slurm ... --submit` for `run`: 2 CPU ranks, the reliability tests' settings; the job id."""
-    args = [a for a in COMMON if a not in ("--profile-steps", "")] + ["--set", "profile.steps="] + steps(STEPS)
+    args = [a for a in COMMON if a not in ("--profile-steps", "")] + ["--set", "profile.steps="] + steps(total)
     out = io.StringIO()
     with job_environment(cluster), redirect_stdout(out):
         code = main(["slurm", "--recipe", "zero2", "--cpu", "--gpus-per-node", "2", "--time", "10",
@@ -137,13 +138,23 @@ def jobs(slurm_cluster, tmp_path_factory):
     folder = tmp_path_factory.mktemp("slurm_jobs")
     began = time.monotonic()
     runs = {name: folder / name for name in ("complete", "requeued", "cancelled")}
-    ids = {name: submit(slurm_cluster, run) for name, run in runs.items()}
+    ids = {name: submit(slurm_cluster, run, CANCELLED_STEPS if name == "cancelled" else STEPS)
+           for name, run in runs.items()}
+    doctor_log = folder / "doctor.log"  # a job that asks for no early signal: harness doctor says so, exit 1
+    with job_environment(slurm_cluster):
+        doctor = slurm_cluster.run("sbatch", "--parsable", "--time=5", f"--output={doctor_log}", f"--chdir={ROOT}",
+                                   "--wrap", f"{Path(os.sys.executable).parent / 'harness'} doctor").stdout.strip()
+    signals = {"requeued": ["--signal=USR1", "--batch"], "cancelled": []}
     signalled = {}
-    for name, how in (("requeued", ["--signal=USR1", "--batch"]), ("cancelled", [])):
-        wait_for(lambda: train_steps_logged(runs[name]) >= 2 or ended(slurm_cluster, ids[name], 0),
-                 JOB_TIMEOUT_S, f"step 2 of job {name}", poll_s=0.05)
-        signalled[name] = time.time()
-        slurm_cluster.run("scancel", *how, ids[name])
+
+    def signal_after_step_2() -> bool:  # each job as soon as it logged step 2, whichever comes first
+        for name in set(signals) - set(signalled):
+            if train_steps_logged(runs[name]) >= 2 or ended(slurm_cluster, ids[name], 0):
+                signalled[name] = time.time()
+                slurm_cluster.run("scancel", *signals[name], ids[name])
+        return len(signalled) == len(signals)
+
+    wait_for(signal_after_step_2, JOB_TIMEOUT_S, "step 2 of the jobs to signal", poll_s=0.05)
     out = {}
     for name, run in runs.items():
         info = wait_for(lambda: ended(slurm_cluster, ids[name], 1 if name == "requeued" else 0), JOB_TIMEOUT_S,
@@ -151,6 +162,8 @@ def jobs(slurm_cluster, tmp_path_factory):
         logs = sorted((run / "slurm").glob("job-*.log"))
         out[name] = {"run": run, "info": info, "log": logs[0].read_text(errors="replace") if logs else "",
                      "signalled": signalled.get(name)}
+    info = wait_for(lambda: ended(slurm_cluster, doctor, 0), JOB_TIMEOUT_S, "the doctor job", poll_s=0.5)
+    out["doctor"] = {"info": info, "log": doctor_log.read_text(errors="replace")}
     print(f"three Slurm jobs (2 CPU ranks each, at once) ended {time.monotonic() - began:.0f} s after submission")
     return out
 
@@ -197,9 +210,19 @@ def test_usr1_before_the_limit_checkpoints_requeues_and_ends_with_the_uninterrup
     assert diff <= 1e-6, f"final weights differ from the uninterrupted run's by up to {diff:.3g}"
     first_rerun_step = next(r for r in records(run, "train") if r["step"] == at + 1)
     requeue_s = first_rerun_step["time"] - job["signalled"]
-    print(f"USR1 -> stopped at step {at}, exit 75, requeued (SLURM_RESTART_COUNT=1), the rerun's first step "
-          f"{requeue_s:.1f} s after the signal; final weights {'bit-equal' if diff == 0 else f'within {diff:.2g}'}, "
-          f"losses within {worst:.2g} of the uninterrupted run's")
+    exited, rerun_at = (stamp(log, r"ranks exited 75 at (\S+)"), stamp(log, r"run 1 on \S+ at (\S+):"))
+    print(f"USR1 -> stopped at step {at}, exit 75 {exited - job['signalled']:.0f} s after the signal, the rerun "
+          f"started {rerun_at - exited:.0f} s later (SLURM_RESTART_COUNT=1), its first step {requeue_s:.1f} s after "
+          f"the signal; final weights {'bit-equal' if diff == 0 else f'within {diff:.2g}'}, losses within "
+          f"{worst:.2g} of the uninterrupted run's")
+
+
+def stamp(log: str, pattern: str) -> float:
+    """A time the batch script logged (UTC, whole seconds) as a Unix time."""
+    from datetime import datetime, timezone
+
+    text = re.search(pattern, log).group(1)
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
 
 
 @pytest.mark.slurm
@@ -211,7 +234,25 @@ def test_scancel_leaves_a_complete_checkpoint_and_no_requeue(jobs):
     stopped = records(run, "preempted")
     assert len(stopped) == 1, log[-4000:]
     assert latest_is_complete(run / "checkpoints") == f"global_step{stopped[0]['step']}"
-    assert "run 1 on" not in log and "scontrol requeue" not in log
+    assert "TERM at" in log and "ranks exited 75" in log and "run 1 on" not in log, log[-4000:]
     saved = next(r for r in records(run, "checkpoint") if r["step"] == stopped[0]["step"])
     print(f"scancel after step 2: checkpoint global_step{stopped[0]['step']} complete "
           f"{saved['time'] - job['signalled']:.1f} s after SIGTERM (KillWait 15 s)")
+
+
+@pytest.mark.slurm
+@pytest.mark.multirank
+def test_doctor_in_an_allocation_names_the_job_and_a_missing_early_signal(jobs):
+    job = jobs["doctor"]
+    assert job["info"]["ExitCode"] == "1:0", job["log"][-3000:]
+    for said in ("slurm job", "1 node(s), 1 task(s) per node", "scontrol", "answers", "early signal",
+                 "NONE", "the batch script asks for no early signal", "fix: #SBATCH --signal=B:USR1@120"):
+        assert said in job["log"], (said, job["log"][-3000:])
+
+
+def test_doctor_outside_an_allocation_says_so(monkeypatch, capsys):
+    from harness.commands.doctor import slurm_allocation
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert slurm_allocation(world=2) == []
+    assert "not in a Slurm allocation (SLURM_JOB_ID unset)" in capsys.readouterr().out
