@@ -140,10 +140,14 @@ def jobs(slurm_cluster, tmp_path_factory):
     runs = {name: folder / name for name in ("complete", "requeued", "cancelled")}
     ids = {name: submit(slurm_cluster, run, CANCELLED_STEPS if name == "cancelled" else STEPS)
            for name, run in runs.items()}
-    doctor_log = folder / "doctor.log"  # a job that asks for no early signal: harness doctor says so, exit 1
+    # A job that asks for no early signal: doctor's Slurm check (its own function: the rest of `harness doctor`,
+    # versions and ops, is tested in tests/test_doctor.py) says so.
+    doctor_log = folder / "doctor.log"
+    check = ("import sys; from harness.commands.doctor import slurm_allocation; "
+             "problems = slurm_allocation(world=1); print(*problems, sep=chr(10)); sys.exit(1 if problems else 0)")
     with job_environment(slurm_cluster):
         doctor = slurm_cluster.run("sbatch", "--parsable", "--time=5", f"--output={doctor_log}", f"--chdir={ROOT}",
-                                   "--wrap", f"{Path(os.sys.executable).parent / 'harness'} doctor").stdout.strip()
+                                   "--wrap", f"{os.sys.executable} -c '{check}'").stdout.strip()
     signals = {"requeued": ["--signal=USR1", "--batch"], "cancelled": []}
     signalled = {}
 
