@@ -25,7 +25,7 @@ from harness.commands.launch import check_slurm_step
 from harness.dist import Launch, launched
 from harness.errors import UsageError
 from helpers.launch import ROOT, env, losses, records
-from helpers.reliability import COMMON, latest_is_complete, steps, train_steps_logged, wait_for
+from helpers.reliability import COMMON, assert_continues, latest_is_complete, steps, train_steps_logged, wait_for
 
 STEPS = 24  # room for the signal after step 2 to land well before the end (steps take 0.05-0.5 s here)
 CANCELLED_STEPS = 1000  # never reached: scancel ends it
@@ -206,8 +206,8 @@ def test_usr1_before_the_limit_checkpoints_requeues_and_ends_with_the_uninterrup
 
     want, got = losses(reference["run"]), losses(run)
     assert sorted(got) == list(range(1, STEPS + 1)), "a step was repeated or skipped across the requeue"
-    worst = max(abs(got[s] - want[s]) for s in want)
-    assert worst <= 1e-6, f"losses differ from the uninterrupted run's by up to {worst:.3g}: {got} vs {want}"
+    # bit-equal when the resume is exact (issue 33 part 4: a resume can still be 1 ulp off a few steps later)
+    worst = assert_continues(got, want, rtol=1e-6)
     a, b = weights(reference["run"]), weights(run)
     assert a.keys() == b.keys() and a
     diff = max(float((a[k] - b[k]).detach().abs().max()) for k in a)
@@ -218,7 +218,7 @@ def test_usr1_before_the_limit_checkpoints_requeues_and_ends_with_the_uninterrup
     print(f"USR1 -> stopped at step {at}, exit 75 {exited - job['signalled']:.0f} s after the signal, the rerun "
           f"started {rerun_at - exited:.0f} s later (SLURM_RESTART_COUNT=1), its first step {requeue_s:.1f} s after "
           f"the signal; final weights {'bit-equal' if diff == 0 else f'within {diff:.2g}'}, losses within "
-          f"{worst:.2g} of the uninterrupted run's")
+          f"{worst:.2g} (relative) of the uninterrupted run's")
 
 
 def stamp(log: str, pattern: str) -> float:
