@@ -68,8 +68,8 @@ def config(folder: Path) -> str:
         "SlurmUser=root", "AuthType=auth/munge", "AuthInfo=cred_expire=10", "CryptoType=crypto/munge",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core", "MpiDefault=none", "ReturnToService=2",
-        # SIGTERM to SIGKILL on scancel: Slurm's default is 30 s; 15 lets the ranks save on a loaded 2-core CI machine
-        # (a save of the tiny model took 2.5 s idle), where 5 (measured in the issue) left none under load
+        # SIGTERM to SIGKILL on scancel (Slurm's default 30 s, the issue measured with 5): the ranks' save after
+        # scancel took 0.4-2.5 s here; 15 leaves a margin on a loaded 2-core CI machine
         "KillWait=15",
         "SlurmdParameters=config_overrides", "SchedulerType=sched/builtin", "MinJobAge=600",
         # the main scheduler's pass every second, not 60: a requeued job starts once it is eligible (cred_expire
