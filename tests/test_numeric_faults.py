@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness.errors import Problem
-from harness.train.faults import DataSteps, SpikeRule, parse_injection, recipe_problems
+from harness.train.faults import DataSteps, Policy, SpikeRule, parse_injection, recipe_problems
 from helpers.launch import job_output, launch_jobs, losses, records
 from helpers.parity import common_args
 
@@ -46,9 +46,27 @@ def test_data_steps_step_over_the_batches_a_rollback_skipped():
     assert steps.batch(0) == 1 and steps.skipped == [0, 4, 5]
 
 
+def test_policy_limits_count_in_a_row_and_rollbacks_without_progress():
+    skip = Policy({"on_nonfinite": "skip", "nonfinite_limit": 2})
+    assert skip.action(4) == ("skip", None)
+    skip.kept(5)  # a kept step ends the run of faults
+    assert skip.action(6) == ("skip", None)
+    action, why = skip.action(7)
+    assert action == "stop" and "2 faulty steps in a row" in why
+    back = Policy({"on_nonfinite": "rollback", "nonfinite_limit": 2})
+    assert back.action(4)[0] == back.action(4)[0] == "rollback"  # two rollbacks, never past step 4
+    back.kept(3)  # replaying the steps before the fault is not progress
+    assert back.action(4)[0] == "stop"
+    again = Policy({"on_nonfinite": "rollback", "nonfinite_limit": 1})
+    assert again.action(4)[0] == "rollback"
+    again.kept(4)  # past the fault: progress
+    assert again.action(9)[0] == "rollback"
+    assert Policy({"on_nonfinite": "stop", "nonfinite_limit": 3}).action(0)[0] == "stop"
+
+
 def test_injection_hook_and_recipe_refusals():
     assert parse_injection("4:1:nan,6:0:100") == {(4, 1): pytest.approx(math.nan, nan_ok=True), (6, 0): 100.0}
-    assert parse_injection(None) == {}
+    assert parse_injection(None) == {} and parse_injection("2:0:grad") == {(2, 0): "grad"}
     off = recipe_problems({"train": {"spike": 3, "on_nonfinite": "off"}})
     assert [p.path for p in off] == ["train.spike"] and "on_nonfinite" in off[0].fix
     assert isinstance(recipe_problems({"train": {"spike": 1, "on_nonfinite": "skip"}})[0], Problem)

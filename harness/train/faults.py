@@ -23,9 +23,9 @@ and is saved in every checkpoint so a resume keeps the mapping; stop after train
 without getting past the fault).
 
 Test hook: DSHARNESS_INJECT_LOSS="BATCH:RANK:FACTOR[,...]" (read once per run, used only when the check is on)
-multiplies the loss that rank passes to backward by FACTOR (nan, inf or a number) on every micro-batch of data
-batch BATCH (0-based): the fault enters one rank's gradients and spreads to the others by DeepSpeed's reduction,
-as a bad batch would. Unset in every real run.
+multiplies the loss that rank passes to backward by FACTOR (nan, inf or a number; `grad`: the loss unchanged, its
+gradient NaN) on every micro-batch of data batch BATCH (0-based): the fault enters one rank's gradients and spreads
+to the others by DeepSpeed's reduction, as a bad batch would. Unset in every real run.
 """
 
 from __future__ import annotations
@@ -72,13 +72,25 @@ def recipe_problems(recipe: dict) -> list[Problem]:
     return []
 
 
-def parse_injection(text: str | None) -> dict[tuple[int, int], float]:
-    """DSHARNESS_INJECT_LOSS -> {(batch, rank): factor}."""
+def parse_injection(text: str | None) -> dict[tuple[int, int], float | str]:
+    """DSHARNESS_INJECT_LOSS -> {(batch, rank): factor, or "grad"}."""
     out = {}
     for item in filter(None, (text or "").split(",")):
         batch, rank, factor = item.strip().split(":")
-        out[(int(batch), int(rank))] = float(factor)
+        out[(int(batch), int(rank))] = factor if factor == "grad" else float(factor)
     return out
+
+
+class _PoisonGrad(torch.autograd.Function):
+    """The injection's "grad": the loss unchanged, its gradient NaN (a finite loss whose backward overflows)."""
+
+    @staticmethod
+    def forward(ctx, loss):
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
 
 
 class SpikeRule:
@@ -145,7 +157,7 @@ class Guard:
     def _on_backward(self, loss, *args, **kwargs):
         factor = self.inject.get((self.batch, self.rank))
         if factor is not None:
-            loss = loss * factor
+            loss = _PoisonGrad.apply(loss) if factor == "grad" else loss * factor
         self.losses.append(loss.detach().float())
         return self._backward(loss, *args, **kwargs)
 
@@ -153,7 +165,9 @@ class Guard:
         if self.losses:
             return torch.stack(self.losses).mean()
         total = getattr(self.engine, "total_loss", None)  # a pipeline's last stage (sum over its micro-batches)
-        return total.detach().float().reshape(-1)[0] if torch.is_tensor(total) else None
+        if not torch.is_tensor(total):
+            return None
+        return total.detach().float().reshape(-1)[0] / self.engine.gradient_accumulation_steps()
 
     def _on_step(self, *args, **kwargs):
         import torch.distributed as dist
@@ -207,7 +221,7 @@ class Policy:
 
     def kept(self, step: int) -> None:
         self.in_row = 0
-        if step > self.fault_step:
+        if step >= self.fault_step:  # the faulty step's index trained (on the next batch) and kept: progress
             self.rollbacks = 0
 
 
