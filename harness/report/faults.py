@@ -15,8 +15,8 @@ def faults_line(records: list[dict]) -> list[str]:
     faults = _faults(records)
     if not faults:
         return []
-    counts = {a: sum(f["action"] == a for f in faults) for a in ("skip", "rollback", "stop")}
-    said = ", ".join(f"{n} {a if a != 'skip' else 'skipped'}" for a, n in counts.items() if n)
+    words = {"skip": "skipped", "rollback": "rolled back", "stop": "stopped the run"}
+    said = ", ".join(f"{n} {w}" for a, w in words.items() if (n := sum(f["action"] == a for f in faults)))
     return [f"- numeric faults: {len(faults)} step{'s' if len(faults) != 1 else ''} dropped ({said}; "
             "train.on_nonfinite)"]
 
@@ -32,11 +32,12 @@ def faults_section(records: list[dict]) -> list[str]:
     backs = [r for r in records if r.get("kind") == "rollback"]
     rows = []
     for f in faults:
-        action = f["action"]
-        if action == "rollback":
+        action = {"skip": "skipped", "stop": "stopped the run"}.get(f["action"], f["action"])
+        if f["action"] == "rollback":
             to = next((b for b in backs if b.get("skipped_batch") == f["batch"]), None)
             action = f"rolled back to {to['tag']}" if to else "rolled back"
-        rows.append([str(f["step"]), str(f["batch"]), f"{f['reason']} ({f.get('seen', '?')})",
+        why = "loss spike" if f["reason"] == "spike" else f"non-finite {f.get('seen', 'loss or gradients')}"
+        rows.append([str(f["step"]), str(f["batch"]), why,
                      ", ".join(map(str, f["ranks"])), _cell(f.get("loss")), _cell(f.get("median")), action,
                      "; ".join(f"rank {r}: {t}" for r, t in f.get("rows", {}).items())])
     return ["", "## Numeric faults (train.on_nonfinite)", "",

@@ -30,9 +30,9 @@ to the others by DeepSpeed's reduction, as a bad batch would. Unset in every rea
 
 from __future__ import annotations
 
-import bisect
 import os
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -124,10 +124,6 @@ class DataSteps:
                 step += 1
         return step
 
-    def skip(self, batch: int) -> None:
-        if batch not in self.skipped:
-            bisect.insort(self.skipped, batch)
-
 
 class Guard:
     """The per-step check (see the module docstring); one per run, built by `Guard.of`."""
@@ -138,6 +134,7 @@ class Guard:
         self.inject = parse_injection(os.environ.get(INJECT_ENV))
         self.losses: list[torch.Tensor] = []
         self.batch, self._verdict = -1, None
+        self.spent_s, self.checked = 0.0, 0  # the check's own time (flag, all-reduce, host read) and its count
         self._backward, self._step = engine.backward, engine.optimizer.step
         engine.backward = self._on_backward
         engine.optimizer.step = self._on_step
@@ -149,6 +146,10 @@ class Guard:
     def begin(self, batch: int) -> None:
         """Before a step's first forward: the data batch it trains on."""
         self.batch, self.losses, self._verdict = batch, [], None
+
+    def cost_ms(self) -> float | None:
+        """Mean milliseconds per step the check took (on CUDA including the wait for the step's queued work)."""
+        return round(1000 * self.spent_s / self.checked, 3) if self.checked else None
 
     def verdict(self) -> Verdict | None:
         """After the step: why it was dropped, or None when it was kept."""
@@ -172,7 +173,7 @@ class Guard:
     def _on_step(self, *args, **kwargs):
         import torch.distributed as dist
 
-        device, world = self.engine.device, self.world
+        start, device, world = time.perf_counter(), self.engine.device, self.world
         loss = self._own_loss()
         votes = torch.zeros(2 * world + 2, dtype=torch.float64, device=device)
         votes[world + self.rank] = fault_gate.nonfinite(fault_gate.local_grads(self.engine), device)
@@ -186,6 +187,7 @@ class Guard:
         bad_grads = tuple(r for r in range(world) if votes[world + r] > 0)
         mean = votes[2 * world] / votes[2 * world + 1] if votes[2 * world + 1] else float("nan")
         median = None if bad_loss or bad_grads else self.spike.judge(mean)
+        self.spent_s, self.checked = self.spent_s + time.perf_counter() - start, self.checked + 1
         if bad_loss or bad_grads or median is not None:
             seen = "loss" if bad_loss else "gradients" if bad_grads else "spike"
             self._verdict = Verdict("spike" if seen == "spike" else "nonfinite", seen,
