@@ -14,6 +14,7 @@ flush), the Guard wraps two engine calls:
     train.spike_window kept steps), is dropped through the optimizer's own overflow path (fault_gate.py):
     parameters and optimizer state stay as they were and the LR scheduler does not advance.
 A pipeline's loss is read from its last stage (PipelineEngine.total_loss); the other stages flag their gradients.
+Under fp16 the gradients are not judged (the loss scaler's overflows are DeepSpeed's to skip), only the loss.
 
 Then the trainer applies the policy (Policy): stop (exit EXIT_NUMERIC_FAULT with the step, the ranks and the
 batch's rows and documents; nothing is saved after the fault, so `latest` names the checkpoint before it), skip
@@ -130,11 +131,14 @@ class Guard:
 
     def __init__(self, engine, train: dict, rank: int, world: int):
         self.engine, self.rank, self.world = engine, rank, world
+        # fp16's dynamic loss scale overflows the gradients on purpose now and then; DeepSpeed skips those steps and
+        # lowers the scale itself, so under fp16 only the loss is judged
+        self.check_grads = not engine.fp16_enabled()
         self.spike = SpikeRule(float(train["spike"]), int(train["spike_window"]))
         self.inject = parse_injection(os.environ.get(INJECT_ENV))
         self.losses: list[torch.Tensor] = []
         self.batch, self._verdict = -1, None
-        self.spent_s, self.checked = 0.0, 0  # the check's own time (flag, all-reduce, host read) and its count
+        self.spent_s, self.local_s, self.checked = 0.0, 0.0, 0  # the check's time (all; the flags alone), count
         self._backward, self._step = engine.backward, engine.optimizer.step
         engine.backward = self._on_backward
         engine.optimizer.step = self._on_step
@@ -147,9 +151,13 @@ class Guard:
         """Before a step's first forward: the data batch it trains on."""
         self.batch, self.losses, self._verdict = batch, [], None
 
-    def cost_ms(self) -> float | None:
-        """Mean milliseconds per step the check took (on CUDA including the wait for the step's queued work)."""
-        return round(1000 * self.spent_s / self.checked, 3) if self.checked else None
+    def cost_ms(self) -> dict:
+        """Mean milliseconds per step the check took: all of it (on CUDA including the wait for the step's queued
+        work; with the other ranks' lag the all-reduce waits for), and the local flags alone (on CPU)."""
+        if not self.checked:
+            return {}
+        return {"nonfinite_check_ms": round(1000 * self.spent_s / self.checked, 3),
+                "nonfinite_check_local_ms": round(1000 * self.local_s / self.checked, 3)}
 
     def verdict(self) -> Verdict | None:
         """After the step: why it was dropped, or None when it was kept."""
@@ -176,10 +184,12 @@ class Guard:
         start, device, world = time.perf_counter(), self.engine.device, self.world
         loss = self._own_loss()
         votes = torch.zeros(2 * world + 2, dtype=torch.float64, device=device)
-        votes[world + self.rank] = fault_gate.nonfinite(fault_gate.local_grads(self.engine), device)
+        if self.check_grads:
+            votes[world + self.rank] = fault_gate.nonfinite(fault_gate.local_grads(self.engine), device)
         if loss is not None:
             votes[self.rank] = (~torch.isfinite(loss)).double()
             votes[2 * world], votes[2 * world + 1] = loss.double(), 1.0
+        local = time.perf_counter()  # on CUDA only the queuing: the kernels finish in the host read below
         if dist.is_initialized() and world > 1:
             dist.all_reduce(votes)
         votes = votes.cpu().tolist()  # the host waits for the step here: the one sync the check costs
@@ -187,7 +197,8 @@ class Guard:
         bad_grads = tuple(r for r in range(world) if votes[world + r] > 0)
         mean = votes[2 * world] / votes[2 * world + 1] if votes[2 * world + 1] else float("nan")
         median = None if bad_loss or bad_grads else self.spike.judge(mean)
-        self.spent_s, self.checked = self.spent_s + time.perf_counter() - start, self.checked + 1
+        self.spent_s, self.local_s = self.spent_s + time.perf_counter() - start, self.local_s + local - start
+        self.checked += 1
         if bad_loss or bad_grads or median is not None:
             seen = "loss" if bad_loss else "gradients" if bad_grads else "spike"
             self._verdict = Verdict("spike" if seen == "spike" else "nonfinite", seen,

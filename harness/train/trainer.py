@@ -317,5 +317,5 @@ class Trainer:
                 return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, "preempted_at": done}
             step = done
         bar.close()
-        check = {"nonfinite_check_ms": self.guard.cost_ms()} if self.guard is not None else {}
+        check = self.guard.cost_ms() if self.guard is not None else {}
         return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, **check}
