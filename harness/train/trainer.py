@@ -314,8 +314,12 @@ class Trainer:
                     say("preempt", f"stopped at step {done} ({self.preempt.reason}), checkpoint saved; "
                                    "continue with --resume latest")
                 bar.close()
-                return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, "preempted_at": done}
+                return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, "preempted_at": done,
+                        **self.check_cost()}
             step = done
         bar.close()
-        check = self.guard.cost_ms() if self.guard is not None else {}
-        return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, **check}
+        return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, **self.check_cost()}
+
+    def check_cost(self) -> dict:
+        """For summary.json: what the per-step numeric-fault check took (harness/train/faults.py)."""
+        return self.guard.cost_ms() if self.guard is not None else {}
