@@ -12,7 +12,7 @@ CI runner) tears the ranks down mid-save; as a container's PID 1 it ignores SIGT
     (the launcher exits 1 after a signal whatever its ranks return). A failing rank's code wins (the first
     to fail), then 75 if any rank was preempted, then 0 when every local rank reported 0; with no report
     (ranks on other nodes started over ssh, or killed before writing one) the runner's own code.
-With `--max-restarts N` a failed attempt (any code but 0, 2 bad input and 75 preempted, and no signal forwarded:
+With `--max-restarts N` a failed attempt (any code but 0, 2 bad input, 3 numeric fault and 75 preempted, and no signal forwarded:
 a rank that died, a collective that timed out) is ended whole (SIGTERM to the group, SIGKILL after a grace
 period, every process reaped), and after a backoff (doubling, capped) harness/run.py starts again in the same run
 folder from its latest complete checkpoint (harness/train/restarts.py), up to N times; each restart is a line in
@@ -39,12 +39,13 @@ from harness.errors import UsageError
 from harness.log import say
 from harness.ops import pin_cpu_accelerator
 from harness.train import restarts
+from harness.train.faults import EXIT_NUMERIC_FAULT
 from harness.train.preempt import EXIT_DIR_ENV, EXIT_PREEMPTED
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 EXIT_BAD_INPUT = 2
-NOT_RESTARTED = (0, EXIT_BAD_INPUT, EXIT_PREEMPTED)
+NOT_RESTARTED = (0, EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_NUMERIC_FAULT)  # a fault: the same batch again
 BACKOFF_CAP_S = 60.0
 STOP_GRACE_S = 30.0  # what DeepSpeed's launcher gives each rank's tree between SIGTERM and SIGKILL
 USAGE = ("usage: harness launch [--max-restarts N] [--restart-backoff S] [deepspeed options] SCRIPT [script args]\n"

@@ -23,7 +23,7 @@ from harness.model import adapters
 from harness.model.lora_attach import attach
 from harness.model.moe.wiring import prepare_model as prepare_moe
 from harness.trackers import start as start_trackers, summary_metrics
-from harness.train import checks, preempt, restarts
+from harness.train import checks, faults, preempt, restarts
 from harness.train.metrics import MetricsLog
 from harness.train.trainer import Boundaries, Data, Trainer
 
@@ -132,11 +132,12 @@ def universal_form(spec, dist, run_dir: Path) -> tuple[Path, str]:
     return ckpt_dir, tag
 
 
-def start_step(engine, spec, dist, run_dir: Path, info) -> int:
-    """`info`: the built model's ModelInfo (a pipeline's partition names its parameters)."""
+def start_step(engine, spec, dist, run_dir: Path, info) -> tuple[int, dict]:
+    """(the step to start at, the loaded checkpoint's client state: {} when starting afresh). `info`: the built
+    model's ModelInfo (a pipeline's partition names its parameters)."""
     point = spec.resume_point
     if point is None:
-        return 0
+        return 0, {}
     for tag in point.skipped if dist.is_main else ():
         say("ckpt", f"skipped {point.ckpt_dir / tag}: incomplete (no {ckpt_files.MANIFEST}, its save was interrupted)")
     if spec.ds_config.get("checkpoint", {}).get("load_universal"):
@@ -153,7 +154,7 @@ def start_step(engine, spec, dist, run_dir: Path, info) -> int:
                          "    fix: --resume the latest one, pass --overwrite, or use another --output-dir")
     if dist.is_main:
         say("ckpt", f"resumed {point.folder} at step {step}")
-    return step
+    return step, client
 
 
 def announce(spec, dist, run_dir: Path, info, data: Data, notes: list[str]) -> None:
@@ -241,13 +242,20 @@ def run(spec, dist) -> int:
         lines, startup_summary = profiling.report_startup(startup)
         for line in lines if dist.is_main else ():
             say("memory", line)
-        step0 = start_step(engine, spec, dist, run_dir, info)
+        step0, client = start_step(engine, spec, dist, run_dir, info)
         if dist.is_main:
             checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer)
         hooks = profiling.make_hooks(spec, engine, dist, run_dir, log, trackers)
         with preempt.Preemption() as stop:  # until the end: a later signal (the launcher's) must not cut the exit
-            result = Trainer(engine, spec, dist, data, run_dir, log, Boundaries(tuple(hooks), stop),
-                             model_info=info).run(step0)
+            trainer = Trainer(engine, spec, dist, data, run_dir, log, Boundaries(tuple(hooks), stop),
+                              model_info=info, skipped_batches=client.get(faults.CLIENT_KEY, ()))
+            try:
+                result = trainer.run(step0)
+            except faults.NumericFault as e:  # every rank raises it in the same step; rank 0 says it
+                if dist.is_main:
+                    say("fault", str(e))
+                code = faults.EXIT_NUMERIC_FAULT
+                return code
             result.update(startup_summary)
             for hook in hooks:
                 result.update(hook.close() or {})
