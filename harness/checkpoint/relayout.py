@@ -76,11 +76,12 @@ def set_cat_dims(zero_dir: Path) -> None:
     import torch
     from deepspeed.checkpoint.constants import CAT_DIM
 
+    from harness.checkpoint.expert_layout import load_converted
     from harness.model.parallel.tensor import split_dim
 
     for folder in [p for p in zero_dir.iterdir() if p.is_dir() and split_dim(p.name) == 1]:
         for path in folder.glob("*.pt"):
-            state = torch.load(path, weights_only=False)
+            state = load_converted(path)
             if isinstance(state, dict) and state.get(CAT_DIM, 1) != 1:
                 torch.save({**state, CAT_DIM: 1}, path)
 
@@ -105,24 +106,25 @@ def for_every_stage(folder: Path) -> None:
     import torch
     from deepspeed.checkpoint.constants import CAT_DIM, OPTIMIZER_STATE_DICT, PARAM
 
+    from harness.checkpoint.expert_layout import load_converted
     from harness.model.parallel.tensor import split_dim
 
     both_stage_names(folder)
     path = folder / "zero" / "optimizer_state.pt"
-    state = torch.load(path, weights_only=False)
-    model_states = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False, mmap=True)
+    state = load_converted(path)
+    model_states = load_converted(folder / "mp_rank_00_model_states.pt", mmap=True)
     if OPTIMIZER_STATE_DICT in state:  # a ZeRO-3 save: flat tensors, the step in the global state only
         step = state[OPTIMIZER_STATE_DICT]["state"][0]["step"]
         shapes = {name: tuple(shape) for group in model_states["param_shapes"] for name, shape in group.items()}
         for param in [p for p in (folder / "zero").iterdir() if p.is_dir()]:
             for file in param.glob("*.pt"):
-                tensor = torch.load(file, weights_only=False)
+                tensor = load_converted(file)
                 if isinstance(tensor, torch.Tensor):  # (AutoEP's gathered experts come as dicts already)
                     torch.save({PARAM: tensor.view(shapes[param.name]), CAT_DIM: split_dim(param.name) or 0}, file)
             if not (param / "step.pt").exists():
                 torch.save(step, param / "step.pt")
     else:
-        step = torch.load(next((folder / "zero").glob("*/step.pt")), weights_only=False)
+        step = load_converted(next((folder / "zero").glob("*/step.pt")))
     state.setdefault("ds_version", model_states["ds_version"])
     state.setdefault("clip_grad", float(model_states["ds_config"].get("gradient_clipping", 0.0)))
     state.setdefault(OPTIMIZER_STATE_DICT, {"state": {0: {"step": step}}, "param_groups": state["param_groups"]})
