@@ -8,6 +8,11 @@
 # LoRA adapters, recipe lora_zero3, on a ~1B folder model written first (random weights); OUT_DIR/qlora.
 # Also a MoE case: a ~0.5B Qwen3-MoE folder through DeepSpeed AutoEP with grouped_mm expert GEMMs (EP 2 on 2
 # GPUs, AutoEP of size 1 on one); OUT_DIR/moe.
+# Also a DPO case (one GPU): a TinyLlama-shaped bf16 folder and a generated preference jsonl (300 pairs of random
+# words as prompt/chosen/rejected strings), train.objective=dpo for 10 steps at seq 1024 twice: the reference as a
+# frozen engine (recipe zero2) and as the base with the adapters off (recipe lora_zero2), and precomputed;
+# OUT_DIR/dpo/{precomputed,engine,adapter}. Also fp16 (dynamic loss scaling) on ZeRO-2 and ZeRO-3; OUT_DIR/fp16
+# with summary.json (loss, peak memory beside the planner's).
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -52,7 +57,8 @@ if ! $PY -c "import deepspeed" 2>/dev/null; then
         exit 2
     fi
     if $PY -m pip --version >/dev/null 2>&1; then
-        $PY -m pip install --quiet --no-index --find-links "$WHEELS" "deepspeed==$DEEPSPEED_VERSION" peft bitsandbytes
+        bnb=(); ls "$WHEELS"/bitsandbytes-*.whl >/dev/null 2>&1 && bnb=(bitsandbytes)  # the qlora case's only
+        $PY -m pip install --quiet --no-index --find-links "$WHEELS" "deepspeed==$DEEPSPEED_VERSION" peft "${bnb[@]}"
     else  # no pip in the image: wheels are zip files, unpack them onto the path
         $PY - "$WHEELS" "$OUT/site" <<'EOF'
 import sys, zipfile, pathlib
@@ -73,7 +79,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -161,7 +167,49 @@ EOF
                 "${ep[@]}" --set "train.model=$OUT/moe/model" --set train.steps=20 --set train.seq_len=1024 \
                 --set train.eval_every=0 --profile-steps 15-16 --output-dir "$OUT/moe/run" --overwrite
             echo "[moe]     run: $OUT/moe/run (summary.json: lm_loss, aux_loss, tokens/s, all_to_all bytes)" ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe)" >&2; exit 2 ;;
+        dpo)  # preference optimisation: the reference as a frozen engine (zero2) and as the base, adapters off (LoRA)
+            $PY - "$OUT/dpo" <<'EOF'
+import json, random, sys, torch
+from pathlib import Path
+from transformers import LlamaConfig, LlamaForCausalLM
+from harness.model.hf import _shipped_eos_id, load_tokenizer
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+eos = _shipped_eos_id()
+cfg = LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                  num_attention_heads=32, num_key_value_heads=4, bos_token_id=eos, eos_token_id=eos)
+torch.manual_seed(0)
+LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out / "model")
+load_tokenizer("tiny-llama").save_pretrained(out / "model")
+words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+random.seed(0)
+text = lambda lo, hi: " ".join(random.choice(words) for _ in range(random.randint(lo, hi)))
+with open(out / "pairs.jsonl", "w") as f:  # prompt + completion stay under seq 1024 tokens
+    for _ in range(300):
+        f.write(json.dumps({"prompt": text(20, 200), "chosen": text(10, 300), "rejected": text(10, 300)}) + "\n")
+EOF
+            for mode in precomputed engine adapter; do
+                recipe=zero2; [[ $mode == adapter ]] && recipe=lora_zero2
+                timeout 180 $PY -m deepspeed.launcher.runner --num_gpus 1 "$ROOT/harness/run.py" --recipe $recipe \
+                    --set train.objective=dpo --set preference.reference_mode=$mode \
+                    --set "train.model=$OUT/dpo/model" --set "train.dataset=$OUT/dpo/pairs.jsonl" --set train.steps=10 \
+                    --set train.seq_len=1024 --set train.log_every=1 --set train.eval_every=0 --set train.save_every=0 \
+                    --output-dir "$OUT/dpo/$mode" --overwrite || echo "[dpo]     $mode run failed (exit $?)"
+                $PY - "$OUT/dpo/$mode/summary.json" "$mode" <<'EOF' || true
+import json, sys
+s = json.load(open(sys.argv[1]))
+mem = s.get("memory", {})
+print(f"[dpo]     {sys.argv[2]}: loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}; peak per rank "
+      f"{mem.get('peak_per_rank')}; planner {mem.get('predicted_peak_total_per_rank')}")
+EOF
+            done ;;
+        fp16)  # fp16 with DeepSpeed's dynamic loss scaling (GPU only), ZeRO-2 and ZeRO-3 on the built-in tiny model
+            for recipe in zero2 zero3; do
+                timeout 120 $PY -m deepspeed.launcher.runner --num_gpus 1 "$ROOT/harness/run.py" --recipe $recipe \
+                    --set precision=fp16 --set train.steps=30 --set train.seq_len=512 --set train.log_every=10 \
+                    --set train.eval_every=0 --set train.save_every=15 --output-dir "$OUT/fp16/$recipe" --overwrite \
+                    || echo "[fp16]    $recipe run failed (exit $?)"
+            done ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

@@ -19,6 +19,8 @@ COMMANDS = {
     "report": "predicted vs measured tables and plots for a run folder",
     "data": "tokenize a dataset once into the memory-mapped token store runs read (data prepare)",
     "launch": "`deepspeed ...` that forwards SIGTERM/SIGUSR1 to every rank, waits for all, returns their code",
+    "slurm": "write (--submit: and submit) a Slurm batch script: one harness launch per node, checkpoint and "
+             "requeue before the time limit",
     "doctor": "check this machine before a long job (versions, GPUs, DeepSpeed ops, paths); exit 1 if --recipe cannot run",
 }
 

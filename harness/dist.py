@@ -35,14 +35,67 @@ class Launch:
     local_rank: int = 0
 
 
+@dataclass(frozen=True)
+class SlurmStep:
+    """The Slurm job step this process is a task of (srun set SLURM_STEP_*): how many tasks on how many nodes,
+    and which one this is. In a batch script outside srun there is no step (SLURM_JOB_ID alone)."""
+
+    job_id: str
+    num_nodes: int
+    num_tasks: int
+    node_id: int  # this task's node within the step, 0-based
+    proc_id: int  # this task's rank within the step
+    local_id: int  # this task's rank on its node
+    nodelist: str  # Slurm's compressed form (node[01-04]); `scontrol show hostnames` expands it
+    restarts: int  # SLURM_RESTART_COUNT: 0 on the first run, then one more per requeue
+
+
+def slurm_job_id() -> str | None:
+    """SLURM_JOB_ID: inside a Slurm allocation (a batch script, srun, salloc), else None."""
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def slurm_step() -> SlurmStep | None:
+    if "SLURM_STEP_NUM_TASKS" not in os.environ:
+        return None
+    env = os.environ
+    return SlurmStep(env.get("SLURM_JOB_ID", "?"), int(env.get("SLURM_STEP_NUM_NODES", "1")),
+                     int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_NODEID", "0")),
+                     int(env.get("SLURM_PROCID", "0")), int(env.get("SLURM_LOCALID", "0")),
+                     env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "")),
+                     int(env.get("SLURM_RESTART_COUNT", "0")))
+
+
 def launched() -> Launch | None:
     """The launcher's contract: WORLD_SIZE, RANK, LOCAL_RANK, and the ranks on this node (DeepSpeed's launch.py
-    sets LOCAL_SIZE, torchrun LOCAL_WORLD_SIZE; neither: one node). None when no launcher set WORLD_SIZE."""
+    sets LOCAL_SIZE, torchrun LOCAL_WORLD_SIZE; neither: one node). None when no launcher set WORLD_SIZE.
+    Without them, the tasks of a Slurm step of more than one task (`srun --ntasks=8 python harness/run.py`) are
+    the ranks: SLURM_PROCID of SLURM_STEP_NUM_TASKS (every task would otherwise be rank 0 of 1, TRL#2605).
+    DeepSpeed's variables win: under `harness launch` in an srun task, the task is a node's launcher, not a rank."""
     if "WORLD_SIZE" not in os.environ:
-        return None
+        step = slurm_step()
+        if step is None or step.num_tasks == 1:
+            return None
+        per_node = -(-step.num_tasks // step.num_nodes)  # srun's default block distribution
+        return Launch(step.num_tasks, per_node, step.proc_id, step.local_id)
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world)
     return Launch(world, local, int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def slurm_hostnames(nodelist: str) -> list[str]:
+    """Slurm's compressed node list (node[01-04],gpu7) expanded by Slurm itself (`scontrol show hostnames`)."""
+    import subprocess
+
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def slurm_port(job_id: str, restarts: int = 0) -> int:
+    """A port every task of a job computes alike (no rendezvous needed to agree on it), 20000-39999; another one
+    after each requeue, so a rerun never meets its predecessor's socket in TIME_WAIT. The batch script of
+    `harness slurm` computes the same in bash."""
+    return 20000 + (int(job_id) + 997 * restarts) % 20000 if job_id.isdigit() else 29500
 
 
 ONE_PROCESS = Launch(world_size=1, local_size=1)  # `python harness/run.py`: no launcher
@@ -56,10 +109,19 @@ def free_port() -> int:
 
 
 def _single_process_env() -> None:
-    """`python harness/run.py` (no launcher): a world of one."""
-    if "RANK" not in os.environ:
+    """`python harness/run.py` (no launcher): a world of one; tasks of a Slurm step: the world `launched` reads
+    from Slurm, meeting on the step's first node (MASTER_ADDR/MASTER_PORT, if set, win)."""
+    if "RANK" in os.environ:
+        return
+    launch, step = launched(), slurm_step()
+    if launch is None or step is None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
+        return
+    os.environ.update(RANK=str(launch.rank), LOCAL_RANK=str(launch.local_rank), WORLD_SIZE=str(launch.world_size),
+                      LOCAL_SIZE=str(launch.local_size))
+    os.environ.setdefault("MASTER_ADDR", slurm_hostnames(step.nodelist)[0])
+    os.environ.setdefault("MASTER_PORT", str(slurm_port(step.job_id, step.restarts)))
 
 
 class CollectiveTimeout(RuntimeError):

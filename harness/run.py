@@ -6,7 +6,8 @@
 parse -> load recipe -> resolve + validate for this world size -> train -> teardown.
 Exit codes: 0 done; 2 bad input (one clear message on rank 0, and on each other node's first rank, before any
 process group exists); 75 preempted (SIGTERM/SIGUSR1: checkpoint saved at the step the ranks agreed on,
-`--resume latest` continues; harness/train/preempt.py); 1 anything else, e.g. a collective that outlived
+`--resume latest` continues; harness/train/preempt.py); 3 numeric fault (train.on_nonfinite: the step, the ranks
+and the batch's rows named, nothing saved after it; harness/train/faults.py); 1 anything else, e.g. a collective that outlived
 train.collective_timeout.
 """
 

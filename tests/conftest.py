@@ -24,6 +24,23 @@ def zero2_uninterrupted(tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real one-node Slurm cluster (tests/helpers/slurm_cluster.py), up for the session, stopped after. Where
+    it cannot start (not root, Slurm not installed) the tests skip with the reason, except in CI (CI or
+    DSHARNESS_REQUIRE_SLURM=1, which .ci/run sets after installing Slurm): there they fail with it."""
+    from helpers import slurm_cluster as slurm
+
+    problem = slurm.slurm_problem()
+    if problem is not None:
+        if slurm.required():
+            pytest.fail(f"Slurm is required here ({slurm.REQUIRE_ENV}=1 or CI set) but cannot start: {problem}")
+        pytest.skip(f"no Slurm cluster here: {problem} (CI sets {slurm.REQUIRE_ENV}=1)")
+    cluster = slurm.start(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    cluster.stop()
+
+
 def pytest_collection_modifyitems(config, items):
     skip_docker(items)
     nvme = [item for item in items if item.get_closest_marker("nvme")]

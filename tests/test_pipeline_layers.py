@@ -127,9 +127,10 @@ def test_bad_layouts_exit_2_before_launch(world, argv, message, tmp_path):
     assert "Traceback" not in proc.stderr and "Initializing TorchBackend" not in proc.stderr
 
 
-def test_resume_with_another_parallel_layout_is_refused(tmp_path):
-    """A pipeline/tensor checkpoint resumes only on its own layout (ds_to_universal has no slicing patterns for
-    our layers yet): refused before any rank starts, naming both layouts."""
+def test_resume_of_a_zero0_layout_on_another_is_refused(tmp_path):
+    """A pipeline/tensor checkpoint moves to another layout through DeepSpeed's universal form
+    (harness/checkpoint/relayout.py), which holds no ZeRO-0 optimizer state: a ZeRO-0 save is refused before any
+    rank starts, naming both layouts and the fix."""
     from harness.dist import ONE_PROCESS
     from harness.train import run_args, session
 
@@ -138,6 +139,6 @@ def test_resume_with_another_parallel_layout_is_refused(tmp_path):
     (ckpt / "manifest.json").write_text(json.dumps({"step": 3, "pp": 2, "tp": 2, "world_size": 4, "dp": 1}))
     (tmp_path / "checkpoints" / "latest").write_text("global_step3\n")
     args = run_args.parse(["--recipe", "zero1", "--output-dir", str(tmp_path), "--resume", "latest"])
-    with pytest.raises(UsageError, match=r"saved on world 4 with pipeline 2, tensor 2; this launch is world 1 "
-                                         r"with pipeline 1, tensor 1: changing the layout"):
+    with pytest.raises(UsageError, match=r"saved on world 4 with pipeline 2, tensor 2, ZeRO-0; this launch is world "
+                                         r"1 with pipeline 1, tensor 1, ZeRO-1: .*neither reads nor writes ZeRO-0"):
         session.prepare(args, ONE_PROCESS)

@@ -141,6 +141,10 @@ CASES = [
          f"--resume {FIXTURE}/run_done/checkpoints/global_step9", "no such checkpoint"),
     case("resume:path_outside_a_run", ["--resume", f"{FIXTURE}/data"], f"--resume {FIXTURE}/data",
          "not inside a run folder"),
+    case("resume:zero0_onto_a_pipeline", ["--recipe", "pipeline", "--resume", f"{FIXTURE}/run_zero0/checkpoints/"
+                                           "global_step2"], f"--resume {FIXTURE}/run_zero0/checkpoints/global_step2",
+         "ZeRO-0; this launch is world 2 with pipeline 2, tensor 1, ZeRO-1", env={"RANK": "0", "LOCAL_RANK": "0",
+                                                                                  "WORLD_SIZE": "2"}),
     # after init, before the engine: only packing tells how much data there is (rank 0 packs once for all)
     case("data:fewer_rows_than_one_global_batch", ["--dataset", f"{FIXTURE}/data/small.jsonl", "--set",
                                                    "train.seq_len=32", *TINY, "--output-dir", f"{FIXTURE}/out_small"],
@@ -188,6 +192,11 @@ def write_fixtures(fx: Path) -> None:
     step.mkdir(parents=True)
     (step.parent / "latest").write_text("global_step5")
     (fx / "run_empty").mkdir()
+    zero0 = fx / "run_zero0" / "checkpoints" / "global_step2"  # saved by 1 rank on ZeRO-0
+    zero0.mkdir(parents=True)
+    (zero0 / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (zero0 / "manifest.json").write_text(json.dumps({"step": 2, "world_size": 1, "pp": 1, "tp": 1, "dp": 1,
+                                                      "zero_stage": 0, "train_batch_size": 4}))
 
 
 def fill(value: str, fx: Path) -> str:

@@ -3,7 +3,7 @@
 Why this exists: the tiny presets must train for real with no network, and a reviewer must be able to
 see where every shipped byte came from. Everything here is synthetic (no copyrighted text) and
 deterministic (fixed seeds; `tokenizers` BPE training is deterministic for a fixed input), so rerunning
-reproduces `corpus.jsonl` and `tokenizer.json` byte for byte.
+reproduces `corpus.jsonl`, `preference.jsonl` and `tokenizer.json` byte for byte.
 
 The corpus mixes document kinds with learnable structure at several levels: a fixed fact table
 (memorisable), ordered sequences (days, months, counting), correct arithmetic, templated stories that
@@ -193,6 +193,50 @@ def make_corpus(target_bytes: int = TARGET_BYTES, seed: int = SEED) -> list[str]
     return docs
 
 
+PREFERENCE_FILE = "preference.jsonl"
+PREFERENCE_PAIRS = 200
+
+
+def _preference_pair(r: random.Random) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected): a question on the fact table, days or sums; chosen is true, rejected false."""
+    kind = r.randrange(4)
+    if kind == 0:
+        animal, other = r.sample(sorted(ANIMALS), 2)
+        field, verb = r.choice([(1, "eats"), (0, "has")])
+        right, wrong = ANIMALS[animal][field], ANIMALS[other][field]
+        if right == wrong:
+            wrong = {1: "stones", 0: "ten"}[field]
+        tail = " legs" if field == 0 else ""
+        question = f"What does {_a(animal)} eat?" if field == 1 else f"How many legs does {_a(animal)} have?"
+        subject = _a(animal).capitalize()
+        return f"Question: {question}\nAnswer:", f" {subject} {verb} {right}{tail}.", f" {subject} {verb} {wrong}{tail}."
+    if kind == 1:
+        thing = r.choice(sorted(COLORS))
+        wrong = r.choice(sorted(set(COLORS.values()) - {COLORS[thing]}))
+        return (f"Question: What color is the {thing}?\nAnswer:", f" The {thing} is {COLORS[thing]}.",
+                f" The {thing} is {wrong}.")
+    if kind == 2:
+        i = r.randrange(7)
+        wrong = DAYS[(i + r.randint(2, 6)) % 7]
+        return (f"Question: What day comes after {DAYS[i]}?\nAnswer:", f" After {DAYS[i]} comes {DAYS[(i + 1) % 7]}.",
+                f" After {DAYS[i]} comes {wrong}.")
+    a, b = r.randint(0, 20), r.randint(0, 20)
+    wrong = a + b + r.choice([-3, -2, -1, 1, 2, 3])
+    return f"Question: What is {a} + {b}?\nAnswer:", f" {a} + {b} = {a + b}.", f" {a} + {b} = {wrong}."
+
+
+def make_preference(num: int = PREFERENCE_PAIRS, seed: int = SEED) -> list[dict]:
+    """The builtin preference set (train.objective dpo/ipo/simpo/orpo with train.dataset builtin): distinct
+    prompt/chosen/rejected text records whose chosen answer agrees with the corpus and rejected does not."""
+    r, seen, out = random.Random(seed + 1), set(), []
+    while len(out) < num:
+        prompt, chosen, rejected = _preference_pair(r)
+        if (prompt, rejected) not in seen:
+            seen.add((prompt, rejected))
+            out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return out
+
+
 def train_tokenizer(docs: list[str]):
     """Byte-level BPE with exactly VOCAB_SIZE entries: 256 bytes + 1 special + merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -228,6 +272,9 @@ def main() -> int:
     with corpus.open("w", encoding="utf-8") as f:
         for doc in docs:
             f.write(json.dumps({"text": doc}) + "\n")
+    with (ASSETS_DIR / PREFERENCE_FILE).open("w", encoding="utf-8") as f:
+        for record in make_preference():
+            f.write(json.dumps(record) + "\n")
     tok = train_tokenizer(docs)
     save_tokenizer(tok, ASSETS_DIR)
     print(f"{corpus}: {len(docs)} documents, {corpus.stat().st_size} bytes; "

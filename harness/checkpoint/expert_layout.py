@@ -50,14 +50,14 @@ def _states(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("*.pt"))
 
 
-def _load(path: Path):
+def load_converted(path: Path, mmap: bool = False):
     """A file ds_to_universal wrote: tensors and plain data, and in optimizer_state.pt DeepSpeed's loss scaler
     and ZeRO stage enum (allowed by name; nothing else unpickles)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
     with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum]):
-        return torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True, mmap=mmap)
 
 
 def _write(zero: Path, name: str, states: dict[str, object]) -> None:
@@ -95,7 +95,7 @@ def _rename(zero: Path, rename) -> int:
 
 def _param_groups(zero: Path, keep) -> None:
     path = zero / "optimizer_state.pt"
-    state = _load(path)
+    state = load_converted(path)
     state["param_groups"] = keep(state["param_groups"])
     torch.save(state, path)
 
@@ -107,7 +107,7 @@ def to_hf(zero: Path, family) -> int:
         w = {k: zero / f"{block}.{k}" for k in (autoep.W1, autoep.W2, autoep.W3)}
         gate_up, down = {}, {}
         for file in _states(w[autoep.W1]):
-            w1, w3, w2 = (_load(w[k] / file) for k in (autoep.W1, autoep.W3, autoep.W2))
+            w1, w3, w2 = (load_converted(w[k] / file) for k in (autoep.W1, autoep.W3, autoep.W2))
             if not isinstance(w1, dict):
                 gate_up[file] = down[file] = w1
                 continue
@@ -129,7 +129,7 @@ def to_autoep(zero: Path, family, ep: int) -> int:
         gate_up_dir, down_dir = zero / f"{block}.{autoep.GATE_UP}", zero / f"{block}.{autoep.DOWN}"
         w1s, w3s, w2s = {}, {}, {}
         for file in _states(gate_up_dir):
-            gate_up, down = _load(gate_up_dir / file), _load(down_dir / file)
+            gate_up, down = load_converted(gate_up_dir / file), load_converted(down_dir / file)
             if not isinstance(gate_up, dict):
                 w1s[file] = w3s[file] = w2s[file] = gate_up
                 continue
@@ -145,7 +145,7 @@ def to_autoep(zero: Path, family, ep: int) -> int:
     for block in blocks:  # AutoEP's alias of the router, as ds_to_universal writes it (fp32 only)
         router = zero / f"{block}.router.gate.weight"
         if (router / "fp32.pt").is_file():
-            alias = {"fp32.pt": {"param": _load(router / "fp32.pt")["param"]}}
+            alias = {"fp32.pt": {"param": load_converted(router / "fp32.pt")["param"]}}
             _write(zero, f"{block}.{family.router}.gate.weight", alias)
     # DeepSpeed appends the expert groups after the dense ones, cut at 178,956,971 elements each (moe/utils.py
     # split_params_into_different_moe_groups_for_optimizer): at most one per expert tensor; spare ones are ignored

@@ -27,6 +27,15 @@ def is_complete(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
 
 
+def latest_tag(ckpt_dir: Path) -> str | None:
+    """The tag `latest` names, when that checkpoint is complete (None: no latest, or a dangling one)."""
+    try:
+        tag = (Path(ckpt_dir) / LATEST).read_text().strip()
+    except OSError:
+        return None
+    return tag if tag and is_complete(Path(ckpt_dir) / tag) else None
+
+
 def read_manifest(folder: Path) -> dict:
     return json.loads((folder / MANIFEST).read_text())
 

@@ -2,8 +2,10 @@
 
 The pure part (find, batch_overrides, needs_universal) runs in session.prepare before any process group, so
 a bad --resume exits 2 on every rank. `universal` runs on the ranks: rank 0 converts a checkpoint saved on
-another layout (world size, tensor or pipeline degree) once into DeepSpeed's universal form, which
-the engine loads on any layout when its config says checkpoint.load_universal.
+another layout (world size, tensor, pipeline or expert degree, ZeRO stage) once into DeepSpeed's universal form,
+which the engine loads on any layout when its config says checkpoint.load_universal (relayout.py: the harness's
+tensor-parallel slicing and pipeline names). Another sequence-parallel degree on the same world size needs no
+conversion: ZeRO partitions over dp x sp ranks, the same count.
 
 The global batch is the checkpoint's: the data order (BatchPlan) is a pure function of the step and the
 global batch, so keeping it is what makes the data position continue exactly. When the recipe leaves
@@ -73,25 +75,36 @@ def find(resume: str, run_dir: Path) -> ResumePoint:
     return ResumePoint(path, newest, read_manifest(path / newest), skipped)
 
 
-def needs_universal(point: ResumePoint, world_size: int, pp: int, tp: int) -> bool:
+def needs_universal(point: ResumePoint, world_size: int, pp: int, tp: int, zero_stage: int) -> bool:
     """A checkpoint whose optimizer state is sharded (ZeRO, or DeepSpeed's bf16 optimizer) loads only on its
-    own layout; elsewhere it goes through the universal form. Unsharded state (ZeRO-0 fp32) loads anywhere."""
-    if point.layout() == (world_size, pp, tp):
+    own layout and partitioning (ZeRO-1 and 2 share one); elsewhere it goes through the universal form.
+    Unsharded state (ZeRO-0 fp32) loads anywhere on the same tensor and pipeline degrees. Refused before any rank
+    starts: ZeRO-0 on one side only, another tensor or pipeline degree with ZeRO-0, and a tensor-parallel
+    checkpoint saved before the harness declared its slicing (relayout.py)."""
+    world, was_pp, was_tp = point.layout()
+    stages = (int(point.manifest.get("zero_stage", 0)), zero_stage)
+    saved = f"saved on world {world} with pipeline {was_pp}, tensor {was_tp}, ZeRO-{stages[0]}"
+    here = f"this launch is world {world_size} with pipeline {pp}, tensor {tp}, ZeRO-{stages[1]}"
+    same = f"launch {world} ranks with pipeline {was_pp}, tensor {was_tp}"
+    if 0 in stages and (stages[0] != stages[1] or (was_pp, was_tp) != (pp, tp)):
+        raise UsageError(f"--resume {point.folder}: {saved}; {here}: another ZeRO stage, tensor or pipeline degree "
+                         "loads through DeepSpeed's universal checkpoint, which neither reads nor writes ZeRO-0's "
+                         f"optimizer state\n    fix: {same} on ZeRO-{stages[0]}, or ZeRO-1 or above on both sides")
+    if point.layout() == (world_size, pp, tp) and (stages[0] == stages[1] or 3 not in stages):
         return False
-    if max(point.layout()[1:] + (pp, tp)) > 1:  # slicing patterns for ds_to_universal are not declared yet
-        world, was_pp, was_tp = point.layout()
-        raise UsageError(f"--resume {point.folder}: saved on world {world} with pipeline {was_pp}, tensor {was_tp}; "
-                         f"this launch is world {world_size} with pipeline {pp}, tensor {tp}: changing the layout is "
-                         "supported for data parallel / ZeRO only (no tensor or pipeline parallel on either side)\n"
-                         f"    fix: launch {world} ranks with the same parallel degrees")
+    if was_tp > 1 and not point.manifest.get("universal_patterns"):
+        raise UsageError(f"--resume {point.folder}: {saved}; {here}: the checkpoint was written before the "
+                         "harness declared how its tensor-parallel layers split, so its shards cannot be joined\n"
+                         f"    fix: {same}, or `harness export {point.folder} --out DIR` and start a new run from DIR")
     return any(point.folder.glob("*optim_states.pt"))
 
 
 def check_expert(point: ResumePoint, ds: dict) -> bool:
     """True when the checkpoint's expert degree (DeepSpeed AutoEP's parallel.expert) differs from this launch's: it
     then loads through the universal form, rewritten by rank 0 into this launch's expert layout
-    (checkpoint/expert_layout.py). Refused before any rank starts where that path is not built or not tested:
-    ZeRO-0 and ZeRO-3 on either side (ZeRO-3 AutoEP keeps experts partitioned in its own format) and LoRA."""
+    (checkpoint/expert_layout.py; a ZeRO-3 save's experts are gathered by ds_to_universal, relayout.for_every_stage
+    shapes them). Refused before any rank starts where that path is not built or not tested: ZeRO-0 on either side
+    (no universal form) and LoRA."""
     from harness.checkpoint.save import expert_degree
 
     saved, here = int(point.manifest.get("ep", 1)), expert_degree(ds)
@@ -99,16 +112,16 @@ def check_expert(point: ResumePoint, ds: dict) -> bool:
         return False
     stages = (int(point.manifest.get("zero_stage", 0)), int(ds.get("zero_optimization", {}).get("stage", 0)))
     lora = point.manifest.get("adapter", {}).get("type", "none") != "none"
-    why = ("ZeRO-3 or ZeRO-0" if not all(s in (1, 2) for s in stages) else "LoRA" if lora else None)
+    why = ("ZeRO-0" if 0 in stages else "LoRA" if lora else None)
     if why is not None:
         raise UsageError(f"--resume {point.folder}: saved with parallel.expert={saved} (ZeRO-{stages[0]}), this "
                          f"launch asks parallel.expert={here} (ZeRO-{stages[1]}): changing the expert degree goes "
                          "through DeepSpeed's universal checkpoint with the experts rewritten between AutoEP's "
-                         f"and transformers' layout, built and tested for full fine-tuning on ZeRO-1/2 only ({why} "
+                         f"and transformers' layout, built and tested for full fine-tuning on ZeRO-1/2/3 only ({why} "
                          "here)\n"
-                         f"    fix: --set parallel.expert={saved}, or resume on ZeRO-1/2 on both sides, or `harness "
-                         f"export {point.folder} --out DIR` and start a new run from DIR (train.model=DIR; the "
-                         "optimizer state starts afresh)")
+                         f"    fix: --set parallel.expert={saved}, or resume on ZeRO-1 or above on both sides, or "
+                         f"`harness export {point.folder} --out DIR` and start a new run from DIR (train.model=DIR; "
+                         "the optimizer state starts afresh)")
     return True
 
 
@@ -151,20 +164,24 @@ def check_batch(point: ResumePoint, ds: dict, source: str) -> None:
                          f"    fix: train_batch_size {saved} (micro x accum x data-parallel ranks), or start a new run")
 
 
-def universal(point: ResumePoint, dist, ep: int = 1) -> tuple[Path, str]:
-    """(checkpoints folder, tag) of the universal form of `point`, converting it once (rank 0; the others wait),
-    its MoE experts in the layout of a launch on parallel.expert=ep. Atomic: built in a hidden folder, marked
-    complete, then renamed into place; a finished one is reused (an interrupted expert rewrite is redone)."""
-    from harness.checkpoint import expert_layout
+def universal(point: ResumePoint, dist, ep: int = 1) -> tuple[Path, str, bool]:
+    """(checkpoints folder, tag, converted here) of the universal form of `point`, converting it once (rank 0;
+    the others wait), its MoE experts in the layout of a launch on parallel.expert=ep. Atomic: built in a hidden
+    folder, marked complete, then renamed into place; a finished one is reused (an interrupted expert rewrite is
+    redone). Parameters are under their HF names (relayout.py), whatever the saving layout."""
+    from harness.checkpoint import expert_layout, relayout
     from harness.dist import barrier
     from harness.log import say
 
     root = point.ckpt_dir / UNIVERSAL
     out = root / point.tag
+    converted = False
     if dist.is_main:
         marker = _marker(out)
-        if marker is not None and expert_layout.form(marker) not in expert_layout.FORMS:
-            say("ckpt", f"{out}: an expert rewrite was interrupted; converting again")
+        if marker is not None and (expert_layout.form(marker) not in expert_layout.FORMS
+                                   or marker.get("relayout") != relayout.FORM_VERSION):
+            say("ckpt", f"{out}: an expert rewrite was interrupted, or an older harness converted it; converting "
+                        "again")
             shutil.rmtree(out)
             marker = None
         if marker is not None:
@@ -173,12 +190,12 @@ def universal(point: ResumePoint, dist, ep: int = 1) -> tuple[Path, str]:
             world, pp, tp = point.layout()
             say("ckpt", f"{point.folder} was saved on world size {world} (pp {pp}, tp {tp}, expert "
                         f"{point.manifest.get('ep', 1)}): converting it once to DeepSpeed's universal checkpoint in "
-                        f"{out}, which loads on any world size")
+                        f"{out}, which loads on any layout")
             _convert(point.folder, root, out)
-            marker = _marker(out)
+            marker, converted = _marker(out), True
         _expert_layout(point, out, marker, ep, say)
     barrier()
-    return root, point.tag
+    return root, point.tag, converted
 
 
 def _marker(out: Path) -> dict | None:
@@ -206,6 +223,8 @@ def _expert_layout(point: ResumePoint, out: Path, marker: dict, ep: int, say) ->
 def _convert(source: Path, root: Path, out: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
+    from harness.checkpoint import relayout
+
     tmp = root / f".{out.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -214,10 +233,13 @@ def _convert(source: Path, root: Path, out: Path) -> None:
     with open(tmp / "conversion.log", "w") as log, contextlib.redirect_stdout(log):
         ds_to_universal.main(args)  # in this process: worker pools would fork a rank holding a process group
     (root / "latest_universal").unlink(missing_ok=True)  # it writes one naming the hidden folder; tags are explicit
+    relayout.to_hf_names(tmp / "zero", read_manifest(source))
+    relayout.set_cat_dims(tmp / "zero")
+    relayout.for_every_stage(tmp)
     from harness.checkpoint import expert_layout
 
-    (tmp / CONVERTED).write_text(json.dumps({"source": str(source), expert_layout.FORM:
-                                             expert_layout.source_form(tmp / "zero")}) + "\n")
+    (tmp / CONVERTED).write_text(json.dumps({"source": str(source), "relayout": relayout.FORM_VERSION,
+                                             expert_layout.FORM: expert_layout.source_form(tmp / "zero")}) + "\n")
     if out.exists():  # a conversion interrupted before its marker
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.checkpoint import adam_powers
+from harness.checkpoint import adam_powers, relayout
 from harness.checkpoint.files import LATEST, MANIFEST, is_complete, prune, tag_for, write_atomic
 from harness.config.adapter_rules import lora_on
 from harness.dist import DistInfo, barrier
@@ -64,7 +64,8 @@ def manifest(spec, info, step: int) -> dict:
             "model": run.model, "deepspeed": deepspeed.__version__,
             "adapter": spec.recipe.get("adapter", {"type": "none"}), "seed": spec.recipe["train"]["seed"],
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "checkpoint_dtype": info.checkpoint_dtype, "train_dtype": info.train_dtype,
+            "checkpoint_dtype": info.checkpoint_dtype, "train_dtype": info.train_dtype, "sp": run.degrees.sp,
+            "universal_patterns": relayout.PATTERNS_VERSION,
             **({"partition": info.partition} if info.partition else {})}
 
 
@@ -142,13 +143,17 @@ def save(engine, spec, dist: DistInfo, ckpt_dir: Path, step: int, client_state: 
 
 
 def _declare_universal_info(module) -> None:
-    """ds_to_universal (resume on another world size) needs this in the model states; DeepSpeed fills it itself
-    only for AutoTP. Plain data/ZeRO parallel has no tensor-parallel slicing patterns to declare."""
+    """ds_to_universal (resume on another layout) needs this in the model states; DeepSpeed fills it itself only
+    for AutoTP. A model the harness can split by tensor (parallel/tensor.py) declares how: the universal form then
+    holds whole tensors, each marked with the dimension a tensor-parallel launch cuts it along."""
     from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                                 UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
     if getattr(module, UNIVERSAL_CHECKPOINT_INFO, None) is None:
-        setattr(module, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+        from harness.checkpoint import relayout
+
+        info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+        setattr(module, UNIVERSAL_CHECKPOINT_INFO, {**info, **relayout.tp_patterns(module)})
 
 
 def frozen_excluded(spec) -> bool:

@@ -26,13 +26,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="any other recipe key, e.g. --set train.dataset_split=validation")
 
 
-def _train_keys(args) -> dict:
+def _recipe(args) -> dict:
     from harness.config.recipes import complete
 
     flags = {"dataset": args.dataset, "model": args.model, "seq_len": args.seq_len, "format": args.format,
              "store_dir": args.out}
     sets = [f"train.{k}={v}" for k, v in flags.items() if v is not None]
-    return complete({"description": "harness data prepare"}, "harness data prepare", [*args.overrides, *sets])["train"]
+    return complete({"description": "harness data prepare"}, "harness data prepare", [*args.overrides, *sets])
+
+
+def _prepare_pairs(spec, tokenizer, train: dict, truncation: str, num_proc: int | None) -> int:
+    """--set train.objective=dpo (ipo, simpo, orpo): the preference store the run will read."""
+    from harness.data.preference import notes
+    from harness.data.preference_store import prepare_pairs
+
+    store, made = prepare_pairs(spec, tokenizer, train["seq_len"], truncation, train["store_dir"] or None, num_proc)
+    meta = store["meta"]
+    how = f"prepared in {meta['prepared_s']:.1f}s" if made else "already prepared"
+    print(f"[data] {store['path']}: {how}")
+    for line in notes(meta, truncation):
+        print(f"[data] {line}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_proc is not None and args.num_proc < 1:
         raise UsageError(f"--num-proc {args.num_proc}: must be >= 1\n    fix: leave it out for one per core")
-    train = _train_keys(args)
+    recipe = _recipe(args)
+    train = recipe["train"]
     spec, tokenizer = DataSpec.from_train(train), load_tokenizer(train["model"])
+    if spec.preference:
+        return _prepare_pairs(spec, tokenizer, train, recipe["preference"]["truncation"], args.num_proc)
     if spec.uses_chat_template:
         check_chat_template(tokenizer, train["model"], spec.format)
     store, made = prepare(spec, tokenizer, train["seq_len"], train["store_dir"] or None,

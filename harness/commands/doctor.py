@@ -140,6 +140,56 @@ def hostfile(path: str | None) -> list[str]:
     return [f"hostfile {path}: {p}" for p in problems]
 
 
+SIGNAL_LINE = re.compile(r"^#SBATCH\s+--signal[= ](\S+)", re.M)
+GPUS_PER_NODE_VARS = ("SLURM_GPUS_PER_NODE", "SLURM_GPUS_ON_NODE")
+
+
+def slurm_allocation(world: int) -> list[str]:
+    """Inside a Slurm allocation: its nodes, tasks and GPUs per node against the recipe's world, the early
+    signal its batch script asks for, and whether scontrol answers. Outside one: says so (not a problem)."""
+    from harness.dist import slurm_job_id
+
+    job = slurm_job_id()
+    if job is None:
+        line("slurm", "not in a Slurm allocation (SLURM_JOB_ID unset): nothing to check")
+        return []
+    env = os.environ
+    nodes, per_node = allocation_shape()
+    tasks = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "?")
+    line("slurm job", f"{job}: {nodes} node(s), {tasks} task(s) per node, "
+                      f"{per_node or 'no'} GPU(s) per node, restart {env.get('SLURM_RESTART_COUNT', '0')}")
+    problems = []
+    if per_node and nodes * per_node != world:
+        problems.append(f"the allocation holds {nodes} node(s) x {per_node} GPU(s) = {nodes * per_node} ranks, "
+                        f"the recipe was checked for world size {world}; fix: harness slurm --nodes N "
+                        "--gpus-per-node G with N x G the world you mean")
+    if tasks not in ("1", "?", str(per_node)):
+        problems.append(f"{tasks} tasks per node: harness launch wants one per node (srun --ntasks-per-node=1), "
+                        "ranks started by srun one per GPU")
+    problems += _slurm_controller(job)
+    return [f"slurm: {p}" for p in problems]
+
+
+def _slurm_controller(job: str) -> list[str]:
+    import subprocess
+
+    if shutil.which("scontrol") is None:
+        line("scontrol", "NOT on PATH")
+        return ["scontrol is not on PATH: the batch script needs it (hostnames, requeue)"]
+    done = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True,
+                          timeout=30)
+    if done.returncode != 0:
+        line("scontrol", f"NO answer: {done.stderr.strip()[:120]}")
+        return [f"scontrol cannot reach the controller ({done.stderr.strip()[:120]})"]
+    signal = SIGNAL_LINE.search(done.stdout)
+    line("scontrol", "answers")
+    line("early signal", f"--signal={signal.group(1)}" if signal else "NONE")
+    if signal is None:
+        return ["the batch script asks for no early signal: at the time limit the ranks are killed without a "
+                "checkpoint; fix: #SBATCH --signal=B:USR1@120 and --requeue (harness slurm writes both)"]
+    return []
+
+
 def recipe_problems(name: str, output_dir: str | None, launch) -> tuple[object, str | None]:
     """(the run spec or None, the problems text): the checks harness/run.py makes before any rank trains, for a
     launch of `launch` (harness.dist.Launch)."""
@@ -169,7 +219,20 @@ def launch_here():
     if found is not None:
         return found
     ranks = max(1, torch.cuda.device_count() if torch.cuda.is_available() else 1)
+    nodes, per_node = allocation_shape()
+    if per_node:  # a Slurm allocation: its nodes x GPUs per node
+        return Launch(world_size=nodes * per_node, local_size=per_node)
     return Launch(world_size=ranks, local_size=ranks)
+
+
+def allocation_shape() -> tuple[int, int | None]:
+    """(nodes, GPUs per node) of the Slurm allocation this runs in; GPUs None when Slurm gave none or none is."""
+    env = os.environ
+    if "SLURM_JOB_ID" not in env:
+        return 1, None
+    nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    gpus = next((env[v].split(":")[-1] for v in GPUS_PER_NODE_VARS if env.get(v)), "")
+    return nodes, int(gpus) if gpus.isdigit() and int(gpus) > 0 else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -187,12 +250,13 @@ def run(args: argparse.Namespace) -> int:
     nvme = {(zo.get(b) or {}).get("nvme_path") for b in ("offload_param", "offload_optimizer")} - {None}
     folders.update({"nvme path": Path(p) for p in sorted(nvme)})
     paths(folders)
-    host_problems = hostfile(args.hostfile)
+    host_problems = hostfile(args.hostfile) + slurm_allocation(world)
     if problems:
         print(f"\nrecipe {args.recipe} cannot run here (world size {world}):\n{problems}")
         return 1
     if host_problems:
-        print("\nthe hostfile would stop a multi-node launch:\n  " + "\n  ".join(host_problems))
+        print("\nthe hostfile or the Slurm allocation would stop a multi-node launch:\n  "
+              + "\n  ".join(host_problems))
         return 1
     if args.recipe:
         print(f"\nrecipe {args.recipe}: can run here (world size {world})")

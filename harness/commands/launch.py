@@ -12,7 +12,7 @@ CI runner) tears the ranks down mid-save; as a container's PID 1 it ignores SIGT
     (the launcher exits 1 after a signal whatever its ranks return). A failing rank's code wins (the first
     to fail), then 75 if any rank was preempted, then 0 when every local rank reported 0; with no report
     (ranks on other nodes started over ssh, or killed before writing one) the runner's own code.
-With `--max-restarts N` a failed attempt (any code but 0, 2 bad input and 75 preempted, and no signal forwarded:
+With `--max-restarts N` a failed attempt (any code but 0, 2 bad input, 3 numeric fault and 75 preempted, and no signal forwarded:
 a rank that died, a collective that timed out) is ended whole (SIGTERM to the group, SIGKILL after a grace
 period, every process reaped), and after a backoff (doubling, capped) harness/run.py starts again in the same run
 folder from its latest complete checkpoint (harness/train/restarts.py), up to N times; each restart is a line in
@@ -34,16 +34,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.dist import slurm_step
 from harness.errors import UsageError
 from harness.log import say
 from harness.ops import pin_cpu_accelerator
 from harness.train import restarts
+from harness.train.faults import EXIT_NUMERIC_FAULT
 from harness.train.preempt import EXIT_DIR_ENV, EXIT_PREEMPTED
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 EXIT_BAD_INPUT = 2
-NOT_RESTARTED = (0, EXIT_BAD_INPUT, EXIT_PREEMPTED)
+NOT_RESTARTED = (0, EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_NUMERIC_FAULT)  # a fault: the same batch again
 BACKOFF_CAP_S = 60.0
 STOP_GRACE_S = 30.0  # what DeepSpeed's launcher gives each rank's tree between SIGTERM and SIGKILL
 USAGE = ("usage: harness launch [--max-restarts N] [--restart-backoff S] [deepspeed options] SCRIPT [script args]\n"
@@ -120,6 +122,28 @@ def split_command(argv: list[str]) -> Command:
                          "harness/run.py from its latest checkpoint\n    fix: launch harness/run.py, or drop "
                          "--max-restarts")
     return Command(argv[:cut], script, argv[cut + 1:])
+
+
+def check_slurm_step(argv: list[str]) -> None:
+    """In a Slurm step of several tasks, each task running `harness launch` is a launcher of its own: without a
+    node rank each would start a whole world whose first rank is rank 0 (TRL#2605's "every process is rank 0
+    of 1"), all writing the same run folder. One task per node with --node_rank is how it works."""
+    step = slurm_step()
+    if step is None or step.num_tasks == 1:
+        return
+    flags = {a.partition("=")[0] for a in argv}
+    fix = ("    fix: one task per node (srun --ntasks-per-node=1) running harness launch --hostfile FILE --no_ssh "
+           "--node_rank $SLURM_NODEID --master_addr NODE0 --master_port P, as the batch script of `harness slurm` "
+           "does (docs/slurm.md); or let srun start the ranks themselves: srun --ntasks-per-node=G python "
+           "harness/run.py ... (the ranks read SLURM_PROCID)")
+    if step.num_tasks > step.num_nodes:
+        raise UsageError(f"harness launch: one of {step.num_tasks} tasks of Slurm job {step.job_id}'s step on "
+                         f"{step.num_nodes} node(s): more than one launcher per node would start the ranks twice\n"
+                         + fix)
+    if "--node_rank" not in flags:
+        raise UsageError(f"harness launch: task {step.proc_id} of {step.num_tasks} of a Slurm step (job "
+                         f"{step.job_id}) without --node_rank: every task would start a world of its own, each "
+                         "with a rank 0\n" + fix)
 
 
 def add_arguments(parser) -> None:  # for `harness --help`; cli.main hands `launch ...` to main() unparsed
@@ -218,6 +242,7 @@ def main(argv: list[str]) -> int:
     pin_cpu_accelerator()  # before DeepSpeed is imported here or in the runner, its launcher and the ranks
     try:
         opts, rest = parse_own(argv)
+        check_slurm_step(rest)
         command = split_command(rest) if opts.max_restarts and rest else None
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

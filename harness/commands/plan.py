@@ -112,7 +112,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-imbalance", type=float,
                         help="MoE: tokens on the busiest expert-parallel rank over the mean (default 1.1, the router's "
                              "balancing loss on); scales the experts' compute and all-to-all of EP layouts")
+    pref = parser.add_argument_group("preference optimisation (docs/preference.md)")
+    pref.add_argument("--objective", choices=_enum("train.objective"), default=recipe_default("train.objective"),
+                      help="dpo / ipo / simpo / orpo: the micro-batch counts pairs (two sequences each) and the "
+                           "reference model's bytes and time are counted per mode (default lm)")
+    pref.add_argument("--reference-mode", choices=_enum("preference.reference_mode"),
+                      default=recipe_default("preference.reference_mode"),
+                      help="the reference to count (default auto: the planner's recommendation per layout)")
+    pref.add_argument("--pairs", type=int, help="pairs in the preference set (precomputed: its host table and its "
+                                                "one pass up front)")
+    pref.add_argument("--steps", type=int, help="optimizer steps the run trains (the recommendation weighs a pass "
+                                                "over every pair against a reference forward per step)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _enum(dotted: str) -> tuple[str, ...]:
+    from harness.config.schema import RECIPE_SCHEMA, subschema
+
+    return tuple(subschema(RECIPE_SCHEMA, dotted)["enum"])
+
+
+def preference_work(args: argparse.Namespace) -> dict:
+    """The Workload fields of --objective, --reference-mode, --pairs and --steps (none for lm), refused as a run
+    would refuse them (harness/config/preference_rules.py)."""
+    from harness.config.defaults import REFERENCE_FREE
+
+    goal, mode = args.objective, args.reference_mode
+    if goal == "lm":
+        if mode != "auto" or args.pairs is not None or args.steps is not None:
+            raise UsageError("--reference-mode, --pairs and --steps plan a preference run: add --objective dpo "
+                             "(or ipo, simpo, orpo)")
+        return {}
+    if goal in REFERENCE_FREE and mode != "auto":
+        raise UsageError(f"--reference-mode {mode} with --objective {goal}: {goal} has no reference model")
+    if mode == "adapter" and not args.lora_r:
+        raise UsageError("--reference-mode adapter needs LoRA (--lora-r R): the reference is the base with the "
+                         "adapters switched off")
+    return {"objective": goal, "reference_mode": None if mode == "auto" else mode, "pairs": args.pairs,
+            "steps": args.steps}
 
 
 def lora_count(cfg: dict, lora_r: int | None):
@@ -143,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes), ("--seq-len", args.seq_len),
                         ("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum),
                         ("--global-batch", args.global_batch), ("--tp", args.tp), ("--pp", args.pp),
-                        ("--lora-r", args.lora_r), ("--ep", args.ep)):
+                        ("--lora-r", args.lora_r), ("--ep", args.ep), ("--pairs", args.pairs),
+                        ("--steps", args.steps)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1")
     cfg = resolve_model(args.model)
@@ -153,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         cluster = Cluster(args.gpus, gpu_mem, args.nodes, cpu_mem, nvme)
         work = Workload(seq_len, args.micro_batch, args.precision, args.activation_checkpointing == "full",
                         args.grad_accum, args.attention, expert_imbalance=args.expert_imbalance, packing=args.packing,
-                        global_batch=args.global_batch)
+                        global_batch=args.global_batch, **preference_work(args))
         result = plan(cfg, cluster, work, model_name=args.model, count=lora_count(cfg, args.lora_r),
                       hardware_profile=profile, layout=_layout(args))
     except ValueError as e:

@@ -46,6 +46,8 @@ RECIPE_SOURCE = {
 
 def _optimizer(recipe: dict) -> dict:
     opt = recipe["optimizer"]
+    if opt["type"] == "sgd":  # torch.optim.SGD built by DeepSpeed from its name: plain steps, no momentum
+        return {"type": "SGD", "params": {"lr": opt["lr"], "momentum": 0.0, "weight_decay": opt["weight_decay"]}}
     return {"type": OPTIMIZER_NAMES[opt["type"]],
             "params": {"lr": opt["lr"], "betas": list(opt["betas"]), "eps": opt["eps"],
                        "weight_decay": opt["weight_decay"]}}
@@ -109,6 +111,8 @@ def build(recipe: dict) -> dict:
         "gradient_clipping": recipe["gradient_clipping"],
         "optimizer": _optimizer(recipe),
     }
+    if recipe["optimizer"]["type"] == "sgd":  # outside ZeRO's tested list (docs/deepspeed-facts.md)
+        ds["zero_allow_untested_optimizer"] = True
     scheduler = _scheduler(recipe)
     if scheduler:
         ds["scheduler"] = scheduler

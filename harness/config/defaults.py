@@ -59,3 +59,9 @@ PATH_PREFIXES = (".", "/", "~")  # a model or data spec starting so is a path, n
 # --- Training precisions: bytes per element, and the torch dtype (by name) a precision computes in ---
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# --- Preference objectives (train.objective dpo / ipo / simpo / orpo): the metrics a train record carries, as TRL
+# logs them (rewards = beta x log-ratio per side, margin, accuracy with a strict >, the summed log-probs) ---
+PREFERENCE_METRICS = ("rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
+                      "logps_rejected")
+REFERENCE_FREE = ("simpo", "orpo")  # objectives with no reference model

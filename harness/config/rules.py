@@ -14,6 +14,7 @@ from harness.model_shapes import PIPELINE_FAMILIES, tp_problems
 from harness.config.resolve import BATCH_KEYS, Context, autotp, batch_world, degrees, is_count, sequence_parallel
 from harness.config.schema import suggest
 from harness.config.adapter_rules import check_adapter
+from harness.config.preference_rules import check_preference
 
 # DeepSpeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS (matched lower-cased) ...
 DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
@@ -201,7 +202,7 @@ def check_comms_logger(ds: dict, ctx: Context) -> list[Problem]:
 
 
 RULES = (check_precision, check_offload, check_parallel, check_batch, check_optimizer, check_scheduler,
-         check_comms_logger, check_adapter)
+         check_comms_logger, check_adapter, check_preference)
 
 
 def check(ds: dict, ctx: Context) -> list[Problem]:

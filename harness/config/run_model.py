@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from harness.config import defaults as dd
 from harness.config.defaults import STAGE3_MAX_LIVE_PARAMETERS, TILE_TOKENS
+from harness.config.preference_rules import objective, packing, reference_mode
 from harness.config.resolve import degrees as pipe_tensor_degrees
 from harness.config.resolve import sequence_parallel
 
@@ -132,6 +133,18 @@ class Adapter:
 
 
 @dataclass(frozen=True)
+class Preference:
+    """A preference objective (train.objective dpo, ipo, simpo, orpo): a micro-batch of B pairs is 2B sequences.
+    reference_mode is resolved (config/preference_rules.reference_mode): precomputed | engine | adapter, None for
+    simpo and orpo (no reference)."""
+
+    objective: str
+    reference_mode: str | None
+    beta: float
+    reference: str | None = None  # preference.reference: a model folder or hub id; None: the policy's start
+
+
+@dataclass(frozen=True)
 class RunModel:
     model: str  # hub id, folder or preset name (train.model)
     model_config: Mapping[str, Any]  # the model's HF config as a dict, read once (read-only)
@@ -143,6 +156,7 @@ class RunModel:
     adapter: Adapter | None = None
     pipeline_partition: str = "parameters"
     pipe_partitioned: bool = True  # DeepSpeed's pipeline.pipe_partitioned: activations split over tp between stages
+    preference: Preference | None = None  # None: the next-token objective (lm)
 
     @classmethod
     def from_resolved(cls, recipe: Mapping, ds: Mapping, world: int, model_config: Mapping) -> "RunModel":
@@ -156,7 +170,7 @@ class RunModel:
         micro = int(ds.get("train_micro_batch_size_per_gpu", 1))
         accum = int(ds.get("gradient_accumulation_steps", 1))
         batch = Batch(micro, accum, int(ds.get("train_batch_size", micro * accum * d.dp)))
-        seq = Sequence(seq_len=int(train["seq_len"]), packing=train["packing"], attention=train["attention"],
+        seq = Sequence(seq_len=int(train["seq_len"]), packing=packing(recipe), attention=train["attention"],
                        tiled_mlp=bool(train["tiled_mlp"]), tiled_loss=bool(train["tiled_loss"]),
                        tile_tokens=int(train["tile_tokens"]),
                        activation_checkpointing=bool(recipe["activation_checkpointing"]),
@@ -167,4 +181,13 @@ class RunModel:
         return cls(model=train["model"], model_config=MappingProxyType(dict(model_config)),
                    precision=recipe["precision"], degrees=d, zero=Zero.of(ds), batch=batch, sequence=seq,
                    adapter=adapter, pipeline_partition=pipe.get("partition", recipe["parallel"]["partition_method"]),
-                   pipe_partitioned=bool(pipe.get("pipe_partitioned", True)))
+                   pipe_partitioned=bool(pipe.get("pipe_partitioned", True)), preference=_preference(recipe))
+
+
+def _preference(recipe: Mapping) -> Preference | None:
+    """The run's preference objective with its reference mode resolved; None for lm."""
+    goal = objective(recipe)
+    if goal == "lm":
+        return None
+    pref = recipe["preference"]
+    return Preference(goal, reference_mode(recipe), float(pref["beta"]), pref["reference"])

@@ -15,6 +15,8 @@ from harness.errors import UsageError
 
 BUILTIN = "builtin"
 BUILTIN_CORPUS = Path(__file__).resolve().parent.parent / "assets" / "corpus.jsonl"
+BUILTIN_PREFERENCE = BUILTIN_CORPUS.with_name("preference.jsonl")  # builtin under a preference objective
+PAIR_COLUMNS = ("chosen", "rejected")  # a preference record's two completions (TRL's column names)
 # datasets builder per file extension
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 FORMATS = ("text", "instruction", "chat", "sharegpt", "alpaca")
@@ -37,6 +39,7 @@ class DataSpec:
     instruction_field: str = "instruction"  # alpaca
     input_field: str = "input"  # alpaca, optional
     output_field: str = "output"  # alpaca
+    objective: str = "lm"  # train.objective: anything else reads preference pairs (harness/data/preference.py)
 
     @classmethod
     def from_train(cls, train: dict) -> "DataSpec":
@@ -47,11 +50,30 @@ class DataSpec:
                    messages_field=train.get("messages_field", "messages"),
                    conversations_field=train.get("conversations_field", "conversations"),
                    instruction_field=train.get("instruction_field", "instruction"),
-                   input_field=train.get("input_field", "input"), output_field=train.get("output_field", "output"))
+                   input_field=train.get("input_field", "input"), output_field=train.get("output_field", "output"),
+                   objective=train.get("objective", "lm"))
+
+    @property
+    def preference(self) -> bool:
+        return self.objective != "lm"
+
+    def column_note(self, key: str) -> str:
+        """Where a column's name comes from, for messages: the recipe key and format, or the objective."""
+        if self.preference and key in PAIR_COLUMNS:
+            return f"train.objective {self.objective!r}"
+        return f"train.{key}, format {self.format!r}"
+
+    def column_fix(self, key: str) -> str:
+        if self.preference and key in PAIR_COLUMNS:
+            return (f"name the column {key!r} (a preference record holds {' and '.join(PAIR_COLUMNS)}, and "
+                    "train.prompt_field unless they are message lists that share the prompt)")
+        return f"set train.{key} to the column that holds it"
 
     @property
     def columns(self) -> dict[str, str]:
-        """{recipe key: column name} the format reads."""
+        """{recipe key: column name} the format reads (a preference record: its two completions)."""
+        if self.preference:
+            return {key: key for key in PAIR_COLUMNS}
         if self.format == "instruction":
             return {"prompt_field": self.prompt_field, "response_field": self.response_field}
         if self.format == "chat":
@@ -73,6 +95,8 @@ class DataSpec:
     @property
     def optional_columns(self) -> dict[str, str]:
         """{recipe key: column name} the format reads when the dataset has it."""
+        if self.preference:
+            return {"prompt_field": self.prompt_field}
         return {"input_field": self.input_field} if self.format == "alpaca" else {}
 
     @property
@@ -113,11 +137,12 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith(PATH_PREFIXES) or Path(spec).suffix.lower() in BUILDERS
 
 
-def local_source(spec: str) -> tuple[str, list[str]] | None:
+def local_source(spec: str, preference: bool = False) -> tuple[str, list[str]] | None:
     """(datasets builder, data files) of builtin or a local file or folder; None for a hub id. Reads no data,
-    so it runs before any rank trains; raises UsageError for a missing path or files it cannot read."""
+    so it runs before any rank trains; raises UsageError for a missing path or files it cannot read.
+    preference: builtin is the embedded preference set, not the corpus."""
     if spec == BUILTIN:
-        return "json", [str(BUILTIN_CORPUS)]
+        return "json", [str(BUILTIN_PREFERENCE if preference else BUILTIN_CORPUS)]
     path = Path(spec).expanduser()
     if path.is_dir():
         return _files_in(path)
@@ -131,7 +156,7 @@ def local_source(spec: str) -> tuple[str, list[str]] | None:
 def source_fingerprint(spec: DataSpec) -> str:
     """Identity of the source without reading it: each local file's path, size and mtime (what `datasets`
     keys its own cache on), or the hub id, config and split. Cheap, so every rank can compute it."""
-    local = local_source(spec.dataset)
+    local = local_source(spec.dataset, spec.preference)
     if local is None:
         return f"hub:{spec.dataset}:{spec.config}:{spec.split}"
     stats = [f"{f}:{Path(f).stat().st_size}:{Path(f).stat().st_mtime_ns}" for f in local[1]]
@@ -161,7 +186,7 @@ def load_raw(spec: DataSpec, streaming: bool | None = None):
     streaming=None: hub datasets larger than STREAM_BYTES are streamed, everything else is loaded."""
     import datasets
 
-    local = local_source(spec.dataset)
+    local = local_source(spec.dataset, spec.preference)
     if local is not None:
         builder, files = local
         split = "train"  # a file's records are all in datasets' default split
@@ -180,8 +205,7 @@ def load_dataset_for(spec: DataSpec, streaming: bool | None = None):
     have = list(ds.column_names or [])
     for key, column in spec.columns.items():
         if have and column not in have:
-            raise UsageError(f"dataset {spec.dataset!r} has no column {column!r} (train.{key}, format "
-                             f"{spec.format!r}); its columns are: {', '.join(have)}\n"
-                             f"    fix: set train.{key} to the column that holds it")
+            raise UsageError(f"dataset {spec.dataset!r} has no column {column!r} ({spec.column_note(key)}); its columns "
+                             f"are: {', '.join(have)}\n    fix: {spec.column_fix(key)}")
     optional = [c for c in spec.optional_columns.values() if c in have]
     return ds.select_columns(list(spec.columns.values()) + optional) if have else ds

@@ -48,10 +48,10 @@ def _check_columns(path: Path, spec: DataSpec, records: list[dict], what: str) -
     keys = list(dict.fromkeys(k for r in records for k in r))
     for recipe_key, column in spec.columns.items():
         if not any(r.get(column) is not None for r in records):
-            raise _problem(path, f"has no column {column!r} (train.{recipe_key}, format {spec.format!r}) in its "
-                           f"first {len(records)} {what}; their columns are: {', '.join(keys) or '(none)'}",
-                           f"set train.{recipe_key} to the key that holds it (--set train.{recipe_key}=NAME), "
-                           "or train.format to the format of these records")
+            fix = (spec.column_fix(recipe_key) if spec.preference else f"set train.{recipe_key} to the key that "
+                   f"holds it (--set train.{recipe_key}=NAME), or train.format to the format of these records")
+            raise _problem(path, f"has no column {column!r} ({spec.column_note(recipe_key)}) in its first "
+                           f"{len(records)} {what}; their columns are: {', '.join(keys) or '(none)'}", fix)
 
 
 def _json_lines_head(path: Path) -> list[tuple[int, str]]:
@@ -105,13 +105,14 @@ def _json_document(path: Path, spec: DataSpec) -> None:
 
 
 def _check_records(path: Path, spec: DataSpec, numbers: list[int] | None, records: list[dict]) -> None:
-    """sharegpt / alpaca: the first malformed record of the head, by line (JSON lines) or record number."""
+    """sharegpt / alpaca / preference: the first malformed record of the head, by line (JSON lines) or record number."""
     from harness.data.formats import record_fix, record_problem
 
     for i, record in enumerate(records):
         if problem := record_problem(spec, record):
             where = f"line {numbers[i]}" if numbers is not None else f"record {i + 1}"
-            raise _problem(path, f"{where} is not a valid {spec.format} record: {problem}", record_fix(spec))
+            kind = "preference" if spec.preference else spec.format
+            raise _problem(path, f"{where} is not a valid {kind} record: {problem}", record_fix(spec))
 
 
 def _check_json(path: Path, spec: DataSpec) -> None:
@@ -145,18 +146,18 @@ def _check_parquet(path: Path, spec: DataSpec) -> None:
         raise _problem(path, f"is not a readable parquet file ({type(e).__name__}: {str(e).splitlines()[0]})",
                        "write it with pandas.DataFrame.to_parquet / pyarrow.parquet.write_table, or use "
                        ".jsonl") from None
-    names = meta.schema.names
+    names = meta.schema.to_arrow_schema().names  # top-level columns (schema.names lists nested leaves)
     if meta.num_rows == 0:
         raise _problem(path, f"has no rows (columns: {', '.join(names)})", _empty_fix(spec, "parquet"))
     for recipe_key, column in spec.columns.items():
         if column not in names:
-            raise _problem(path, f"has no column {column!r} (train.{recipe_key}, format {spec.format!r}); its "
-                           f"columns: {', '.join(names)}", f"set train.{recipe_key} to the column that holds it")
+            raise _problem(path, f"has no column {column!r} ({spec.column_note(recipe_key)}); its "
+                           f"columns: {', '.join(names)}", spec.column_fix(recipe_key))
 
 
 def check_local(spec: DataSpec) -> None:
     """Raise UsageError naming the first local file that would give `datasets` nothing to read (or fail it)."""
-    local = local_source(spec.dataset)
+    local = local_source(spec.dataset, spec.preference)
     if local is None or spec.dataset == BUILTIN:
         return
     builder, files = local
@@ -175,7 +176,7 @@ def check_local(spec: DataSpec) -> None:
 def load_failure(spec: DataSpec, err: Exception) -> UsageError | None:
     """A UsageError for a local source `datasets` failed to load: the first bad JSON line past the checked
     head, or the file list and datasets' own reason. None for a hub dataset (its errors are reported as is)."""
-    local = local_source(spec.dataset)
+    local = local_source(spec.dataset, spec.preference)
     if local is None:
         return None
     builder, files = local
@@ -195,3 +196,36 @@ def load_failure(spec: DataSpec, err: Exception) -> UsageError | None:
     where = files[0] if len(files) == 1 else f"{len(files)} files under {spec.dataset}"
     return UsageError(f"datasets could not read {where} as {builder} ({type(err).__name__}: "
                       f"{reason})\n    fix: check the file's format matches its extension ({builder})")
+
+
+def _head_of(path: Path, builder: str) -> tuple[list[str], list[dict]]:
+    """(where each record is, in words; the records) of a file's head, as `datasets` will read them."""
+    if builder == "json":
+        head = _json_lines_head(path)
+        if path.suffix.lower() == ".json" and head and head[0][1].lstrip().startswith("["):
+            if path.stat().st_size > WHOLE_JSON_BYTES:
+                return [], []
+            records = json.loads(path.read_text(encoding="utf-8", errors="replace"))[:HEAD_RECORDS]
+            return [f"record {i + 1}" for i in range(len(records))], records
+        return [f"line {number}" for number, _ in head], [_parse_line(path, number, line) for number, line in head]
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=HEAD_RECORDS), None)
+        records = batch.to_pylist() if batch is not None else []
+        return [f"row {i + 1}" for i in range(len(records))], records
+    if builder == "csv":
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            records = list(itertools.islice(csv.DictReader(f), HEAD_RECORDS))
+        return [f"row {i + 1}" for i in range(len(records))], records
+    return [], []
+
+
+def head_records(spec: DataSpec) -> list[tuple[Path, list[str], list[dict]]]:
+    """(file, where each record is, its first records) of each local file (builtin included), after check_local:
+    what a check of the records' content reads before any rank trains. A hub dataset: []."""
+    local = local_source(spec.dataset, spec.preference)
+    if local is None:
+        return []
+    builder, files = local
+    return [(Path(name), *_head_of(Path(name), builder)) for name in files]

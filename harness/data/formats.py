@@ -126,7 +126,11 @@ def _alpaca_problem(instruction, output, extra) -> str | None:
 
 
 def record_problem(spec, record: dict) -> str | None:
-    """What is wrong with one sharegpt/alpaca record (None when it is well formed; other formats: None)."""
+    """What is wrong with one sharegpt/alpaca/preference record (None when it is well formed; other formats: None)."""
+    if spec.preference:
+        from harness.data.preference_records import pair_problem
+
+        return pair_problem(record, spec.prompt_field)
     if spec.format == "sharegpt":
         problem = _sharegpt_problem(record.get(spec.conversations_field))
         return problem and f"{spec.conversations_field!r} {problem}"
@@ -137,6 +141,10 @@ def record_problem(spec, record: dict) -> str | None:
 
 
 def record_fix(spec) -> str:
+    if spec.preference:
+        from harness.data.preference_records import pair_fix
+
+        return pair_fix(spec.prompt_field)
     return RECORD_FIX[spec.format].format(field=repr(spec.conversations_field), instruction=spec.instruction_field,
                                           output=spec.output_field, input=spec.input_field)
 

@@ -253,12 +253,13 @@ def empty_rows_note(meta: dict) -> str | None:
             f"or shorten the prompts")
 
 
-def _publish(tmp: Path, path: Path, key: dict) -> None:
+def _publish(tmp: Path, path: Path, key: dict, opener=None) -> None:
     """Rename the finished tmp folder to its final name. A valid store already there (another process finished
-    first) is kept and ours dropped; a stale one is moved aside, then removed (readers keep their open maps)."""
+    first) is kept and ours dropped; a stale one is moved aside, then removed (readers keep their open maps).
+    opener: what reads a complete one (open_store; the preference store's for pairs)."""
     stale = None
     if path.exists():
-        if open_store(path, key) is not None:
+        if (opener or open_store)(path, key) is not None:
             return
         stale = path.with_name(f".stale-{path.name}-{uuid.uuid4().hex[:8]}")
         os.replace(path, stale)
@@ -307,12 +308,12 @@ def prepare(spec: DataSpec, tokenizer, seq_len: int, root: str | None = None, nu
     return store, True
 
 
-def _prepare_child(conn, spec: DataSpec, tokenizer, seq_len: int, root: str | None) -> None:
-    """The body of prepare_in_child's process: the outcome goes back through conn, never as a traceback."""
+def _child_body(conn, target, args: tuple) -> None:
+    """The body of run_in_child's process: the outcome goes back through conn, never as a traceback."""
     import traceback
 
     try:
-        conn.send(("ok", prepare(spec, tokenizer, seq_len, root)[1]))
+        conn.send(("ok", target(*args)))
     except UsageError as e:
         conn.send(("usage", str(e)))
     except BaseException:
@@ -321,30 +322,39 @@ def _prepare_child(conn, spec: DataSpec, tokenizer, seq_len: int, root: str | No
         conn.close()
 
 
-def prepare_in_child(spec: DataSpec, tokenizer, seq_len: int, root: str | None) -> bool:
-    """prepare() in a fresh process; whether it built the store. Tokenizing grows the process by what `datasets`,
+def run_in_child(target, args: tuple, what: str):
+    """target(*args) in a fresh process; its (picklable) result. Tokenizing grows the process by what `datasets`,
     Arrow and the tokenizer allocate (malloc arenas and Arrow's pool keep it afterwards: +110 MB per rank at 40M
     tokens), which a training rank would carry for the whole run; a child gives all of it back when it exits.
-    Spawned, not forked: the rank already runs the process group's threads."""
+    Spawned, not forked: the rank already runs the process group's threads. A UsageError comes back as one."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_prepare_child, args=(child, spec, tokenizer, seq_len, root), name="dsharness-prepare")
+    proc = ctx.Process(target=_child_body, args=(child, target, args), name="dsharness-prepare")
     proc.start()
     child.close()
     try:
         kind, value = parent.recv()
     except EOFError:  # it died without a word (killed, out of memory)
         proc.join()
-        raise RuntimeError(f"preparing the token store for {spec.dataset!r}: the preparing process exited "
-                           f"{proc.exitcode} without a result") from None
+        raise RuntimeError(f"preparing {what}: the preparing process exited {proc.exitcode} without a "
+                           "result") from None
     proc.join()
     if kind == "usage":
         raise UsageError(value)
     if kind == "error":
-        raise RuntimeError(f"preparing the token store for {spec.dataset!r} failed in its process:\n{value}")
+        raise RuntimeError(f"preparing {what} failed in its process:\n{value}")
     return value
+
+
+def _prepared_now(spec: DataSpec, tokenizer, seq_len: int, root: str | None) -> bool:
+    return prepare(spec, tokenizer, seq_len, root)[1]
+
+
+def prepare_in_child(spec: DataSpec, tokenizer, seq_len: int, root: str | None) -> bool:
+    """prepare() in a fresh process (run_in_child); whether it built the store."""
+    return run_in_child(_prepared_now, (spec, tokenizer, seq_len, root), f"the token store for {spec.dataset!r}")
 
 
 def ensure_store(spec: DataSpec, tokenizer, seq_len: int, root: str | None, local_rank: int,

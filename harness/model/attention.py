@@ -20,6 +20,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from harness.config.defaults import PRECISION_BYTES
+from harness.config.preference_rules import packing
 from harness.errors import Problem
 
 MASK_BOUND_BYTES = 1 << 30  # a materialised document mask larger than this (per forward, per rank) is refused
@@ -142,7 +143,7 @@ def for_recipe(recipe: dict, micro_batch: int, device: str | None = None) -> Att
     """The choice for a run's recipe on this machine (what `build` applies and `checks` refuses)."""
     train, device = recipe["train"], device or device_type()
     itemsize = PRECISION_BYTES[recipe["precision"]]
-    choice = choose(device, train["packing"], train["seq_len"], micro_batch, itemsize=itemsize,
+    choice = choose(device, packing(recipe), train["seq_len"], micro_batch, itemsize=itemsize,
                     requested=requested(recipe, device))
     if choice.implementation == "document_sdpa":  # the harness's: [micro, 1, S, S] bool over the FULL sequence
         size = micro_batch * train["seq_len"] ** 2
@@ -154,7 +155,7 @@ def recipe_problems(recipe: dict, micro_batch: int, device: str | None = None) -
     device = device or device_type()
     choice = for_recipe(recipe, micro_batch, device)
     path = "train.attention" if recipe["train"]["attention"] != "auto" else "train.packing"
-    return problems(choice, device, recipe["train"]["packing"], recipe["train"]["seq_len"], micro_batch,
+    return problems(choice, device, packing(recipe), recipe["train"]["seq_len"], micro_batch,
                     path=path)
 
 

@@ -17,6 +17,8 @@ element of the training precision:
 - Logits: 16-bit logits, their fp32 upcast (none in fp32 training) and log-softmax, for all t tokens; tiled loss
   (ALST s3.3; the harness's train.tiled_loss) holds one tile of train.tile_tokens tokens, plus one lm_head-sized
   gradient buffer.
+- Preference objectives (train.objective dpo, ipo, simpo, orpo): a micro-batch of B pairs is 2B sequences (chosen
+  and rejected), so t counts both; the logits term is pair_logits_bytes (row-by-row log-probs, no fp32 copy).
 - Attention masks: flash-attention varlen and flex build none (flex's block mask is O((s/128)^2), left out).
   sdpa: a bool (s/sp)^2 mask per micro-batch from transformers at sp 1 (s^2); under Ulysses sdpa would lose the
   document mask, so the harness runs its document_sdpa there (model/sequence/attention.py), which builds the mask
@@ -72,6 +74,14 @@ def logits_bytes(tokens: int, shape: ModelShape, lp: int, tiled: bool, tile_toke
     if not tiled:
         return int(tokens * vocab * per)
     return int(min(tokens, tile_tokens) * vocab * per + vocab * shape.hidden_size * lp)
+
+
+def pair_logits_bytes(tokens: int, seq_len: int, shape: ModelShape, lp: int) -> int:
+    """A preference objective's logits (harness/train/objectives.py label_logps): the 16-bit logits of all 2B rows
+    kept for backward and, in backward, their gradient of the same size; one row at a time is up-cast to fp32 and
+    exponentiated (two fp32 [seq_len, vocab] tensors). No fp32 copy of the whole logits, unlike the LM loss."""
+    vocab = shape.vocab_size
+    return int(2 * tokens * vocab * lp + 2 * seq_len * vocab * 4)
 
 
 def mask_bytes(attention: str, seq_len: int, sp: int, micro_batch: int, lp: int) -> int:

@@ -168,8 +168,12 @@ def notes(best: dict | None, cluster: Cluster, shape: ModelShape, seq_len: int) 
         return out
     cpu = best["memory"]["cpu_bytes_per_node"]
     if cpu and cluster.cpu_mem_bytes is None:
+        what = "the offloaded states"
+        if (best["memory"].get("reference") or {}).get("mode") == "precomputed":  # its table is in host RAM
+            offloaded = best["offload_optimizer"] != "none"
+            what = f"{what} and the precomputed reference" if offloaded else "the precomputed reference log-probs"
         out.append(f"CPU RAM not given: {best['recipe']} needs >= {gb(cpu / (1 - RESERVE_FRACTION))} per node "
-                   f"for the offloaded states (pass --cpu-mem to check)")
+                   f"for {what} (pass --cpu-mem to check)")
     if cluster.nodes > 1:
         out.append(f"the launch line reads ./hostfile: one line per node, '<host> slots={cluster.gpus_per_node}' "
                    "(docker/README.md; without ssh: --no_ssh --node_rank N on each node)")

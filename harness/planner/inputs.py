@@ -25,6 +25,18 @@ class Workload:
     packing: str = "document"  # document rows send their position ids between pipeline stages
     global_batch: int | None = None  # sequences per optimizer step over all replicas (the step-time search)
     tile_tokens: int = TILE_TOKENS  # tiled MLP and loss: tokens per tile
+    # a preference objective (dpo | ipo | simpo | orpo; None: lm): micro_batch and global_batch count pairs, each two
+    # sequences (chosen, rejected); reference_mode: precomputed | engine | adapter (None: none or not chosen yet);
+    # pairs: the preference set's size (precomputed: its host table and its pass), steps: the optimizer steps trained
+    objective: str | None = None
+    reference_mode: str | None = None
+    pairs: int | None = None
+    steps: int | None = None
+
+    @property
+    def rows_per_item(self) -> int:
+        """Sequences per micro-batch item: a preference pair is two (chosen and rejected), else one."""
+        return 2 if self.objective else 1
 
     def but(self, **changes) -> "Workload":
         """This workload with some fields changed."""

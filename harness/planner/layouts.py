@@ -10,8 +10,8 @@ import shlex
 from dataclasses import dataclass, replace
 from functools import partial
 
-from harness.planner import comm, memory, moe, pipeline, sequence
-from harness.config.defaults import TILE_TOKENS
+from harness.planner import comm, memory, moe, pipeline, reference, sequence
+from harness.config.defaults import PRECISION_BYTES, TILE_TOKENS
 from harness.config.run_model import Zero
 from harness.planner.inputs import Cluster, LongContext, Workload
 from harness.planner.shape import ModelShape
@@ -209,7 +209,11 @@ def evaluate(c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluste
         "comm": _comm(c, count, shape, work, share),
     }
     _add_layout_details(result, c, count, share)
+    if work.objective:
+        _add_reference(result, c, count, shape, cluster, work, share)
     result.update(_verdict(c, result["memory"], shape, cluster))
+    if work.objective and result["applicable"] and reference.refused(c, work.objective):
+        result.update(applicable=False, fits=False, why_not=reference.refused(c, work.objective))
     if result["applicable"] and work.seq_len % c.sp:
         result.update(applicable=False, fits=False, why_not=f"seq_len {work.seq_len} does not divide by sp {c.sp}")
     if result["applicable"] and c.sp > 1 and work.attention == "eager":
@@ -228,6 +232,15 @@ def _add_layout_details(result: dict, c: Candidate, count: ParamCount, share: Ra
     if c.pp > 1:
         result["stages"] = [{k: s[k] for k in ("stage", "layers", "blocks", "params")}
                             for s in pipeline.stages(count, c.pp, "parameters", c.tp)]
+
+
+def _add_reference(result: dict, c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluster,
+                   work: Workload, share: RankShare) -> None:
+    """A preference objective's reference (planner/reference.py), its engine sharded like this layout's ZeRO-3."""
+    b = memory.harness_buckets(shape.hidden_size)
+    lp = PRECISION_BYTES[work.precision]
+    swap = b.param_swap_buffer_count * lp * max(b.param_swap_buffer_elems, count.largest_tensor or 0)
+    reference.attach(result, c, count, cluster, work, share.persistent, swap if c.offload_param == "nvme" else 0)
 
 
 def activations(c: Candidate, shape: ModelShape, work: Workload, layers: int, in_flight: int = 1) -> dict:

@@ -289,13 +289,15 @@ def activation_bytes(shape: ModelShape, work: Workload, *, tp: int = 1, long_con
 
     With checkpointing each block keeps only its input and one block is recomputed at a time.
     `micro_batches_in_flight` is what a pipeline stage holds (1F1B: min(stages - stage_id, m)).
-    Logits: 16-bit output plus the fp32 upcast and log-softmax that HF's loss keeps.
+    Logits: 16-bit output plus the fp32 upcast and log-softmax that HF's loss keeps (a preference objective: the
+    16-bit logits of both sequences of each pair and their gradient, one row up-cast at a time).
     Long context (planner/activations.py, with the sources): sp divides the tokens per rank (Ulysses); tiled_mlp
     drops the MLP intermediates for one tile of tile_tokens; tiled_loss holds one tile of logits; the attention adds
     its materialised mask (sdpa, eager) and eager's scores; offload (with checkpointing) moves the block inputs to
     CPU RAM ("cpu_offload", per rank).
     """
-    seq_len, micro_batch, attention, tile_tokens = work.seq_len, work.micro_batch, work.attention, work.tile_tokens
+    seq_len, attention, tile_tokens = work.seq_len, work.attention, work.tile_tokens
+    micro_batch = work.micro_batch * work.rows_per_item  # a preference pair: its chosen and rejected sequences
     activation_checkpointing, lp = work.activation_checkpointing, PRECISION_BYTES[work.precision]
     sp, tiled_mlp, tiled_loss = long_context.sp, long_context.tiled_mlp, long_context.tiled_loss
     offload = long_context.offload
@@ -315,7 +317,10 @@ def activation_bytes(shape: ModelShape, work: Workload, *, tp: int = 1, long_con
     if offload and activation_checkpointing:  # the block inputs live in CPU RAM; two on the device
         offloaded, stored = stored, min(stored, 2 * block_input)
     tile = la.mlp_tile_bytes(shape, tokens, lp, tp, tile_tokens) if tiled_mlp else 0
-    logits = la.logits_bytes(tokens, shape, lp, tiled_loss, tile_tokens) if with_logits else 0
+    logits = 0
+    if with_logits:
+        logits = (la.pair_logits_bytes(tokens, seq_len, shape, lp) if work.objective
+                  else la.logits_bytes(tokens, shape, lp, tiled_loss, tile_tokens))
     mask = la.mask_bytes(attention, seq_len, sp, micro_batch, lp)
     total = stored + recompute + tile + logits + mask + 2 * block_input  # + embedding output, final norm input
     return {"per_layer": per_layer, "layers": stored, "recompute": recompute, "logits": logits,

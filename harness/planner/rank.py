@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from harness.config.run_model import RunModel, Sequence, Zero
-from harness.planner import comm, memory, moe, pipeline, sequence
+from harness.planner import comm, memory, moe, pipeline, reference, sequence
 from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
 from harness.planner.params import count_params, model_shape, with_lora
@@ -58,10 +58,11 @@ def long_context(seq: Sequence, sp: int) -> LongContext:
 
 def workload(run: RunModel) -> Workload:
     """The planner's workload of this run: its batch, sequence handling and precision."""
-    seq, b = run.sequence, run.batch
+    seq, b, pref = run.sequence, run.batch, run.preference
+    goal = {"objective": pref.objective, "reference_mode": pref.reference_mode} if pref else {}
     return Workload(seq.seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
                     attention=attention_kind(seq, run.degrees.sp), packing=seq.packing,
-                    global_batch=b.global_batch, tile_tokens=seq.tile_tokens)
+                    global_batch=b.global_batch, tile_tokens=seq.tile_tokens, **goal)
 
 
 def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> int:
@@ -123,6 +124,10 @@ def rank_prediction(run: RunModel, live: LiveFacts) -> dict:
     shape = shape_of(run)
     if shape is not None:
         _add_activations(out, run, shape, states)
+        ref = _reference_bytes(run, live) if run.preference else None
+        if ref:  # an engine-mode reference: its frozen weights are alive through the whole step
+            out["reference"] = ref
+            out["peak_total_bytes"] += ref["gpu"]
     else:
         notes.append("activations not predicted: the planner cannot size this architecture")
     out["notes"] = notes
@@ -144,6 +149,18 @@ def _add_activations(out: dict, run: RunModel, shape: ModelShape, states) -> Non
                                               micro_batch=micro, micro_batches=accum, precision=prec,
                                               activation_checkpointing=ckpt)
         out["comm"]["all_reduce"] = out["comm"].get("all_reduce", 0) + tp_comm
+
+
+def _reference_bytes(run: RunModel, live: LiveFacts) -> dict | None:
+    """This rank's engine-mode reference weights (planner/reference.py): the base model (the live parameters less
+    any LoRA adapters), sharded over the ranks like the policy's ZeRO-3 parameters."""
+    if run.preference.reference_mode != "engine":
+        return None
+    z = run.zero
+    base = live.total - (live.trainable or 0)
+    return reference.engine_bytes(base, stage=z.stage, offload_param=z.offload_param,
+                                  zero_shards=run.degrees.zero_shards, precision=run.precision,
+                                  persistent=live.persistent if z.stage == 3 else 0)
 
 
 def model_count(run: RunModel):

@@ -73,7 +73,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.config.defaults import ALLGATHER_BUCKET_ELEMS, PRECISION_BYTES, ZERO0_ALLREDUCE_BUCKET_ELEMS
-from harness.planner import collectives, comm, hardware, memory, sequence
+from harness.planner import collectives, comm, hardware, memory, reference, sequence
 from harness.planner.inputs import Cluster, Workload
 from harness.planner.shape import ModelShape
 
@@ -313,15 +313,20 @@ def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work
         "optimizer_s": off["optimizer"], "offload_pcie_s": off["pcie"], "nvme_s": off["nvme"], "zero_hooks_s": hooks_s,
         **expert_s,
     }
+    ref = result["memory"].get("reference") or {}
+    if ref.get("mode") in ("engine", "adapter"):  # one more forward (no backward) of the 2B rows per micro-step
+        breakdown["reference_s"] = m * t_mb["forward"]
     step = sum(breakdown.values())
     per_stage = []
     if c.pp > 1:  # what each stage computes per step; the rest of the step it waits (bubble, its neighbours)
         for i, t in enumerate(stage_computes(c, count, shape, profile, work, result, stage_blocks)):
             busy = m * sum(t.values())
             per_stage.append({"stage": i, "compute_s": busy, "idle_s": max(0.0, step - busy), "busy": busy / step})
-    tokens = work.global_batch * work.seq_len
+    tokens = work.global_batch * work.seq_len  # a preference run's: both sequences of each pair (_sequence_work)
     peak = hardware.peak_flops(profile, work.precision)  # MFU on active parameters (model_flops_per_step)
-    return {"step_time_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,
+    # what the precomputed pass would cost before training (shown beside every mode; in the step for none)
+    extra = {"reference_pass_s": reference.pass_s(work, world, t_mb["forward"])} if ref.get("mode") else {}
+    return {**extra, "step_time_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,
             "mfu": model_flops_per_step(count, shape, work.seq_len, tokens) / (step * world * peak),
             "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"],
             "per_stage": per_stage, "interleave": interleave}
@@ -353,8 +358,10 @@ def activation_offload_s(profile: dict, result: dict, m: int) -> float:
 def _sequence_work(c, work: Workload) -> Workload:
     """The workload one rank computes: under Ulysses seq_len x micro_batch / sp tokens (its matmuls), attention over
     the whole sequence for heads / sp (block_flops_per_token keeps seq_len whole: the same FLOPs per rank); the
-    long-context rung forces checkpointing."""
-    return work.but(micro_batch=work.micro_batch / c.sp, activation_checkpointing=c.checkpointing(work))
+    long-context rung forces checkpointing. A preference objective's pairs are two sequences each."""
+    rows = work.rows_per_item
+    return work.but(micro_batch=work.micro_batch * rows / c.sp, activation_checkpointing=c.checkpointing(work),
+                    global_batch=work.global_batch * rows if work.global_batch else work.global_batch)
 
 
 def tiled_mlp_recompute_s(shape: ModelShape, profile: dict, work: Workload, tp: int, blocks: int) -> float:

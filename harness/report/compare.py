@@ -18,6 +18,7 @@ from pathlib import Path
 
 from harness.errors import UsageError
 from harness.report.experts import experts_section
+from harness.report.faults import faults_line, faults_section
 from harness.report.tables import fmt_bytes, fmt_ratio, ratio, table
 from harness.report.pipeline import pipeline_flags, pipeline_rows, pipeline_section
 from harness.report.restarts import restarts_line, restarts_section
@@ -277,7 +278,7 @@ def headline(run: Run) -> list[str]:
     window = s.get("profile", {}).get("window")
     lines.append(f"- profiled steps: {window[0]}-{window[1]} (logged step numbers)" if window
                  else "- profiling window: off (no comm measurement)")
-    return lines + restarts_line(run.restarts) + [f"- note: {n}" for n in run.notes]
+    return lines + restarts_line(run.restarts) + faults_line(run.records) + [f"- note: {n}" for n in run.notes]
 
 
 def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]) -> str:
@@ -312,6 +313,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
     else:
         out.append("not recorded")
     out += restarts_section(run.restarts)
+    out += faults_section(run.records)
     out += startup_section(tables.get("startup", []))
     out += pipeline_section(run, tables.get("pipeline", []))
     out += experts_section(run)

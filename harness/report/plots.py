@@ -153,6 +153,22 @@ def plot_step_time(run, path: Path) -> list[str]:
     return _save(fig, path, [ax])
 
 
+def plot_preference(run, path: Path) -> list[str]:
+    """A preference run (train.objective dpo / ipo / simpo / orpo): the reward margin and the pairs ranked right."""
+    rows = [r for r in run.train if r.get("rewards_margin") is not None]
+    if not rows:
+        return []
+    plt = _pyplot()
+    fig, margin = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in rows]
+    margin.plot(steps, [r["rewards_margin"] for r in rows], color="#4c72b0", label="reward margin (chosen - rejected)")
+    margin.set(xlabel="step", ylabel="reward margin", title="Preference: reward margin and accuracy")
+    accuracy = margin.twinx()
+    accuracy.plot(steps, [r["rewards_accuracy"] for r in rows], color="#dd8452", label="reward accuracy")
+    accuracy.set(ylabel="accuracy (chosen > rejected)", ylim=(-0.05, 1.05))
+    return _save(fig, path, [margin, accuracy])
+
+
 def write_all(run, tables: dict, out_dir: Path) -> dict[str, list[str]]:
     """Write every plot that has data; {file name: series labels}."""
     out = {}
@@ -160,7 +176,8 @@ def write_all(run, tables: dict, out_dir: Path) -> dict[str, list[str]]:
                        ("throughput.png", lambda p: plot_throughput(run, p)),
                        ("memory.png", lambda p: plot_memory(run, tables, p)),
                        ("comm.png", lambda p: plot_comm(run, tables, p)),
-                       ("step_time.png", lambda p: plot_step_time(run, p))):
+                       ("step_time.png", lambda p: plot_step_time(run, p)),
+                       ("preference.png", lambda p: plot_preference(run, p))):
         labels = draw(Path(out_dir) / name)
         if labels:
             out[name] = labels

@@ -26,7 +26,8 @@ What is logged, x axis = the step as in metrics.jsonl (1-based), the same names 
   train/loss, train/lr, train/grad_norm, train/tokens_per_s, train/samples_per_s, train/step_time_s (measured),
   train/step_time_predicted_s (planner, for this machine), train/tflops_per_gpu, train/mfu (only where the device
   has a known peak: null on CPU is not logged), timers/{fwd,bwd,bwd_inner,bwd_allreduce,step}_ms (profile window)
-  eval/loss                                  at each evaluation
+  train/{rewards_chosen,rewards_rejected,rewards_margin,rewards_accuracy,logps_chosen,logps_rejected}  (preference)
+  eval/loss (+ eval/{the six above} of a preference run)  at each evaluation
   memory/rank{R}/{field}_bytes               rank 0 every step; every rank on the profiled steps
                                              (profiling/memory.py gathers them there only: no collective on other steps)
   at the end (wandb: run summary; MLflow: metrics at the last step): summary/{first_loss, last_loss, eval_loss,
@@ -43,6 +44,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from harness.config.defaults import PREFERENCE_METRICS
 from harness.config.validate import strip_annotations
 from harness.errors import ConfigError, Problem, without_secrets
 from harness.log import say
@@ -52,7 +54,8 @@ from harness.trackers.backends import BACKENDS, shown
 TRAIN = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "train/tokens_per_s",
          "samples_per_s": "train/samples_per_s", "step_time_s": "train/step_time_s",
          "tflops_per_gpu": "train/tflops_per_gpu", "mfu": "train/mfu",
-         **{f"{name}_ms": f"timers/{name}_ms" for name in TIMERS}}
+         **{f"{name}_ms": f"timers/{name}_ms" for name in TIMERS},
+         **{name: f"train/{name}" for name in PREFERENCE_METRICS}}  # a preference run's (train/objectives.py)
 PREEMPTED = 75
 
 
@@ -183,8 +186,9 @@ def step_metrics(kind: str, record: dict, predicted_step_s: float | None) -> dic
     """One trainer record ("train" or "eval") -> {metric name: value}; values that are not finite numbers
     (mfu on CPU) are left out."""
     if kind == "eval":
-        value = number(record.get("eval_loss"))
-        return {"eval/loss": value} if value is not None else {}
+        out = {"eval/loss": number(record.get("eval_loss")),
+               **{f"eval/{name}": number(record.get(f"eval_{name}")) for name in PREFERENCE_METRICS}}
+        return {k: v for k, v in out.items() if v is not None}
     if kind != "train":
         return {}
     out = {TRAIN[field]: number(record.get(field)) for field in TRAIN}

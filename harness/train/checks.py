@@ -22,6 +22,7 @@ from harness.config.defaults import PATH_PREFIXES
 from harness.config.run_model import Zero
 from harness.errors import Problem, UsageError, raise_if_errors
 from harness.model.moe import rules as moe_rules
+from harness.train import faults
 
 
 
@@ -40,7 +41,8 @@ def before_init(spec, ds_json: str | None = None) -> None:
     cfg = spec.model_config  # read by inputs()
     problems = op_problems(spec.ds_config) + model_problems(spec.recipe["train"], cfg)
     problems += path_problems(spec, cfg) + qlora_problems(spec.recipe) + sequence_problems(spec, cfg)
-    problems += attention_problems(spec)
+    problems += attention_problems(spec) + preference_problems(spec.recipe) + reference_problems(spec.recipe, cfg)
+    problems += faults.recipe_problems(spec.recipe)
     problems += moe_rules.problems(spec.recipe, spec.world_size, cfg)  # MoE: ep, tp, pipeline, aux loss
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
@@ -58,6 +60,28 @@ def attention_problems(spec) -> list[Problem]:
     from harness.model import attention
 
     return attention.recipe_problems(spec.recipe, spec.ds_config["train_micro_batch_size_per_gpu"])
+
+
+def preference_problems(recipe: dict) -> list[Problem]:
+    """A preference objective: the first records of each local file tokenized as pairs (malformed records, empty
+    completions, a prompt that fills seq_len; harness/data/preference_store.check_head)."""
+    from harness.data.corpus import DataSpec
+    from harness.data.preference_store import check_head
+    from harness.model.hf import load_tokenizer
+
+    train = recipe["train"]
+    data = DataSpec.from_train(train)
+    if not data.preference:
+        return []
+    try:
+        tokenizer = load_tokenizer(train["model"])
+    except UsageError:
+        return []  # model_problems lists it
+    try:
+        check_head(data, tokenizer, train["seq_len"], recipe["preference"]["truncation"])
+    except UsageError as e:
+        return [_as_problem("train.dataset", e)]
+    return []
 
 
 def sequence_problems(spec, cfg: dict) -> list[Problem]:
@@ -174,6 +198,22 @@ def model_problems(train: dict, cfg: dict) -> list[Problem]:
                                "use the tokenizer saved with this model (tokenizer.save_pretrained into its "
                                "folder), or a model whose vocab_size covers the tokenizer"))
     return out
+
+
+def reference_problems(recipe: dict, cfg: dict) -> list[Problem]:
+    """A dpo / ipo reference of another architecture or vocabulary than the policy (its config.json only)."""
+    ref = recipe.get("preference", {}).get("reference")
+    if recipe["train"].get("objective", "lm") == "lm" or ref is None:
+        return []
+    try:
+        other = model_config(ref)
+    except UsageError as e:
+        return [_as_problem("preference.reference", e)]
+    return [Problem("preference.reference", f"{key} {other.get(key)!r} of the reference, {cfg.get(key)!r} of the "
+                    f"policy: their log-probs of the same tokens do not compare (reference {ref}, policy "
+                    f"{recipe['train']['model']})",
+                    "use a reference of the policy's architecture and tokenizer (the model the policy starts from)")
+            for key in ("model_type", "vocab_size") if other.get(key) != cfg.get(key)]
 
 
 def existing(path: Path) -> Path:

@@ -11,9 +11,10 @@ from pathlib import Path
 from harness import dist as distmod
 from harness import profiling
 from harness.checkpoint import files as ckpt_files
-from harness.checkpoint import resume
+from harness.checkpoint import relayout, resume
 from harness.checkpoint import save as checkpoint
 from harness.config.jsonio import dump_json
+from harness.config.preference_rules import is_preference
 from harness.config.recipes import deep_merge
 from harness.config.resolve import render_provenance
 from harness.errors import UsageError
@@ -22,7 +23,7 @@ from harness.model import adapters
 from harness.model.lora_attach import attach
 from harness.model.moe.wiring import prepare_model as prepare_moe
 from harness.trackers import start as start_trackers, summary_metrics
-from harness.train import checks, preempt, restarts
+from harness.train import checks, faults, preempt, restarts
 from harness.train.metrics import MetricsLog
 from harness.train.trainer import Boundaries, Data, Trainer
 
@@ -64,6 +65,13 @@ def load_data(spec, dist, tokenizer) -> Data:
 
     start = time.perf_counter()
     train = spec.recipe["train"]
+    if train["objective"] != "lm":  # preference pairs (harness/data/preference.py), not packed rows
+        from harness.data.preference import load_pairs
+
+        train_pairs, eval_pairs, lines = load_pairs(spec, dist, tokenizer)
+        for line in lines if dist.is_main else ():
+            say("data", line)
+        return Data(train=train_pairs, eval=eval_pairs)
     data_spec = DataSpec.from_train(train)
     if data_spec.uses_chat_template:  # every rank, so all exit with the message before any waits on a store
         check_chat_template(tokenizer, train["model"], data_spec.format)
@@ -108,16 +116,35 @@ def build_engine(spec, startup):
     return engine, built.info, notes
 
 
-def start_step(engine, spec, dist, run_dir: Path) -> int:
+def universal_form(spec, dist, run_dir: Path) -> tuple[Path, str]:
+    """The resume point's universal form, converted here once if it has none yet; a conversion's time and peak
+    memory (rank 0's) go to RUN/conversions.jsonl."""
+    point, meter = spec.resume_point, profiling.Startup(dist.device)
+    with meter.phase("conversion"):
+        ckpt_dir, tag, converted = resume.universal(point, dist, ep=spec.run.degrees.ep)
+    if converted:
+        run = spec.run.degrees
+        here = {"world_size": spec.world_size, "dp": spec.dp, "tp": spec.tp, "pp": spec.pp, "sp": run.sp,
+                "ep": run.ep, "zero_stage": spec.zero_stage}
+        line = relayout.record(run_dir, point, here, meter.records["conversion"])
+        say("ckpt", f"converted {point.tag} in {line['seconds']:.2f}s, peak private memory "
+                    f"{line['peak_rss_anon_bytes'] / 2**20:,.0f} MiB (recorded in {run_dir / relayout.CONVERSIONS})")
+    return ckpt_dir, tag
+
+
+def start_step(engine, spec, dist, run_dir: Path, info) -> tuple[int, dict]:
+    """(the step to start at, the loaded checkpoint's client state: {} when starting afresh). `info`: the built
+    model's ModelInfo (a pipeline's partition names its parameters)."""
     point = spec.resume_point
     if point is None:
-        return 0
+        return 0, {}
     for tag in point.skipped if dist.is_main else ():
         say("ckpt", f"skipped {point.ckpt_dir / tag}: incomplete (no {ckpt_files.MANIFEST}, its save was interrupted)")
     if spec.ds_config.get("checkpoint", {}).get("load_universal"):
-        ckpt_dir, tag = resume.universal(point, dist, ep=spec.run.degrees.ep)
-        client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder,
-                                 strict=not checkpoint.frozen_excluded(spec))
+        ckpt_dir, tag = universal_form(spec, dist, run_dir)
+        with relayout.hf_names_while_loading(engine, info.partition):
+            client = checkpoint.load(engine, dist, ckpt_dir, tag, rng_dir=point.folder,
+                                     strict=not checkpoint.frozen_excluded(spec))
     else:
         client = checkpoint.load(engine, dist, point.ckpt_dir, point.tag, strict=not checkpoint.frozen_excluded(spec))
     step = int(client.get("step", point.step))
@@ -127,7 +154,7 @@ def start_step(engine, spec, dist, run_dir: Path) -> int:
                          "    fix: --resume the latest one, pass --overwrite, or use another --output-dir")
     if dist.is_main:
         say("ckpt", f"resumed {point.folder} at step {step}")
-    return step
+    return step, client
 
 
 def announce(spec, dist, run_dir: Path, info, data: Data, notes: list[str]) -> None:
@@ -138,10 +165,13 @@ def announce(spec, dist, run_dir: Path, info, data: Data, notes: list[str]) -> N
     say("config", f"recipe {spec.recipe_name} | world {spec.world_size} ({dist.backend}) | zero {spec.zero_stage}"
                   f" | tp {spec.tp} pp {spec.pp} dp {spec.dp} | {spec.run.precision}"
                   f" ({info.train_dtype} weights, checkpoint {info.checkpoint_dtype or 'dtype unknown'})")
-    say("batch", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = "
-                 f"{batch.micro_batch * batch.grad_accum * spec.dp} sequences x {data.train.shape[1]} tokens per step")
+    rows = batch.micro_batch * batch.grad_accum * spec.dp
+    unit, per_step = ("pairs", f"{rows} pairs = {2 * rows} sequences") if spec.run.preference else \
+        ("blocks", f"{rows} sequences")
+    say("batch", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = {per_step} x "
+                 f"{data.train.shape[1]} tokens per step")
     say("model", f"{spec.recipe['train']['model']}: {n_params / 1e6:.2f}M params")
-    say("data", f"{spec.recipe['train']['dataset']}: {data.train.shape[0]} train / {data.eval.shape[0]} eval blocks")
+    say("data", f"{spec.recipe['train']['dataset']}: {data.train.shape[0]} train / {data.eval.shape[0]} eval {unit}")
     if spec.provenance:
         say("config", render_provenance(spec.provenance).replace("\n", "\n         "))
     for note in notes:
@@ -200,6 +230,10 @@ def run(spec, dist) -> int:
         trackers = start_trackers(spec, dist, run_dir)  # exit 2 on every rank when one cannot start
         tokenizer = load_tokenizer(spec.recipe["train"]["model"])
         data = load_data(spec, dist, tokenizer)
+        if is_preference(spec.recipe):  # before the policy is built: a precomputed reference runs and is freed first
+            from harness.train import reference
+
+            data = dataclasses.replace(data, reference=reference.start(spec, dist, data, run_dir, say))
         checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
         startup = profiling.Startup(dist.device)
         engine, info, notes = build_engine(spec, startup)
@@ -208,13 +242,20 @@ def run(spec, dist) -> int:
         lines, startup_summary = profiling.report_startup(startup)
         for line in lines if dist.is_main else ():
             say("memory", line)
-        step0 = start_step(engine, spec, dist, run_dir)
+        step0, client = start_step(engine, spec, dist, run_dir, info)
         if dist.is_main:
             checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer)
         hooks = profiling.make_hooks(spec, engine, dist, run_dir, log, trackers)
         with preempt.Preemption() as stop:  # until the end: a later signal (the launcher's) must not cut the exit
-            result = Trainer(engine, spec, dist, data, run_dir, log, Boundaries(tuple(hooks), stop),
-                             model_info=info).run(step0)
+            trainer = Trainer(engine, spec, dist, data, run_dir, log, Boundaries(tuple(hooks), stop),
+                              model_info=info, skipped_batches=client.get(faults.CLIENT_KEY, ()))
+            try:
+                result = trainer.run(step0)
+            except faults.NumericFault as e:  # every rank raises it in the same step; rank 0 says it
+                if dist.is_main:
+                    say("fault", str(e))
+                code = faults.EXIT_NUMERIC_FAULT
+                return code
             result.update(startup_summary)
             for hook in hooks:
                 result.update(hook.close() or {})

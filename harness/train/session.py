@@ -140,12 +140,13 @@ def _resume_layout(ds: dict, source: str, point, world: int, pp: int, tp: int, n
         return ds
     resumemod.check_batch(point, ds, source)
     expert = resumemod.check_expert(point, ds)  # MoE: another expert degree goes through the universal form
-    if not expert and not resumemod.needs_universal(point, world, pp, tp):
+    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    if not expert and not resumemod.needs_universal(point, world, pp, tp, stage):
         return ds
     saved = point.layout()
     notes.append(f"resume: {point.tag} was saved on world {saved[0]} (pp {saved[1]}, tp {saved[2]}, expert "
-                 f"{point.manifest.get('ep', 1)}), this launch is world {world} (pp {pp}, tp {tp}): loading it "
-                 "through DeepSpeed's universal checkpoint")
+                 f"{point.manifest.get('ep', 1)}, ZeRO-{point.manifest.get('zero_stage', 0)}), this launch is world "
+                 f"{world} (pp {pp}, tp {tp}, ZeRO-{stage}): loading it through DeepSpeed's universal checkpoint")
     return {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
 
 

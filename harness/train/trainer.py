@@ -2,12 +2,17 @@
 
 Per step the loop only queues work: the loss stays a tensor on the device and nothing is all-reduced. The
 losses of the steps since the last flush are averaged over ranks in ONE all-reduce at every log line, eval,
-checkpoint and the last step, and their records are written then (each with its own step-end time). So a
-non-finite loss is caught at the next flush, at most train.log_every steps late.
+checkpoint and the last step, and their records are written then (each with its own step-end time).
+
+Numeric faults are caught in the step itself, on every rank, by harness/train/faults.py (one small all-reduce
+and host sync per step, at the optimizer step); a dropped step writes a `fault` record instead of a `train` one.
+With train.on_nonfinite=off there is no per-step check: a non-finite loss is caught at the next flush, at most
+train.log_every steps late.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -15,18 +20,27 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.checkpoint import files as ckpt_files
 from harness.checkpoint import save as checkpoint
+from harness.config.defaults import PREFERENCE_METRICS
+from harness.config.preference_rules import is_preference
 from harness.data.batches import BatchPlan
 from harness.dist import DistInfo, mean_across_ranks
 from harness.log import say
+from harness.train import faults
 from harness.train.metrics import MetricsLog
 from harness.data.rows import Rows, loss_items, model_inputs
 
 
+# Values a step may return beside its loss ({name: this rank's mean}), averaged over ranks in the flush's all-reduce
+RANK_MEANS = ("lm_loss", "aux_loss", *PREFERENCE_METRICS)  # MoE with its balancing loss; a preference run
+
+
 @dataclass
 class Data:
-    train: Rows  # .shape == (rows, seq_len); views over the memory-mapped token store
+    train: Rows  # .shape == (rows, seq_len); views over the memory-mapped token store (a preference run: Pairs)
     eval: Rows
+    reference: object = None  # a dpo / ipo run's reference log-probs (harness/train/reference.py)
 
 
 def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
@@ -51,8 +65,11 @@ def batch_plan(spec, dist: DistInfo, num_rows: int) -> BatchPlan:
 
 def fetch(split, rows) -> tuple[torch.Tensor, ...]:
     """(input_ids, labels[, position_ids]) of the given rows of a split; labels are -100 where a token carries no
-    loss; position_ids under train.packing=document (harness/data/rows.py)."""
-    return split[rows].tensors()
+    loss; position_ids under train.packing=document (harness/data/rows.py). Preference pairs (harness/data/
+    preference.py): (input_ids, labels, pair ids), the ids keying the precomputed reference."""
+    view = split[rows]
+    ids = getattr(view, "ids", None)
+    return view.tensors() if ids is None else (*view.tensors(), ids)
 
 
 def _forward(engine, batch: tuple[torch.Tensor, ...]):
@@ -98,8 +115,14 @@ def micro_eval(engine, batches: list) -> float:
     return sum(losses) / len(losses)
 
 
-def strategy(spec):
-    """(train step, eval) functions: the pipeline engine runs a whole step in train_batch / eval_batch."""
+def strategy(spec, reference=None):
+    """(train step, eval) functions: the pipeline engine runs a whole step in train_batch / eval_batch; a
+    preference objective has its own (pipeline, tensor and sequence parallel are refused with it)."""
+    if is_preference(spec.recipe):
+        from harness.train.preference import PreferenceSteps
+
+        steps = PreferenceSteps(spec, reference)
+        return steps.train, steps.eval
     if spec.pp > 1:
         from harness.model.parallel import pipe_engine
 
@@ -112,10 +135,11 @@ def strategy(spec):
     return micro_steps, micro_eval
 
 
-def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
-    """Mean loss over the same eval rows every time: rank r takes rows r, r + dp, ... (equal count per rank)."""
+def evaluate(engine, spec, dist: DistInfo, data: Data) -> dict:
+    """{"eval_loss": mean loss[, "eval_<metric>": ...]} over the same eval rows every time: rank r takes rows r,
+    r + dp, ... (equal count per rank)."""
     if data.eval.shape[0] == 0:
-        return float("nan")
+        return {"eval_loss": float("nan")}
     micro = spec.run.batch.micro_batch
     dp_rank, dp_size = dp_coords(spec, dist)
     per_rank = max(1, min(spec.recipe["train"]["eval_batches"] * micro, data.eval.shape[0] // dp_size))
@@ -123,9 +147,12 @@ def evaluate(engine, spec, dist: DistInfo, data: Data) -> float:
     if rows.shape[0] == 0:  # fewer eval rows than replicas (long rows, a small set): this one repeats a row
         rows = data.eval[dp_rank % data.eval.shape[0]:][:1]
     engine.eval()
-    loss = strategy(spec)[1](engine, [fetch(rows, slice(i, i + micro)) for i in range(0, rows.shape[0], micro)])
+    loss = strategy(spec, data.reference)[1](engine, [fetch(rows, slice(i, i + micro))
+                                                      for i in range(0, rows.shape[0], micro)])
     engine.train()
-    return mean_across_ranks([loss])[0]
+    loss, parts = loss if isinstance(loss, tuple) else (loss, {})  # a preference run: its metrics too
+    values = mean_across_ranks([loss, *parts.values()])
+    return dict(zip(["eval_loss", *(f"eval_{k}" for k in parts)], values))
 
 
 @dataclass(frozen=True)
@@ -139,21 +166,29 @@ class Boundaries:
 
 class Trainer:
     def __init__(self, engine, spec, dist: DistInfo, data: Data, run_dir, log: MetricsLog,
-                 boundaries: Boundaries = Boundaries(), *, model_info):
+                 boundaries: Boundaries = Boundaries(), *, model_info, skipped_batches=()):
+        """skipped_batches: data batches earlier rollbacks stepped over (the resumed checkpoint's client state)."""
         self.engine, self.spec, self.dist, self.data = engine, spec, dist, data
         self.model_info = model_info  # harness.model.load.meta.ModelInfo: dtypes and partition for the manifests
         self.run_dir, self.log, self.hooks = run_dir, log, list(boundaries.hooks)
         self.preempt = boundaries.preempt  # asked at every step boundary
         self.plan = batch_plan(spec, dist, data.train.shape[0])
         self.train_cfg = spec.recipe["train"]
-        self.tokens_per_step = self.plan.global_batch * data.train.shape[1]
-        self.step_fn = strategy(spec)[0]
+        rows_per_sample = 2 if is_preference(spec.recipe) else 1  # a pair is two rows
+        self.tokens_per_step = self.plan.global_batch * data.train.shape[1] * rows_per_sample
+        self.step_fn = strategy(spec, data.reference)[0]
+        self.guard = faults.Guard.of(engine, self.train_cfg, dist.rank, dist.world_size)  # None: on_nonfinite off
+        self.policy = faults.Policy(self.train_cfg)
+        self.data_steps = faults.DataSteps(skipped_batches)
 
     def train_step(self, step: int) -> dict:
         start = time.perf_counter()
         lr = self.engine.get_lr()[0] if self.engine.lr_scheduler is not None else self.engine.optimizer.param_groups[0]["lr"]
-        loss = self.step_fn(self.engine, [fetch(self.data.train, rows) for rows in self.plan.micro_batches(step)])
-        loss, parts = loss if isinstance(loss, tuple) else (loss, {})  # MoE: lm_loss and aux_loss apart
+        batch = self.data_steps.batch(step)
+        if self.guard is not None:
+            self.guard.begin(batch)
+        loss = self.step_fn(self.engine, [fetch(self.data.train, rows) for rows in self.plan.micro_batches(batch)])
+        loss, parts = loss if isinstance(loss, tuple) else (loss, {})  # RANK_MEANS: MoE's, a preference run's
         step_time = time.perf_counter() - start
         norm = self.engine.get_global_grad_norm()
         norm = norm.detach().clone() if torch.is_tensor(norm) else norm  # read (synchronised) at the flush
@@ -164,11 +199,11 @@ class Trainer:
     def flush(self, pending: list[tuple[int, float, dict]]) -> float:
         """Average the pending steps' losses over ranks (one all-reduce), check them, write their records.
         Returns the last step's loss."""
-        moe = [(record, key) for _, _, record in pending for key in ("lm_loss", "aux_loss") if key in record]
-        values = mean_across_ranks([record["loss"] for _, _, record in pending] + [r[key] for r, key in moe])
+        parts = [(record, key) for _, _, record in pending for key in RANK_MEANS if key in record]
+        values = mean_across_ranks([record["loss"] for _, _, record in pending] + [r[key] for r, key in parts])
         losses = values[:len(pending)]
-        for (record, key), value in zip(moe, values[len(pending):]):
-            record[key] = value  # MoE: each rank's aux loss is of its own micro-batch; logged as the mean
+        for (record, key), value in zip(parts, values[len(pending):]):
+            record[key] = value  # each rank's value is of its own micro-batches; logged as the mean
         for (done, at, record), loss in zip(pending, losses):
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {done}; lower optimizer.lr or check the data")
@@ -177,6 +212,44 @@ class Trainer:
             self.log.write("train", done, at=at, **record)
             self.notify("train", done, record)
         return losses[-1]
+
+    def on_fault(self, step: int, verdict) -> int | None:
+        """A step every rank dropped (harness/train/faults.py): log it, then stop (raises NumericFault), skip
+        (None: go on) or roll back (the step to continue from)."""
+        action, why = self.policy.action(step)
+        batch = self.data_steps.batch(step)
+        rows = {r: faults.rows_named(self.data.train[self.rank_rows(r, batch)]) for r in verdict.ranks[:4]}
+        self.log.write("fault", step + 1, **faults.record(verdict, batch, action, rows))
+        text = faults.describe(verdict, step + 1, batch, rows, self.train_cfg)
+        if action == "stop":
+            tag = ckpt_files.latest_tag(self.run_dir / "checkpoints")
+            raise faults.NumericFault(f"{text}; stopped ({why}): nothing saved after the fault, `latest` names "
+                                      f"{tag or 'no checkpoint'}\n    fix: {faults.FIX}")
+        if action == "skip":
+            if self.dist.is_main:
+                say("fault", f"{text}; update dropped, step skipped")
+            return None
+        return self.rollback(batch, text)
+
+    def rollback(self, batch: int, text: str) -> int:
+        """Reload `latest` in this process and step over data batch `batch` from now on; the checkpoint's step."""
+        ckpt_dir = self.run_dir / "checkpoints"
+        tag = ckpt_files.latest_tag(ckpt_dir)
+        if tag is None:
+            raise faults.NumericFault(f"{text}; train.on_nonfinite is rollback but no checkpoint was saved yet\n"
+                                      f"    fix: a smaller train.save_every; {faults.FIX}")
+        client = checkpoint.load(self.engine, self.dist, ckpt_dir, tag, strict=not checkpoint.frozen_excluded(self.spec))
+        self.data_steps = faults.DataSteps([*client.get(faults.CLIENT_KEY, []), *self.data_steps.skipped, batch])
+        back = int(client["step"])
+        if self.dist.is_main:
+            say("fault", f"{text}; rolled back to {tag} (step {back}), data batch {batch} skipped from now on")
+        self.log.write("rollback", back, tag=tag, skipped_batch=batch)
+        return back
+
+    def rank_rows(self, rank: int, batch: int):
+        """Positions in the training split of data batch `batch` on `rank` (any rank's: the plan is arithmetic)."""
+        plan = batch_plan(self.spec, dataclasses.replace(self.dist, rank=rank), self.data.train.shape[0])
+        return torch.cat(plan.micro_batches(batch))
 
     def notify(self, kind: str, step: int, record: dict) -> None:
         """Hooks that want the logged values (e.g. the loss for DeepSpeed's monitors) define on_record."""
@@ -190,9 +263,10 @@ class Trainer:
     def save(self, step: int) -> None:
         # under SP checkpoint.save shards the probe over the SP ranks (model/sequence/ulysses.probe_logits)
         probe = fetch(self.data.eval if self.data.eval.shape[0] else self.data.train, slice(0, 1))[0][:, :16]
-        path = checkpoint.save(self.engine, self.spec, self.dist, self.run_dir / "checkpoints", step,
-                               {"step": step, "epoch": self.plan.epoch_of(max(step - 1, 0))}, probe_ids=probe,
-                               model_info=self.model_info)
+        client = {"step": step, "epoch": self.plan.epoch_of(self.data_steps.batch(max(step - 1, 0))),
+                  faults.CLIENT_KEY: list(self.data_steps.skipped)}
+        path = checkpoint.save(self.engine, self.spec, self.dist, self.run_dir / "checkpoints", step, client,
+                               probe_ids=probe, model_info=self.model_info)
         if self.dist.is_main:
             say("ckpt", f"step {step} -> {path}")
             self.log.write("checkpoint", step, path=str(path))
@@ -206,20 +280,34 @@ class Trainer:
         eval_loss = None
         pending: list[tuple[int, float, dict]] = []  # (step, step-end time, record) not yet flushed
         mark, mark_step = time.perf_counter(), start_step
-        for step in range(start_step, total):
+        step = start_step
+        while step < total:
             for hook in self.hooks:
                 hook.before_step(step)
             record = self.train_step(step)
             for hook in self.hooks:
                 record.update(hook.after_step(step) or {})
             done = step + 1
-            pending.append((done, time.time(), record))
+            verdict = self.guard.verdict() if self.guard is not None else None
+            if verdict is None:
+                self.policy.kept(step)
+                pending.append((done, time.time(), record))
+            else:  # dropped on every rank: the records before it first, then stop, skip or roll back
+                if pending:
+                    last = self.flush(pending)
+                    first = pending[0][2]["loss"] if first is None else first
+                    pending = []
+                back = self.on_fault(step, verdict)
+                if back is not None:  # rolled back: continue from the checkpoint's step
+                    bar.update(back - done)
+                    step, mark, mark_step = back, time.perf_counter(), back
+                    continue
             bar.update(1)
             eval_now = self.should(self.train_cfg["eval_every"], done, total)
             stop = done < total and self.preempt is not None and self.preempt.stop_after(done)  # last: saved anyway
             save_now = self.should(self.train_cfg["save_every"], done, total) or stop
             log_now = done % self.train_cfg["log_every"] == 0
-            flush_now = log_now or eval_now or save_now or done == total
+            flush_now = (log_now or eval_now or save_now or done == total) and bool(pending)
             if flush_now:
                 last = self.flush(pending)
                 first = pending[0][2]["loss"] if first is None else first
@@ -232,9 +320,10 @@ class Trainer:
                     say("step", f"{done}/{total} loss {last:.4f} lr {record['lr']:.2e} grad_norm {norm} "
                                 f"{tokens_per_s:.0f} tok/s")
             if eval_now:
-                eval_loss = evaluate(self.engine, self.spec, self.dist, self.data)
-                self.log.write("eval", done, eval_loss=eval_loss)
-                self.notify("eval", done, {"eval_loss": eval_loss})
+                evals = evaluate(self.engine, self.spec, self.dist, self.data)
+                eval_loss = evals["eval_loss"]
+                self.log.write("eval", done, **evals)
+                self.notify("eval", done, evals)
                 if self.dist.is_main:
                     say("eval", f"step {done}: eval loss {eval_loss:.4f}")
             if save_now:
@@ -247,6 +336,12 @@ class Trainer:
                     say("preempt", f"stopped at step {done} ({self.preempt.reason}), checkpoint saved; "
                                    "continue with --resume latest")
                 bar.close()
-                return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, "preempted_at": done}
+                return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, "preempted_at": done,
+                        **self.check_cost()}
+            step = done
         bar.close()
-        return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss}
+        return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, **self.check_cost()}
+
+    def check_cost(self) -> dict:
+        """For summary.json: what the per-step numeric-fault check took (harness/train/faults.py)."""
+        return self.guard.cost_ms() if self.guard is not None else {}

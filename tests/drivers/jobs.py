@@ -1,8 +1,9 @@
 """Run several harness jobs in ONE DeepSpeed process group: deepspeed --num_gpus N tests/drivers/jobs.py CASES.json.
 
 CASES.json is a list of harness/run.py argument lists, run in order by every rank (a resume case after the run it
-resumes). Each launch costs ~20 s of start-up and process-group set-up on a loaded 2-core machine; the jobs
-themselves take seconds. Every case goes through the same session.prepare -> job.run as harness/run.py, only the
+resumes); a case may instead be {"argv": [...], "code": N}, a job expected to end with exit code N (a numeric
+fault). Each launch costs ~20 s of start-up and process-group set-up on a loaded 2-core machine; the jobs themselves
+take seconds. Every case goes through the same session.prepare -> job.run as harness/run.py, only the
 process group is shared (job.main would tear it down after each job). A failing case raises: the launcher then
 ends every rank and the test reports the launch's output. Rank 0 marks the start of each case's output on stdout
 and stderr, so a test can read one case's share (tests/helpers/launch.py: job_output).
@@ -40,13 +41,14 @@ def main(cases_path: str) -> int:
     cases = json.loads(open(cases_path).read())
     dist = distmod.init(10)
     try:
-        for index, argv in enumerate(cases):
+        for index, case in enumerate(cases):
+            argv, expected = (case["argv"], case["code"]) if isinstance(case, dict) else (case, 0)
             if dist.is_main:  # where each case's output starts: the other ranks wrote theirs before the barrier
                 for stream in (sys.stdout, sys.stderr):
                     print(f"{JOB_MARK}{index}", file=stream, flush=True)
             code = job.run(session.prepare(run_args.parse(argv), distmod.launched()), dist)
-            if code != 0:
-                raise SystemExit(f"case {argv} exited {code}")
+            if code != expected:
+                raise SystemExit(f"case {argv} exited {code}, expected {expected}")
             forget_engine_groups()
             distmod.barrier()
     finally:

@@ -46,12 +46,14 @@ def launch(*args: str, ranks: int = 2, timeout_s: int = 600, check: bool = True,
     return proc
 
 
-def launch_jobs(cases: list[list[str]], folder: Path, ranks: int = 2, timeout_s: int = 900,
+def launch_jobs(cases: list, folder: Path, ranks: int = 2, timeout_s: int = 900,
                 check: bool = True) -> subprocess.CompletedProcess:
     """Run harness/run.py argument lists one after another in ONE process group (tests/drivers/jobs.py): the
-    start-up (imports, process group) is paid once instead of once per case; a resume case goes after its run."""
+    start-up (imports, process group) is paid once instead of once per case; a resume case goes after its run.
+    A case {"argv": [...], "code": N} is a job expected to exit N."""
     path = Path(folder) / "cases.json"
-    path.write_text(json.dumps([[str(a) for a in argv] for argv in cases]))
+    path.write_text(json.dumps([{"argv": [str(a) for a in c["argv"]], "code": c["code"]} if isinstance(c, dict)
+                                else [str(a) for a in c] for c in cases]))
     return launch(str(path), ranks=ranks, timeout_s=timeout_s, check=check, script="tests/drivers/jobs.py")
 
 

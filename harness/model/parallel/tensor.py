@@ -176,6 +176,17 @@ def _split_dim(key: str) -> int | None:
     return None
 
 
+def universal_patterns() -> tuple[str, str]:
+    """(replicated, row-parallel): regular expressions over parameter names that say what _split_dim says, for
+    DeepSpeed's ds_to_universal (it joins the tensor ranks' slices: replicated ones taken whole, row-parallel
+    along dim 1, all others along dim 0). Layer-index agnostic, so one pair covers every stage of a pipeline."""
+    column = "|".join(f"{block}\\.{name}" for block, names in COLUMN.items() for name in names)
+    row = "|".join(f"{block}\\.{name}" for block, name in ROW.items())
+    split_row = rf"\.(?:{row})\.(?:base_layer\.)?(?:weight|lora_A\.default\.weight)$"
+    split_column = rf"\.(?:{column})\.(?:base_layer\.)?(?:weight|bias|lora_B\.default\.weight)$"
+    return rf"^(?!.*{split_column})(?!.*{split_row}).*$", rf"^.*{split_row}"
+
+
 def merged_shape(key: str, shapes: list) -> tuple[int, ...]:
     """The whole tensor's shape from its TP-rank shapes (rank order), without reading any of them."""
     dim, whole = _split_dim(key), list(shapes[0])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from harness.config.defaults import REFERENCE_FREE
 from harness.planner.decide import Plan
 from harness.planner.inputs import Cluster
 from harness.planner.layouts import gb
@@ -20,6 +21,7 @@ TERM_NOTES = {
     "reduce_buckets": "gradient reduce buckets", "gathered_params": "ZeRO-3 gathered layer + prefetch",
     "offload_buffers": "pinned staging / swap buffers",
 }
+REFERENCE_NOTES = {"engine": "frozen 16-bit weights", "precomputed": "log-probs on the host", "adapter": "no copy"}
 
 
 def gb_gib(nbytes: float) -> str:
@@ -44,6 +46,9 @@ def _header(plan: Plan) -> list[str]:
         f"{gb(cluster.usable_gpu_bytes)} usable ({cluster.reserve_fraction:.0%} reserve); CPU RAM {cpu}; NVMe {nvme}",
         f"workload  micro batch {w.micro_batch} x {w.seq_len} tokens, {w.precision}, activation "
         f"checkpointing {'on' if w.activation_checkpointing else 'off'}, grad accum {w.grad_accum}",
+        *([f"objective {w.objective}: the micro batch counts pairs, {2 * w.micro_batch} sequences (chosen and "
+           f"rejected) per micro-step" + ("" if w.objective in REFERENCE_FREE else "; preference set "
+           f"{f'{w.pairs:,} pairs' if w.pairs else 'size not given (--pairs)'}")] if w.objective else []),
         *([f"experts   {p['num_experts']} routed per sparse block, top {p['top_k']}, {p['moe_layers']} sparse "
            f"blocks: {p['total'] / 1e9:.2f} B total, {p['active'] / 1e9:.2f} B active per token; step time and "
            "MFU on active parameters"] if p.get("num_experts") else []),
@@ -59,6 +64,10 @@ def _breakdown(r: dict, cluster: Cluster) -> list[str]:
         nbytes = mem["model_states"][term]["gpu"]
         if nbytes:
             lines.append(f"    {term:<18} {TERM_NOTES[term]:<34}{gb_gib(nbytes)}")
+    ref = mem.get("reference")
+    if ref and ref["mode"]:
+        used = ref["modes"][ref["mode"]]["gpu"]
+        lines.append(f"    {'reference':<18} {ref['mode'] + ': ' + REFERENCE_NOTES[ref['mode']]:<34}{gb_gib(used)}")
     acts = mem["activations"]
     lines.append(f"    {'activations':<18} {'blocks + recompute + logits':<34}{gb_gib(acts['total'])}")
     parts = [(k, acts.get(k, 0)) for k in ("layers", "recompute", "mlp_tile", "logits", "mask")]
@@ -76,9 +85,36 @@ def _breakdown(r: dict, cluster: Cluster) -> list[str]:
                               if mem["model_states"][t][device])
             if device == "cpu" and acts.get("cpu_offload"):
                 terms += f"{', ' if terms else ''}checkpointed activations {gb(acts['cpu_offload'])}"
+            if ref and ref["mode"] and ref["modes"][ref["mode"]][device]:
+                terms += f"{', ' if terms else ''}{ref['mode']} reference {gb(ref['modes'][ref['mode']][device])}"
             lines.append(f"  {device.upper()} per node: {gb(mem[key])} ({gb(mem[key] / cluster.gpus_per_node)}"
                          f" per rank: {terms})")
+    return lines + (_reference(ref, r, cluster) if ref else [])
+
+
+def _reference(ref: dict, r: dict, cluster: Cluster) -> list[str]:
+    """Every reference mode's bytes per rank and time, the one used and the one recommended (planner/reference.py)."""
+    if not ref["mode"]:
+        return [f"  reference: none ({ref['why']})"]
+    rec = "" if ref["recommended"] == ref["mode"] else f"; recommended: {ref['recommended']}"
+    lines = [f"  reference ({ref['objective']}): {ref['mode']}{rec}: {ref['why']}",
+             f"    {'mode':<12}{'GPU/rank':>10}{'CPU/rank':>10}{'NVMe/rank':>10}  fits  time"]
+    time = r.get("time", {})
+    for mode, b in ref["modes"].items():
+        verdict = "n/a" if not b["applicable"] else "yes" if b["fits"] else "no"
+        lines.append(f"    {mode:<12}{gb(b['gpu']) if b['gpu'] else '-':>10}{gb(b['cpu']) if b['cpu'] else '-':>10}"
+                     f"{gb(b['nvme']) if b['nvme'] else '-':>10}  {verdict:<6}{_mode_time(mode, ref, time)}")
     return lines
+
+
+def _mode_time(mode: str, ref: dict, time: dict) -> str:
+    if mode == "precomputed":
+        per = f"{ref['bytes_per_pair']} B per pair on every rank's host"
+        took = time.get("reference_pass_s")
+        return per + (f"; one pass up front: {took:,.0f} s" if took is not None else "; one pass up front")
+    fwd = time.get("breakdown", {}).get("forward_s")
+    step = f": {fwd:.3g} s per step" if fwd is not None else ""
+    return f"one more forward per micro-step{step}" + (" (the base, adapters off)" if mode == "adapter" else "")
 
 
 def _comm(r: dict) -> list[str]:
