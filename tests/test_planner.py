@@ -374,3 +374,24 @@ def test_after_step_terms_match_a_live_engine_within_2_percent(stage, precision,
     assert predicted == pytest.approx(total, rel=0.02)
     assert predicted_fp32 == pytest.approx(fp32, rel=0.02)
     assert abs(predicted - total) < 1024  # in fact exact up to a few scalars
+
+
+# --- the launch's free-space check (harness/train/checks.py) ------------------------------------
+
+def test_nvme_swap_check_counts_the_zero_group_not_the_replicas(tmp_path):
+    """ZeRO-3 shards over dp x sp ranks, so at one world size the NVMe swap files per rank are the same with
+    sequence parallel 2 as without; counting the replicas (dp = world / sp) would double them."""
+    from harness.dist import Launch
+    from harness.train import checks, run_args, session
+
+    def nvme_needs(*overrides):
+        args = run_args.parse(["--recipe", "zero3_nvme", "--set", f"zero.nvme_path={tmp_path / 'nvme'}",
+                               "--output-dir", str(tmp_path / "run"),
+                               *[a for o in overrides for a in ("--set", o)]])
+        asked = session.resolve_spec(args, Launch(world_size=4, local_size=4))
+        return asked, checks._needs(asked, asked.model_config)["nvme"][1]
+
+    plain, plain_bytes = nvme_needs()
+    sharded, sp_bytes = nvme_needs("parallel.sequence=2")
+    assert (plain.dp, plain.zero_shards, sharded.dp, sharded.zero_shards) == (4, 4, 2, 4)
+    assert sp_bytes == plain_bytes > 0

@@ -187,7 +187,7 @@ def _pipe_comm(run: RunModel, count, shape: ModelShape, mine: dict, trainable, l
     """Logged bytes per step of one pipeline rank by group: dp (at the step boundary), p2p, tp, tied embedding."""
     d, prec, stage = run.degrees, run.precision, live.pipe_stage
     seq_len, micro, m = run.sequence.seq_len, run.batch.micro_batch, run.batch.grad_accum
-    return {"dp": comm.comm_bytes_per_step(mine["params"], stage=run.zero.stage, zero_shards=d.dp, precision=prec,
+    return {"dp": comm.comm_bytes_per_step(mine["params"], stage=run.zero.stage, zero_shards=d.zero_shards, precision=prec,
                                            grad_accum=1 if run.zero.stage <= 1 else m, trainable_params=trainable),
             "pp": pipeline.p2p_bytes(shape, workload(run), stage=stage, pp=d.pp, micro_batches=m, tp=d.tp,
                                      partitioned=run.pipe_partitioned),
@@ -210,7 +210,7 @@ def pipeline_rank(run: RunModel, live: LiveFacts) -> dict:
                                          "largest_trainable_tensor": count.lora_largest_tensor}
     held = memory.Holding(mine["params"], largest_tensor=live.largest_tensor, **lora)
     zero = Zero(z.stage, z.offload_optimizer, buckets=z.buckets)
-    states = {phase: memory.model_state_bytes(held, zero, zero_shards=d.dp, precision=run.precision, grad_accum=m,
+    states = {phase: memory.model_state_bytes(held, zero, zero_shards=d.zero_shards, precision=run.precision, grad_accum=m,
                                              phase=phase)
               for phase in memory.PHASES}
     groups = _pipe_comm(run, count, shape, mine, trainable, live)

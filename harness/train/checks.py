@@ -264,7 +264,7 @@ def _needs(spec, cfg: dict) -> dict[str, tuple[str, int]]:
         local_ranks = spec.launch.local_size
         zero = Zero(3, devices["offload_optimizer"], devices["offload_param"])
         states = memory.model_state_bytes(memory.Holding(total // (spec.tp * spec.pp)), zero,
-                                          zero_shards=spec.dp, precision=precision)
+                                          zero_shards=spec.zero_shards, precision=precision)
         per_rank = memory.by_device(states)["nvme"]
         out["nvme"] = (f"NVMe swap files ({per_rank:,} B per rank x {local_ranks} on this node)",
                        per_rank * local_ranks)

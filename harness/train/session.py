@@ -63,6 +63,7 @@ class Resolved:
     tp = property(lambda self: self._degrees().tp)
     sp = property(lambda self: self._degrees().sp, doc="Ulysses sequence-parallel degree (harness/model/sequence/)")
     dp = property(lambda self: self._degrees().dp, doc="Data-parallel replicas: each reads its own micro-batches.")
+    zero_shards = property(lambda self: self._degrees().zero_shards, doc="The ZeRO group: dp x sp ranks.")
     zero_stage = property(lambda self: self._zero_stage())
 
 
