@@ -395,3 +395,23 @@ def test_nvme_swap_check_counts_the_zero_group_not_the_replicas(tmp_path):
     sharded, sp_bytes = nvme_needs("parallel.sequence=2")
     assert (plain.dp, plain.zero_shards, sharded.dp, sharded.zero_shards) == (4, 4, 2, 4)
     assert sp_bytes == plain_bytes > 0
+
+
+def test_optimizer_states_follow_the_optimizer():
+    """Adam's two fp32 moments per trainable element, Lion's one, plain SGD's none (torch keeps no state without
+    momentum): the run reads which from its DeepSpeed dict, and model states and checkpoints follow."""
+    from harness.config.run_model import optimizer_states
+
+    sgd = {"optimizer": {"type": "SGD", "params": {"lr": 1.0, "momentum": 0.0}}}
+    assert optimizer_states(sgd) == 0
+    assert optimizer_states({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}}) == 1
+    assert [optimizer_states({"optimizer": {"type": t}}) for t in ("AdamW", "Adam", "Lamb", "Lion")] == [2, 2, 2, 1]
+    assert optimizer_states({}) == 2  # no optimizer block: the planner's Adam
+    adam = model_state_bytes(Holding(1000), Zero(2), zero_shards=2, precision="bf16", phase="after_step")
+    plain = model_state_bytes(Holding(1000, optimizer_states=0), Zero(2), zero_shards=2, precision="bf16",
+                              phase="after_step")
+    assert adam["optimizer_moments"]["gpu"] == 2 * 4 * 500 and plain["optimizer_moments"]["gpu"] == 0
+    assert {t: v for t, v in plain.items() if t != "optimizer_moments"} == \
+        {t: v for t, v in adam.items() if t != "optimizer_moments"}
+    from harness.planner.memory import checkpoint_bytes
+    assert (checkpoint_bytes(10, "bf16"), checkpoint_bytes(10, "bf16", optimizer_states=0)) == (140, 60)

@@ -132,10 +132,11 @@ def test_nvme_swap_files_of_this_rank(tmp_path):
 
 # ---------------------------------------------------------------- multi-rank: real runs
 
-def planner_states(stage: int) -> dict[str, int]:
+def planner_states(stage: int, optimizer_states: int = 2) -> dict[str, int]:
     buckets = planner_memory.harness_buckets(HIDDEN)
     persistent = TINY.persistent_numel(buckets.param_persistence_threshold) if stage == 3 else 0
-    held = planner_memory.Holding(TINY.total, TINY.largest_layer, TINY.largest_tensor, persistent)
+    held = planner_memory.Holding(TINY.total, TINY.largest_layer, TINY.largest_tensor, persistent,
+                                  optimizer_states=optimizer_states)
     terms = planner_memory.model_state_bytes(held, Zero(stage, buckets=buckets), zero_shards=2, precision="bf16",
                                              phase="after_step")
     return {term: sum(devices.values()) for term, devices in terms.items() if sum(devices.values())}
@@ -150,13 +151,16 @@ def planner_comm_bytes(stage: int) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """A zero2 and a zero3 run, both in ONE launch (tests/drivers/jobs.py)."""
+    """A zero2 and a zero3 run, and zero2 with plain SGD (no optimizer state), all in ONE launch
+    (tests/drivers/jobs.py)."""
     from helpers.launch import launch_jobs
 
-    out = {recipe: tmp_path_factory.mktemp(recipe) for recipe in ("zero2", "zero3")}
-    launch_jobs([["--recipe", recipe, "--set", "train.steps=6", "--set", "train.seq_len=64", "--profile-steps", "3-4",
-                  "--set", "monitor.csv=true", "--set", "train.eval_every=0", "--output-dir", str(run_dir),
-                  "--overwrite"] for recipe, run_dir in out.items()], tmp_path_factory.mktemp("jobs"))
+    out = {recipe: tmp_path_factory.mktemp(recipe) for recipe in ("zero2", "zero3", "zero2_sgd")}
+    launch_jobs([["--recipe", recipe.removesuffix("_sgd"), "--set", "train.steps=6", "--set", "train.seq_len=64",
+                  "--profile-steps", "3-4", "--set", "monitor.csv=true", "--set", "train.eval_every=0",
+                  "--output-dir", str(run_dir), "--overwrite",
+                  *(["--set", "optimizer.type=sgd"] if recipe.endswith("_sgd") else [])]
+                 for recipe, run_dir in out.items()], tmp_path_factory.mktemp("jobs"))
     return out
 
 
@@ -207,9 +211,13 @@ def test_comm_bytes_match_the_planner(runs, recipe, stage):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("recipe,stage,bytes_per_param", [("zero2", 2, 8.0), ("zero3", 3, None)])
-def test_model_state_bytes_match_the_planner(runs, recipe, stage, bytes_per_param):
-    predicted = planner_states(stage)
+@pytest.mark.parametrize("recipe,stage,bytes_per_param,states", [("zero2", 2, 8.0, 2), ("zero3", 3, None, 2),
+                                                                   ("zero2_sgd", 2, 4.0, 0)])
+def test_model_state_bytes_match_the_planner(runs, recipe, stage, bytes_per_param, states):
+    """Adam keeps two fp32 moments per parameter, plain SGD none: the run's own prediction (summary.json) reads
+    which from its DeepSpeed dict (config/run_model.optimizer_states)."""
+    predicted = planner_states(stage, states)
+    assert ("optimizer_moments" in predicted) == bool(states)
     summary = json.loads((runs[recipe] / "summary.json").read_text())
     per_rank = summary["memory"]["model_states_per_rank"]
     profiled = [s for r in train_records(runs[recipe]) if r.get("profiled") for s in r["model_states_per_rank"]]

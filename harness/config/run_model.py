@@ -144,6 +144,23 @@ class Preference:
     reference: str | None = None  # preference.reference: a model folder or hub id; None: the policy's start
 
 
+# fp32 tensors an optimizer keeps per trainable element, by the DeepSpeed dict's optimizer.type (lower case).
+# The Adam family's two moments when the type is absent or unknown (the planner's assumption).
+_STATES_BY_OPTIMIZER = {"adagrad": 1, "lion": 1, "sgd": None, "musgd": None}  # None: 1 with momentum, else 0
+ADAM_STATES = 2  # exp_avg and exp_avg_sq
+
+
+def optimizer_states(ds: Mapping) -> int:
+    """fp32 state tensors per trainable element of the DeepSpeed dict's optimizer: Adam, AdamW, Lamb 2 (exp_avg,
+    exp_avg_sq); Lion, Adagrad 1; SGD 1 with momentum, 0 without (torch keeps no state then)."""
+    opt = ds.get("optimizer") or {}
+    kind = str(opt.get("type", "adam")).lower()
+    states = _STATES_BY_OPTIMIZER.get(kind, ADAM_STATES)
+    if states is None:
+        return 1 if float((opt.get("params") or {}).get("momentum", 0) or 0) else 0
+    return states
+
+
 @dataclass(frozen=True)
 class RunModel:
     model: str  # hub id, folder or preset name (train.model)
@@ -157,6 +174,7 @@ class RunModel:
     pipeline_partition: str = "parameters"
     pipe_partitioned: bool = True  # DeepSpeed's pipeline.pipe_partitioned: activations split over tp between stages
     preference: Preference | None = None  # None: the next-token objective (lm)
+    optimizer_states: int = ADAM_STATES  # fp32 tensors the optimizer keeps per trainable element (optimizer_states)
 
     @classmethod
     def from_resolved(cls, recipe: Mapping, ds: Mapping, world: int, model_config: Mapping) -> "RunModel":
@@ -181,7 +199,8 @@ class RunModel:
         return cls(model=train["model"], model_config=MappingProxyType(dict(model_config)),
                    precision=recipe["precision"], degrees=d, zero=Zero.of(ds), batch=batch, sequence=seq,
                    adapter=adapter, pipeline_partition=pipe.get("partition", recipe["parallel"]["partition_method"]),
-                   pipe_partitioned=bool(pipe.get("pipe_partitioned", True)), preference=_preference(recipe))
+                   pipe_partitioned=bool(pipe.get("pipe_partitioned", True)), preference=_preference(recipe),
+                   optimizer_states=optimizer_states(ds))
 
 
 def _preference(recipe: Mapping) -> Preference | None:

@@ -22,13 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.config.defaults import PRECISION_BYTES, TILE_TOKENS, ZERO0_ALLREDUCE_BUCKET_ELEMS, model_sized_buckets
-from harness.config.run_model import Zero, ZeroBuckets
+from harness.config.run_model import ADAM_STATES, Zero, ZeroBuckets
 from harness.planner import activations as la
 from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
 
 FP32_BYTES = 4
-ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq, fp32 each
 DEVICES = ("gpu", "cpu", "nvme")
 TERMS = ("params", "grads", "fp32_master", "optimizer_moments", "fp32_grads", "reduce_buckets",
          "gathered_params", "offload_buffers")
@@ -65,21 +64,22 @@ def _check(precision: str, stage: int, zero_shards: int, offload_optimizer: str,
         raise ValueError(f"offload_param={offload_param} needs ZeRO stage 3 (got stage {stage})")
 
 
-def _seed_entries(p: int, stage: int, zero_shards: int, lp: int, opt_dev: str, param_dev: str, t: int) -> list:
+def _seed_entries(p: int, stage: int, zero_shards: int, lp: int, opt_dev: str, param_dev: str, t: int,
+                  states: int) -> list:
     def shard(nbytes: int, from_stage: int) -> int:
         return -(-nbytes // zero_shards) if stage >= from_stage else nbytes
 
     master = 0 if lp == FP32_BYTES else FP32_BYTES * t
     return [("params", param_dev, shard(lp * p, 3), ALWAYS), ("grads", "gpu", shard(lp * t, 2), ALWAYS),
             ("fp32_master", opt_dev, shard(master, 1), ALWAYS),
-            ("optimizer_moments", opt_dev, shard(ADAM_MOMENTS * FP32_BYTES * t, 1), ALWAYS)]
+            ("optimizer_moments", opt_dev, shard(states * FP32_BYTES * t, 1), ALWAYS)]
 
 
-def _stage0_entries(p: int, lp: int, t: int) -> list:
+def _stage0_entries(p: int, lp: int, t: int, states: int) -> list:
     master = 0 if lp == FP32_BYTES else FP32_BYTES * t
     return [("params", "gpu", lp * p, ALWAYS), ("grads", "gpu", lp * t, BOTH),
             ("fp32_master", "gpu", master, ALWAYS),
-            ("optimizer_moments", "gpu", ADAM_MOMENTS * FP32_BYTES * t, ALWAYS),
+            ("optimizer_moments", "gpu", states * FP32_BYTES * t, ALWAYS),
             ("fp32_grads", "gpu", master, BOTH),  # the 16-bit optimizer wrapper steps on fp32 grads
             ("reduce_buckets", "gpu", lp * min(t, ZERO0_ALLREDUCE_BUCKET_ELEMS), BACKWARD)]
 
@@ -102,6 +102,7 @@ class _Rank:
     persistent: int
     grad_accum: int
     accum_elems: int | None
+    states: int  # fp32 optimizer tensors per trainable element (Holding.optimizer_states)
 
 
 def _stage12_entries(r: _Rank, stage: int, offload: bool) -> list:
@@ -116,7 +117,7 @@ def _stage12_entries(r: _Rank, stage: int, offload: bool) -> list:
         grads = (0 if offload else lp * shard) + lp * largest_tensor
     out = [("params", "gpu", lp * (p + frozen), ALWAYS), ("grads", "gpu", grads, BOTH),
            ("fp32_master", opt_dev, FP32_BYTES * shard, ALWAYS),
-           ("optimizer_moments", opt_dev, ADAM_MOMENTS * FP32_BYTES * shard, ALWAYS),
+           ("optimizer_moments", opt_dev, r.states * FP32_BYTES * shard, ALWAYS),
            ("fp32_grads", opt_dev, FP32_BYTES * shard, ALWAYS if offload else STEP),  # pinned and kept offloaded
            ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems * buckets, BACKWARD)]
     if not offload and lp != FP32_BYTES:  # step(): flatten(averaged_gradients) makes a 16-bit flat copy of the
@@ -164,7 +165,7 @@ def _stage3_entries(r: _Rank, opt_dev: str, param_dev: str) -> list:
            ("grads", grad_dev, lp * shard, ALWAYS),  # grad_partitions_flat_buffer
            ("grads", "gpu", lp * grad_layer, BACKWARD),  # one module's full grads before reduce-scatter
            ("fp32_master", opt_dev, FP32_BYTES * shard, ALWAYS),
-           ("optimizer_moments", opt_dev, ADAM_MOMENTS * FP32_BYTES * shard, ALWAYS),
+           ("optimizer_moments", opt_dev, r.states * FP32_BYTES * shard, ALWAYS),
            ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems, ALWAYS),
            ("gathered_params", "gpu", lp * zero3_gathered_elems(p - persistent, largest_layer, b), BACKWARD)]
     if opt_dev == "gpu":  # _prepare_fp32_grad_for_sub_group: flatten (16-bit copy) then .to(fp32), per sub-group
@@ -194,6 +195,8 @@ class Holding:
     trainable: of params, those with gradients and optimizer state (LoRA adapters); None = all. A frozen
     parameter costs its 16-bit copy only (sharded under ZeRO-3, which still gathers it per layer).
     largest_trainable_tensor / _layer: the same for the gradient staging buffers (None: the largest ones).
+    optimizer_states: fp32 tensors the optimizer keeps per trainable element (config/run_model.optimizer_states:
+    Adam's two moments by default; plain SGD none).
     """
 
     params: int
@@ -204,6 +207,7 @@ class Holding:
     trainable: int | None = None
     largest_trainable_tensor: int | None = None
     largest_trainable_layer: int | None = None
+    optimizer_states: int = ADAM_STATES
 
 
 def model_state_bytes(held: Holding, zero: Zero, *, zero_shards: int, precision: str, convention: str = "deepspeed",
@@ -231,13 +235,13 @@ def model_state_bytes(held: Holding, zero: Zero, *, zero_shards: int, precision:
     if convention == "seed":
         opt = "gpu" if offload_optimizer == "none" else offload_optimizer
         par = "gpu" if offload_param == "none" else offload_param
-        entries = _seed_entries(num_params, stage, zero_shards, lp, opt, par, trainable)
+        entries = _seed_entries(num_params, stage, zero_shards, lp, opt, par, trainable, held.optimizer_states)
     elif stage == 0:
-        entries = _stage0_entries(num_params, lp, trainable)
+        entries = _stage0_entries(num_params, lp, trainable, held.optimizer_states)
     else:
         grad_layer = largest_layer_params if held.largest_trainable_layer is None else held.largest_trainable_layer
         r = _Rank(num_params, trainable, zero_shards, lp, b, largest_layer_params, largest_tensor, grad_tensor,
-                  grad_layer, held.persistent, grad_accum, held.accum_elems)
+                  grad_layer, held.persistent, grad_accum, held.accum_elems, held.optimizer_states)
         entries = (_stage12_entries(r, stage, offload_optimizer != "none") if stage in (1, 2)
                    else _stage3_entries(r, offload_optimizer, offload_param))
     out = {term: dict.fromkeys(DEVICES, 0) for term in TERMS}
@@ -254,12 +258,13 @@ def training_peak(model_states, activations: int, device: str = "gpu") -> int:
     return max(by_device(model_states("backward"))[device] + activations, by_device(model_states("step"))[device])
 
 
-def checkpoint_bytes(num_params: int, precision: str, trainable_params: int | None = None) -> int:
+def checkpoint_bytes(num_params: int, precision: str, trainable_params: int | None = None,
+                     optimizer_states: int = ADAM_STATES) -> int:
     """Bytes of one DeepSpeed checkpoint summed over ranks: weights in the training precision (model states) plus
-    the fp32 master copy and both Adam moments (optimizer states; ZeRO splits them across ranks, the sum stays).
-    With LoRA (trainable_params) the frozen weights are not saved (exclude_frozen_parameters)."""
+    the fp32 master copy and the optimizer's states (Adam's two moments by default; ZeRO splits them across ranks,
+    the sum stays). With LoRA (trainable_params) the frozen weights are not saved (exclude_frozen_parameters)."""
     saved = num_params if trainable_params is None else trainable_params
-    return saved * (PRECISION_BYTES[precision] + FP32_BYTES * (1 + ADAM_MOMENTS))
+    return saved * (PRECISION_BYTES[precision] + FP32_BYTES * (1 + optimizer_states))
 
 
 def by_device(terms: dict[str, dict[str, int]]) -> dict[str, int]:

@@ -88,7 +88,8 @@ def _states(run: RunModel, live: LiveFacts):
         held = memory.Holding(live.total, live.largest_layer, live.largest_tensor,
                               persistent=live.persistent if stage == 3 else 0, accum_elems=live.partition_whole,
                               trainable=live.trainable, largest_trainable_tensor=live.largest_trainable_tensor,
-                              largest_trainable_layer=live.largest_trainable_layer)
+                              largest_trainable_layer=live.largest_trainable_layer,
+                              optimizer_states=run.optimizer_states)
         # AutoEP: this rank's experts shard over zero_shards / ep ranks (planner/moe/parallel.py)
         if ep > 1 and live.experts:
             return moe.model_state_bytes(SimpleNamespace(total=live.total - live.experts + live.experts * ep,
@@ -208,7 +209,8 @@ def pipeline_rank(run: RunModel, live: LiveFacts) -> dict:
     trainable = count.trainable_params(mine["blocks"], d.tp)
     lora = {} if trainable is None else {"trainable": trainable,
                                          "largest_trainable_tensor": count.lora_largest_tensor}
-    held = memory.Holding(mine["params"], largest_tensor=live.largest_tensor, **lora)
+    held = memory.Holding(mine["params"], largest_tensor=live.largest_tensor, optimizer_states=run.optimizer_states,
+                          **lora)
     zero = Zero(z.stage, z.offload_optimizer, buckets=z.buckets)
     states = {phase: memory.model_state_bytes(held, zero, zero_shards=d.zero_shards, precision=run.precision, grad_accum=m,
                                              phase=phase)

@@ -19,7 +19,7 @@ from pathlib import Path
 from harness import model_shapes
 from harness.config.adapter_rules import lora_on
 from harness.config.defaults import PATH_PREFIXES
-from harness.config.run_model import Zero
+from harness.config.run_model import Zero, optimizer_states
 from harness.errors import Problem, UsageError, raise_if_errors
 from harness.model.moe import rules as moe_rules
 from harness.train import faults
@@ -254,18 +254,19 @@ def _needs(spec, cfg: dict) -> dict[str, tuple[str, int]]:
         total = count_params(cfg).total
     except Exception:  # an architecture the planner cannot count: no size to check against
         return {}
-    precision = _precision(spec.ds_config)
-    per_param = memory.checkpoint_bytes(1, precision)
-    out = {"output": (f"one checkpoint ({total:,} params x {per_param} B: {precision} weights + fp32 master + "
-                      f"Adam moments)", memory.checkpoint_bytes(total, precision))}
+    precision, states = _precision(spec.ds_config), optimizer_states(spec.ds_config)
+    per_param = memory.checkpoint_bytes(1, precision, optimizer_states=states)
+    kept = f" + {states} fp32 optimizer state{'s' if states > 1 else ''}" if states else ""  # Adam: its 2 moments
+    out = {"output": (f"one checkpoint ({total:,} params x {per_param} B: {precision} weights + fp32 master{kept})",
+                      memory.checkpoint_bytes(total, precision, optimizer_states=states))}
     zo = spec.ds_config.get("zero_optimization", {})
     devices = {b: (zo.get(b) or {}).get("device", "none") for b in ("offload_optimizer", "offload_param")}
     if zo.get("stage") == 3 and "nvme" in devices.values():
         local_ranks = spec.launch.local_size
         zero = Zero(3, devices["offload_optimizer"], devices["offload_param"])
-        states = memory.model_state_bytes(memory.Holding(total // (spec.tp * spec.pp)), zero,
-                                          zero_shards=spec.zero_shards, precision=precision)
-        per_rank = memory.by_device(states)["nvme"]
+        held = memory.Holding(total // (spec.tp * spec.pp), optimizer_states=states)
+        per_rank = memory.by_device(memory.model_state_bytes(held, zero, zero_shards=spec.zero_shards,
+                                                             precision=precision))["nvme"]
         out["nvme"] = (f"NVMe swap files ({per_rank:,} B per rank x {local_ranks} on this node)",
                        per_rank * local_ranks)
     return out
