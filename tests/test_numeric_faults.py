@@ -6,6 +6,7 @@ batch 4 (the 5th step), rank 0's is x100 on batch 6 (a spike where the rule is o
   skip      ZeRO-2: the checkpoints before and after the dropped step hold the same weights and optimizer state
   rollback  ZeRO-2: reloads global_step4 and trains on without batch 4: its steps 5.. equal the skip run's 6..
   spike     ZeRO-0 (torch optimizer): the NaN step and the x100 step are both dropped, weights unchanged by each
+  dpo       ZeRO-2, a DPO run on the builtin pairs: the NaN step is dropped as under skip, named by pairs and records
 The fast tests cover the running median, the data-step mapping and the recipe refusals.
 """
 
@@ -117,7 +118,8 @@ def runs(tmp_path_factory):
     cases = [{"argv": _args("zero3", root / "stop", "stop", 2), "code": 3},
              _args("zero2", root / "skip", "skip", 1),
              _args("zero2", root / "rollback", "rollback", 2),
-             _args("ddp", root / "spike", "skip", 1, "--set", "train.spike=5", "--set", "train.spike_window=2")]
+             _args("ddp", root / "spike", "skip", 1, "--set", "train.spike=5", "--set", "train.spike_window=2"),
+             _args("zero2", root / "dpo", "skip", 1, "--set", "train.objective=dpo", "--set", "train.seq_len=128")]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSHARNESS_INJECT_LOSS", INJECT)
         proc = launch_jobs(cases, root)
@@ -182,3 +184,17 @@ def test_spike_rule_drops_a_forced_spike_on_the_plain_optimizer(runs):
     assert "| 7 | 6 | loss spike | 0, 1 |" in report
     assert_same_state(run, 4, 5)
     assert_same_state(run, 6, 7)
+
+
+@pytest.mark.multirank
+def test_a_preference_run_names_the_pairs_and_their_records(runs):
+    root, proc = runs
+    run = root / "dpo"
+    fault, = records(run, "fault")
+    assert (fault["step"], fault["ranks"], fault["action"], fault["batch"]) == (5, [1], "skip", 4)
+    assert fault["rows"]["1"].startswith("pairs [") and ", dataset records [" in fault["rows"]["1"], fault["rows"]
+    said = job_output(proc.stdout, 4) + job_output(proc.stderr, 4)
+    assert "non-finite loss on rank 1 (rank 1: pairs [" in said and "update dropped, step skipped" in said
+    assert_same_state(run, 4, 5)
+    assert sorted(losses(run)) == [1, 2, 3, 4, 6, 7, 8] and all(map(math.isfinite, losses(run).values()))
+    assert {"rewards_margin", "rewards_accuracy"} <= set(records(run, "train")[-1])

@@ -239,10 +239,15 @@ class Policy:
 
 
 def rows_named(rows, limit: int = 16) -> str:
-    """The store rows of `rows` (harness/data/rows.Rows) and, under document packing, the documents they hold."""
+    """The store rows of `rows` (harness/data/rows.Rows) and, under document packing, the documents they hold;
+    for preference pairs (harness/data/preference.Pairs) the pairs and the dataset records they came from."""
     import numpy as np
 
+    from harness.data.preference import Pairs
+
     index = [int(i) for i in rows.index]
+    if isinstance(rows, Pairs):
+        return f"pairs {_few(index, limit)}, dataset records {_few(sorted({int(r) for r in rows.records}), limit)}"
     text = f"store rows {_few(index, limit)}"
     if rows.doc_ends is not None:
         seq = rows.tokens.shape[1]
@@ -258,8 +263,8 @@ def _few(values: list[int], limit: int) -> str:
                                                           else "") + "]"
 
 
-FIX = ("look at those rows and documents, or lower optimizer.lr; train.on_nonfinite=skip drops such steps, "
-       "rollback reloads `latest` and steps over the batch (docs/troubleshooting.md#numeric-faults)")
+FIX = ("look at those rows and documents (pairs and records), or lower optimizer.lr; train.on_nonfinite=skip "
+       "drops such steps, rollback reloads `latest` and steps over the batch (docs/troubleshooting.md#numeric-faults)")
 
 
 def _num(x: float | None):
