@@ -149,6 +149,11 @@ CASES = [
     case("data:fewer_rows_than_one_global_batch", ["--dataset", f"{FIXTURE}/data/small.jsonl", "--set",
                                                    "train.seq_len=32", *TINY, "--output-dir", f"{FIXTURE}/out_small"],
          "train.dataset", "fewer than one global batch: ", post_init=True),
+    case("data:fewer_pairs_than_one_global_batch", ["--set", "train.objective=dpo", "--set",
+                                                    "batch.micro_batch_per_gpu=64", *TINY, "--output-dir",
+                                                    f"{FIXTURE}/out_pairs"],
+         "train.dataset 'builtin'", "training pairs (after holding out eval_fraction=0.02), fewer than one global "
+         "batch: 64 micro x 4 accum x 1 dp = 256 pairs", post_init=True),
     case("data:shorter_than_one_block", ["--dataset", f"{FIXTURE}/data/tiny.jsonl", *TINY,
                                          "--output-dir", f"{FIXTURE}/out_tiny"], "the dataset has",
          "fewer than one block of seq_len=128", post_init=True),
@@ -245,3 +250,9 @@ def test_bad_input_exits_2_naming_the_field(c, results):
     assert fill(c["fragment"], fx) in err, err
     if not c["post_init"]:
         assert "Initializing TorchBackend" not in err + got["stdout"], "no process group for bad input"
+
+
+def test_too_few_pairs_exit_before_the_reference_pass(results):
+    """The global-batch check runs before a precomputed reference's pass over the whole preference set."""
+    got = results["data:fewer_pairs_than_one_global_batch"]
+    assert got["rc"] == 2 and "[pref]" not in got["stdout"] + got["stderr"], got["stdout"][-2000:]

@@ -19,6 +19,7 @@ from pathlib import Path
 from harness import model_shapes
 from harness.config.adapter_rules import lora_on
 from harness.config.defaults import PATH_PREFIXES
+from harness.config.preference_rules import is_preference
 from harness.config.run_model import Zero, optimizer_states
 from harness.errors import Problem, UsageError, raise_if_errors
 from harness.model.moe import rules as moe_rules
@@ -309,6 +310,13 @@ def data_fits(spec, num_rows: int, seq_len: int) -> None:
     micro, accum = spec.run.batch.micro_batch, spec.run.batch.grad_accum
     dp = spec.dp  # the tensor (and pipeline) ranks of one replica read the same rows (trainer.dp_coords)
     rows = micro * accum * dp
+    if num_rows < rows and is_preference(spec.recipe):  # a row is a pair (two sequences), whatever seq_len
+        train = spec.recipe["train"]
+        raise UsageError(
+            f"train.dataset {train['dataset']!r}: {num_rows} training pairs (after holding out eval_fraction="
+            f"{train['eval_fraction']}), fewer than one global batch: {micro} micro x {accum} accum x {dp} dp = "
+            f"{rows} pairs\n    fix: more pairs, a smaller batch (--set batch.micro_batch_per_gpu=1, "
+            "batch.grad_accum_steps=1) or fewer ranks")
     if num_rows < rows:
         train = spec.recipe["train"]
         raise UsageError(

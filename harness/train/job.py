@@ -230,11 +230,11 @@ def run(spec, dist) -> int:
         trackers = start_trackers(spec, dist, run_dir)  # exit 2 on every rank when one cannot start
         tokenizer = load_tokenizer(spec.recipe["train"]["model"])
         data = load_data(spec, dist, tokenizer)
+        checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
         if is_preference(spec.recipe):  # before the policy is built: a precomputed reference runs and is freed first
             from harness.train import reference
 
             data = dataclasses.replace(data, reference=reference.start(spec, dist, data, run_dir, say))
-        checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
         startup = profiling.Startup(dist.device)
         engine, info, notes = build_engine(spec, startup)
         log = MetricsLog(run_dir, enabled=dist.is_main)
