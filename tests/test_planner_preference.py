@@ -194,3 +194,32 @@ def test_reference_engine_bytes_equal_the_live_engines(tmp_path):
         assert z3["after_forward"]["gathered"] == 0, z3["after_forward"]
         assert z0["held"]["whole"] == z0["planned"]["gpu"] == 4 * z0["params"]
         print(f"rank {rank}: zero3 engine {held} B, planner {z3['planned']['gpu']} B; zero0 {z0['held']['whole']} B")
+
+
+def test_recipe_auto_plans_the_preference_run_it_will_train():
+    """`--recipe auto` with a preference objective gives the planner the pairs (two sequences each) and the
+    reference: it never picks a layout the run refuses (sp here, as tp and pp), and a pair's peak is above a
+    sequence's."""
+    from harness.config.recipes import complete
+    from harness.planner import hardware
+    from harness.train.auto_recipe import plan_for
+
+    hw = {"gpus_per_node": 8, "nodes": 1, "gpu_mem_bytes": 80 * 10**9, "cpu_mem_bytes": 2000 * 10**9,
+          "nvme_bytes": None, "device": "cpu"}
+    profile = hardware.load("h100-80gb-sxm")
+
+    def auto(*overrides):
+        return plan_for(complete({"description": "auto"}, "--recipe auto", ["train.model=llama-3.1-8b", "precision=bf16",
+                                                                          "batch.micro_batch_per_gpu=1", *overrides]),
+                        hw, profile)
+
+    long_lm, long_dpo = auto("train.seq_len=90112"), auto("train.seq_len=90112", "train.objective=dpo")
+    assert long_lm.recommended["sp"] > 1  # the long-context rung for one sequence
+    assert all(r["sp"] == r["tp"] == r["pp"] == 1 for r in long_dpo.candidates + long_dpo.ranked if r["fits"])
+    assert long_dpo.recommended is None and "tokens" in long_dpo.missing[0]  # --recipe auto: exit 2, the reason
+    assert any("objective dpo refuses tensor parallel" in (r["why_not"] or "") for r in long_dpo.candidates)
+    lm, dpo = auto("train.seq_len=2048"), auto("train.seq_len=2048", "train.objective=dpo")
+    assert lm.recommended["label"] == dpo.recommended["label"] == "zero1"
+    acts = [r.recommended["memory"]["activations"] for r in (lm, dpo)]
+    assert acts[1]["tokens_per_rank"] == 2 * acts[0]["tokens_per_rank"] == 4096  # a pair: chosen and rejected
+    assert dpo.recommended["memory"]["gpu_bytes"] > lm.recommended["memory"]["gpu_bytes"] + acts[0]["layers"]

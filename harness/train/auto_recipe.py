@@ -67,17 +67,22 @@ def choose(overrides: list[str], launch: Launch) -> tuple[str, list[str], str]:
 def plan_for(settings: dict, hw: dict, profile: dict):
     """The planner's answer for a completed recipe on the hardware found (detect_hardware's dict): its model,
     seq_len (a sequence one rank cannot hold gets the long-context rung: sp, tiling, activation offload),
-    micro-batch, precision, checkpointing and attention."""
+    micro-batch, precision, checkpointing, attention and objective (a preference run's pairs and reference)."""
     from harness.planner import plan
     from harness.planner.inputs import Cluster, Workload
 
+    from harness.config.preference_rules import is_preference, objective, packing, reference_mode
+
     train, micro = settings["train"], settings["batch"]["micro_batch_per_gpu"]
+    # a preference run: two sequences per pair, its reference's bytes, and no tp / pp / sp (planner/reference.py)
+    goal = {"objective": objective(settings), "reference_mode": reference_mode(settings)} \
+        if is_preference(settings) else {}
     cluster = Cluster(hw["gpus_per_node"], hw["gpu_mem_bytes"], hw["nodes"], hw["cpu_mem_bytes"], hw["nvme_bytes"])
     work = Workload(train["seq_len"], micro if isinstance(micro, int) else 1, settings["precision"],
                     settings["activation_checkpointing"],
                     attention=planner_attention(train.get("attention"), hw["device"]),
                     activation_offload=hw["device"] != "cpu",  # DeepSpeed's offload does nothing on CPU: refused there
-                    packing=train["packing"])
+                    packing=packing(settings), **goal)
     return plan(load_model_config(train["model"]), cluster, work, model_name=train["model"], hardware_profile=profile)
 
 
