@@ -82,6 +82,13 @@ def check_continues(straight, resumed, first: int, want_from: dict, want_to: dic
 
 def test_tp2_to_tp1(two_ranks):
     check_continues(two_ranks["tp2"], two_ranks["tp1"], 3, {"tp": 2, "dp": 1}, {"tp": 1, "dp": 2})
+    from harness.report.compare import headline, load_run, render
+
+    run = load_run(two_ranks["tp1"])  # harness report lists the conversion
+    assert "- layout changes: 1 checkpoint conversion on resume (" in "\n".join(headline(run))
+    text = render(run, {"states": [], "comm": [], "peak": []}, [], {})
+    assert "## Layout changes (checkpoints converted on resume)" in text
+    assert "| global_step2 | world 2, tp 2, ZeRO-1 | world 2, dp 2, ZeRO-1 |" in text, text
 
 
 def test_pp2_to_pp1_to_pp2(two_ranks):

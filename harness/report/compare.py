@@ -21,6 +21,8 @@ from harness.report.experts import experts_section
 from harness.report.faults import faults_line, faults_section
 from harness.report.tables import fmt_bytes, fmt_ratio, ratio, table
 from harness.report.pipeline import pipeline_flags, pipeline_rows, pipeline_section
+from harness.report.conversions import conversions_line, conversions_section
+from harness.report.conversions import read as read_conversions
 from harness.report.restarts import restarts_line, restarts_section
 from harness.report.startup import startup_rows, startup_section
 from harness.report.step_time import step_time_section
@@ -44,6 +46,7 @@ class Run:
     ds_config: dict
     notes: list[str] = field(default_factory=list)
     restarts: list[dict] = field(default_factory=list)  # restarts.jsonl: harness launch --max-restarts
+    conversions: list[dict] = field(default_factory=list)  # conversions.jsonl: resumes on another layout
 
     @property
     def train(self) -> list[dict]:
@@ -75,7 +78,7 @@ def load_run(run_dir) -> Run:
         raise UsageError(f"{path}: no metrics.jsonl here, so it is not a run folder (or the run never "
                          "logged a step)\n    fix: pass the folder a run wrote, e.g. runs/2026-11-30_zero2")
     run = Run(path, read_metrics(path), _json(path / "summary.json"), _json(path / "recipe.json"),
-              _json(path / "ds_config.json"), restarts=read_restarts(path))
+              _json(path / "ds_config.json"), restarts=read_restarts(path), conversions=read_conversions(path))
     if not run.summary:
         run.notes.append("no summary.json: the run did not finish; tables use metrics.jsonl only")
     return run
@@ -278,7 +281,8 @@ def headline(run: Run) -> list[str]:
     window = s.get("profile", {}).get("window")
     lines.append(f"- profiled steps: {window[0]}-{window[1]} (logged step numbers)" if window
                  else "- profiling window: off (no comm measurement)")
-    return lines + restarts_line(run.restarts) + faults_line(run.records) + [f"- note: {n}" for n in run.notes]
+    return (lines + restarts_line(run.restarts) + conversions_line(run.conversions) + faults_line(run.records)
+            + [f"- note: {n}" for n in run.notes])
 
 
 def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]) -> str:
@@ -313,6 +317,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
     else:
         out.append("not recorded")
     out += restarts_section(run.restarts)
+    out += conversions_section(run.conversions)
     out += faults_section(run.records)
     out += startup_section(tables.get("startup", []))
     out += pipeline_section(run, tables.get("pipeline", []))
