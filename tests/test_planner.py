@@ -415,3 +415,25 @@ def test_optimizer_states_follow_the_optimizer():
         {t: v for t, v in adam.items() if t != "optimizer_moments"}
     from harness.planner.memory import checkpoint_bytes
     assert (checkpoint_bytes(10, "bf16"), checkpoint_bytes(10, "bf16", optimizer_states=0)) == (140, 60)
+
+
+def test_plan_optimizer_flag_prices_its_state(capsys):
+    """`harness plan --optimizer`: AdamW's two fp32 moments per parameter, Lion's one, plain SGD's none; on ZeRO-2
+    over 8 GPUs each state costs 4 B x P / 8 per GPU, and nothing else changes."""
+    base = ["--model", "llama-2-7b", "--gpus", "8", "--gpu-mem", "80GB", "--zero", "2", "--json"]
+    states = {}
+    for opt in ("adamw", "lion", "sgd"):
+        code, out = run_plan([*base, "--optimizer", opt], capsys)
+        assert code == 0
+        plan_ = json.loads(out)
+        row = plan_["evaluated"]
+        assert row["label"] == "zero2"
+        states[opt] = (plan_["workload"]["optimizer_states"], row["memory"]["model_states"])
+    p = count_params(KNOWN["llama-2-7b"]).total
+    assert [states[o][0] for o in ("adamw", "lion", "sgd")] == [2, 1, 0]
+    moments = {o: states[o][1]["optimizer_moments"]["gpu"] for o in states}
+    assert moments == {"adamw": 2 * 4 * -(-p // 8), "lion": 4 * -(-p // 8), "sgd": 0}
+    others = [{t: v for t, v in s.items() if t != "optimizer_moments"} for _, s in states.values()]
+    assert others[0] == others[1] == others[2]
+    code, text = run_plan(base[:-1] + ["--optimizer", "sgd"], capsys)
+    assert "optimizer state 0 x fp32 per parameter" in text and "optimizer_moments" not in text

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from harness.config.defaults import PRECISION_BYTES, recipe_default
+from harness.config.run_model import optimizer_states
 from harness.errors import UsageError
 from harness.planner.memory import OFFLOAD_DEVICES
 
@@ -84,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-accum", type=int, default=1,
                         help="micro-batches per step (default 1; pipelines use 4 x stages)")
     parser.add_argument("--precision", choices=tuple(PRECISION_BYTES), default=recipe_default("precision"))
+    parser.add_argument("--optimizer", choices=_enum("optimizer.type"), default=recipe_default("optimizer.type"),
+                        help="the recipe's optimizer.type: its fp32 state per parameter (AdamW, Adam, Lamb 2; Lion, "
+                             "Adagrad 1; sgd none) (default %(default)s)")
     parser.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=("none", "full"),
                         help="full: recompute each block in backward (keeps only block inputs); alone means full")
     parser.add_argument("--attention", choices=("flash", "flex", "sdpa", "eager"), default="flash",
@@ -191,7 +195,9 @@ def run(args: argparse.Namespace) -> int:
         cluster = Cluster(args.gpus, gpu_mem, args.nodes, cpu_mem, nvme)
         work = Workload(seq_len, args.micro_batch, args.precision, args.activation_checkpointing == "full",
                         args.grad_accum, args.attention, expert_imbalance=args.expert_imbalance, packing=args.packing,
-                        global_batch=args.global_batch, **preference_work(args))
+                        global_batch=args.global_batch,
+                        optimizer_states=optimizer_states({"optimizer": {"type": args.optimizer}}),
+                        **preference_work(args))
         result = plan(cfg, cluster, work, model_name=args.model, count=lora_count(cfg, args.lora_r),
                       hardware_profile=profile, layout=_layout(args))
     except ValueError as e:

@@ -72,6 +72,7 @@ def plan_for(settings: dict, hw: dict, profile: dict):
     from harness.planner.inputs import Cluster, Workload
 
     from harness.config.preference_rules import is_preference, objective, packing, reference_mode
+    from harness.config.run_model import optimizer_states
 
     train, micro = settings["train"], settings["batch"]["micro_batch_per_gpu"]
     # a preference run: two sequences per pair, its reference's bytes, and no tp / pp / sp (planner/reference.py)
@@ -82,7 +83,8 @@ def plan_for(settings: dict, hw: dict, profile: dict):
                     settings["activation_checkpointing"],
                     attention=planner_attention(train.get("attention"), hw["device"]),
                     activation_offload=hw["device"] != "cpu",  # DeepSpeed's offload does nothing on CPU: refused there
-                    packing=packing(settings), **goal)
+                    packing=packing(settings),
+                    optimizer_states=optimizer_states({"optimizer": {"type": settings["optimizer"]["type"]}}), **goal)
     return plan(load_model_config(train["model"]), cluster, work, model_name=train["model"], hardware_profile=profile)
 
 

@@ -17,7 +17,7 @@ from harness.planner.memory import TERMS
 GIB = 2**30
 TERM_NOTES = {
     "params": "weights in training precision", "grads": "gradients", "fp32_master": "fp32 master weights",
-    "optimizer_moments": "Adam exp_avg + exp_avg_sq", "fp32_grads": "fp32 gradient partition",
+    "optimizer_moments": "optimizer state (Adam: m and v)", "fp32_grads": "fp32 gradient partition",
     "reduce_buckets": "gradient reduce buckets", "gathered_params": "ZeRO-3 gathered layer + prefetch",
     "offload_buffers": "pinned staging / swap buffers",
 }
@@ -45,7 +45,8 @@ def _header(plan: Plan) -> list[str]:
         f"hardware  {nodes}, {gb(cluster.gpu_mem_bytes)} ({cluster.gpu_mem_bytes / GIB:.1f} GiB) per GPU, "
         f"{gb(cluster.usable_gpu_bytes)} usable ({cluster.reserve_fraction:.0%} reserve); CPU RAM {cpu}; NVMe {nvme}",
         f"workload  micro batch {w.micro_batch} x {w.seq_len} tokens, {w.precision}, activation "
-        f"checkpointing {'on' if w.activation_checkpointing else 'off'}, grad accum {w.grad_accum}",
+        f"checkpointing {'on' if w.activation_checkpointing else 'off'}, grad accum {w.grad_accum}"
+        + ("" if w.optimizer_states == 2 else f", optimizer state {w.optimizer_states} x fp32 per parameter"),
         *([f"objective {w.objective}: the micro batch counts pairs, {2 * w.micro_batch} sequences (chosen and "
            f"rejected) per micro-step" + ("" if w.objective in REFERENCE_FREE else "; preference set "
            f"{f'{w.pairs:,} pairs' if w.pairs else 'size not given (--pairs)'}")] if w.objective else []),
