@@ -51,6 +51,7 @@ def _prepare_pairs(spec, tokenizer, train: dict, truncation: str, num_proc: int 
 
 def run(args: argparse.Namespace) -> int:
     from harness.data.corpus import DataSpec
+    from harness.data.chat_check import check_chat_head
     from harness.data.formats import check_chat_template
     from harness.model.hf import load_tokenizer
     from harness.data.store import empty_rows_note, prepare
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         return _prepare_pairs(spec, tokenizer, train, recipe["preference"]["truncation"], args.num_proc)
     if spec.uses_chat_template:
         check_chat_template(tokenizer, train["model"], spec.format)
+        check_chat_head(spec, tokenizer)  # a record the template cannot train: its file and line
     store, made = prepare(spec, tokenizer, train["seq_len"], train["store_dir"] or None,
                           num_proc=args.num_proc, streaming=True if args.stream else None)
     meta = store.meta
