@@ -195,3 +195,25 @@ def test_records_without_assistant_turns_or_messages():
     docs, whole = documents(tok, [{"role": "user", "content": "hi"}])
     assert whole and docs == [[(tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False), 0)]]
     assert documents(tok, []) == ([], True)
+
+
+def test_the_launch_says_when_the_template_rewrites_history(tmp_path):
+    """Before any rank trains (train/checks.py): a note naming how many of the head's records train in more than
+    one sample; none under chat_turns=last or a prefix-stable template; a template error is a train.dataset
+    problem."""
+    from harness.train.checks import chat_problems
+
+    model = tmp_path / "model"
+    template_tokenizer("qwen3").save_pretrained(model)
+    path = _jsonl(tmp_path / "d.jsonl", tool_records(reasoning=True))
+    train = {"model": str(model), "dataset": path, "format": "chat", "objective": "lm"}
+    [note] = chat_problems(train)
+    assert note.severity == "warning" and note.path == "train.dataset"
+    assert "renders 3 of the first 3 records differently once later messages follow" in note.message
+    assert chat_problems({**train, "chat_turns": "last"}) == []
+    template_tokenizer("llama3_1").save_pretrained(model)
+    assert chat_problems({**train, "dataset": _jsonl(tmp_path / "t.jsonl", tool_records(reasoning=False))}) == []
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "x"}, {
+        "role": "assistant", "content": "y", "thinking": "hidden"}]}])  # transformers' alias of reasoning_content
+    [problem] = chat_problems({**train, "dataset": bad})
+    assert problem.severity == "error" and "renders without its reasoning_content" in problem.message

@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 
 CHAT_TURNS = ("all", "last")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers passes the first found as all three
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")  # as transformers detects it
 
 
@@ -78,7 +79,7 @@ def _function(call: dict) -> dict:
 
 def _dropped(message: dict, turn: str) -> str | None:
     """A field of assistant message `message` that its rendered turn does not show."""
-    reasoning = message.get("reasoning_content")
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
     if isinstance(reasoning, str) and reasoning.strip() and reasoning.strip() not in turn:
         return ("renders without its reasoning_content (the template does not read it)", "put the reasoning into "
                 "the content as <think>...</think> before the answer, or use a model whose template renders "

@@ -3,13 +3,14 @@
 text:        the text, then eos; every token carries loss (as plain language-model pre-training).
 instruction: the prompt's tokens (no loss), then the response's tokens and eos (loss). Put any separator or
              prompt template into the prompt text itself: nothing is inserted between the two.
-chat:        the tokenizer's chat template over a list of {role, content} messages. Only what the template
-             renders for assistant turns carries loss; a conversation ends with eos (no loss: it only separates
-             packed conversations). The template is rendered turn by turn, so each assistant turn's text is
-             exactly what the full conversation renders after the generation prompt.
+chat:        the tokenizer's chat template over HF chat records (messages with reasoning_content and tool_calls,
+             tool messages, a tools list; harness/data/chat_template.py). Only what the template renders for
+             assistant turns carries loss, each turn in the context the template gives it at inference (a record
+             may be several documents under a template that rewrites history); each document ends with eos (no
+             loss: it only separates packed conversations).
 sharegpt:    chat from ShareGPT records: a list (train.conversations_field, default `conversations`) of
              {"from": human | gpt | system, "value": text}; human -> user, gpt -> assistant (carries loss),
-             system -> system (first turn only). Each record is one document.
+             system -> system (first turn only), trained as chat (train.chat_turns too).
 alpaca:      instruction from Alpaca records (train.instruction_field / input_field / output_field, default
              `instruction`, `input`, `output`; input optional): the prompt is Stanford Alpaca's template
              (ALPACA_PROMPT / ALPACA_PROMPT_NO_INPUT, no loss), the response the output and eos (loss). Each record
