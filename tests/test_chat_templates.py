@@ -217,3 +217,19 @@ def test_the_launch_says_when_the_template_rewrites_history(tmp_path):
         "role": "assistant", "content": "y", "thinking": "hidden"}]}])  # transformers' alias of reasoning_content
     [problem] = chat_problems({**train, "dataset": bad})
     assert problem.severity == "error" and "renders without its reasoning_content" in problem.message
+
+
+def test_data_prepare_checks_the_head_and_says_what_it_split(tmp_path, capsys):
+    from harness.cli import main
+
+    model = tmp_path / "model"
+    template_tokenizer("qwen3").save_pretrained(model)
+    path = _jsonl(tmp_path / "d.jsonl", tool_records(reasoning=True))
+    argv = ["data", "prepare", "--model", str(model), "--seq-len", "64", "--format", "chat", "--out", str(tmp_path)]
+    assert main(argv + ["--dataset", path]) == 0
+    assert "[data] the chat template rewrites history in 3 of the first 3 records" in capsys.readouterr().out
+    name, bad, message = REFUSED[3]  # reasoning_content under Llama 3.1's template
+    template_tokenizer(name).save_pretrained(model)
+    bad_path = _jsonl(tmp_path / "bad.jsonl", [bad])
+    assert main(argv + ["--dataset", bad_path]) == 2
+    assert f"data file {bad_path} line 1 is not a chat record" in capsys.readouterr().err

@@ -65,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
         return _prepare_pairs(spec, tokenizer, train, recipe["preference"]["truncation"], args.num_proc)
     if spec.uses_chat_template:
         check_chat_template(tokenizer, train["model"], spec.format)
-        check_chat_head(spec, tokenizer)  # a record the template cannot train: its file and line
+        checked, split = check_chat_head(spec, tokenizer)  # a record the template cannot train: file and line
+        if split:
+            print(f"[data] the chat template rewrites history in {split} of the first {checked} records: their "
+                  f"assistant turns train in more than one sample (train.chat_turns={spec.chat_turns})")
     store, made = prepare(spec, tokenizer, train["seq_len"], train["store_dir"] or None,
                           num_proc=args.num_proc, streaming=True if args.stream else None)
     meta = store.meta
