@@ -233,3 +233,26 @@ def test_data_prepare_checks_the_head_and_says_what_it_split(tmp_path, capsys):
     bad_path = _jsonl(tmp_path / "bad.jsonl", [bad])
     assert main(argv + ["--dataset", bad_path]) == 2
     assert f"data file {bad_path} line 1 is not a chat record" in capsys.readouterr().err
+
+
+def test_markers_on_a_template_that_rewrites_history(tmp_path):
+    """Qwen3's own template with {% generation %} around its whole assistant branch (role header included): the
+    turns still train in their inference contexts, and the marked header, which the generation prompt writes, carries
+    no loss, so the documents equal the unmarked template's."""
+    from helpers.chat_templates import TEMPLATES
+
+    lines = (TEMPLATES / "qwen3.jinja").read_text().split("\n")
+    start = lines.index('    {%- elif message.role == "assistant" %}')
+    end = lines.index('    {%- elif message.role == "tool" %}')
+    marked = "\n".join(lines[:start + 1] + ["{%- generation %}"] + lines[start + 1:end] + ["{%- endgeneration %}"]
+                       + lines[end:])
+    plain, tok = template_tokenizer("qwen3"), template_tokenizer("qwen3")
+    tok.chat_template = marked
+    for record in tool_records(reasoning=True):
+        got = documents(tok, record["messages"], record.get("tools"))
+        assert got == documents(plain, record["messages"], record.get("tools")) and not got[1]
+        trained = "".join(text for doc in got[0] for text, loss in doc if loss)
+        hf = tok.apply_chat_template(record["messages"], tools=record.get("tools"), tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=True)
+        hf_trained = tok.decode([i for i, m in zip(hf["input_ids"], hf["assistant_masks"]) if m])
+        assert "<|im_start|>assistant" in hf_trained and "<|im_start|>" not in trained

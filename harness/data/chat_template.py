@@ -10,7 +10,8 @@ is what the template renders for messages[:i+1] after its rendering of messages[
 i.e. what the model must generate at inference, end-of-turn token included (and whatever the template writes
 after it before the next message, e.g. Qwen's "\\n" after <|im_end|>, as TRL's generation-marked templates count
 it). A template with {% generation %} markers decides instead: the marked characters of that turn carry loss
-(what HF's return_assistant_tokens_mask marks).
+(what HF's return_assistant_tokens_mask marks), except what the generation prompt already writes (a marked role
+header is never generated).
 
 Templates that rewrite history (Qwen3 drops the <think> block of turns before the last user message) render a
 turn differently once later messages follow, so a conversation rendered once would train its earlier turns in a
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import re
 
-CHAT_TURNS = ("all", "last")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers passes the first found as all three
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")  # as transformers detects it
 

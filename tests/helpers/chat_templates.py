@@ -92,3 +92,33 @@ def expected_turns(tok, record: dict, turns: str = "all") -> list[tuple[list[int
         return tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=True,
                                        return_dict=True)["input_ids"]
     return [(ids(messages[:i], gen=True), ids(messages[:i + 1])) for i in (indices[-1:] if turns == "last" else indices)]
+
+
+def write_tool_chat(path: Path, num: int, seed: int = 0) -> Path:
+    """num records of tool use with reasoning and of plain two-turn chat, words varied (for a training run under
+    Qwen3's template, which splits each of them into more than one sample)."""
+    import json
+    import random
+
+    from helpers.corpora import WORDS
+
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for n in range(num):
+            a, b = rng.sample(WORDS, 2)
+            if n % 2:
+                record = {"messages": [
+                    {"role": "user", "content": f"Weather in {a}?"},
+                    {"role": "assistant", "content": "", "reasoning_content": f"Ask the tool about {a}.",
+                     "tool_calls": [call("get_weather", city=a)]},
+                    {"role": "tool", "content": f"{b} sky"},
+                    {"role": "assistant", "content": f"{a} has a {b} sky.", "reasoning_content": f"It said {b}."}],
+                    "tools": [WEATHER]}
+            else:
+                record = {"messages": [
+                    {"role": "user", "content": f"Sort: {a} {b}"},
+                    {"role": "assistant", "content": " ".join(sorted((a, b))), "reasoning_content": "a-z"},
+                    {"role": "user", "content": f"Reverse: {a} {b}"},
+                    {"role": "assistant", "content": f"{b} {a}", "reasoning_content": "swap"}]}
+            f.write(json.dumps(record) + "\n")
+    return path
