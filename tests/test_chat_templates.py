@@ -256,3 +256,20 @@ def test_markers_on_a_template_that_rewrites_history(tmp_path):
                                      return_assistant_tokens_mask=True)
         hf_trained = tok.decode([i for i, m in zip(hf["input_ids"], hf["assistant_masks"]) if m])
         assert "<|im_start|>assistant" in hf_trained and "<|im_start|>" not in trained
+
+
+def test_the_head_check_renders_a_bounded_number_of_records(tmp_path, monkeypatch):
+    """A folder of many shards: each gets its share of the render budget (at least its first record), so the check
+    before launch does not grow with the number of files; a bad first record of the last shard is still named."""
+    from harness.data import chat_check
+
+    monkeypatch.setattr(chat_check, "RENDER_BUDGET", 6)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for n in range(4):
+        _jsonl(folder / f"part{n}.jsonl", plain_records() * 3)
+    spec, tok = DataSpec(str(folder), format="chat"), template_tokenizer("qwen2_5")
+    assert check_chat_head(spec, tok) == (4, 0)  # 6 // 4 = 1 record of each of 4 files
+    _jsonl(folder / "part3.jsonl", [REFUSED[-1][1]] + plain_records())
+    with pytest.raises(UsageError, match=r"part3.jsonl line 1 is not a chat record"):
+        check_chat_head(spec, tok)
