@@ -195,6 +195,10 @@ def test_records_without_assistant_turns_or_messages():
     docs, whole = documents(tok, [{"role": "user", "content": "hi"}])
     assert whole and docs == [[(tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False), 0)]]
     assert documents(tok, []) == ([], True)
+    greeting = [{"role": "assistant", "content": "Hi there"}, {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "y"}]  # no template renders the empty conversation before it
+    [doc], _ = documents(tok, greeting)
+    assert [text for text, loss in doc if loss] == ["y<|im_end|>\n"] and "Hi there" in doc[0][0]
 
 
 def test_the_launch_says_when_the_template_rewrites_history(tmp_path):

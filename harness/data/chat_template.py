@@ -137,7 +137,9 @@ def documents(tokenizer, messages: list[dict], tools=None, turns: str = "all") -
     _shape_problem(messages, tools)
     messages, tools = without_nulls(list(messages)), without_nulls(tools) or None
     markers = has_markers(tokenizer, tools)
-    assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    # an assistant message that opens the conversation follows no generation prompt (no template renders an empty
+    # conversation): it is context, like a system prompt
+    assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and i > 0]
     if turns == "last":
         assistants = assistants[-1:]
     rendered = [_turn(tokenizer, messages, tools, i, markers) for i in assistants]
