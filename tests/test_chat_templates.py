@@ -277,3 +277,16 @@ def test_the_head_check_renders_a_bounded_number_of_records(tmp_path, monkeypatc
     _jsonl(folder / "part3.jsonl", [REFUSED[-1][1]] + plain_records())
     with pytest.raises(UsageError, match=r"part3.jsonl line 1 is not a chat record"):
         check_chat_head(spec, tok)
+
+
+def test_sharegpt_records_train_as_chat_under_a_template_that_rewrites_history(tmp_path):
+    turns = [{"from": "human", "value": "Sort: b a"}, {"from": "gpt", "value": "<think>\nab\n</think>\n\na b"},
+             {"from": "human", "value": "Sort: d c"}, {"from": "gpt", "value": "c d"}]
+    tok = template_tokenizer("qwen3")
+    share = _jsonl(tmp_path / "s.jsonl", [{"conversations": turns}] * 3)
+    chat = _jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": {"human": "user", "gpt": "assistant"}[t["from"]],
+                                                         "content": t["value"]} for t in turns]}] * 3)
+    a, _ = prepare(DataSpec(share, format="sharegpt"), tok, 16, str(tmp_path / "stores"))
+    b, _ = prepare(DataSpec(chat, format="chat"), tok, 16, str(tmp_path / "stores"))
+    assert _store_docs(a) == _store_docs(b) and len(_store_docs(a)) == 6  # the first turn's <think> kept in its own
+    assert "<think>\nab\n</think>" in _trained_text(tok, _store_docs(a))[0]
