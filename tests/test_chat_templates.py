@@ -290,3 +290,21 @@ def test_sharegpt_records_train_as_chat_under_a_template_that_rewrites_history(t
     b, _ = prepare(DataSpec(chat, format="chat"), tok, 16, str(tmp_path / "stores"))
     assert _store_docs(a) == _store_docs(b) and len(_store_docs(a)) == 6  # the first turn's <think> kept in its own
     assert "<think>\nab\n</think>" in _trained_text(tok, _store_docs(a))[0]
+
+
+def test_a_parquet_file_of_padded_structs_trains_as_its_json_lines(tmp_path):
+    """pyarrow (and so a parquet file, or datasets before 5) stores the records as structs whose fields are the union
+    over the file: every message gets tool_calls=None, the Paris call gets query=None and limit=None. The nulls are
+    dropped before rendering, so the store equals the one made from the same records as JSON lines."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = tool_records(reasoning=False)
+    table = pa.Table.from_pylist(records)
+    assert table.to_pylist()[0]["messages"][0]["tool_calls"] is None  # the padding is real
+    pq.write_table(table, tmp_path / "d.parquet")
+    tok = template_tokenizer("llama3_1")
+    a, _ = prepare(DataSpec(str(tmp_path / "d.parquet"), format="chat"), tok, 64, str(tmp_path / "stores"))
+    b, _ = prepare(DataSpec(_jsonl(tmp_path / "d.jsonl", records), format="chat"), tok, 64, str(tmp_path / "stores"))
+    assert a.path != b.path and _store_docs(a) == _store_docs(b)
+    assert '"limit": null' not in tok.decode(_store_docs(a)[0][0])

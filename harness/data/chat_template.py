@@ -41,10 +41,11 @@ class RenderProblem(ValueError):
 
 
 def without_nulls(value):
-    """The value with every None-valued key dropped, at any depth. datasets reads JSON records into Arrow structs
-    whose fields are the union over all records, so a key one record lacks comes back as None (a tool call's
-    `arguments`, a tool schema's `properties`, a message's `tool_calls`); templates test for keys, not values.
-    An explicit null in the data is dropped alike (as transformers drops None-valued message keys)."""
+    """The value with every None-valued key dropped, at any depth. A parquet file (pyarrow, pandas, datasets
+    before 5.0) holds records as Arrow structs whose fields are the union over the file, so a key one record lacks
+    comes back as None (a message's `tool_calls`, a tool call's `arguments`, a tool schema's `properties`);
+    templates test for keys, not values. An explicit null in the data is dropped alike (as transformers drops
+    None-valued message keys)."""
     if isinstance(value, dict):
         return {k: without_nulls(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
