@@ -1,0 +1,202 @@
+"""train.streaming: the shard store (harness/data/shards.py, stream_writer.py) and its order (stream_rows.py).
+
+In one process: the shards hold exactly a finished store's rows (tokens, loss mask, document positions); a writer
+stopped after k shards and started again publishes the same shards as one that ran through; the order is a pure
+function of the step on any number of data-parallel ranks, with epochs once the writer is done; a writer that dies
+ends the waiting ranks with its reason. One 2-rank launch (test_streamed_run_equals_finished_store_and_resumes)
+trains on a store while it is written, resumes during the writing, and matches a finished store step for step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from helpers.corpora import chat_tokenizer, write_chat  # noqa: E402
+from harness.data.corpus import DataSpec  # noqa: E402
+from harness.data.rows import Rows  # noqa: E402
+from harness.data.shards import ShardStore, WriterLost, read_json, shard_dir, stream_key, stream_path  # noqa: E402
+from harness.data.store import prepare  # noqa: E402
+from harness.data.stream_rows import StreamPlan, StreamRows  # noqa: E402
+from harness.data import stream_writer  # noqa: E402
+from harness.errors import UsageError  # noqa: E402
+from harness.model.hf import load_tokenizer  # noqa: E402
+
+SEQ = 16
+SHARD_TOKENS = 5 * SEQ  # 5 rows per shard
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("tiny-llama")
+
+
+def text_corpus(path, docs: int = 120):
+    rng = np.random.default_rng(0)
+    words = ["cat", "dog", "fish", "gate", "Monday", "river", "stone", "blue", "runs", "sleeps"]
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, rng.integers(0, 30)))}) + "\n"
+                            for _ in range(docs)))
+    return path
+
+
+def written(spec, tok, root, shard_tokens=SHARD_TOKENS):
+    key = stream_key(spec, tok, SEQ, shard_tokens)
+    path = stream_path(key, str(root))
+    stream_writer.write_store(spec, tok, key, path)
+    store = ShardStore(path, key)
+    store.refresh()
+    return store
+
+
+def all_rows(store: ShardStore, packing: str):
+    """Every row of the shard store in store order, as Rows.tensors gives them."""
+    parts = []
+    for k in range(store.num_shards):
+        shard = store.shard(k)
+        ends = shard.doc_ends if packing == "document" else None
+        parts.append(Rows(shard.tokens, shard.loss_mask, np.arange(store.shard_size(k)), ends).tensors())
+    return [torch.cat(p) for p in zip(*parts)]
+
+
+@pytest.mark.parametrize("fmt", ["text", "chat"])
+def test_shards_hold_the_finished_stores_rows(tmp_path, tok, fmt):
+    if fmt == "chat":
+        tok = chat_tokenizer()
+        spec = DataSpec(str(write_chat(tmp_path / "chat.jsonl", 60)), format="chat")
+    else:
+        spec = DataSpec(str(text_corpus(tmp_path / "docs.jsonl")))
+    finished, _ = prepare(spec, tok, SEQ, str(tmp_path / "stores"))
+    store = written(spec, tok, tmp_path / "stores")
+    assert store.done and store.num_shards > 3 and store.rows == finished.num_rows
+    assert store.manifest["documents"] <= finished.meta["documents"]
+    for packing in ("concat", "document"):
+        expected = Rows.of(finished, packing).tensors()
+        for got, want in zip(all_rows(store, packing), expected, strict=True):
+            assert torch.equal(got, want), packing
+
+
+def test_restarted_writer_publishes_the_same_shards(tmp_path, tok, monkeypatch):
+    spec = DataSpec(str(text_corpus(tmp_path / "docs.jsonl", 300)))
+    whole = written(spec, tok, tmp_path / "whole")
+    key, path = whole.key, stream_path(whole.key, str(tmp_path / "cut"))
+
+    published = []
+
+    def stop_after_3(self, rows, done):  # the writer is killed right after its third shard
+        original(self, rows, done)
+        published.append(self.manifest["shards"])
+        if self.manifest["shards"] == 3:
+            (shard_dir(path, 3)).mkdir()  # and a renamed-but-uncounted shard a kill could leave
+            raise SystemExit(143)
+    original = stream_writer.Packer.publish
+    monkeypatch.setattr(stream_writer.Packer, "publish", stop_after_3)
+    with pytest.raises(SystemExit):
+        stream_writer.write_store(spec, tok, key, path)
+    assert read_json(path / "writer.json")["state"] == "stopped"
+    assert read_json(path / "manifest.json")["shards"] == 3 and not read_json(path / "manifest.json")["done"]
+    monkeypatch.setattr(stream_writer.Packer, "publish", original)
+    before = (shard_dir(path, 0) / "tokens.bin").stat().st_mtime_ns
+    stream_writer.write_store(spec, tok, key, path)
+    assert (shard_dir(path, 0) / "tokens.bin").stat().st_mtime_ns == before  # reused, not rewritten
+    again = ShardStore(path, key)
+    again.refresh()
+    assert again.manifest == {**whole.manifest}
+    for k in range(whole.num_shards):
+        for name in ("tokens.bin", "doc_index.bin"):
+            assert (shard_dir(path, k) / name).read_bytes() == (shard_dir(whole.path, k) / name).read_bytes(), (k, name)
+
+
+def stream_rows(store, eval_fraction=0.2, seed=3, packing="document"):
+    held, first_train = store.first_split(eval_fraction, seed, packing)
+    return StreamRows(store, first_train, packing), held
+
+
+def plan(rows, dp_rank=0, dp_size=1, micro=2, accum=1, seed=7):
+    return StreamPlan(rows, global_batch=micro * accum * dp_size, micro_batch=micro, grad_accum=accum,
+                      dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+
+
+def test_order_is_a_function_of_the_step_on_any_world_size_with_epochs(tmp_path, tok):
+    store = written(DataSpec(str(text_corpus(tmp_path / "docs.jsonl", 300))), tok, tmp_path / "s")
+    rows, held = stream_rows(store)
+    first = store.shard_size(0)
+    assert len(held) == round(first * 0.2) and rows.known_rows == store.rows - len(held)
+    single = plan(rows, micro=4)
+    pair = [plan(rows, r, 2, micro=1, accum=2) for r in range(2)]
+    spe = single.steps_per_epoch
+    assert spe == rows.known_rows // 4 and spe > 3
+    for step in range(2 * spe + 1):
+        want = single.global_rows(step)
+        assert torch.equal(torch.cat([torch.cat(p.micro_batches(step)) for p in pair]), want)
+        assert single.epoch_of(step) == step // spe
+    epoch0 = torch.cat([single.global_rows(s) for s in range(spe)])
+    epoch1 = torch.cat([single.global_rows(s) for s in range(spe, 2 * spe)])
+    assert len(set(epoch0.tolist())) == spe * 4 and not torch.equal(epoch0, epoch1)
+    assert not set(epoch0.tolist()) & set(held.index.tolist())  # eval rows (shard 0's) never train
+    shard = store.shard_rows  # each epoch goes shard by shard: a step's rows lie in one or two neighbouring shards
+    assert all(int(single.global_rows(s).max()) // shard - int(single.global_rows(s).min()) // shard <= 1
+               for s in range(spe))
+    view = rows[single.global_rows(1)]
+    ids, labels, positions = view.tensors()
+    whole = Rows.of(prepare(DataSpec(str(tmp_path / "docs.jsonl")), tok, SEQ, str(tmp_path / "f"))[0], "document")
+    want = whole[single.global_rows(1)].tensors()
+    assert all(torch.equal(a, b) for a, b in zip((ids, labels, positions), want))
+
+
+def partial_copy(store, dest, shards: int):
+    """The store as its writer left it after `shards` shards (the files of the rest are there, not counted)."""
+    import shutil
+
+    shutil.copytree(store.path, dest)
+    manifest = dict(store.manifest, shards=shards, rows=shards * store.shard_rows, done=False)
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    return ShardStore(dest, store.key)
+
+
+def test_rows_while_written_equal_the_finished_stores_and_a_lost_writer_ends_the_wait(tmp_path, tok):
+    store = written(DataSpec(str(text_corpus(tmp_path / "docs.jsonl", 300))), tok, tmp_path / "s")
+    done_plan = plan(stream_rows(store)[0], micro=4)
+    partial = partial_copy(store, tmp_path / "partial", 4)
+    partial.refresh()
+    live_rows = stream_rows(partial)[0]
+    live = plan(live_rows, micro=4)
+    ready = live_rows.known_rows // 4
+    assert live.steps_per_epoch is None and ready >= 3
+    for step in range(ready):
+        assert torch.equal(live.global_rows(step), done_plan.global_rows(step))
+    (partial.path / "writer.json").write_text(json.dumps({"state": "failed", "kind": "error", "pid": 1, "host": "h",
+                                                          "at": time.time(), "error": "MemoryError: tokenizer"}))
+    with pytest.raises(WriterLost, match="MemoryError: tokenizer"):
+        live.global_rows(ready)
+    (partial.path / "writer.json").unlink()
+    partial.writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"])
+    partial.writer.wait()
+    with pytest.raises(WriterLost, match="exited with code 7 before the store was done"):
+        live.global_rows(ready)
+
+
+def test_bad_record_in_the_stream_fails_the_writer_with_its_line(tmp_path, tok):
+    path = text_corpus(tmp_path / "docs.jsonl", 300)
+    with open(path, "a") as f:
+        f.write('{"text": "fine"}\n{"text": broken\n')
+    spec = DataSpec(str(path))
+    key = stream_key(spec, tok, SEQ, SHARD_TOKENS)
+    folder = stream_path(key, str(tmp_path))
+    with pytest.raises(UsageError) as err:
+        stream_writer.write_store(spec, tok, key, folder)
+    status = read_json(folder / "writer.json")
+    assert status["state"] == "failed" and status["kind"] == "usage" and str(path) in status["error"]
+    reader = ShardStore(folder, key, _since=0)
+    reader.refresh()
+    with pytest.raises(UsageError, match=str(err.value).splitlines()[0][:40]):
+        reader.wait(lambda s: False, "step 1")
