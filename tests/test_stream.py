@@ -85,26 +85,31 @@ def test_shards_hold_the_finished_stores_rows(tmp_path, tok, fmt):
             assert torch.equal(got, want), packing
 
 
-def test_restarted_writer_publishes_the_same_shards(tmp_path, tok, monkeypatch):
+def stop_writer_after(shards: int, spec, tok, key, path) -> None:
+    """Run the writer in this process and stop it (as SIGTERM does) right after it published `shards` shards,
+    leaving also a shard folder renamed into place but not counted (what a kill between the two leaves)."""
+    original = stream_writer.Packer.publish
+
+    def publish(self, rows, done):
+        original(self, rows, done)
+        if self.manifest["shards"] == shards:
+            shard_dir(path, shards).mkdir()
+            raise SystemExit(143)
+    stream_writer.Packer.publish = publish
+    try:
+        with pytest.raises(SystemExit):
+            stream_writer.write_store(spec, tok, key, path)
+    finally:
+        stream_writer.Packer.publish = original
+    assert read_json(path / "writer.json")["state"] == "stopped"
+    assert read_json(path / "manifest.json")["shards"] == shards and not read_json(path / "manifest.json")["done"]
+
+
+def test_restarted_writer_publishes_the_same_shards(tmp_path, tok):
     spec = DataSpec(str(text_corpus(tmp_path / "docs.jsonl", 300)))
     whole = written(spec, tok, tmp_path / "whole")
     key, path = whole.key, stream_path(whole.key, str(tmp_path / "cut"))
-
-    published = []
-
-    def stop_after_3(self, rows, done):  # the writer is killed right after its third shard
-        original(self, rows, done)
-        published.append(self.manifest["shards"])
-        if self.manifest["shards"] == 3:
-            (shard_dir(path, 3)).mkdir()  # and a renamed-but-uncounted shard a kill could leave
-            raise SystemExit(143)
-    original = stream_writer.Packer.publish
-    monkeypatch.setattr(stream_writer.Packer, "publish", stop_after_3)
-    with pytest.raises(SystemExit):
-        stream_writer.write_store(spec, tok, key, path)
-    assert read_json(path / "writer.json")["state"] == "stopped"
-    assert read_json(path / "manifest.json")["shards"] == 3 and not read_json(path / "manifest.json")["done"]
-    monkeypatch.setattr(stream_writer.Packer, "publish", original)
+    stop_writer_after(3, spec, tok, key, path)
     before = (shard_dir(path, 0) / "tokens.bin").stat().st_mtime_ns
     stream_writer.write_store(spec, tok, key, path)
     assert (shard_dir(path, 0) / "tokens.bin").stat().st_mtime_ns == before  # reused, not rewritten
@@ -200,3 +205,53 @@ def test_bad_record_in_the_stream_fails_the_writer_with_its_line(tmp_path, tok):
     reader.refresh()
     with pytest.raises(UsageError, match=str(err.value).splitlines()[0][:40]):
         reader.wait(lambda s: False, "step 1")
+
+
+@pytest.mark.multirank
+def test_streamed_run_equals_finished_store_and_resumes(tmp_path, tok):
+    """One 2-rank launch: L (a store written while it trains: an earlier writer stopped after 3 shards, L's writer
+    continues, slowed to 0.5 s a shard; 6 steps, a checkpoint at 3; L stops its writer unfinished when it ends),
+    R (--resume L's step 3 into a new folder: it reads the shards L's writer left) and F (the store finished
+    beforehand). L's and F's losses and eval losses
+    are equal step for step, and R's steps 4-6 equal F's; the shards written across the restart equal F's."""
+    from helpers.launch import job_output, launch_jobs, losses, records
+    from helpers.parity import common_args
+
+    seq, micro, steps = 32, 2, 6
+    corpus = text_corpus(tmp_path / "docs.jsonl", 700)
+    spec = DataSpec(str(corpus))
+    shard_tokens = 4 * seq
+    finished = stream_path(stream_key(spec, tok, seq, shard_tokens), str(tmp_path / "finished"))
+    stream_writer.write_store(spec, tok, stream_key(spec, tok, seq, shard_tokens), finished)
+    total = read_json(finished / "manifest.json")["shards"]
+    args = ["--recipe", "zero2", "--set", "precision=fp32", *common_args(steps, seq, micro, save_every=3),
+            "--set", "train.eval_every=3", "--set", "train.eval_fraction=0.25", "--set", f"train.dataset={corpus}",
+            "--set", "train.streaming=true", "--set", f"train.stream_shard_tokens={shard_tokens}"]
+    live_store = stream_path(stream_key(spec, tok, seq, shard_tokens), str(tmp_path / "live"))
+    stop_writer_after(3, spec, tok, stream_key(spec, tok, seq, shard_tokens), live_store)
+    live = ["--set", f"train.store_dir={tmp_path / 'live'}"]
+    cases = [[*args, *live, "--output-dir", str(tmp_path / "L")],
+             [*args, *live, "--output-dir", str(tmp_path / "R"), "--resume",
+              str(tmp_path / "L" / "checkpoints" / "global_step3")],
+             [*args, "--set", f"train.store_dir={tmp_path / 'finished'}", "--output-dir", str(tmp_path / "F")]]
+    os.environ[stream_writer.PAUSE_ENV] = "0.5"
+    try:
+        proc = launch_jobs(cases, tmp_path)
+    finally:
+        del os.environ[stream_writer.PAUSE_ENV]
+    first, resumed, done = (job_output(proc.stdout, i) for i in range(3))
+    assert "(being written)" in first and "(done)" in done and "stream writer stopped" not in done, first[-3000:]
+    stopped = [int(line.split("stopped at ")[1].split()[0]) for line in first.splitlines() if "writer stopped" in line]
+    assert stopped and stopped[0] < total, first[-3000:]  # L ended with its writer unfinished
+    assert losses(tmp_path / "L") == losses(tmp_path / "F") and sorted(losses(tmp_path / "F")) == [1, 2, 3, 4, 5, 6]
+    evals = [{r["step"]: r["eval_loss"] for r in records(tmp_path / run, "eval")} for run in ("L", "F")]
+    assert evals[0] == evals[1] and sorted(evals[0]) == [3, 6]
+    assert losses(tmp_path / "R") == {s: v for s, v in losses(tmp_path / "F").items() if s > 3}
+    log = (live_store / "writer.log").read_text()
+    assert "continuing after shard 3 " in log, log  # L's writer went on from the 3 shards an earlier one left
+    assert f"(being written): {stopped[0]} shards" in resumed, resumed[-3000:]  # R reads L's shards, and more
+    manifest = read_json(live_store / "manifest.json")
+    for k in range(manifest["shards"]):
+        for name in ("tokens.bin", "doc_index.bin"):
+            assert (shard_dir(live_store, k) / name).read_bytes() == (shard_dir(finished, k) / name).read_bytes()
+    print(f"streaming: L stopped its writer at {stopped[0]} of {total} shards; R continued to {manifest['shards']}")
