@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from harness.config.stream_rules import shard_rows
 from harness.data.corpus import DataSpec
 from harness.data.rows import Rows, split_rows
 from harness.data.store import store_key, store_path
@@ -43,13 +44,9 @@ FIRST_LINE_S = 0.5  # a wait shorter than this prints nothing
 MANIFEST, STATUS, LOG = "manifest.json", "writer.json", "writer.log"
 
 
-def shard_rows_for(shard_tokens: int, seq_len: int) -> int:
-    return max(1, shard_tokens // seq_len)
-
-
 def stream_key(spec: DataSpec, tokenizer, seq_len: int, shard_tokens: int) -> dict:
     return {**store_key(spec, tokenizer, seq_len), "layout": LAYOUT,
-            "shard_rows": shard_rows_for(shard_tokens, seq_len)}
+            "shard_rows": shard_rows(shard_tokens, seq_len)}
 
 
 def stream_path(key: dict, root: str | None) -> Path:

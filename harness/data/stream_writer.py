@@ -255,13 +255,11 @@ def main(argv: list[str]) -> int:
 
 def spawn(spec, tokenizer, key: dict, path: Path) -> subprocess.Popen:
     """Start the writer of the store at `path` (local rank 0), output to its writer.log."""
-    import harness
-
     path.mkdir(parents=True, exist_ok=True)
     job = path / f".writer-job-{os.getpid()}.pkl"
     job.write_bytes(pickle.dumps({"spec": spec, "tokenizer": tokenizer, "key": key, "path": str(path)}))
     env = dict(os.environ)
-    repo = str(Path(harness.__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])  # where the harness package is
     env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
     with open(path / "writer.log", "a") as log:
         return subprocess.Popen([sys.executable, "-m", "harness.data.stream_writer", str(job), str(os.getpid())],
