@@ -255,3 +255,25 @@ def test_streamed_run_equals_finished_store_and_resumes(tmp_path, tok):
         for name in ("tokens.bin", "doc_index.bin"):
             assert (shard_dir(live_store, k) / name).read_bytes() == (shard_dir(finished, k) / name).read_bytes()
     print(f"streaming: L stopped its writer at {stopped[0]} of {total} shards; R continued to {manifest['shards']}")
+
+
+def test_a_rank_that_catches_up_waits_with_a_progress_line(tmp_path, tok, capsys):
+    import threading
+
+    store = written(DataSpec(str(text_corpus(tmp_path / "docs.jsonl", 300))), tok, tmp_path / "s")
+    partial = partial_copy(store, tmp_path / "partial", 4)
+    partial.talk = True
+    partial.refresh()
+    rows = stream_rows(partial)[0]
+    live = plan(rows, micro=4)
+    ready = rows.known_rows // 4
+    publish = threading.Timer(1.5, lambda: (partial.path / "manifest.json").write_text(json.dumps(store.manifest)))
+    publish.start()
+    start = time.monotonic()
+    got = live.global_rows(ready)  # past the published rows: waits until the "writer" publishes the rest
+    waited = time.monotonic() - start
+    publish.join()
+    assert 1.4 < waited < 10 and partial.waited_s >= 1.4
+    assert torch.equal(got, plan(stream_rows(store)[0], micro=4).global_rows(ready))
+    out = capsys.readouterr().out
+    assert f"step {ready + 1} waits for the stream writer: 20 rows in 4 shards published" in out, out
