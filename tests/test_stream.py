@@ -49,10 +49,10 @@ def text_corpus(path, docs: int = 120):
     return path
 
 
-def written(spec, tok, root, shard_tokens=SHARD_TOKENS):
+def written(spec, tok, root, shard_tokens=SHARD_TOKENS, num_proc=1):
     key = stream_key(spec, tok, SEQ, shard_tokens)
     path = stream_path(key, str(root))
-    stream_writer.write_store(spec, tok, key, path)
+    stream_writer.write_store(spec, tok, key, path, num_proc)
     store = ShardStore(path, key)
     store.refresh()
     return store
@@ -76,7 +76,7 @@ def test_shards_hold_the_finished_stores_rows(tmp_path, tok, fmt):
     else:
         spec = DataSpec(str(text_corpus(tmp_path / "docs.jsonl")))
     finished, _ = prepare(spec, tok, SEQ, str(tmp_path / "stores"))
-    store = written(spec, tok, tmp_path / "stores")
+    store = written(spec, tok, tmp_path / "stores", num_proc=2 if fmt == "text" else 1)  # forked tokenizers too
     assert store.done and store.num_shards > 3 and store.rows == finished.num_rows
     assert store.manifest["documents"] <= finished.meta["documents"]
     for packing in ("concat", "document"):

@@ -49,7 +49,7 @@ def _prepare_pairs(spec, tokenizer, train: dict, truncation: str, num_proc: int 
     return 0
 
 
-def _prepare_shards(spec, tokenizer, train: dict) -> int:
+def _prepare_shards(spec, tokenizer, train: dict, num_proc: int | None) -> int:
     """--set train.streaming=true: the shard store a streamed run reads, written to the end here (continuing from
     the shards a run's writer left)."""
     import time
@@ -59,7 +59,7 @@ def _prepare_shards(spec, tokenizer, train: dict) -> int:
 
     start = time.perf_counter()
     key = stream_key(spec, tokenizer, train["seq_len"], train["stream_shard_tokens"])
-    manifest = write_store(spec, tokenizer, key, stream_path(key, train["store_dir"] or None))
+    manifest = write_store(spec, tokenizer, key, stream_path(key, train["store_dir"] or None), num_proc)
     print(f"[data] {manifest['shards']} shards of {manifest['shard_rows']} rows: {manifest['rows']} rows of "
           f"{manifest['seq_len']}, {manifest['documents']} documents, {manifest['loss_tokens']} tokens carry loss "
           f"({time.perf_counter() - start:.1f}s)")
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if spec.uses_chat_template:
         check_chat_template(tokenizer, train["model"], spec.format)
     if train["streaming"]:
-        return _prepare_shards(spec, tokenizer, train)
+        return _prepare_shards(spec, tokenizer, train, args.num_proc)
     store, made = prepare(spec, tokenizer, train["seq_len"], train["store_dir"] or None,
                           num_proc=args.num_proc, streaming=True if args.stream else None)
     meta = store.meta

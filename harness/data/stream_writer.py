@@ -101,18 +101,51 @@ def _records(spec, start: int):
         raise load_failure(spec, err) or err from None
 
 
-def _encoded(spec, tokenizer, start: int):
-    """(token ids, loss mask or None) per record from record `start` on, as one list per batch."""
+_ENCODE = None  # the encoder forked pool workers inherit (closures do not pickle)
+
+
+def _flat(encode, batch: dict, indices: list[int] | None):
+    """(tokens per record, all token ids, all loss-mask bits or None) of a batch: numpy, cheap to send back."""
+    out = encode(batch, indices) if indices is not None else encode(batch)
+    ids, mask = out["input_ids"], out.get("loss_mask")
+    lengths = np.array([len(x) for x in ids], dtype=np.int64)
+    flat = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=int(lengths.sum()))
+    bits = None if mask is None else np.fromiter((t for x in mask for t in x), dtype=np.uint8, count=flat.size)
+    return lengths, flat, bits
+
+
+def _flat_inherited(job):
+    return _flat(_ENCODE, *job)
+
+
+def writer_procs() -> int:
+    """Tokenizing processes of a writer: the node's cores the ranks leave (LOCAL_WORLD_SIZE), at least one."""
+    from harness.data.store import default_num_proc
+
+    return max(1, default_num_proc() - int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _encoded(spec, tokenizer, start: int, num_proc: int):
+    """_flat per batch of source records from record `start` on, in order; num_proc > 1: by forked workers."""
+    import multiprocessing
+
     from harness.data.formats import encoder
 
-    encode = encoder(spec, tokenizer)
+    global _ENCODE
+    encode = _ENCODE = encoder(spec, tokenizer)
     indexed = getattr(encode, "with_indices", False)
-    at = start
-    for batch in _records(spec, start):
-        size = len(next(iter(batch.values()))) if batch else 0
-        out = encode(batch, list(range(at, at + size))) if indexed else encode(batch)
-        at += size
-        yield out["input_ids"], out.get("loss_mask")
+
+    def jobs():
+        at = start
+        for batch in _records(spec, start):
+            size = len(next(iter(batch.values()))) if batch else 0
+            yield batch, (list(range(at, at + size)) if indexed else None)
+            at += size
+    if num_proc <= 1:
+        yield from (_flat(encode, *job) for job in jobs())
+        return
+    with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+        yield from pool.imap(_flat_inherited, jobs())
 
 
 class Packer:
@@ -130,23 +163,20 @@ class Packer:
         self.recs = np.zeros((0, 3), np.int64)  # pending records: (record, start offset, length)
         self.skip, self.cursor = skip, self.base - skip  # stream offset of the next record's first token
 
-    def add(self, ids: list[list[int]], mask: list[list[int]] | None) -> None:
-        lengths = np.array([len(x) for x in ids], dtype=np.int64)
+    def add(self, lengths: np.ndarray, flat: np.ndarray, bits: np.ndarray | None) -> None:
+        """One batch of records: tokens per record, their ids back to back and loss-mask bits (_flat)."""
         starts = self.cursor + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        flat = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=int(lengths.sum()))
         if flat.size and int(flat.max()) > np.iinfo(self.dtype).max:
             raise AssertionError(f"token id {int(flat.max())} does not fit {self.dtype}")  # dtype_for's promise
-        bits = (np.fromiter((t for x in mask for t in x), dtype=np.uint8, count=flat.size) if self.masked
-                else np.zeros(0, np.uint8))
         drop, self.skip = self.skip, 0  # a restart: the first record's first tokens are in the published shards
         self.ids = np.concatenate([self.ids, flat[drop:].astype(self.dtype)])
         if self.masked:
             self.mask = np.concatenate([self.mask, bits[drop:]])
         keep = lengths > 0
         self.ends = np.concatenate([self.ends, (starts + lengths)[keep].astype(np.uint64)])
-        numbers = np.arange(self.record, self.record + len(ids), dtype=np.int64)
+        numbers = np.arange(self.record, self.record + len(lengths), dtype=np.int64)
         self.recs = np.concatenate([self.recs, np.stack([numbers, starts, lengths], axis=1)[keep]])
-        self.record += len(ids)
+        self.record += len(lengths)
         self.cursor += int(lengths.sum())
         self.status.records = self.record
         while self.ids.size >= self.shard_rows * self.seq_len:
@@ -194,9 +224,9 @@ class Packer:
         write_json(self.path / MANIFEST, self.manifest)
 
 
-def write_store(spec, tokenizer, key: dict, path: Path, status_cls=Status) -> dict:
+def write_store(spec, tokenizer, key: dict, path: Path, num_proc: int | None = None) -> dict:
     """Publish shards until the source ends, continuing from the published ones; the final manifest. Holds the
-    store's writer lock (a second writer waits here)."""
+    store's writer lock (a second writer waits here). num_proc: tokenizing processes (None: writer_procs())."""
     import fcntl
 
     path.mkdir(parents=True, exist_ok=True)
@@ -207,13 +237,13 @@ def write_store(spec, tokenizer, key: dict, path: Path, status_cls=Status) -> di
         if manifest["done"]:
             return manifest
         _tidy(path, manifest["shards"])
-        status = status_cls(path)
+        status = Status(path)
         try:
             packer = Packer(path, manifest, status, float(os.environ.get(PAUSE_ENV, "0") or 0))
             print(f"[stream] {path}: {'continuing after ' if manifest['shards'] else 'starting at '}shard "
                   f"{manifest['shards']} (source record {manifest['next'][0]})", flush=True)
-            for ids, mask in _encoded(spec, tokenizer, packer.record):
-                packer.add(ids, mask)
+            for lengths, flat, bits in _encoded(spec, tokenizer, packer.record, num_proc or writer_procs()):
+                packer.add(lengths, flat, bits)
             packer.finish(spec)
         except UsageError as err:
             status.end("failed", kind="usage", error=str(err))
