@@ -210,7 +210,7 @@ def test_bad_record_in_the_stream_fails_the_writer_with_its_line(tmp_path, tok):
 @pytest.mark.multirank
 def test_streamed_run_equals_finished_store_and_resumes(tmp_path, tok):
     """One 2-rank launch: L (a store written while it trains: an earlier writer stopped after 3 shards, L's writer
-    continues, slowed to 0.5 s a shard; 6 steps, a checkpoint at 3; L stops its writer unfinished when it ends),
+    continues, slowed to 0.3 s a shard; 6 steps, a checkpoint at 3; L stops its writer unfinished when it ends),
     R (--resume L's step 3 into a new folder: it reads the shards L's writer left) and F (the store finished
     beforehand). L's and F's losses and eval losses
     are equal step for step, and R's steps 4-6 equal F's; the shards written across the restart equal F's."""
@@ -234,7 +234,7 @@ def test_streamed_run_equals_finished_store_and_resumes(tmp_path, tok):
              [*args, *live, "--output-dir", str(tmp_path / "R"), "--resume",
               str(tmp_path / "L" / "checkpoints" / "global_step3")],
              [*args, "--set", f"train.store_dir={tmp_path / 'finished'}", "--output-dir", str(tmp_path / "F")]]
-    os.environ[stream_writer.PAUSE_ENV] = "0.5"
+    os.environ[stream_writer.PAUSE_ENV] = "0.3"  # 243 shards: minutes, far longer than L
     try:
         proc = launch_jobs(cases, tmp_path)
     finally:
@@ -246,6 +246,8 @@ def test_streamed_run_equals_finished_store_and_resumes(tmp_path, tok):
     assert losses(tmp_path / "L") == losses(tmp_path / "F") and sorted(losses(tmp_path / "F")) == [1, 2, 3, 4, 5, 6]
     evals = [{r["step"]: r["eval_loss"] for r in records(tmp_path / run, "eval")} for run in ("L", "F")]
     assert evals[0] == evals[1] and sorted(evals[0]) == [3, 6]
+    waits = [json.loads((tmp_path / run / "summary.json").read_text())["stream_wait_s"] for run in "LRF"]
+    assert waits[2] == 0 and all(w >= 0 for w in waits), waits  # a finished store never waits
     assert losses(tmp_path / "R") == {s: v for s, v in losses(tmp_path / "F").items() if s > 3}
     log = (live_store / "writer.log").read_text()
     assert "continuing after shard 3 " in log, log  # L's writer went on from the 3 shards an earlier one left
@@ -254,7 +256,7 @@ def test_streamed_run_equals_finished_store_and_resumes(tmp_path, tok):
     for k in range(manifest["shards"]):
         for name in ("tokens.bin", "doc_index.bin"):
             assert (shard_dir(live_store, k) / name).read_bytes() == (shard_dir(finished, k) / name).read_bytes()
-    print(f"streaming: L stopped its writer at {stopped[0]} of {total} shards; R continued to {manifest['shards']}")
+    print(f"streaming: L stopped its writer at {stopped[0]} of {total} shards; {manifest['shards']} after R")
 
 
 def test_a_rank_that_catches_up_waits_with_a_progress_line(tmp_path, tok, capsys):

@@ -158,6 +158,8 @@ class ShardStore:
         """Until enough(self) (re-read the manifest every POLL_S) or the store is done; a progress line from
         FIRST_LINE_S on, then every PROGRESS_S; WriterLost (or the writer's UsageError) if the writer stops first."""
         self.refresh()
+        if self.done or enough(self):
+            return
         start, said = time.monotonic(), None
         while not (self.done or enough(self)):
             waited = time.monotonic() - start

@@ -276,6 +276,8 @@ def run(spec, dist) -> int:
                 code = faults.EXIT_NUMERIC_FAULT
                 return code
             result.update(startup_summary)
+            if hasattr(data.train, "store"):  # streaming: how long rank 0 waited for its node's writer
+                result["stream_wait_s"] = round(data.train.store.waited_s, 3)
             for hook in hooks:
                 result.update(hook.close() or {})
             if dist.is_main:
