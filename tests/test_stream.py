@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import multiprocessing
 import sys
 import time
 
@@ -184,8 +184,9 @@ def test_rows_while_written_equal_the_finished_stores_and_a_lost_writer_ends_the
     with pytest.raises(WriterLost, match="MemoryError: tokenizer"):
         live.global_rows(ready)
     (partial.path / "writer.json").unlink()
-    partial.writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"])
-    partial.writer.wait()
+    partial.writer = multiprocessing.get_context("spawn").Process(target=sys.exit, args=(7,))  # a writer that died
+    partial.writer.start()
+    partial.writer.join()
     with pytest.raises(WriterLost, match="exited with code 7 before the store was done"):
         live.global_rows(ready)
 

@@ -103,7 +103,8 @@ class WriterLost(RuntimeError):
 
 @dataclass
 class ShardStore:
-    """The reader of one shard store. `writer`: the writer process (local rank 0 holds it; None elsewhere);
+    """The reader of one shard store. `writer`: the writer's multiprocessing Process (local rank 0 holds it; None
+    elsewhere);
     `talk`: this rank prints the waiting lines (rank 0)."""
 
     path: Path
@@ -177,7 +178,7 @@ class ShardStore:
         status = read_json(self.path / STATUS) or {}
         if status.get("state") == "failed" and status.get("at", 0) >= self._since - 1:
             raise_failure(self, status)
-        code = self.writer.poll() if self.writer is not None else None
+        code = self.writer.exitcode if self.writer is not None else None
         if code is not None:
             self.refresh()
             if self.done:

@@ -1,8 +1,8 @@
 """The writer of a shard store (harness/data/shards.py): reads the source as a stream, tokenizes it and publishes
 one shard of shard_rows packed rows at a time, while the ranks train on the shards already there.
 
-Local rank 0 of each node starts it as a process of its own (`python -m harness.data.stream_writer JOB`, its own
-session: its pool workers go with it) and stops it when the run ends; `harness data prepare --set
+Local rank 0 of each node starts it as a process of its own (spawned, in its own session: its pool workers go
+with it) and stops it when the run ends; `harness data prepare --set
 train.streaming=true` runs it to the end in the foreground. One writer per store at a time: it holds the store's
 `.writer.lock` (flock); a second one (another run, another node on a shared folder) waits on it as a standby and
 continues if the first one dies. A writer continues where the published shards end: the manifest's `next` is the
@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -29,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.data.shards import MANIFEST, STATUS, host, read_json, read_manifest, shard_dir, write_json
+from harness.data.shards import LOG, MANIFEST, STATUS, host, read_json, read_manifest, shard_dir, write_json
 from harness.data.store import dtype_for
 from harness.errors import UsageError
 
@@ -269,47 +267,48 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
-def main(argv: list[str]) -> int:
-    job_path, parent = Path(argv[0]), int(argv[1])
-    job = pickle.loads(job_path.read_bytes())
-    job_path.unlink(missing_ok=True)
+def _child(spec, tokenizer, key: dict, path: str, parent: int) -> None:
+    """The writer process's body: its own session (stop() ends it and its workers as one group), its output to
+    writer.log, gone with its parent; exit 2 on bad input (the status says why), 1 on any other failure."""
+    os.setsid()
+    log = os.open(Path(path) / LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
     _watch_parent(parent)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the status says failed, the lock is freed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the status says stopped, the lock is freed
     try:
-        write_store(job["spec"], job["tokenizer"], job["key"], Path(job["path"]))
+        write_store(spec, tokenizer, key, Path(path))
     except UsageError as err:
         print(f"[stream] error: {err}", flush=True)
-        return 2
-    return 0
+        sys.exit(2)
 
 
-def spawn(spec, tokenizer, key: dict, path: Path) -> subprocess.Popen:
-    """Start the writer of the store at `path` (local rank 0), output to its writer.log."""
+def spawn(spec, tokenizer, key: dict, path: Path):
+    """Start the writer of the store at `path` (local rank 0): a spawned process (the rank runs the process group's
+    threads, so no fork), given the spec and the tokenizer as run_in_child gives its arguments."""
+    import multiprocessing
+
     path.mkdir(parents=True, exist_ok=True)
-    job = path / f".writer-job-{os.getpid()}.pkl"
-    job.write_bytes(pickle.dumps({"spec": spec, "tokenizer": tokenizer, "key": key, "path": str(path)}))
-    env = dict(os.environ)
-    repo = str(Path(__file__).resolve().parents[2])  # where the harness package is
-    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
-    with open(path / "writer.log", "a") as log:
-        return subprocess.Popen([sys.executable, "-m", "harness.data.stream_writer", str(job), str(os.getpid())],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = multiprocessing.get_context("spawn").Process(target=_child, name="dsharness-stream-writer",
+                                                        args=(spec, tokenizer, key, str(path), os.getpid()))
+    proc.start()
+    return proc
 
 
-def stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> bool:
-    """End the writer and its workers if it still runs; whether it had to be stopped."""
-    if proc.poll() is not None:
+def stop(proc, timeout_s: float = 10.0) -> bool:
+    """End the writer (a multiprocessing Process) and its workers if it still runs; whether it had to be stopped."""
+    if proc.exitcode is not None:
         return False
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:  # not yet in its own group
+        proc.terminate()
+    proc.join(timeout_s)
+    if proc.exitcode is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.kill()
+        proc.join()
     return True
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
