@@ -280,3 +280,24 @@ def test_a_rank_that_catches_up_waits_with_a_progress_line(tmp_path, tok, capsys
     assert torch.equal(got, plan(stream_rows(store)[0], micro=4).global_rows(ready))
     out = capsys.readouterr().out
     assert f"step {ready + 1} waits for the stream writer: 20 rows in 4 shards published" in out, out
+
+
+def test_a_second_writer_waits_for_the_first_and_writes_nothing(tmp_path, tok, monkeypatch, capsys):
+    """Two writers of one store (two runs, or two nodes on a shared folder): the second waits on the store's lock
+    as a standby and, the first done, finds the store done."""
+    import threading
+
+    spec = DataSpec(str(text_corpus(tmp_path / "docs.jsonl", 50)))
+    key = stream_key(spec, tok, SEQ, SHARD_TOKENS)
+    path = stream_path(key, str(tmp_path))
+    monkeypatch.setenv(stream_writer.PAUSE_ENV, "0.02")
+    first = threading.Thread(target=stream_writer.write_store, args=(spec, tok, key, path, 1))
+    first.start()
+    while read_json(path / "manifest.json") is None or read_json(path / "manifest.json")["shards"] < 2:
+        time.sleep(0.01)
+    second = stream_writer.write_store(spec, tok, key, path, 1)  # blocks on the lock until the first is done
+    first.join()
+    assert second["done"] and second == read_json(path / "manifest.json")
+    assert read_json(path / "writer.json")["state"] == "done"
+    out = capsys.readouterr().out
+    assert out.count("starting at shard 0") == 1 and "continuing" not in out, out  # the second one wrote nothing
