@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.data.shards import LOG, MANIFEST, STATUS, host, read_json, read_manifest, shard_dir, write_json
-from harness.data.store import dtype_for
+from harness.data.store import _one_thread_per_process, dtype_for
 from harness.errors import UsageError
 
 BATCH_RECORDS = 1000  # records tokenized per call
@@ -142,7 +142,8 @@ def _encoded(spec, tokenizer, start: int, num_proc: int):
     if num_proc <= 1:
         yield from (_flat(encode, *job) for job in jobs())
         return
-    with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+    # one tokenizer thread per worker: a fast tokenizer's thread pool, used before the fork, deadlocks in the child
+    with _one_thread_per_process(num_proc), multiprocessing.get_context("fork").Pool(num_proc) as pool:
         yield from pool.imap(_flat_inherited, jobs())
 
 
