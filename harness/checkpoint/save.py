@@ -51,6 +51,16 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def schedule_of(ds_config: dict) -> dict:
+    """What decides the lr at each step, flat: the optimizer's lr and the scheduler's type and params (a resume
+    compares it with its own: harness/train/schedule.py)."""
+    block = ds_config.get("scheduler") or {"type": "none"}
+    flat = {"optimizer.lr": ds_config.get("optimizer", {}).get("params", {}).get("lr"),
+            "scheduler.type": block.get("type")}
+    flat.update({f"scheduler.{k}": v for k, v in (block.get("params") or {}).items()})
+    return flat
+
+
 def manifest(spec, info, step: int) -> dict:
     """`info`: the built model's ModelInfo (harness/model/load/meta.py): its dtypes and a pipeline's partition."""
     import deepspeed
@@ -65,7 +75,7 @@ def manifest(spec, info, step: int) -> dict:
             "adapter": spec.recipe.get("adapter", {"type": "none"}), "seed": spec.recipe["train"]["seed"],
             "torch": torch.__version__, "transformers": transformers.__version__,
             "checkpoint_dtype": info.checkpoint_dtype, "train_dtype": info.train_dtype, "sp": run.degrees.sp,
-            "universal_patterns": relayout.PATTERNS_VERSION,
+            "universal_patterns": relayout.PATTERNS_VERSION, "schedule": schedule_of(spec.ds_config),
             **({"partition": info.partition} if info.partition else {})}
 
 
