@@ -152,7 +152,8 @@ def _resume_layout(ds: dict, source: str, point, world: int, pp: int, tp: int, n
     resumemod.check_batch(point, ds, source)
     expert = resumemod.check_expert(point, ds)  # MoE: another expert degree goes through the universal form
     stage = int(ds.get("zero_optimization", {}).get("stage", 0))
-    if not expert and not resumemod.needs_universal(point, world, pp, tp, stage):
+    precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
+    if not expert and not resumemod.needs_universal(point, world, pp, tp, stage, precision):
         return ds
     saved = point.layout()
     notes.append(f"resume: {point.tag} was saved on world {saved[0]} (pp {saved[1]}, tp {saved[2]}, expert "
