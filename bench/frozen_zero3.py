@@ -54,7 +54,8 @@ def frozen(folder: Path, out: Path, precision: str) -> dict:
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--master_port", str(free_port()), "--num_gpus", "2",
            "tests/drivers/frozen_zero3.py", str(report), "--recipe", "lora_zero3", "--model", str(folder),
            "--output-dir", str(out / "run-frozen"), "--overwrite", "--set", f"precision={precision}",
-           "--set", "train.seq_len=128", "--set", "batch.micro_batch_per_gpu=1", "--set", "activation_checkpointing=true"]
+           "--set", "train.seq_len=128", "--set", "batch.micro_batch_per_gpu=1",
+           "--set", "activation_checkpointing=true"]
     watch = scale._watch(cmd, scale._env(), out / "frozen.log")
     shutil.rmtree(out / "run-frozen", ignore_errors=True)
     return json.loads(report.read_text()) if watch["rc"] == 0 else {"error": (out / "frozen.log").read_text()[-1500:]}

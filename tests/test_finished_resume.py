@@ -16,7 +16,8 @@ import pytest
 from helpers.launch import ROOT, env
 from helpers.reliability import COMMON, TOTAL, steps
 
-COMPLETE = f"global_step{TOTAL} is step {TOTAL}, its last step: the run is complete, nothing to train and nothing written"
+COMPLETE = (f"global_step{TOTAL} is step {TOTAL}, its last step: the run is complete, nothing to train and nothing "
+            "written")
 
 
 def snapshot(run: Path) -> dict:
@@ -39,7 +40,8 @@ def test_a_finished_run_resumed_says_so_writes_nothing_and_exits_0(finished, cap
     args = ["--recipe", "zero2", *COMMON, *steps(TOTAL), "--output-dir", str(finished), "--resume", "latest"]
     assert main(args, launch=ONE_PROCESS) == 0  # harness/run.py in this process: no rank needs to start
     assert COMPLETE in capsys.readouterr().out
-    proc = subprocess.run([str(Path(sys.executable).parent / "harness"), "launch", "--max-restarts", "2", "--num_gpus", "2", "harness/run.py", *args],
+    harness = Path(sys.executable).parent / "harness"
+    proc = subprocess.run([str(harness), "launch", "--max-restarts", "2", "--num_gpus", "2", "harness/run.py", *args],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert COMPLETE in proc.stdout and "Traceback" not in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -54,8 +54,8 @@ def lrs_at(block: dict, base_lrs: list[float], iterations) -> list[list[float]]:
 
 
 def differs(saved: dict | None, here: dict) -> str | None:
-    """What changed between the checkpoint's schedule (its manifest's, checkpoint/save.schedule_of) and this launch's, as
-    'key a -> b' parts; None when nothing did, or the checkpoint predates the manifest's record of it."""
+    """What changed between the checkpoint's schedule (its manifest's, checkpoint/save.schedule_of) and this
+    launch's, as 'key a -> b' parts; None when nothing did, or the checkpoint predates the manifest's record of it."""
     if saved is None:
         return None
     parts = [f"{k} {saved.get(k)} -> {here.get(k)}" for k in sorted(set(saved) | set(here))
