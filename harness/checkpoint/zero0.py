@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from harness.checkpoint.expert_layout import load_converted
+
 NAMES = "zero0_param_names"  # client state of a ZeRO-0 save: [[parameter name, ...] per optimizer group]
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -44,7 +46,7 @@ def to_universal(source: Path, out: Path) -> None:
 
     from harness.model.parallel.tensor import split_dim
 
-    states = torch.load(source / MODEL_STATES, map_location="cpu", weights_only=False)
+    states = load_converted(source / MODEL_STATES)
     names, optim = states.get(NAMES), states["optimizer"]
     if names is None:
         raise RuntimeError(f"{source}: a ZeRO-0 save without {NAMES} (written before the harness recorded them)")
@@ -88,10 +90,10 @@ def load_universal(engine, folder: Path) -> dict:
     names = {id(p): n for n, p in engine.module.named_parameters()}
     for index, param in enumerate(flat):
         source = zero / names[id(param)]
-        param.copy_(torch.load(source / "fp32.pt", weights_only=False)[PARAM].view_as(param))
-        step = _step(torch.load(source / "step.pt", weights_only=False))
+        param.copy_(load_converted(source / "fp32.pt")[PARAM].view_as(param))
+        step = _step(load_converted(source / "step.pt"))
         state[index] = {"step": _as_optimizer_step(optimizer, step),
-                        **{k: torch.load(source / f"{k}.pt", weights_only=False)[PARAM].view_as(param).to(param)
+                        **{k: load_converted(source / f"{k}.pt")[PARAM].view_as(param).to(param)
                            for k in MOMENTS}}
     for name, param in engine.module.named_parameters():  # frozen ones (LoRA's base) come from the build
         if param.requires_grad and id(param) not in {id(p) for p in flat}:
@@ -100,7 +102,7 @@ def load_universal(engine, folder: Path) -> dict:
     for group in groups:
         group["step"] = step  # DeepSpeed's FusedAdam starts a parameter's state from its group's step
     optimizer.load_state_dict({"state": state, "param_groups": groups})
-    states = torch.load(folder / MODEL_STATES, map_location="cpu", weights_only=False)
+    states = load_converted(folder / MODEL_STATES)
     if engine.lr_scheduler is not None and states.get("lr_scheduler"):
         engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
     engine.global_steps = states.get("global_steps", engine.global_steps)
