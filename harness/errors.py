@@ -33,6 +33,11 @@ class UsageError(Exception):
     """Bad command-line input (unknown recipe, malformed --set, missing file). Exit code 2."""
 
 
+class RunComplete(Exception):
+    """A resumed run whose checkpoint is already at (or past) train.steps: nothing to train, nothing is written.
+    Exit code 0, so `harness launch --max-restarts` and a requeued Slurm job end as done, not failed."""
+
+
 class ConfigError(Exception):
     """One or more configuration problems. Exit code 2."""
 

@@ -4,10 +4,11 @@
     python harness/run.py --recipe ddp --set train.steps=20             (one process)
 
 parse -> load recipe -> resolve + validate for this world size -> train -> teardown.
-Exit codes: 0 done; 2 bad input (one clear message on rank 0, and on each other node's first rank, before any
-process group exists); 75 preempted (SIGTERM/SIGUSR1: checkpoint saved at the step the ranks agreed on,
-`--resume latest` continues; harness/train/preempt.py); 3 numeric fault (train.on_nonfinite: the step, the ranks
-and the batch's rows named, nothing saved after it; harness/train/faults.py); 1 anything else, e.g. a collective that outlived
+Exit codes: 0 done (also a resumed run already at train.steps: it says so and writes nothing); 2 bad input (one
+clear message on rank 0, and on each other node's first rank, before any process group exists); 75 preempted
+(SIGTERM/SIGUSR1: checkpoint saved at the step the ranks agreed on, `--resume latest` continues;
+harness/train/preempt.py); 3 numeric fault (train.on_nonfinite: the step, the ranks and the batch's rows named,
+nothing saved after it; harness/train/faults.py); 1 anything else, e.g. a collective that outlived
 train.collective_timeout.
 """
 
@@ -19,7 +20,7 @@ import sys
 if __package__ in (None, ""):  # launched by path (deepspeed harness/run.py): make `harness` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness.errors import ConfigError, UsageError, without_secrets  # noqa: E402
+from harness.errors import ConfigError, RunComplete, UsageError, without_secrets  # noqa: E402
 
 
 def main(argv: list[str] | None = None, launch=None) -> int:
@@ -42,6 +43,12 @@ def main(argv: list[str] | None = None, launch=None) -> int:
             text = without_secrets(str(e))
             print(f"error: {text}" if rank == 0 else f"error (rank {rank}): {text}", file=sys.stderr)
         return 2
+    except RunComplete as e:  # exit 0: a restart or a requeue after the last step ends as done
+        if rank == 0:
+            from harness.log import say
+
+            say("done", str(e))
+        return 0
     except CollectiveTimeout as e:  # every rank that timed out says so: the first line names the setting
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -99,11 +99,11 @@ def test_builder_keeps_what_deepspeed_would_ignore_so_rules_can_report_it():
 def test_scheduler_follows_the_run_length():
     short = complete({"description": "x"}, "x", ["train.steps=5"])
     params = builder.build(short)["scheduler"]["params"]
-    assert params["warmup_num_steps"] == 5 and params["total_num_steps"] == 5
+    assert params["warmup_num_steps"] == 5 and params["total_num_steps"] == 6  # ends after the last step
     assert params["warmup_max_lr"] == short["optimizer"]["lr"]
     assert "scheduler" not in builder.build(complete({"description": "x", "scheduler": {"type": "none"}}, "x"))
     cosine = builder.build(complete({"description": "x", "scheduler": {"type": "WarmupCosineLR"}}, "x"))
-    assert cosine["scheduler"]["params"]["total_num_steps"] == 100
+    assert cosine["scheduler"]["params"]["total_num_steps"] == 101
 
 
 def test_raw_deepspeed_block_is_merged_last():

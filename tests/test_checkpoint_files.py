@@ -98,13 +98,21 @@ def test_another_tensor_pipeline_degree_or_zero_partitioning_goes_through_the_un
         resume.needs_universal(old, 2, 1, 1, 2)
 
 
-def test_zero0_on_one_side_of_a_layout_change_is_refused(tmp_path):
-    point = resume.find(str(make(tmp_path, 4, world=2, shards=False, pp=2, dp=1)), tmp_path)
-    with pytest.raises(UsageError, match=r"neither reads nor writes ZeRO-0's optimizer state\n    fix: launch 2 "
-                                         r"ranks with pipeline 2, tensor 1 on ZeRO-0, or ZeRO-1 or above"):
-        resume.needs_universal(point, 2, 1, 1, 0)
-    with pytest.raises(UsageError, match=r"ZeRO-0; this launch is world 2 with pipeline 2, tensor 1, ZeRO-1"):
-        resume.needs_universal(point, 2, 2, 1, 1)
+def test_zero0_on_one_side_of_a_layout_change_goes_through_the_universal_form_where_fp32_without_tp_or_pp(tmp_path):
+    """checkpoint/zero0.py writes and reads ZeRO-0's side of the universal form: fp32, pipeline 1, tensor 1."""
+    plain = resume.find(str(make(tmp_path / "ddp", 4, world=2, shards=False, precision="fp32")), tmp_path)
+    assert resume.needs_universal(plain, 2, 1, 1, 2) and resume.needs_universal(plain, 2, 2, 1, 1)  # -> zero2, pp2
+    assert not resume.needs_universal(plain, 1, 1, 1, 0)  # ZeRO-0 to ZeRO-0: loads on any world as it is
+    pipeline = resume.find(str(make(tmp_path / "pp", 4, world=2, pp=2, dp=1, zero_stage=1)), tmp_path)
+    assert resume.needs_universal(pipeline, 2, 1, 1, 0)  # pipeline -> ddp
+    with pytest.raises(UsageError, match=r"ZeRO-1; this launch is world 2 with pipeline 1, tensor 1, ZeRO-0: a layout "
+                                         r"change with ZeRO-0 .* \(the launched side is pipeline 1, tensor 1, bf16\)\n"
+                                         r"    fix: launch 2 ranks with pipeline 2, tensor 1 on ZeRO-1, or ZeRO-1 or "
+                                         r"above on the launched side, or precision=fp32"):
+        resume.needs_universal(pipeline, 2, 1, 1, 0, "bf16")
+    zero0_pp = resume.find(str(make(tmp_path / "z0pp", 4, world=2, shards=False, pp=2, dp=1)), tmp_path)
+    with pytest.raises(UsageError, match=r"the saved side is pipeline 2, tensor 1, fp32"):
+        resume.needs_universal(zero0_pp, 2, 1, 1, 1)
 
 
 

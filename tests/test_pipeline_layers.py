@@ -129,8 +129,9 @@ def test_bad_layouts_exit_2_before_launch(world, argv, message, tmp_path):
 
 def test_resume_of_a_zero0_layout_on_another_is_refused(tmp_path):
     """A pipeline/tensor checkpoint moves to another layout through DeepSpeed's universal form
-    (harness/checkpoint/relayout.py), which holds no ZeRO-0 optimizer state: a ZeRO-0 save is refused before any
-    rank starts, naming both layouts and the fix."""
+    (harness/checkpoint/relayout.py); the harness writes ZeRO-0's side of it only without tensor or pipeline
+    parallelism (checkpoint/zero0.py): a pipeline x tensor ZeRO-0 save is refused before any rank starts, naming
+    both layouts and the fix."""
     from harness.dist import ONE_PROCESS
     from harness.train import run_args, session
 
@@ -140,5 +141,5 @@ def test_resume_of_a_zero0_layout_on_another_is_refused(tmp_path):
     (tmp_path / "checkpoints" / "latest").write_text("global_step3\n")
     args = run_args.parse(["--recipe", "zero1", "--output-dir", str(tmp_path), "--resume", "latest"])
     with pytest.raises(UsageError, match=r"saved on world 4 with pipeline 2, tensor 2, ZeRO-0; this launch is world "
-                                         r"1 with pipeline 1, tensor 1, ZeRO-1: .*neither reads nor writes ZeRO-0"):
+                                         r"1 with pipeline 1, tensor 1, ZeRO-1: .*\(the saved side is pipeline 2, tensor 2, fp32\)"):
         session.prepare(args, ONE_PROCESS)

@@ -4,7 +4,7 @@ tensor-parallel slicing and pipeline names (harness/checkpoint/relayout.py), and
 those of the run that never moved (same global batch 4, so the same rows in the same order) within 1e-6.
 
 Cases: tp2 -> tp1, pp2 -> pp1 -> pp2, sp2 on ZeRO-3 -> sp1 on ZeRO-2, ep2 -> ep1 on ZeRO-3 (tiny-qwen3-moe),
-LoRA tp2 -> tp1 (one 2-rank launch), and
+LoRA tp2 -> tp1, pipeline -> ddp (ZeRO-0) -> pipeline and ZeRO-2 -> ddp (checkpoint/zero0.py; one 2-rank launch), and
 3D (pp2 x tp2) -> ZeRO-2 -> 3D on 4 ranks (one 4-rank launch). Each save case runs before its resume case in the same
 process group (tests/drivers/jobs.py). Measured on the 2-core machine: ~35 s and ~36 s.
 """
@@ -41,7 +41,7 @@ def from_step(run, step: int) -> list[str]:
 def two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("relayout2")
     r = {name: root / name for name in ("tp2", "tp1", "pp2", "pp1", "pp2_again", "sp2", "sp1", "ep2", "ep1",
-                                         "lora_tp2", "lora_tp1")}
+                                         "lora_tp2", "lora_tp1", "pp2_ddp", "ddp_pp2", "z2", "z2_ddp")}
     launch_jobs([case("tp", r["tp2"], 4, 1),
                  case("zero1", r["tp1"], 2, 1, 4, 2, *from_step(r["tp2"], 2)),
                  case("pipeline", r["pp2"], 2, 2),
@@ -52,7 +52,11 @@ def two_ranks(tmp_path_factory):
                  case("zero3", r["ep2"], 2, 1, 4, 2, *MOE, "--set", "parallel.expert=2"),
                  case("zero3", r["ep1"], 2, 1, 4, 2, *MOE, *from_step(r["ep2"], 2)),
                  case("tp", r["lora_tp2"], 4, 1, 4, 2, *LORA),
-                 case("lora_zero2", r["lora_tp1"], 2, 1, 4, 2, *LORA, *from_step(r["lora_tp2"], 2))], root)
+                 case("lora_zero2", r["lora_tp1"], 2, 1, 4, 2, *LORA, *from_step(r["lora_tp2"], 2)),
+                 case("ddp", r["pp2_ddp"], 2, 1, 3, 1, *from_step(r["pp2"], 2)),  # saves step 3 on ZeRO-0
+                 case("pipeline", r["ddp_pp2"], 2, 2, 4, 2, *from_step(r["pp2_ddp"], 3)),
+                 case("zero2", r["z2"], 2, 1),
+                 case("ddp", r["z2_ddp"], 2, 1, 4, 2, *from_step(r["z2"], 2))], root)
     return r
 
 
@@ -65,13 +69,18 @@ def four_ranks(tmp_path_factory):
     return r
 
 
-def check_continues(straight, resumed, first: int, want_from: dict, want_to: dict) -> dict:
-    """Losses from `first` on equal the straight run's; one conversion recorded with both layouts."""
+def check_continues(straight, resumed, first: int, want_from: dict, want_to: dict) -> dict | None:
+    """Losses from `first` on equal the straight run's; one conversion recorded with both layouts (none when
+    `want_from` is None: the checkpoint's universal form was made by an earlier resume and reused)."""
     got, want = losses(resumed), losses(straight)
     assert got and sorted(got) == list(range(first, max(got) + 1)), f"{resumed.name} logged steps {sorted(got)}"
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in got)
     assert worst <= RTOL, f"{resumed.name}: {worst:.3g} > {RTOL}: {got} vs {want}"
     assert json.loads((resumed / "summary.json").read_text())["start_step"] == first - 1
+    if want_from is None:
+        assert not (resumed / "conversions.jsonl").exists()
+        print(f"{straight.name} -> {resumed.name}: worst {worst:.2e}, universal form reused")
+        return None
     (line,) = [json.loads(x) for x in (resumed / "conversions.jsonl").read_text().splitlines()]
     assert {k: line["from"][k] for k in want_from} == want_from and {k: line["to"][k] for k in want_to} == want_to
     assert line["seconds"] > 0 and line["peak_rss_anon_bytes"] >= line["rss_anon_before_bytes"] > 0
@@ -112,6 +121,17 @@ def test_ep2_to_ep1_on_zero3(two_ranks):
 
 def test_lora_tp2_to_tp1(two_ranks):
     check_continues(two_ranks["lora_tp2"], two_ranks["lora_tp1"], 3, {"tp": 2}, {"tp": 1, "zero_stage": 2})
+
+
+def test_pipeline_to_ddp_to_pipeline_and_zero2_to_ddp(two_ranks):
+    """ZeRO-0 on either side: the harness writes (from a ZeRO-0 save) and reads (into a ZeRO-0 engine) the universal
+    form's fp32 weights and Adam moments itself (checkpoint/zero0.py); measured exact (0 difference)."""
+    r = two_ranks
+    check_continues(r["pp2"], r["pp2_ddp"], 3, None, None)  # pp1 converted pp2's global_step2 already
+    check_continues(r["pp2"], r["ddp_pp2"], 4, {"pp": 1, "zero_stage": 0}, {"pp": 2, "zero_stage": 1})
+    check_continues(r["z2"], r["z2_ddp"], 3, {"zero_stage": 2}, {"zero_stage": 0})
+    universal = r["pp2_ddp"] / "checkpoints" / "universal" / "global_step3" / "zero"
+    assert (universal / "model.layers.1.mlp.down_proj.weight" / "exp_avg.pt").is_file()  # written from ZeRO-0
 
 
 def test_3d_to_zero2_to_3d(four_ranks):

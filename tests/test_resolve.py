@@ -174,7 +174,7 @@ def test_settings_come_from_the_recipe_with_their_source():
         "scheduler.params.warmup_min_lr": (0.0, "default 0"),
         "scheduler.params.warmup_max_lr": (1e-3, "recipe optimizer.lr"),
         "scheduler.params.warmup_num_steps": (7, "recipe scheduler.warmup_steps"),
-        "scheduler.params.total_num_steps": (70, "recipe train.steps"),
+        "scheduler.params.total_num_steps": (71, "recipe train.steps + 1"),
         "fp16.enabled": (False, "recipe precision 'fp32'"),
         "bf16.enabled": (False, "recipe precision 'fp32'"),
     }

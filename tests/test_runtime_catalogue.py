@@ -141,10 +141,12 @@ CASES = [
          f"--resume {FIXTURE}/run_done/checkpoints/global_step9", "no such checkpoint"),
     case("resume:path_outside_a_run", ["--resume", f"{FIXTURE}/data"], f"--resume {FIXTURE}/data",
          "not inside a run folder"),
-    case("resume:zero0_onto_a_pipeline", ["--recipe", "pipeline", "--resume", f"{FIXTURE}/run_zero0/checkpoints/"
-                                           "global_step2"], f"--resume {FIXTURE}/run_zero0/checkpoints/global_step2",
-         "ZeRO-0; this launch is world 2 with pipeline 2, tensor 1, ZeRO-1", env={"RANK": "0", "LOCAL_RANK": "0",
-                                                                                  "WORLD_SIZE": "2"}),
+    case("resume:zero0_bf16_onto_a_pipeline", ["--recipe", "pipeline", "--resume", f"{FIXTURE}/run_zero0/"
+                                                "checkpoints/global_step2"],
+         f"--resume {FIXTURE}/run_zero0/checkpoints/global_step2", "ZeRO-0; this launch is world 2 with pipeline 2, "
+         "tensor 1, ZeRO-1: a layout change with ZeRO-0 goes through the universal checkpoint, which the harness "
+         "writes and reads for ZeRO-0 in fp32 without tensor or pipeline parallelism only (the saved side is "
+         "pipeline 1, tensor 1, bf16)", env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}),
     # after init, before the engine: only packing tells how much data there is (rank 0 packs once for all)
     case("data:fewer_rows_than_one_global_batch", ["--dataset", f"{FIXTURE}/data/small.jsonl", "--set",
                                                    "train.seq_len=32", *TINY, "--output-dir", f"{FIXTURE}/out_small"],
@@ -202,11 +204,11 @@ def write_fixtures(fx: Path) -> None:
     step.mkdir(parents=True)
     (step.parent / "latest").write_text("global_step5")
     (fx / "run_empty").mkdir()
-    zero0 = fx / "run_zero0" / "checkpoints" / "global_step2"  # saved by 1 rank on ZeRO-0
+    zero0 = fx / "run_zero0" / "checkpoints" / "global_step2"  # saved by 1 rank on ZeRO-0 in bf16
     zero0.mkdir(parents=True)
     (zero0 / "mp_rank_00_model_states.pt").write_bytes(b"")
     (zero0 / "manifest.json").write_text(json.dumps({"step": 2, "world_size": 1, "pp": 1, "tp": 1, "dp": 1,
-                                                      "zero_stage": 0, "train_batch_size": 4}))
+                                                      "zero_stage": 0, "train_batch_size": 4, "precision": "bf16"}))
 
 
 def _chat_fixtures(fx: Path) -> None:

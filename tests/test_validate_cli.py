@@ -40,7 +40,7 @@ HF_FILLED = {
     "scheduler.params.warmup_min_lr": (0.0, "default 0"),
     "scheduler.params.warmup_max_lr": (3e-4, "recipe optimizer.lr"),
     "scheduler.params.warmup_num_steps": (10, "recipe scheduler.warmup_steps"),
-    "scheduler.params.total_num_steps": (100, "recipe train.steps"),
+    "scheduler.params.total_num_steps": (101, "recipe train.steps + 1"),
     "bf16.enabled": (True, "recipe precision 'bf16'"),
     "zero_optimization.reduce_bucket_size": (64 * 64, "model tiny-llama hidden_size=64: hidden_size^2"),
     "zero_optimization.stage3_prefetch_bucket_size": (3686, "model tiny-llama hidden_size=64: 0.9 x hidden_size^2"),

@@ -75,21 +75,25 @@ def find(resume: str, run_dir: Path) -> ResumePoint:
     return ResumePoint(path, newest, read_manifest(path / newest), skipped)
 
 
-def needs_universal(point: ResumePoint, world_size: int, pp: int, tp: int, zero_stage: int) -> bool:
+def needs_universal(point: ResumePoint, world_size: int, pp: int, tp: int, zero_stage: int,
+                    precision: str = "fp32") -> bool:
     """A checkpoint whose optimizer state is sharded (ZeRO, or DeepSpeed's bf16 optimizer) loads only on its
     own layout and partitioning (ZeRO-1 and 2 share one); elsewhere it goes through the universal form.
-    Unsharded state (ZeRO-0 fp32) loads anywhere on the same tensor and pipeline degrees. Refused before any rank
-    starts: ZeRO-0 on one side only, another tensor or pipeline degree with ZeRO-0, and a tensor-parallel
-    checkpoint saved before the harness declared its slicing (relayout.py)."""
+    Unsharded state (ZeRO-0 fp32) loads anywhere on the same tensor and pipeline degrees; to or from another stage,
+    tensor or pipeline degree it goes through the universal form too, which the harness writes and reads for
+    ZeRO-0 itself (zero0.py) when that side trains fp32 without tensor or pipeline parallelism. Refused before any
+    rank starts: the other ZeRO-0 changes, and a tensor-parallel checkpoint saved before the harness declared its
+    slicing (relayout.py)."""
     world, was_pp, was_tp = point.layout()
     stages = (int(point.manifest.get("zero_stage", 0)), zero_stage)
     saved = f"saved on world {world} with pipeline {was_pp}, tensor {was_tp}, ZeRO-{stages[0]}"
     here = f"this launch is world {world_size} with pipeline {pp}, tensor {tp}, ZeRO-{stages[1]}"
     same = f"launch {world} ranks with pipeline {was_pp}, tensor {was_tp}"
-    if 0 in stages and (stages[0] != stages[1] or (was_pp, was_tp) != (pp, tp)):
-        raise UsageError(f"--resume {point.folder}: {saved}; {here}: another ZeRO stage, tensor or pipeline degree "
-                         "loads through DeepSpeed's universal checkpoint, which neither reads nor writes ZeRO-0's "
-                         f"optimizer state\n    fix: {same} on ZeRO-{stages[0]}, or ZeRO-1 or above on both sides")
+    zero0_change = 0 in stages and (stages[0] != stages[1] or (was_pp, was_tp) != (pp, tp))
+    if zero0_change:
+        _check_zero0_sides([("saved", stages[0], was_pp, was_tp, point.manifest.get("precision", "fp32")),
+                            ("launched", stages[1], pp, tp, precision)], point, f"{saved}; {here}", same)
+        return True
     if point.layout() == (world_size, pp, tp) and (stages[0] == stages[1] or 3 not in stages):
         return False
     if was_tp > 1 and not point.manifest.get("universal_patterns"):
@@ -97,6 +101,18 @@ def needs_universal(point: ResumePoint, world_size: int, pp: int, tp: int, zero_
                          "harness declared how its tensor-parallel layers split, so its shards cannot be joined\n"
                          f"    fix: {same}, or `harness export {point.folder} --out DIR` and start a new run from DIR")
     return any(point.folder.glob("*optim_states.pt"))
+
+
+def _check_zero0_sides(sides: list[tuple], point: ResumePoint, layouts: str, same: str) -> None:
+    """Each ZeRO-0 side of a layout change, (name, stage, pp, tp, precision), must train fp32 on pipeline 1 and
+    tensor 1 (zero0.py builds that conversion only); else refused."""
+    for side, stage, pp, tp, precision in sides:
+        if stage == 0 and (pp, tp, precision) != (1, 1, "fp32"):
+            raise UsageError(f"--resume {point.folder}: {layouts}: a layout change with ZeRO-0 goes through the "
+                             "universal checkpoint, which the harness writes and reads for ZeRO-0 in fp32 without "
+                             f"tensor or pipeline parallelism only (the {side} side is pipeline {pp}, tensor {tp}, "
+                             f"{precision})\n    fix: {same} on ZeRO-{sides[0][1]}, or ZeRO-1 or above on the {side} "
+                             "side, or precision=fp32 with parallel.pipeline=1 and parallel.tensor=1 there")
 
 
 def check_expert(point: ResumePoint, ds: dict) -> bool:
@@ -230,8 +246,13 @@ def _convert(source: Path, root: Path, out: Path) -> None:
     tmp.mkdir(parents=True)
     args = Namespace(input_folder=str(source), output_folder=str(tmp), num_extract_workers=1, num_merge_workers=1,
                      keep_temp_folder=False, strict=True, inject_missing_state=True)
-    with open(tmp / "conversion.log", "w") as log, contextlib.redirect_stdout(log):
-        ds_to_universal.main(args)  # in this process: worker pools would fork a rank holding a process group
+    if int(read_manifest(source).get("zero_stage", 0)) == 0:  # ds_to_universal reads ZeRO optimizer files only
+        from harness.checkpoint import zero0
+
+        zero0.to_universal(source, tmp)
+    else:
+        with open(tmp / "conversion.log", "w") as log, contextlib.redirect_stdout(log):
+            ds_to_universal.main(args)  # in this process: worker pools would fork a rank holding a process group
     (root / "latest_universal").unlink(missing_ok=True)  # it writes one naming the hidden folder; tags are explicit
     relayout.to_hf_names(tmp / "zero", read_manifest(source))
     relayout.set_cat_dims(tmp / "zero")

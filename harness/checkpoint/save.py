@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.checkpoint import adam_powers, relayout
+from harness.checkpoint import adam_powers, relayout, zero0
 from harness.checkpoint.files import LATEST, MANIFEST, is_complete, prune, tag_for, write_atomic
 from harness.config.adapter_rules import lora_on
 from harness.dist import DistInfo, barrier
@@ -51,6 +51,16 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def schedule_of(ds_config: dict) -> dict:
+    """What decides the lr at each step, flat: the optimizer's lr and the scheduler's type and params (a resume
+    compares it with its own: harness/train/schedule.py)."""
+    block = ds_config.get("scheduler") or {"type": "none"}
+    flat = {"optimizer.lr": ds_config.get("optimizer", {}).get("params", {}).get("lr"),
+            "scheduler.type": block.get("type")}
+    flat.update({f"scheduler.{k}": v for k, v in (block.get("params") or {}).items()})
+    return flat
+
+
 def manifest(spec, info, step: int) -> dict:
     """`info`: the built model's ModelInfo (harness/model/load/meta.py): its dtypes and a pipeline's partition."""
     import deepspeed
@@ -65,7 +75,7 @@ def manifest(spec, info, step: int) -> dict:
             "adapter": spec.recipe.get("adapter", {"type": "none"}), "seed": spec.recipe["train"]["seed"],
             "torch": torch.__version__, "transformers": transformers.__version__,
             "checkpoint_dtype": info.checkpoint_dtype, "train_dtype": info.train_dtype, "sp": run.degrees.sp,
-            "universal_patterns": relayout.PATTERNS_VERSION,
+            "universal_patterns": relayout.PATTERNS_VERSION, "schedule": schedule_of(spec.ds_config),
             **({"partition": info.partition} if info.partition else {})}
 
 
@@ -122,6 +132,8 @@ def save(engine, spec, dist: DistInfo, ckpt_dir: Path, step: int, client_state: 
     barrier()
     _declare_universal_info(engine.module)
     # LoRA: the frozen base is rebuilt from train.model at resume and export; only adapters are state
+    if engine.zero_optimization_stage() == 0:  # its optimizer state is by index: names for a layout change
+        client_state = {**client_state, zero0.NAMES: zero0.param_names(engine)}
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False,
                            exclude_frozen_parameters=frozen_excluded(spec))
     torch.save(_rng_state(), folder / f"rng_rank{dist.rank}.pt")
@@ -165,9 +177,12 @@ def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str, rng_dir: Path | None 
     """Load a checkpoint into the engine; returns the client state (step, ...). rng_dir: where the per-rank RNG
     files are when the weights come from elsewhere (a universal conversion). strict=False: a LoRA checkpoint
     holds no frozen weights (the engine already has them from the build)."""
-    path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=strict)
-    if path is None:
-        raise RuntimeError(f"DeepSpeed found no checkpoint {ckpt_dir / tag}")
+    if engine.zero_optimization_stage() == 0 and engine.load_universal_checkpoint():  # DeepSpeed's loads no state
+        client = zero0.load_universal(engine, ckpt_dir / tag)
+    else:
+        path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=strict)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint {ckpt_dir / tag}")
     adam_powers.rebuild(adam_powers.base_optimizer(engine))  # the CPU Adam kernel's beta^t: no checkpoint holds it
     client = client or {}
     rng = (rng_dir or ckpt_dir / tag) / f"rng_rank{dist.rank}.pt"

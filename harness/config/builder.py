@@ -53,21 +53,29 @@ def _optimizer(recipe: dict) -> dict:
                        "weight_decay": opt["weight_decay"]}}
 
 
+def schedule_total(steps: int) -> int:
+    """DeepSpeed's total_num_steps for a run of `steps` steps. The harness trains step k at the scheduler's iteration
+    k (harness/train/schedule.py), so a schedule ending at total_num_steps would train the last step at its end
+    value (WarmupDecayLR: lr 0, a step that changes nothing); it ends one step after the last instead."""
+    return steps + 1
+
+
 def _scheduler(recipe: dict) -> dict | None:
     sched, lr, steps = recipe["scheduler"], recipe["optimizer"]["lr"], recipe["train"]["steps"]
     warmup = min(sched["warmup_steps"], steps)  # a short run (--set train.steps=5) warms up for all of it
     if sched["type"] == "none":
         return None
-    if sched["type"] == "WarmupCosineLR":
+    if sched["type"] == "WarmupCosineLR":  # linear warmup like the others (DeepSpeed's default here is log)
         return {"type": "WarmupCosineLR",
-                "params": {"total_num_steps": steps, "warmup_num_steps": warmup, "warmup_min_ratio": 0.0,
+                "params": {"total_num_steps": schedule_total(steps), "warmup_num_steps": warmup,
+                           "warmup_type": "linear", "warmup_min_ratio": 0.0,
                            "cos_min_ratio": 0.1}}
     adapter = recipe["adapter"]
     if adapter["type"] == "lora" and adapter["lr_B_ratio"]:  # LoRA+: groups [A and the rest, B]
         lr = [lr, lr * adapter["lr_B_ratio"]]
     params = {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup, "warmup_type": "linear"}
     if sched["type"] == "WarmupDecayLR":
-        params["total_num_steps"] = steps
+        params["total_num_steps"] = schedule_total(steps)
     return {"type": sched["type"], "params": params}
 
 

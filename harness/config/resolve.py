@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 
 from harness.errors import Problem
+from harness.config.builder import schedule_total
 from harness.config.defaults import MODEL_SIZED_BUCKETS
 from harness.config.jsonio import get_path
 
@@ -166,7 +167,7 @@ def _resolve_settings(f: _Filler, ctx: Context) -> None:
         "scheduler.params.warmup_min_lr": (0.0, "default 0"),
         "scheduler.params.warmup_max_lr": (r["optimizer"]["lr"], "recipe optimizer.lr"),
         "scheduler.params.warmup_num_steps": (r["scheduler"]["warmup_steps"], "recipe scheduler.warmup_steps"),
-        "scheduler.params.total_num_steps": (r["train"]["steps"], "recipe train.steps"),
+        "scheduler.params.total_num_steps": (schedule_total(r["train"]["steps"]), "recipe train.steps + 1"),
         "fp16.enabled": (r["precision"] == "fp16", f"recipe precision {r['precision']!r}"),
         "bf16.enabled": (r["precision"] == "bf16", f"recipe precision {r['precision']!r}"),
         # accelerate's _prepare_deepspeed: False unless its plugin sets zero3_save_16bit_model; the harness

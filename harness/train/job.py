@@ -23,7 +23,7 @@ from harness.model import adapters
 from harness.model.lora_attach import attach
 from harness.model.moe.wiring import prepare_model as prepare_moe
 from harness.trackers import start as start_trackers, summary_metrics
-from harness.train import checks, faults, preempt, restarts
+from harness.train import checks, faults, preempt, restarts, schedule
 from harness.train.metrics import MetricsLog
 from harness.train.trainer import Boundaries, Data, Trainer
 
@@ -156,7 +156,9 @@ def start_step(engine, spec, dist, run_dir: Path, info) -> tuple[int, dict]:
     model's ModelInfo (a pipeline's partition names its parameters)."""
     point = spec.resume_point
     if point is None:
+        schedule.align(engine, 0)  # step 1 trains at the first warmup value, not lr 0 (train/schedule.py)
         return 0, {}
+    launched_lrs = schedule.group_lrs(engine)  # the load restores the saving run's
     for tag in point.skipped if dist.is_main else ():
         say("ckpt", f"skipped {point.ckpt_dir / tag}: incomplete (no {ckpt_files.MANIFEST}, its save was interrupted)")
     if spec.ds_config.get("checkpoint", {}).get("load_universal"):
@@ -171,8 +173,13 @@ def start_step(engine, spec, dist, run_dir: Path, info) -> tuple[int, dict]:
     if later and not spec.overwrite:
         raise UsageError(f"resuming at step {step} would overwrite later checkpoints ({', '.join(later)})\n"
                          "    fix: --resume the latest one, pass --overwrite, or use another --output-dir")
+    lrs = schedule.align(engine, step, launched_lrs)  # this launch's schedule from the first resumed step on
     if dist.is_main:
         say("ckpt", f"resumed {point.folder} at step {step}")
+        line = schedule.resume_line(point.tag, point.manifest.get("schedule"), checkpoint.schedule_of(spec.ds_config),
+                                    step, lrs)
+        if line:
+            say("ckpt", line)
     return step, client
 
 
@@ -204,8 +211,9 @@ def write_summary(spec, run_dir: Path, step0: int, result: dict) -> dict:
     summary = {"run_dir": str(run_dir), "recipe": spec.recipe_name, "world_size": spec.world_size,
                "steps": result.get("preempted_at", spec.recipe["train"]["steps"]), "start_step": step0, **result}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    say("done", f"{summary['steps']} steps, loss {result['first_loss']:.3f} -> {result['last_loss']:.3f}; "
-                f"outputs in {run_dir}")
+    first, last = result["first_loss"], result["last_loss"]
+    losses = "no step ran" if first is None else f"loss {first:.3f} -> {last:.3f}"
+    say("done", f"{summary['steps']} steps, {losses}; outputs in {run_dir}")
     return summary
 
 

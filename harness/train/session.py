@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from harness.dist import Launch
-from harness.errors import UsageError
+from harness.errors import RunComplete, UsageError
 from harness.config.jsonio import load_json
 from harness.config.recipes import load_recipe
 from harness.config.resolve import autotp, degrees, sequence_parallel
@@ -133,6 +133,16 @@ def _resume_recipe(name: str, overrides: list[str], point, world: int, notes: li
     return load_recipe(name, overrides + extra) if extra else (recipe, source)
 
 
+def _check_not_complete(point, steps: int) -> None:
+    """A finished run resumed (a requeue or restart after its last step, a resubmitted job): say so and stop."""
+    if point is None or point.step < steps:
+        return
+    where = "its last step" if point.step == steps else f"past train.steps {steps}"
+    raise RunComplete(f"{point.folder} is step {point.step}, {where}: the run is complete, nothing to train and "
+                      f"nothing written\n    to train further: --resume {point.folder} --set train.steps=N "
+                      f"(N > {point.step})")
+
+
 def _resume_layout(ds: dict, source: str, point, world: int, pp: int, tp: int, notes: list[str]) -> dict:
     """A checkpoint from another layout is loaded through DeepSpeed's universal form (converted at start)."""
     from harness.checkpoint import resume as resumemod
@@ -142,7 +152,8 @@ def _resume_layout(ds: dict, source: str, point, world: int, pp: int, tp: int, n
     resumemod.check_batch(point, ds, source)
     expert = resumemod.check_expert(point, ds)  # MoE: another expert degree goes through the universal form
     stage = int(ds.get("zero_optimization", {}).get("stage", 0))
-    if not expert and not resumemod.needs_universal(point, world, pp, tp, stage):
+    precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
+    if not expert and not resumemod.needs_universal(point, world, pp, tp, stage, precision):
         return ds
     saved = point.layout()
     notes.append(f"resume: {point.tag} was saved on world {saved[0]} (pp {saved[1]}, tp {saved[2]}, expert "
@@ -190,6 +201,7 @@ def resolve_spec(args, launch: Launch) -> Resolved:
         name, planned, reason = choose(overrides, launch)
         overrides, notes = planned + overrides, [reason]
     recipe, source = _resume_recipe(name, overrides, point, world, notes)
+    _check_not_complete(point, recipe["train"]["steps"])
     model_config = checks.inputs(recipe["train"], source)  # model and data exist; a hub model's shape, too
     ctx = context(recipe, world, fp16_supported=fp16_supported(), model_config=model_config)
     if args.ds_config:

@@ -27,7 +27,7 @@ from harness.config.preference_rules import is_preference
 from harness.data.batches import BatchPlan
 from harness.dist import DistInfo, mean_across_ranks
 from harness.log import say
-from harness.train import faults
+from harness.train import faults, schedule
 from harness.train.metrics import MetricsLog
 from harness.data.rows import Rows, loss_items, model_inputs
 from harness.data.stream_rows import StreamPlan, StreamRows
@@ -243,7 +243,9 @@ class Trainer:
         if tag is None:
             raise faults.NumericFault(f"{text}; train.on_nonfinite is rollback but no checkpoint was saved yet\n"
                                       f"    fix: a smaller train.save_every; {faults.FIX}")
+        launched_lrs = schedule.group_lrs(self.engine) if self.engine.lr_scheduler is None else None
         client = checkpoint.load(self.engine, self.dist, ckpt_dir, tag, strict=not checkpoint.frozen_excluded(self.spec))
+        schedule.align(self.engine, int(client["step"]), launched_lrs)
         self.data_steps = faults.DataSteps([*client.get(faults.CLIENT_KEY, []), *self.data_steps.skipped, batch])
         back = int(client["step"])
         if self.dist.is_main:
