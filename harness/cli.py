@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from harness.errors import ConfigError, UsageError, without_secrets
+from harness.errors import ConfigError, RunComplete, UsageError, without_secrets
 
 COMMANDS = {
     "recipes": "list the shipped recipes",
@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UsageError) as e:
         print(f"error: {without_secrets(str(e))}", file=sys.stderr)
         return 2
+    except RunComplete as e:  # `harness slurm` for a finished run: nothing to submit, as a resumed run says
+        print(f"[done] {e}")
+        return 0
     except SystemExit as e:  # argparse: --help (0) or a usage error (2; it printed the message)
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     except KeyboardInterrupt:

@@ -6,6 +6,7 @@ reason elsewhere, required in CI) submitted through the generated script, 2 CPU 
              limit) after step 2: checkpoints, exits 75, requeues itself, and the rerun (SLURM_RESTART_COUNT=1)
              resumes from `latest` and ends with the weights of `complete`;
   cancelled  plain `scancel` after step 2 (SIGTERM, SIGKILL KillWait = 15 s later): a complete checkpoint.
+Then `complete` is submitted again (a requeue after its last step): it ends COMPLETED and writes nothing.
 """
 
 from __future__ import annotations
@@ -227,6 +228,31 @@ def stamp(log: str, pattern: str) -> float:
 
     text = re.search(pattern, log).group(1)
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+
+
+@pytest.mark.slurm
+@pytest.mark.multirank
+def test_a_finished_job_requeued_ends_completed_and_writes_nothing(jobs, slurm_cluster, capsys):
+    """A requeue after the last step (a USR1 that lands once the loop has ended) reruns the same batch script: it
+    resumes from `latest`, which is the last step; the run says it is complete and exits 0. `harness slurm` for
+    the finished run submits nothing and says why."""
+    run = jobs["complete"]["run"]
+    before = {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*") if "slurm" not in p.parts}
+    with job_environment(slurm_cluster):
+        job_id = slurm_cluster.run("sbatch", "--parsable", str(run / "slurm" / "job.sbatch")).stdout.strip()
+    info = wait_for(lambda: ended(slurm_cluster, job_id, 0), JOB_TIMEOUT_S, f"job {job_id} to end", poll_s=0.5)
+    log = (run / "slurm" / f"job-{job_id}.log").read_text(errors="replace")
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (info, log[-3000:])
+    assert "--resume latest" in log and "the run is complete, nothing to train" in log, log[-3000:]
+    capsys.readouterr()
+    with job_environment(slurm_cluster):
+        code = main(["slurm", "--recipe", "zero2", "--cpu", "--gpus-per-node", "2", "--output-dir", str(run),
+                     *[a for a in COMMON if a not in ("--profile-steps", "")], "--set", "profile.steps=",
+                     *steps(STEPS), "--submit"])
+    out = capsys.readouterr().out
+    assert code == 0 and "the run is complete" in out and "submitted job" not in out, out
+    after = {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*") if "slurm" not in p.parts}
+    assert after == before  # no metrics, summary or checkpoint written
 
 
 @pytest.mark.slurm
