@@ -6,8 +6,8 @@ order[k % n] of a seeded permutation per (source, epoch): a source that runs out
 
 The blend keeps every source's count of rows read within one row of weight x rows read, at every position. Megatron's
 BlendedDataset (helpers.cpp build_blending_indices) picks, at each position, the source with the largest error
-weight * (i + 1) - count; that greedy misses the bound by a few percent of a row for some weights (measured: 1.06
-rows at weights 1:1:...:1000). Here the pick is Tijdeman's (the chairman assignment problem, 1980): among the
+weight * (i + 1) - count; that greedy misses the bound by a few percent of a row for some weights (measured: 1.044
+rows at weights 2:32:6:39:2:32). Here the pick is Tijdeman's (the chairman assignment problem, 1980): among the
 sources that picking keeps within 1 - 1/(2(S - 1)) of their share, the one whose share would fall behind first.
 Its error stays below 1 - 1/(2(S - 1)) < 1 for every weight vector, so with integer weights W (sum D) every count
 equals its share exactly at position D, and the blend is one pattern of D positions repeated: a rank holds D
