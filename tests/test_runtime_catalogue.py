@@ -26,7 +26,8 @@ INVALID = Path(__file__).parent / "invalid"
 EXPECTED = json.loads((INVALID / "expected.json").read_text())
 FIXTURE = "{fx}"  # replaced by the fixture folder in argv and env values
 SECRET = "hf_catalogueSecret0123456789"
-TINY = ["--set", "train.steps=1", "--set", "train.eval_every=0"]  # bounds a case that wrongly gets through
+TINY = ["--set", "train.steps=1", "--set", "train.eval_every=0"]
+MIX = '[{{"dataset": "builtin", "weight": 0.5}}, {{"dataset": {}, "format": "{}", "weight": 0.5}}]'  # a 2-source mixture  # bounds a case that wrongly gets through
 
 
 def case(id_, argv, where, fragment, env=None, post_init=False, needs=None, silent=False):
@@ -157,12 +158,21 @@ CASES = [
     case("data:shorter_than_one_block", ["--dataset", f"{FIXTURE}/data/tiny.jsonl", *TINY,
                                          "--output-dir", f"{FIXTURE}/out_tiny"], "the dataset has",
          "fewer than one block of seq_len=128", post_init=True),
+    case("data:mixture_record_missing_field", ["--set", "train.datasets=" + MIX.format(
+         f'"{FIXTURE}/data/alpaca_bad.jsonl"', "alpaca")], "train.datasets[1].dataset: data file "
+         f"{FIXTURE}/data/alpaca_bad.jsonl line 2 is not a valid alpaca record", "has output=None, not text"),
+    case("data:mixture_column_missing", ["--set", "train.datasets=" + MIX.format(f'"{FIXTURE}/data/small.jsonl"',
+         "instruction")], "train.datasets[1].dataset", "has no column 'prompt' (train.prompt_field"),
+    case("data:mixture_store_of_another_tokenizer", ["--set", "train.datasets=" + MIX.format(
+         f'"{FIXTURE}/store_other_tokenizer"', "text")], "train.datasets[1].dataset",
+         "the store was tokenized with another tokenizer"),
     case("data:text_field_missing", ["--set", "train.text_field=body", *TINY, "--output-dir", f"{FIXTURE}/out_col"],
          "no column 'body'", "fix: set train.text_field to the column", post_init=True),
 ]
 
 
 def write_fixtures(fx: Path) -> None:
+    _mixture_fixtures(fx)
     (fx / "file.txt").write_text("not a folder\n")
     (fx / "empty_extensions").mkdir()
     offload = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
@@ -202,6 +212,18 @@ def write_fixtures(fx: Path) -> None:
     (zero0 / "mp_rank_00_model_states.pt").write_bytes(b"")
     (zero0 / "manifest.json").write_text(json.dumps({"step": 2, "world_size": 1, "pp": 1, "tp": 1, "dp": 1,
                                                       "zero_stage": 0, "train_batch_size": 4}))
+
+
+def _mixture_fixtures(fx: Path) -> None:
+    data = fx / "data"
+    data.mkdir(exist_ok=True)
+    (data / "alpaca_bad.jsonl").write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n" +
+                                           json.dumps({"instruction": "c"}) + "\n")
+    store = fx / "store_other_tokenizer"  # a prepared token store's files, from another tokenizer
+    store.mkdir()
+    (store / "tokens.bin").write_bytes(b"\0" * 256)
+    key = {"tokenizer_hash": "0" * 64, "seq_len": 128, "format": "text"}
+    (store / "meta.json").write_text(json.dumps({"key": key, **key}))
 
 
 def fill(value: str, fx: Path) -> str:

@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from harness.data.blend import Blend, cached_pattern
-from harness.data.corpus import BUILTIN, DataSpec
+from harness.config.mixture_rules import PAIRS_FORMAT, derived_name
+from harness.data.corpus import DataSpec
 from harness.errors import Problem, UsageError
 
 # a source's keys beside dataset, weight and name; missing ones default to the train block's
 SOURCE_FIELDS = ("dataset_config", "dataset_split", "format", "text_field", "prompt_field", "response_field",
                  "messages_field", "conversations_field", "instruction_field", "input_field", "output_field")
-PAIRS_FORMAT = "pairs"  # preference records (chosen / rejected): only a preference objective reads them
 
 
 @dataclass(frozen=True)
@@ -33,15 +32,6 @@ class Source:
     spec: DataSpec
     weight: float
     path: str  # the JSON path of its entry, for messages: train.datasets[i]
-
-
-def derived_name(dataset: str) -> str:
-    """builtin -> builtin; a file or folder -> its stem; a hub id -> its last part; [A-Za-z0-9_.-] only."""
-    if dataset == BUILTIN:
-        return BUILTIN
-    path = Path(dataset.rstrip("/"))
-    stem = path.stem if path.suffix else path.name
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", stem) or "source"
 
 
 def sources(train: dict) -> list[Source] | None:
@@ -59,49 +49,29 @@ def sources(train: dict) -> list[Source] | None:
 
 
 def problems(recipe: dict) -> list[Problem]:
-    """Two sources with one name, a format the objective cannot read, and each local source's files (the path
-    exists, its head holds the columns its format reads: file and line)."""
+    """Each local source's files (the path exists, its head holds the records and columns its format reads: file
+    and line), and a prepared store's tokenizer and seq_len (the run's). Names and formats: config/mixture_rules."""
     from harness.data.files import check_local
 
     train = recipe["train"]
     found = sources(train)
-    if found is None:
+    if found is None or train.get("objective", "lm") != "lm":
         return []
     out = []
-    seen: dict[str, str] = {}
     for src in found:
-        if src.name in seen:
-            out.append(Problem(f"{src.path}.name", f"two sources are named {src.name!r} ({seen[src.name]} and "
-                               f"{src.path}){' (derived from their dataset)' if src.name == derived_name(src.spec.dataset) else ''}",
-                               f"give each source its own name: set {src.path}.name"))
-        seen.setdefault(src.name, src.path)
-    for src in found:
-        if src.spec.format == PAIRS_FORMAT or train.get("objective", "lm") != "lm":
-            out.append(Problem(f"{src.path}.format", _pairs_problem(src, train), _pairs_fix(train)))
-            continue
-        if _prepared_store(src.spec.dataset) is not None:
+        if src.spec.format == PAIRS_FORMAT:
             continue
         try:
-            check_local(src.spec)
+            if _prepared_store(src.spec.dataset) is not None:
+                from harness.model.hf import load_tokenizer
+
+                prepared_source(src, load_tokenizer(train["model"]), train["seq_len"])
+            else:
+                check_local(src.spec)
         except UsageError as e:
             why, _, fix = str(e).partition("\n    fix: ")
             out.append(Problem(f"{src.path}.dataset", why, fix.replace("train.", f"{src.path}.")))
     return out
-
-
-def _pairs_problem(src: Source, train: dict) -> str:
-    objective = train.get("objective", "lm")
-    if src.spec.format == PAIRS_FORMAT and objective == "lm":
-        return (f"source {src.name!r} holds preference pairs (format {PAIRS_FORMAT!r}), which train.objective 'lm' "
-                "cannot read: a language-model run reads packed rows of text, instruction or chat records")
-    return (f"train.objective {objective!r} reads preference pairs from one train.dataset; mixtures "
-            "(train.datasets) of preference sets are not supported")
-
-
-def _pairs_fix(train: dict) -> str:
-    if train.get("objective", "lm") == "lm":
-        return "drop the source from the mixture, or train it alone with train.objective=dpo (or ipo, simpo, orpo)"
-    return "name one preference set in train.dataset and remove train.datasets"
 
 
 def _prepared_store(dataset: str) -> Path | None:
