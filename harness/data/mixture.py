@@ -194,13 +194,73 @@ def load(train: dict, local_rank: int, tokenizer) -> tuple[Mixture, object, obje
     return mix, MixRows(trains, names), MixRows(evals, names), lines
 
 
-def epoch_lines(mix: Mixture, sizes: list[int], global_batch: int, start_step: int, steps: int) -> list[str]:
-    """How many epochs of each source the run reads (from start_step to steps), and the steps to one epoch of the
-    source that runs out first."""
+def epoch_lines(mix: Mixture, sizes: list[int], eval_sizes: list[int], global_batch: int, start_step: int,
+                steps: int) -> tuple[list[str], dict]:
+    """(start-up lines, the run's `mixture` record): how many epochs of each source the run reads (from start_step
+    to steps), and the steps to one epoch of the source that runs out first."""
     counts = mix.blend.counts(steps * global_batch) - mix.blend.counts(start_step * global_batch)
     shares = np.asarray(mix.weights, dtype=np.float64) / sum(mix.weights)
     parts = ", ".join(f"{n} {c / size:.2f} ({int(c)} of {size} rows)" for n, c, size in zip(mix.names, counts, sizes))
     first = int(np.argmin(np.asarray(sizes) / shares))
     one = int(np.ceil(sizes[first] / shares[first] / global_batch))
-    return [f"epochs over steps {start_step + 1}..{steps}: {parts}; {mix.names[first]} runs out first: one epoch "
-            f"of it every {one} steps"]
+    first_out = f"{mix.names[first]} runs out first: one epoch of it every {one} steps"
+    record = {"period": int(sum(mix.blend.segments[-1].weights)), "first_out": first_out, "steps_per_epoch": one,
+              "sources": [{"name": n, "weight": w, "train_rows": int(size), "eval_rows": int(ev),
+                           "store": str(store.path), "epochs": float(c / size)}
+                          for n, w, size, ev, store, c in zip(mix.names, mix.weights, sizes, eval_sizes, mix.stores,
+                                                              counts)]}
+    return [f"epochs over steps {start_step + 1}..{steps}: {parts}; {first_out}"], record
+
+
+def _known_rows(src: Source, tokenizer, train: dict) -> tuple[int, int] | None:
+    """(training rows, tokens) of a source whose store exists (prepared earlier or by a run), else None."""
+    from harness.data.store import open_store, store_key, store_path
+
+    try:
+        store = prepared_source(src, tokenizer, train["seq_len"])
+        if store is None:
+            key = store_key(src.spec, tokenizer, train["seq_len"])
+            store = open_store(store_path(key, train.get("store_dir") or None), key)
+    except (UsageError, OSError, ValueError):
+        return None
+    if store is None:
+        return None
+    eval_rows = max(1, round(store.num_rows * train["eval_fraction"])) if train["eval_fraction"] > 0 else 0
+    return store.num_rows - eval_rows, int(store.meta["tokens"])
+
+
+def plan_lines(train: dict, global_batch: int, steps: int | None) -> tuple[list[str], dict]:
+    """What `harness plan` and `--recipe auto` say about a mixture, from the sources' stores where they exist:
+    each source's rows and tokens, its epochs over `steps` and the steps to one epoch of the source that runs out
+    first. A source with no store yet is named unknown (`harness data prepare` makes it)."""
+    from harness.model.hf import load_tokenizer
+
+    srcs = sources(train) or []
+    try:
+        tokenizer = load_tokenizer(train["model"])
+    except Exception:  # a hub model offline: nothing is known
+        tokenizer = None
+    total = sum(s.weight for s in srcs)
+    out, lines, first = [], [], None
+    for src in srcs:
+        known = _known_rows(src, tokenizer, train) if tokenizer is not None else None
+        share = src.weight / total
+        row = {"name": src.name, "weight": src.weight, "share": share, "train_rows": None, "tokens": None,
+               "epochs": None, "steps_per_epoch": None}
+        if known is not None:
+            rows, tokens = known
+            per_epoch = rows / share / global_batch
+            row.update(train_rows=rows, tokens=tokens, steps_per_epoch=per_epoch,
+                       epochs=steps * global_batch * share / rows if steps else None)
+            if first is None or per_epoch < first["steps_per_epoch"]:
+                first = row
+        out.append(row)
+        what = (f"{known[1]:,} tokens, {known[0]:,} train rows"
+                + (f", {row['epochs']:.2f} epochs over {steps} steps" if steps else "")
+                if known else "no store yet: unknown (harness data prepare --set train.datasets=... makes it)")
+        lines.append(f"  {src.name} (weight {src.weight:g} = {share:.1%}): {what}")
+    head = f"data: mixture of {len(srcs)} sources, {global_batch} rows of {train['seq_len']} tokens per step"
+    if first is not None:
+        head += f"; {first['name']} runs out first: one epoch of it every {first['steps_per_epoch']:.0f} steps"
+    return [head, *lines], {"global_batch": global_batch, "steps": steps, "sources": out,
+                            "first_out": first and first["name"]}

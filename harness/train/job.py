@@ -189,22 +189,25 @@ def announce(spec, dist, run_dir: Path, info, data: Data, notes: list[str]) -> N
     say("config", f"run folder {run_dir}")
 
 
-def mixture_from(spec, dist, data: Data, step0: int, client: dict) -> Data:
+def mixture_from(spec, dist, data: Data, step0: int, client: dict, log: MetricsLog) -> Data:
     """A mixture's blend continued from the checkpoint (weights changed: from this step on), and the epochs each
     source gives over the run (start-up lines)."""
     from harness.data.mixture import epoch_lines
     from harness.train.faults import DataSteps
 
     global_batch = spec.run.batch.micro_batch * spec.run.batch.grad_accum * spec.dp
-    mix = data.mixture
+    mix, note = data.mixture, None
     if client:
         position = DataSteps(client.get(faults.CLIENT_KEY, ())).batch(step0) * global_batch
         mix, note = mix.resumed(client, position)
         if note and dist.is_main:
             say("data", note)
-    for line in epoch_lines(mix, data.train.sizes, global_batch, step0, spec.recipe["train"]["steps"]):
-        if dist.is_main:
+    lines, record = epoch_lines(mix, data.train.sizes, data.eval.sizes, global_batch, step0,
+                                spec.recipe["train"]["steps"])
+    if dist.is_main:
+        for line in lines:
             say("data", line)
+        log.write("mixture", step0, **record, note=note)
     return dataclasses.replace(data, mixture=mix)
 
 
@@ -271,7 +274,7 @@ def run(spec, dist) -> int:
             say("memory", line)
         step0, client = start_step(engine, spec, dist, run_dir, info)
         if data.mixture is not None:
-            data = mixture_from(spec, dist, data, step0, client)
+            data = mixture_from(spec, dist, data, step0, client, log)
         if dist.is_main:
             checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer)
         hooks = profiling.make_hooks(spec, engine, dist, run_dir, log, trackers)
