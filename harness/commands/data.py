@@ -51,9 +51,7 @@ def _prepare_pairs(spec, tokenizer, train: dict, truncation: str, num_proc: int 
 
 def run(args: argparse.Namespace) -> int:
     from harness.data.corpus import DataSpec
-    from harness.data.formats import check_chat_template
     from harness.model.hf import load_tokenizer
-    from harness.data.store import empty_rows_note, prepare
 
     if args.num_proc is not None and args.num_proc < 1:
         raise UsageError(f"--num-proc {args.num_proc}: must be >= 1\n    fix: leave it out for one per core")
@@ -62,6 +60,21 @@ def run(args: argparse.Namespace) -> int:
     spec, tokenizer = DataSpec.from_train(train), load_tokenizer(train["model"])
     if spec.preference:
         return _prepare_pairs(spec, tokenizer, train, recipe["preference"]["truncation"], args.num_proc)
+    if train["datasets"]:  # a mixture: every source's store (harness/data/mixture.py)
+        from harness.data.mixture import sources
+
+        for src in sources(train):
+            print(f"[data] source {src.name}:")
+            _prepare_one(args, src.spec, tokenizer, train)
+        return 0
+    _prepare_one(args, spec, tokenizer, train)
+    return 0
+
+
+def _prepare_one(args, spec, tokenizer, train: dict) -> None:
+    from harness.data.formats import check_chat_template
+    from harness.data.store import empty_rows_note, prepare
+
     if spec.uses_chat_template:
         check_chat_template(tokenizer, train["model"], spec.format)
     store, made = prepare(spec, tokenizer, train["seq_len"], train["store_dir"] or None,
@@ -75,4 +88,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"[data] warning: {note}")
     if train["store_dir"]:
         print(f"[data] train with --set train.store_dir={train['store_dir']} to use it")
-    return 0
