@@ -112,3 +112,13 @@ def test_plan_rows_epochs_and_ranks():
             assert epochs[0] != epochs[1]
     assert plan.counts(30).tolist() == [60, 36, 24]
     assert plan.steps_per_epoch == 4  # the smallest source: 3 rows at 0.2 = 15 rows = 4 steps of 4
+
+
+def test_counts_past_prefix_blocks_of_a_long_period():
+    blend = Blend.of([0.4123, 0.3877, 0.2])  # a period of 10,000 positions: counts kept every 4,096
+    assert sum(blend.segments[0].weights) == 10_000
+    ids, ks = blend.picks(0, 25_000)
+    for pos in (4095, 4096, 4097, 9_999, 10_000, 12_345, 24_999):
+        assert blend.counts(pos).tolist() == np.bincount(ids[:pos], minlength=3).tolist()
+    ids2, ks2 = blend.picks(8_190, 12_300)
+    assert (ids2 == ids[8_190:12_300]).all() and (ks2 == ks[8_190:12_300]).all()

@@ -107,13 +107,24 @@ def build_pattern(weights: tuple[int, ...]) -> np.ndarray:
     return out
 
 
+PREFIX_BLOCK = 4096  # the pattern's counts are kept every PREFIX_BLOCK positions (8 x S bytes each)
+
+
 @lru_cache(maxsize=16)
 def _prefix(weights: tuple[int, ...]) -> np.ndarray:
-    """[period + 1, S] int64: each source's count in the pattern's first j positions."""
+    """[period // PREFIX_BLOCK + 1, S] int64: each source's count in the pattern's first j * PREFIX_BLOCK positions."""
     ids = pattern(weights)
-    onehot = np.zeros((len(ids) + 1, len(weights)), dtype=np.int64)
-    onehot[np.arange(1, len(ids) + 1), ids] = 1
-    return np.cumsum(onehot, axis=0)
+    blocks = [np.bincount(ids[j:j + PREFIX_BLOCK], minlength=len(weights)) for j in range(0, len(ids), PREFIX_BLOCK)]
+    return np.concatenate([np.zeros((1, len(weights)), np.int64), np.cumsum(np.asarray(blocks, np.int64), axis=0)])
+
+
+def _within(weights: tuple[int, ...], offset: int) -> np.ndarray:
+    """[S] counts after `offset` positions of one segment: whole periods, then a block's prefix and the rest."""
+    period = sum(weights)
+    whole, rest = divmod(int(offset), period)
+    block = rest // PREFIX_BLOCK
+    tail = np.bincount(pattern(weights)[block * PREFIX_BLOCK:rest], minlength=len(weights))
+    return whole * np.asarray(weights, dtype=np.int64) + _prefix(weights)[block] + tail
 
 
 @dataclass(frozen=True)
@@ -141,7 +152,7 @@ class Blend:
         for i, seg in enumerate(self.segments):
             self._bases.append(base)
             if i + 1 < len(self.segments):
-                base = base + self._within(seg.weights, self.segments[i + 1].start - seg.start)
+                base = base + _within(seg.weights, self.segments[i + 1].start - seg.start)
 
     @classmethod
     def of(cls, weights) -> "Blend":
@@ -156,35 +167,28 @@ class Blend:
             return self
         return Blend(kept + [Segment(position, ints)], self.rounded or rounded)
 
-    @staticmethod
-    def _within(weights: tuple[int, ...], offset) -> np.ndarray:
-        """Counts after `offset` positions (scalar or array) of one segment."""
-        period = sum(weights)
-        offset = np.asarray(offset, dtype=np.int64)
-        return (offset // period)[..., None] * np.asarray(weights, dtype=np.int64) + _prefix(weights)[offset % period]
-
     def _segment_at(self, position: int) -> int:
         return max(i for i, s in enumerate(self.segments) if s.start <= position)
 
     def counts(self, position: int) -> np.ndarray:
         """[S] rows of each source read in positions [0, position)."""
         i = self._segment_at(position)
-        return self._bases[i] + self._within(self.segments[i].weights, position - self.segments[i].start)
+        return self._bases[i] + _within(self.segments[i].weights, position - self.segments[i].start)
 
     def picks(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(source id, k: how many rows of that source were read before it) of every position in [lo, hi)."""
-        pos = np.arange(lo, hi, dtype=np.int64)
         ids, ks = np.empty(hi - lo, dtype=np.int64), np.empty(hi - lo, dtype=np.int64)
         for i, seg in enumerate(self.segments):
-            end = self.segments[i + 1].start if i + 1 < len(self.segments) else None
-            sel = (pos >= seg.start) & (pos < end if end is not None else True)
-            if not sel.any():
+            end = self.segments[i + 1].start if i + 1 < len(self.segments) else hi
+            a, b = max(lo, seg.start), min(hi, end)
+            if a >= b:
                 continue
-            offset = pos[sel] - seg.start
-            period = sum(seg.weights)
-            src = pattern(seg.weights)[offset % period].astype(np.int64)
-            before = self._within(seg.weights, offset)  # counts before each position, [n, S]
-            ids[sel], ks[sel] = src, self._bases[i][src] + before[np.arange(len(src)), src]
+            offsets = np.arange(a - seg.start, b - seg.start, dtype=np.int64)
+            src = pattern(seg.weights)[offsets % sum(seg.weights)].astype(np.int64)
+            onehot = np.zeros((len(src), self.num_sources), dtype=np.int64)
+            onehot[np.arange(len(src)), src] = 1
+            before = self.counts(a) + np.cumsum(onehot, axis=0) - onehot  # counts before each position, [n, S]
+            ids[a - lo:b - lo], ks[a - lo:b - lo] = src, before[np.arange(len(src)), src]
         return ids, ks
 
     def state(self) -> list[dict]:
