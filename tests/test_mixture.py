@@ -9,7 +9,7 @@ step's rows fall into the same micro-batches whatever the layout and the losses 
 Checked: rows/<name> (what the ranks fetched, summed over replicas) meet the one-row bound at every step and equal
 the blend's counts; loss/<name> equals each source's mean token loss computed alone, in this process, on the same
 rows with the same weights (the model folder at step 1, A's step-3 checkpoint at step 4); eval_loss/<name> is
-logged; C and E continue A (2 -> 1 ranks, tp2 -> ZeRO-2); D says the weights changed and from row 24 on follows
+logged, and the report has a Sources table and plot; C and E continue A (2 -> 1 ranks, tp2 -> ZeRO-2); D says the weights changed and from row 24 on follows
 the new ones, with the rows read before kept.
 """
 
@@ -175,3 +175,18 @@ def test_changed_weights_continue_from_rows_read(runs):
     client = torch.load(runs["D"] / "checkpoints" / "global_step6" / "mp_rank_00_model_states.pt",
                         map_location="cpu", weights_only=False)
     assert client["blend"] == [{"start": 0, "weights": [5, 3, 2]}, {"start": 24, "weights": [2, 3, 5]}]
+
+
+def test_report_says_each_source(runs):
+    from harness.report.compare import write_report
+
+    text = write_report(runs["A"]).read_text()
+    assert "## Sources (train.datasets)" in text and "Blend period 10 rows" in text
+    line = next(x for x in text.splitlines() if x.startswith("| chat |"))
+    assert "| 0.2 |" in line
+    assert "series: loss/chat, eval_loss/chat, loss/inst" in text and (runs["A"] / "sources.png").exists()
+    (start,) = records(runs["A"], "mixture")
+    assert [s["name"] for s in start["sources"]] == list(WEIGHTS) and start["note"] is None
+    epochs = {s["name"]: s["epochs"] for s in start["sources"]}
+    train = {s["name"]: s["train_rows"] for s in start["sources"]}
+    assert epochs["text"] == pytest.approx(24 / train["text"])  # 6 steps x 8 rows x 0.5

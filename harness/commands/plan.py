@@ -234,6 +234,16 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.recommended or result.evaluated else 1
 
 
+def tokenizer_or_none(model: str):
+    """The model's tokenizer, or None where it cannot be had here (a hub model offline): the stores are then unknown."""
+    from harness.model.hf import load_tokenizer
+
+    try:
+        return load_tokenizer(model)
+    except Exception:  # any failure to find or read it means the same: the counts are not known here
+        return None
+
+
 def mixture_plan(args: argparse.Namespace, seq_len: int) -> tuple[list[str], dict]:
     """(lines, JSON) of a mixture's sources from their stores (harness/data/mixture.plan_lines)."""
     import json
@@ -250,7 +260,7 @@ def mixture_plan(args: argparse.Namespace, seq_len: int) -> tuple[list[str], dic
                  f"train.datasets={json.dumps(datasets)}"]
     train = complete({"description": "plan"}, "harness plan --datasets", overrides)["train"]
     global_batch = args.global_batch or args.micro_batch * args.grad_accum * args.gpus * args.nodes
-    return plan_lines(train, global_batch, args.steps)
+    return plan_lines(train, global_batch, args.steps, tokenizer_or_none(args.model))
 
 
 def _layout(args: argparse.Namespace) -> dict | None:

@@ -48,9 +48,10 @@ def sources(train: dict) -> list[Source] | None:
     return out
 
 
-def problems(recipe: dict) -> list[Problem]:
+def problems(recipe: dict, load_tokenizer) -> list[Problem]:
     """Each local source's files (the path exists, its head holds the records and columns its format reads: file
-    and line), and a prepared store's tokenizer and seq_len (the run's). Names and formats: config/mixture_rules."""
+    and line), and a prepared store's tokenizer and seq_len (the run's; load_tokenizer(model) reads the run's).
+    Names and formats: config/mixture_rules."""
     from harness.data.files import check_local
 
     train = recipe["train"]
@@ -63,8 +64,6 @@ def problems(recipe: dict) -> list[Problem]:
             continue
         try:
             if _prepared_store(src.spec.dataset) is not None:
-                from harness.model.hf import load_tokenizer
-
                 prepared_source(src, load_tokenizer(train["model"]), train["seq_len"])
             else:
                 check_local(src.spec)
@@ -229,17 +228,12 @@ def _known_rows(src: Source, tokenizer, train: dict) -> tuple[int, int] | None:
     return store.num_rows - eval_rows, int(store.meta["tokens"])
 
 
-def plan_lines(train: dict, global_batch: int, steps: int | None) -> tuple[list[str], dict]:
+def plan_lines(train: dict, global_batch: int, steps: int | None, tokenizer) -> tuple[list[str], dict]:
     """What `harness plan` and `--recipe auto` say about a mixture, from the sources' stores where they exist:
     each source's rows and tokens, its epochs over `steps` and the steps to one epoch of the source that runs out
-    first. A source with no store yet is named unknown (`harness data prepare` makes it)."""
-    from harness.model.hf import load_tokenizer
-
+    first. A source with no store yet is named unknown (`harness data prepare` makes it); so is every source when
+    the run's tokenizer is not at hand (tokenizer None: a hub model offline)."""
     srcs = sources(train) or []
-    try:
-        tokenizer = load_tokenizer(train["model"])
-    except Exception:  # a hub model offline: nothing is known
-        tokenizer = None
     total = sum(s.weight for s in srcs)
     out, lines, first = [], [], None
     for src in srcs:

@@ -66,7 +66,9 @@ def choose(overrides: list[str], launch: Launch) -> tuple[str, list[str], str]:
 
         micro = best["overrides"].get("batch.micro_batch_per_gpu", settings["batch"]["micro_batch_per_gpu"])
         rows = (micro if isinstance(micro, int) else 1) * hw["gpus_per_node"] * hw["nodes"]
-        reason += "\n" + "\n".join(plan_lines(train, rows, train["steps"])[0])
+        from harness.model.hf import load_tokenizer
+
+        reason += "\n" + "\n".join(plan_lines(train, rows, train["steps"], load_tokenizer(train["model"]))[0])
     return best["recipe"], planned, reason
 
 

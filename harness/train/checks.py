@@ -58,8 +58,9 @@ def before_init(spec, ds_json: str | None = None) -> None:
 def mixture_problems(recipe: dict) -> list[Problem]:
     """train.datasets: names, formats the objective reads, each source's files (harness/data/mixture.py)."""
     from harness.data.mixture import problems
+    from harness.model.hf import load_tokenizer
 
-    return problems(recipe)
+    return problems(recipe, load_tokenizer)
 
 
 def attention_problems(spec) -> list[Problem]:
