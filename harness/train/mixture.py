@@ -83,7 +83,8 @@ def flush_sources(pending: list, names: list[str], replicas: int) -> None:
     held = [record for _, _, record in pending if SUMS_KEY in record]
     if not held:
         return
-    device = held[0][SUMS_KEY].device
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"  # NCCL reduces device tensors only
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     sums = torch.stack([record.pop(SUMS_KEY).to(device) for record in held])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums)
