@@ -162,7 +162,7 @@ CASES = [
          f'"{FIXTURE}/data/alpaca_bad.jsonl"', "alpaca")], "train.datasets[1].dataset: data file "
          f"{FIXTURE}/data/alpaca_bad.jsonl line 2 is not a valid alpaca record", "has output=None, not text"),
     case("data:mixture_column_missing", ["--set", "train.datasets=" + MIX.format(f'"{FIXTURE}/data/small.jsonl"',
-         "instruction")], "train.datasets[1].dataset", "has no column 'prompt' (train.prompt_field"),
+         "instruction")], "train.datasets[1].dataset", "has no column 'prompt' (train.datasets[1].prompt_field"),
     case("data:mixture_store_of_another_tokenizer", ["--set", "train.datasets=" + MIX.format(
          f'"{FIXTURE}/store_other_tokenizer"', "text")], "train.datasets[1].dataset",
          "the store was tokenized with another tokenizer"),

@@ -66,10 +66,13 @@ def problems(recipe: dict, load_tokenizer) -> list[Problem]:
             if _prepared_store(src.spec.dataset) is not None:
                 prepared_source(src, load_tokenizer(train["model"]), train["seq_len"])
             else:
-                check_local(src.spec)
+                try:
+                    check_local(src.spec)
+                except UsageError as e:  # its fix names train.KEY: here the source's own key
+                    raise UsageError(str(e).replace("train.", f"{src.path}.")) from None
         except UsageError as e:
             why, _, fix = str(e).partition("\n    fix: ")
-            out.append(Problem(f"{src.path}.dataset", why, fix.replace("train.", f"{src.path}.")))
+            out.append(Problem(f"{src.path}.dataset", why, fix))
     return out
 
 
