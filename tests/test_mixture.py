@@ -68,12 +68,26 @@ def runs(tmp_path_factory):
     write_instruction(root / "inst.jsonl", 200, seed=2)
     write_chat(root / "chat.jsonl", 200, seed=3)
     chat_model_dir(root / "model", 7)
+    prepare_stores(root)
     r = {name: root / name for name in "ABCDE"}
     two = launch_jobs([case(root, r["A"], "zero2", 2, 6), case(root, r["B"], "tp", 4, 3),
                        case(root, r["C"], "zero2", 2, 6, *resume(r["B"])),
                        case(root, r["D"], "zero2", 2, 6, *resume(r["A"]), weights=CHANGED)], root)
     launch(*case(root, r["E"], "zero2", 4, 6, *resume(r["A"])), ranks=1)
     return {"root": root, "out": two.stdout, **r}
+
+
+def prepare_stores(root) -> None:
+    """The three stores, made here in this process (the launch finds them: no preparing child per source)."""
+    from harness.data import mixture
+    from harness.data.store import prepare
+    from harness.model.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(str(root / "model"))
+    train = {"datasets": json.loads(datasets(root, WEIGHTS)), "format": "text", "dataset_config": "",
+             "dataset_split": "train"}
+    for src in mixture.sources(train):
+        prepare(src.spec, tokenizer, 32, str(root / "stores"), num_proc=1)
 
 
 def mixture_data(root, weights=WEIGHTS):
