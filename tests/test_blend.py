@@ -122,3 +122,19 @@ def test_counts_past_prefix_blocks_of_a_long_period():
         assert blend.counts(pos).tolist() == np.bincount(ids[:pos], minlength=3).tolist()
     ids2, ks2 = blend.picks(8_190, 12_300)
     assert (ids2 == ids[8_190:12_300]).all() and (ks2 == ks[8_190:12_300]).all()
+
+
+def test_token_sums_in_tiles_equal_the_whole_cross_entropy():
+    """loss/<name>'s sums (harness/train/mixture.py): tiles of 2048 positions per row add up to the whole."""
+    import torch
+
+    from harness.train import mixture
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(3, 5000, 50), torch.randint(0, 50, (3, 5000))
+    labels[1, :3000] = -100
+    got = mixture.token_sums(logits, labels, np.array([1, 0, 1]), 2)
+    whole = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 50), labels[:, 1:].reshape(-1),
+                                              ignore_index=-100, reduction="none").view(3, -1).sum(1).double()
+    assert torch.allclose(got[0], torch.stack([whole[1], whole[0] + whole[2]]), rtol=1e-6)
+    assert got[1].tolist() == [2000, 9998] and got[2].tolist() == [1, 2]
