@@ -3,6 +3,7 @@ first step with and without a prepared store; with --stream, train.streaming aga
 
     python bench/data.py [--sizes 1,10,40] [--prep-size 10] [--ranks 2] [--steps 20] [--work /tmp/dsharness_bench_data]
     python bench/data.py --stream --sizes 1,10 --prep-size 1 [--shard-tokens 524288]
+    python bench/data.py --mixtures     a mixture's blend index: build time and memory as sources and rows grow
 
 Corpora are synthetic jsonl text (made-up words, ~250 tokens per document) of about 1M, 10M and 40M tokens of
 the shipped tokenizer, generated once into --work.
@@ -223,7 +224,12 @@ def main() -> int:
     p.add_argument("--skip-launch", action="store_true")
     p.add_argument("--stream", action="store_true", help="only the streaming comparison (train.streaming=true)")
     p.add_argument("--shard-tokens", type=int, default=2**19, help="train.stream_shard_tokens for --stream")
+    p.add_argument("--mixtures", action="store_true", help="only the blend index of a mixture (bench/mixture_blend.py)")
     args = p.parse_args()
+    if args.mixtures:
+        from mixture_blend import main as mixtures
+
+        return mixtures([])
     from harness.model.hf import load_tokenizer
 
     tok = load_tokenizer("tiny-llama")

@@ -13,7 +13,9 @@
 # frozen engine (recipe zero2) and as the base with the adapters off (recipe lora_zero2), and precomputed;
 # OUT_DIR/dpo/{precomputed,engine,adapter}. Also fp16 (dynamic loss scaling) on ZeRO-2 and ZeRO-3; OUT_DIR/fp16
 # with summary.json (loss, peak memory beside the planner's). Also train.streaming on every GPU: a run on the store
-# while its writer writes it, then on the finished store: the same losses step for step; OUT_DIR/stream.
+# while its writer writes it, then on the finished store: the same losses step for step; OUT_DIR/stream. Also a
+# mixture case (train.datasets, NCCL, bf16): per-source loss and rows from the device, the one-row bound checked;
+# OUT_DIR/mixture.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -80,7 +82,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -232,7 +234,42 @@ print(f"[stream]  losses equal step for step: {loss['live'] == loss['finished']}
       f"rank 0 waited {wait} s for the writer")
 EOF
             ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream)" >&2; exit 2 ;;
+        mixture)  # train.datasets on NCCL: builtin text + generated instruction records, weights 0.7 / 0.3, bf16
+                  # ZeRO-2 on up to 2 GPUs; loss/<name> and rows/<name> from the device sums (harness/train/mixture.py)
+            n=1; (( gpus >= 2 )) && n=2
+            $PY - "$OUT/mixture" <<'EOF'
+import json, random, sys
+from pathlib import Path
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+random.seed(0)
+words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+with open(out / "inst.jsonl", "w") as f:
+    for _ in range(2000):
+        q = " ".join(random.choice(words) for _ in range(random.randint(5, 40)))
+        f.write(json.dumps({"prompt": f"Reverse: {q}\nAnswer:", "response": " " + " ".join(reversed(q.split()))}) + "\n")
+EOF
+            mix='[{"dataset": "builtin", "weight": 0.7, "name": "web"}, {"dataset": "'"$OUT/mixture/inst.jsonl"'", "format": "instruction", "weight": 0.3, "name": "inst"}]'
+            timeout 180 $PY -m deepspeed.launcher.runner --num_gpus $n "$ROOT/harness/run.py" --recipe zero2 \
+                --set "train.datasets=$mix" --set train.steps=20 --set train.seq_len=256 --set train.log_every=5 \
+                --set train.eval_every=10 --set train.save_every=0 --output-dir "$OUT/mixture/run" --overwrite \
+                || echo "[mixture] run failed (exit $?)"
+            $PY - "$OUT/mixture/run/metrics.jsonl" <<'EOF' || true
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+train = [r for r in rows if r["kind"] == "train"]
+read, worst = {"web": 0, "inst": 0}, 0.0
+for r in train:
+    for n in read:
+        read[n] += r[f"rows/{n}"]
+    total = sum(read.values())
+    worst = max(worst, abs(read["web"] - 0.7 * total), abs(read["inst"] - 0.3 * total))
+last, evals = train[-1], [r for r in rows if r["kind"] == "eval"][-1]
+print(f"[mixture] {len(train)} steps: loss/web {last.get('loss/web')}, loss/inst {last.get('loss/inst')}; rows read "
+      f"{read} (worst |count - weight x rows| {worst:.2f}, must be < 1); eval_loss/web {evals.get('eval_loss/web')}, "
+      f"eval_loss/inst {evals.get('eval_loss/inst')}")
+EOF
+            ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

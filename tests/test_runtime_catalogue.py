@@ -26,7 +26,8 @@ INVALID = Path(__file__).parent / "invalid"
 EXPECTED = json.loads((INVALID / "expected.json").read_text())
 FIXTURE = "{fx}"  # replaced by the fixture folder in argv and env values
 SECRET = "hf_catalogueSecret0123456789"
-TINY = ["--set", "train.steps=1", "--set", "train.eval_every=0"]  # bounds a case that wrongly gets through
+TINY = ["--set", "train.steps=1", "--set", "train.eval_every=0"]
+MIX = '[{{"dataset": "builtin", "weight": 0.5}}, {{"dataset": {}, "format": "{}", "weight": 0.5}}]'  # a 2-source mixture  # bounds a case that wrongly gets through
 
 
 def case(id_, argv, where, fragment, env=None, post_init=False, needs=None, silent=False):
@@ -163,12 +164,21 @@ CASES = [
                                                         f"{FIXTURE}/data/chat_tool.jsonl", "--set", "train.format=chat"],
          f"train.dataset: data file {FIXTURE}/data/chat_tool.jsonl line 3 is not a chat record the tokenizer's template "
          "can train", "(TemplateError: Conversation roles must alternate user/assistant/user/assistant/...)"),
+    case("data:mixture_record_missing_field", ["--set", "train.datasets=" + MIX.format(
+         f'"{FIXTURE}/data/alpaca_bad.jsonl"', "alpaca")], "train.datasets[1].dataset: data file "
+         f"{FIXTURE}/data/alpaca_bad.jsonl line 2 is not a valid alpaca record", "has output=None, not text"),
+    case("data:mixture_column_missing", ["--set", "train.datasets=" + MIX.format(f'"{FIXTURE}/data/small.jsonl"',
+         "instruction")], "train.datasets[1].dataset", "has no column 'prompt' (train.datasets[1].prompt_field"),
+    case("data:mixture_store_of_another_tokenizer", ["--set", "train.datasets=" + MIX.format(
+         f'"{FIXTURE}/store_other_tokenizer"', "text")], "train.datasets[1].dataset",
+         "the store was tokenized with another tokenizer"),
     case("data:text_field_missing", ["--set", "train.text_field=body", *TINY, "--output-dir", f"{FIXTURE}/out_col"],
          "no column 'body'", "fix: set train.text_field to the column", post_init=True),
 ]
 
 
 def write_fixtures(fx: Path) -> None:
+    _mixture_fixtures(fx)
     (fx / "file.txt").write_text("not a folder\n")
     (fx / "empty_extensions").mkdir()
     offload = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
@@ -228,6 +238,18 @@ def _chat_fixtures(fx: Path) -> None:
     tool = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Checking."},
             {"role": "tool", "content": "3 C"}, {"role": "assistant", "content": "3 C."}]
     (fx / "data" / "chat_tool.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in (turn, turn, tool)))
+
+
+def _mixture_fixtures(fx: Path) -> None:
+    data = fx / "data"
+    data.mkdir(exist_ok=True)
+    (data / "alpaca_bad.jsonl").write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n" +
+                                           json.dumps({"instruction": "c"}) + "\n")
+    store = fx / "store_other_tokenizer"  # a prepared token store's files, from another tokenizer
+    store.mkdir()
+    (store / "tokens.bin").write_bytes(b"\0" * 256)
+    key = {"tokenizer_hash": "0" * 64, "seq_len": 128, "format": "text"}
+    (store / "meta.json").write_text(json.dumps({"key": key, **key}))
 
 
 def fill(value: str, fx: Path) -> str:

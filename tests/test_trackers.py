@@ -76,6 +76,10 @@ def test_records_become_the_same_names_for_both_trackers():
         "train/loss": 1.0, "memory/rank0/rss_bytes": 5.0}  # outside the window: rank 0's own memory
     assert trackers.step_metrics("eval", {"eval_loss": 3.0}, None) == {"eval/loss": 3.0}
     assert trackers.step_metrics("eval", {"eval_loss": math.nan}, None) == {}
+    mixture = trackers.step_metrics("train", {"loss": 1.0, "loss/web": 2.5, "rows/web": 6, "loss/chat": None}, None)
+    assert mixture == {"train/loss": 1.0, "train/loss/web": 2.5, "train/rows/web": 6.0}  # a source with no target: left out
+    assert trackers.step_metrics("eval", {"eval_loss": 3.0, "eval_loss/web": 2.0}, None) == {"eval/loss": 3.0,
+                                                                                           "eval/loss/web": 2.0}
     summary = {"first_loss": 3.0, "last_loss": 2.0, "eval_loss": None,
                "throughput": {"tokens_per_s_median": 100.0, "mfu": 0.4,
                               "step_time": {"step_time_s": 0.2, "measured_median_s_per_rank": [0.3, 0.31], "ratio": 1.5}},

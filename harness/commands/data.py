@@ -68,10 +68,7 @@ def _prepare_shards(spec, tokenizer, train: dict, num_proc: int | None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from harness.data.corpus import DataSpec
-    from harness.data.chat_check import check_chat_head
-    from harness.data.formats import check_chat_template
     from harness.model.hf import load_tokenizer
-    from harness.data.store import empty_rows_note, prepare
 
     if args.num_proc is not None and args.num_proc < 1:
         raise UsageError(f"--num-proc {args.num_proc}: must be >= 1\n    fix: leave it out for one per core")
@@ -80,6 +77,22 @@ def run(args: argparse.Namespace) -> int:
     spec, tokenizer = DataSpec.from_train(train), load_tokenizer(train["model"])
     if spec.preference:
         return _prepare_pairs(spec, tokenizer, train, recipe["preference"]["truncation"], args.num_proc)
+    if train["datasets"]:  # a mixture: every source's store (harness/data/mixture.py)
+        from harness.data.mixture import sources
+
+        for src in sources(train):
+            print(f"[data] source {src.name}:")
+            _prepare_one(args, src.spec, tokenizer, train)
+        return 0
+    _prepare_one(args, spec, tokenizer, train)
+    return 0
+
+
+def _prepare_one(args, spec, tokenizer, train: dict) -> None:
+    from harness.data.chat_check import check_chat_head
+    from harness.data.formats import check_chat_template
+    from harness.data.store import empty_rows_note, prepare
+
     if spec.uses_chat_template:
         check_chat_template(tokenizer, train["model"], spec.format)
         checked, split = check_chat_head(spec, tokenizer)  # a record the template cannot train: file and line
@@ -87,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"[data] the chat template rewrites history in {split} of the first {checked} records: their "
                   f"assistant turns train in more than one sample (train.chat_turns={spec.chat_turns})")
     if train["streaming"]:
-        return _prepare_shards(spec, tokenizer, train, args.num_proc)
+        _prepare_shards(spec, tokenizer, train, args.num_proc)
+        return
     store, made = prepare(spec, tokenizer, train["seq_len"], train["store_dir"] or None,
                           num_proc=args.num_proc, streaming=True if args.stream else None)
     meta = store.meta
@@ -99,4 +113,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"[data] warning: {note}")
     if train["store_dir"]:
         print(f"[data] train with --set train.store_dir={train['store_dir']} to use it")
-    return 0

@@ -126,7 +126,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pref.add_argument("--pairs", type=int, help="pairs in the preference set (precomputed: its host table and its "
                                                 "one pass up front)")
     pref.add_argument("--steps", type=int, help="optimizer steps the run trains (the recommendation weighs a pass "
-                                                "over every pair against a reference forward per step)")
+                                                "over every pair against a reference forward per step; with "
+                                                "--datasets: each source's epochs)")
+    data = parser.add_argument_group("a mixture (train.datasets; docs/data.md)")
+    data.add_argument("--datasets", help="the train.datasets JSON list: each source's rows and tokens from its store "
+                                         "where one exists, its epochs over --steps and the steps to one epoch of the "
+                                         "source that runs out first (rows per step: --global-batch, else micro-batch "
+                                         "x grad-accum x GPUs)")
+    data.add_argument("--store-dir", default="", help="where the token stores are (train.store_dir)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -143,9 +150,9 @@ def preference_work(args: argparse.Namespace) -> dict:
 
     goal, mode = args.objective, args.reference_mode
     if goal == "lm":
-        if mode != "auto" or args.pairs is not None or args.steps is not None:
+        if mode != "auto" or args.pairs is not None or (args.steps is not None and not args.datasets):
             raise UsageError("--reference-mode, --pairs and --steps plan a preference run: add --objective dpo "
-                             "(or ipo, simpo, orpo)")
+                             "(or ipo, simpo, orpo); --steps also goes with --datasets (a mixture's epochs)")
         return {}
     if goal in REFERENCE_FREE and mode != "auto":
         raise UsageError(f"--reference-mode {mode} with --objective {goal}: {goal} has no reference model")
@@ -216,8 +223,44 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(f"LoRA r={args.lora_r}: {count['lora_per_layer'] * count['num_layers']:,} trainable / "
                          f"{count['total'] - count['lora_per_layer'] * count['num_layers']:,} frozen parameters "
                          "(frozen: 16-bit weights only; gradients, fp32 master and Adam for the adapters)\n")
-    sys.stdout.write(to_json(result) + "\n" if args.json else to_text(result))
+    mixture = mixture_plan(args, seq_len) if args.datasets else None
+    if args.json:
+        import json
+
+        text = to_json(result)
+        sys.stdout.write((json.dumps({**json.loads(text), "data": mixture[1]}, indent=2) if mixture else text) + "\n")
+    else:
+        sys.stdout.write(to_text(result) + ("\n".join(mixture[0]) + "\n" if mixture else ""))
     return 0 if result.recommended or result.evaluated else 1
+
+
+def tokenizer_or_none(model: str):
+    """The model's tokenizer, or None where it cannot be had here (a hub model offline): the stores are then unknown."""
+    from harness.model.hf import load_tokenizer
+
+    try:
+        return load_tokenizer(model)
+    except Exception:  # any failure to find or read it means the same: the counts are not known here
+        return None
+
+
+def mixture_plan(args: argparse.Namespace, seq_len: int) -> tuple[list[str], dict]:
+    """(lines, JSON) of a mixture's sources from their stores (harness/data/mixture.plan_lines)."""
+    import json
+
+    from harness.config.recipes import complete
+    from harness.data.mixture import plan_lines
+
+    try:
+        datasets = json.loads(args.datasets)
+    except ValueError as e:
+        raise UsageError(f"--datasets: not JSON ({e}); give the train.datasets list, e.g. "
+                         '\'[{"dataset": "a.jsonl", "weight": 0.7}, {"dataset": "b.jsonl", "weight": 0.3}]\'') from None
+    overrides = [f"train.model={args.model}", f"train.seq_len={seq_len}", f"train.store_dir={args.store_dir}",
+                 f"train.datasets={json.dumps(datasets)}"]
+    train = complete({"description": "plan"}, "harness plan --datasets", overrides)["train"]
+    global_batch = args.global_batch or args.micro_batch * args.grad_accum * args.gpus * args.nodes
+    return plan_lines(train, global_batch, args.steps, tokenizer_or_none(args.model))
 
 
 def _layout(args: argparse.Namespace) -> dict | None:

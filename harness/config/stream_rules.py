@@ -22,6 +22,11 @@ def check_streaming(ds: dict, ctx: Context) -> list[Problem]:
                            "pairs are read from their own store, built before the run",
                            "set train.streaming=false (the pair store is built once, by `harness data prepare "
                            "--set train.objective=...` or the launch), or objective lm"))
+    if train.get("datasets"):
+        out.append(Problem("train.streaming", f"streaming with a mixture of {len(train['datasets'])} sources "
+                           "(train.datasets): a streamed store is one source's, written in its own order",
+                           "set train.streaming=false (each source's store is built once, shared by every mixture "
+                           "that names it), or stream one source through train.dataset"))
     rows, fraction = shard_rows(train.get("stream_shard_tokens", 1), train.get("seq_len", 1)), float(train.get("eval_fraction", 0) or 0)
     held = max(1, round(rows * fraction)) if fraction > 0 else 0
     if held >= rows:

@@ -27,6 +27,8 @@ class MonitorHook:
         x = self.engine.global_samples
         events = [(f"Train/Samples/{name}", record[field], x) for field, name in EVENTS.get(kind, ())
                   if record.get(field) is not None]
+        events += [(f"Train/Samples/{'train_' if kind == 'train' else ''}{key}", value, x)  # a mixture's sources
+                   for key, value in record.items() if key.startswith(("loss/", "eval_loss/")) and value is not None]
         if events:
             self.engine.monitor.write_events(events)
 

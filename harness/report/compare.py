@@ -18,6 +18,7 @@ from pathlib import Path
 
 from harness.errors import UsageError
 from harness.report.experts import experts_section
+from harness.report.mixture import sources_section
 from harness.report.faults import faults_line, faults_section
 from harness.report.tables import fmt_bytes, fmt_ratio, ratio, table
 from harness.report.pipeline import pipeline_flags, pipeline_rows, pipeline_section
@@ -322,6 +323,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
     out += startup_section(tables.get("startup", []))
     out += pipeline_section(run, tables.get("pipeline", []))
     out += experts_section(run)
+    out += sources_section(run)
     timers = run.summary.get("throughput", {}).get("timers_ms_median", {})
     if timers:
         out += ["", "## Step time breakdown (DeepSpeed timers, median ms, rank 0)", "",

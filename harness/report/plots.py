@@ -169,6 +169,34 @@ def plot_preference(run, path: Path) -> list[str]:
     return _save(fig, path, [margin, accuracy])
 
 
+def plot_sources(run, path: Path) -> list[str]:
+    """A mixture (train.datasets): each source's train loss (lines) and eval loss (dots), and its share of the rows
+    read so far."""
+    names = sorted({k[len("rows/"):] for r in run.train for k in r if k.startswith("rows/")})
+    if not names:
+        return []
+    plt = _pyplot()
+    fig, (loss_ax, share_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    totals = {name: 0 for name in names}
+    shares = {name: [] for name in names}
+    for r in run.train:
+        for name in names:
+            totals[name] += r.get(f"rows/{name}", 0)
+        for name in names:
+            shares[name].append(totals[name] / max(1, sum(totals.values())))
+    steps = [r["step"] for r in run.train]
+    for name in names:
+        points = [(r["step"], r[f"loss/{name}"]) for r in run.train if r.get(f"loss/{name}") is not None]
+        line = loss_ax.plot(*zip(*points), label=f"loss/{name}") if points else None
+        evals = [(r["step"], r[f"eval_loss/{name}"]) for r in run.eval if r.get(f"eval_loss/{name}") is not None]
+        if evals:
+            loss_ax.plot(*zip(*evals), "o", color=line[0].get_color() if line else None, label=f"eval_loss/{name}")
+        share_ax.plot(steps, shares[name], label=f"rows/{name} share")
+    loss_ax.set(xlabel="step", ylabel="mean token loss", title="Loss per source")
+    share_ax.set(xlabel="step", ylabel="share of rows read", title="Rows read per source", ylim=(0, 1))
+    return _save(fig, path, [loss_ax, share_ax])
+
+
 def write_all(run, tables: dict, out_dir: Path) -> dict[str, list[str]]:
     """Write every plot that has data; {file name: series labels}."""
     out = {}
@@ -177,7 +205,8 @@ def write_all(run, tables: dict, out_dir: Path) -> dict[str, list[str]]:
                        ("memory.png", lambda p: plot_memory(run, tables, p)),
                        ("comm.png", lambda p: plot_comm(run, tables, p)),
                        ("step_time.png", lambda p: plot_step_time(run, p)),
-                       ("preference.png", lambda p: plot_preference(run, p))):
+                       ("preference.png", lambda p: plot_preference(run, p)),
+                       ("sources.png", lambda p: plot_sources(run, p))):
         labels = draw(Path(out_dir) / name)
         if labels:
             out[name] = labels

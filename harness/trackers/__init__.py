@@ -28,6 +28,7 @@ What is logged, x axis = the step as in metrics.jsonl (1-based), the same names 
   has a known peak: null on CPU is not logged), timers/{fwd,bwd,bwd_inner,bwd_allreduce,step}_ms (profile window)
   train/{rewards_chosen,rewards_rejected,rewards_margin,rewards_accuracy,logps_chosen,logps_rejected}  (preference)
   eval/loss (+ eval/{the six above} of a preference run)  at each evaluation
+  train/loss/<name>, train/rows/<name>, eval/loss/<name>  (a mixture's sources, train.datasets)
   memory/rank{R}/{field}_bytes               rank 0 every step; every rank on the profiled steps
                                              (profiling/memory.py gathers them there only: no collective on other steps)
   at the end (wandb: run summary; MLflow: metrics at the last step): summary/{first_loss, last_loss, eval_loss,
@@ -182,17 +183,23 @@ def start(spec, dist, run_dir: Path) -> Trackers:
     return trackers
 
 
+SOURCE_KEYS = ("loss/", "rows/")  # a mixture's per-source values (harness/train/mixture.py): train/loss/<name>
+SOURCE_EVAL = "eval_loss/"  # eval/loss/<name>
+
+
 def step_metrics(kind: str, record: dict, predicted_step_s: float | None) -> dict[str, float]:
     """One trainer record ("train" or "eval") -> {metric name: value}; values that are not finite numbers
     (mfu on CPU) are left out."""
     if kind == "eval":
         out = {"eval/loss": number(record.get("eval_loss")),
-               **{f"eval/{name}": number(record.get(f"eval_{name}")) for name in PREFERENCE_METRICS}}
+               **{f"eval/{name}": number(record.get(f"eval_{name}")) for name in PREFERENCE_METRICS},
+               **{f"eval/{key[len('eval_'):]}": number(v) for key, v in record.items() if key.startswith(SOURCE_EVAL)}}
         return {k: v for k, v in out.items() if v is not None}
     if kind != "train":
         return {}
     out = {TRAIN[field]: number(record.get(field)) for field in TRAIN}
     out["train/step_time_predicted_s"] = number(predicted_step_s)
+    out.update({f"train/{key}": number(v) for key, v in record.items() if key.startswith(SOURCE_KEYS)})  # mixture
     per_rank = record.get("memory_per_rank") or ([record["memory"]] if record.get("memory") else [])
     for rank, memory in enumerate(per_rank):
         out.update({f"memory/rank{rank}/{key}": number(value) for key, value in (memory or {}).items()})

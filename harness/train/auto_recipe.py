@@ -61,6 +61,14 @@ def choose(overrides: list[str], launch: Launch) -> tuple[str, list[str], str]:
                    + (f", {cmp['speedup']:.2f}x the first fit in the decision order ({cmp['first_fit']})"
                       if cmp and not cmp.get("kept_first_fit")
                       else ", the first fit in the decision order (fastest within 5 %)"))
+    if train["datasets"]:  # a mixture: its sources' epochs from their stores (harness/data/mixture.py)
+        from harness.data.mixture import plan_lines
+
+        micro = best["overrides"].get("batch.micro_batch_per_gpu", settings["batch"]["micro_batch_per_gpu"])
+        rows = (micro if isinstance(micro, int) else 1) * hw["gpus_per_node"] * hw["nodes"]
+        from harness.model.hf import load_tokenizer
+
+        reason += "\n" + "\n".join(plan_lines(train, rows, train["steps"], load_tokenizer(train["model"]))[0])
     return best["recipe"], planned, reason
 
 

@@ -44,7 +44,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     problems += path_problems(spec, cfg) + qlora_problems(spec.recipe) + sequence_problems(spec, cfg)
     problems += attention_problems(spec) + preference_problems(spec.recipe) + reference_problems(spec.recipe, cfg)
     problems += chat_problems(spec.recipe["train"])
-    problems += faults.recipe_problems(spec.recipe)
+    problems += faults.recipe_problems(spec.recipe) + mixture_problems(spec.recipe)
     problems += moe_rules.problems(spec.recipe, spec.world_size, cfg)  # MoE: ep, tp, pipeline, aux loss
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
@@ -54,6 +54,14 @@ def before_init(spec, ds_json: str | None = None) -> None:
 
         for warning in warnings:
             say("warn", warning.render())
+
+
+def mixture_problems(recipe: dict) -> list[Problem]:
+    """train.datasets: names, formats the objective reads, each source's files (harness/data/mixture.py)."""
+    from harness.data.mixture import problems
+    from harness.model.hf import load_tokenizer
+
+    return problems(recipe, load_tokenizer)
 
 
 def attention_problems(spec) -> list[Problem]:

@@ -239,12 +239,17 @@ class Policy:
 
 
 def rows_named(rows, limit: int = 16) -> str:
-    """The store rows of `rows` (harness/data/rows.Rows) and, under document packing, the documents they hold;
-    for preference pairs (harness/data/preference.Pairs) the pairs and the dataset records they came from."""
+    """The store rows of `rows` (harness/data/rows.Rows) and, under document packing, the documents they hold (a
+    mixture's per source); for preference pairs (harness/data/preference.Pairs) the pairs and the dataset records they came from."""
     import numpy as np
 
+    from harness.data.mix_rows import MixRows
     from harness.data.preference import Pairs
 
+    if isinstance(rows, MixRows):  # a mixture: each source's rows, named as its own store's
+        ids = rows.source_ids()
+        return "; ".join(f"source {rows.names[s]}: " + rows_named(rows.parts[s][rows.index[ids == s] - rows.offsets[s]],
+                                                                  limit) for s in sorted(set(ids.tolist())))
     index = [int(i) for i in rows.index]
     if isinstance(rows, Pairs):
         return f"pairs {_few(index, limit)}, dataset records {_few(sorted({int(r) for r in rows.records}), limit)}"

@@ -72,6 +72,13 @@ def load_data(spec, dist, tokenizer) -> Data:
         for line in lines if dist.is_main else ():
             say("data", line)
         return Data(train=train_pairs, eval=eval_pairs)
+    if train["datasets"]:  # a mixture (harness/data/mixture.py)
+        from harness.data import mixture
+
+        mix, train_rows, eval_rows, lines = mixture.load(train, dist.local_rank, tokenizer)
+        for line in lines if dist.is_main else ():
+            say("data", line)
+        return Data(train=train_rows, eval=eval_rows, mixture=mix)
     data_spec = DataSpec.from_train(train)
     if data_spec.uses_chat_template:  # every rank, so all exit with the message before any waits on a store
         check_chat_template(tokenizer, train["model"], data_spec.format)
@@ -197,7 +204,8 @@ def announce(spec, dist, run_dir: Path, info, data: Data, notes: list[str]) -> N
     say("batch", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = {per_step} x "
                  f"{data.train.shape[1]} tokens per step")
     say("model", f"{spec.recipe['train']['model']}: {n_params / 1e6:.2f}M params")
-    say("data", f"{spec.recipe['train']['dataset']}: {data.train.shape[0]} train / {data.eval.shape[0]} eval {unit}")
+    what = f"mixture of {', '.join(data.mixture.names)}" if data.mixture is not None else spec.recipe['train']['dataset']
+    say("data", f"{what}: {data.train.shape[0]} train / {data.eval.shape[0]} eval {unit}")
     if spec.provenance:
         say("config", render_provenance(spec.provenance).replace("\n", "\n         "))
     for note in notes:
@@ -205,6 +213,28 @@ def announce(spec, dist, run_dir: Path, info, data: Data, notes: list[str]) -> N
     for w in spec.warnings:
         say("warn", w.render())
     say("config", f"run folder {run_dir}")
+
+
+def mixture_from(spec, dist, data: Data, step0: int, client: dict, log: MetricsLog) -> Data:
+    """A mixture's blend continued from the checkpoint (weights changed: from this step on), and the epochs each
+    source gives over the run (start-up lines)."""
+    from harness.data.mixture import epoch_lines
+    from harness.train.faults import DataSteps
+
+    global_batch = spec.run.batch.micro_batch * spec.run.batch.grad_accum * spec.dp
+    mix, note = data.mixture, None
+    if client:
+        position = DataSteps(client.get(faults.CLIENT_KEY, ())).batch(step0) * global_batch
+        mix, note = mix.resumed(client, position)
+        if note and dist.is_main:
+            say("data", note)
+    lines, record = epoch_lines(mix, data.train.sizes, data.eval.sizes, global_batch, step0,
+                                spec.recipe["train"]["steps"])
+    if dist.is_main:
+        for line in lines:
+            say("data", line)
+        log.write("mixture", step0, **record, note=note)
+    return dataclasses.replace(data, mixture=mix)
 
 
 def write_summary(spec, run_dir: Path, step0: int, result: dict) -> dict:
@@ -270,6 +300,8 @@ def run(spec, dist) -> int:
         for line in lines if dist.is_main else ():
             say("memory", line)
         step0, client = start_step(engine, spec, dist, run_dir, info)
+        if data.mixture is not None:
+            data = mixture_from(spec, dist, data, step0, client, log)
         if dist.is_main:
             checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer)
         hooks = profiling.make_hooks(spec, engine, dist, run_dir, log, trackers)

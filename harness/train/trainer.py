@@ -27,7 +27,7 @@ from harness.config.preference_rules import is_preference
 from harness.data.batches import BatchPlan
 from harness.dist import DistInfo, mean_across_ranks
 from harness.log import say
-from harness.train import faults, schedule
+from harness.train import faults, mixture, schedule
 from harness.train.metrics import MetricsLog
 from harness.data.rows import Rows, loss_items, model_inputs
 from harness.data.stream_rows import StreamPlan, StreamRows
@@ -42,6 +42,7 @@ class Data:
     train: Rows  # .shape == (rows, seq_len); views over the memory-mapped token store (a preference run: Pairs)
     eval: Rows
     reference: object = None  # a dpo / ipo run's reference log-probs (harness/train/reference.py)
+    mixture: object = None  # train.datasets: the sources and their blend (harness/data/mixture.py); train, eval: MixRows
 
 
 def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
@@ -57,15 +58,20 @@ def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
     return dist.rank // spec.tp, spec.dp
 
 
-def batch_plan(spec, dist: DistInfo, split) -> BatchPlan:
-    """The plan over a training split; a streamed store's (harness/data/stream_rows.py) has its own order."""
+def batch_plan(spec, dist: DistInfo, data: Data) -> BatchPlan:
+    """The rows of every step; a mixture's by its blend (harness/data/mix_rows.MixPlan), a streamed store's in its
+    own order (harness/data/stream_rows.StreamPlan): both have BatchPlan's interface."""
     micro, gas = spec.run.batch.micro_batch, spec.run.batch.grad_accum
     dp_rank, dp_size = dp_coords(spec, dist)
     plan = dict(global_batch=micro * gas * dp_size, micro_batch=micro, grad_accum=gas, dp_rank=dp_rank,
                 dp_size=dp_size, seed=spec.recipe["train"]["seed"])
-    if isinstance(split, StreamRows):
-        return StreamPlan(split, **plan)
-    return BatchPlan(num_rows=split.shape[0], **plan)
+    if data.mixture is not None:
+        from harness.data.mix_rows import MixPlan
+
+        return MixPlan(sizes=tuple(data.train.sizes), blend=data.mixture.blend, **plan)
+    if isinstance(data.train, StreamRows):
+        return StreamPlan(data.train, **plan)
+    return BatchPlan(num_rows=data.train.shape[0], **plan)
 
 
 def fetch(split, rows) -> tuple[torch.Tensor, ...]:
@@ -177,11 +183,15 @@ class Trainer:
         self.model_info = model_info  # harness.model.load.meta.ModelInfo: dtypes and partition for the manifests
         self.run_dir, self.log, self.hooks = run_dir, log, list(boundaries.hooks)
         self.preempt = boundaries.preempt  # asked at every step boundary
-        self.plan = batch_plan(spec, dist, data.train)
+        self.plan = batch_plan(spec, dist, data)
         self.train_cfg = spec.recipe["train"]
         rows_per_sample = 2 if is_preference(spec.recipe) else 1  # a pair is two rows
         self.tokens_per_step = self.plan.global_batch * data.train.shape[1] * rows_per_sample
         self.step_fn = strategy(spec, data.reference)[0]
+        if data.mixture is not None:  # loss/<name>, rows/<name> (harness/train/mixture.py)
+            plain = mixture.plain_path(spec)
+            self.step_fn = mixture.by_source(self.step_fn, len(data.mixture.names), *((_forward, _lm_aux) if plain
+                                                                                     else ()))
         self.guard = faults.Guard.of(engine, self.train_cfg, dist.rank, dist.world_size)  # None: on_nonfinite off
         self.policy = faults.Policy(self.train_cfg)
         self.data_steps = faults.DataSteps(skipped_batches)
@@ -192,7 +202,12 @@ class Trainer:
         batch = self.data_steps.batch(step)
         if self.guard is not None:
             self.guard.begin(batch)
-        loss = self.step_fn(self.engine, [fetch(self.data.train, rows) for rows in self.plan.micro_batches(batch)])
+        micro = self.plan.micro_batches(batch)
+        batches = [fetch(self.data.train, rows) for rows in micro]
+        if self.data.mixture is None:
+            loss = self.step_fn(self.engine, batches)
+        else:  # with each row's source
+            loss = self.step_fn(self.engine, batches, [self.data.train[rows].source_ids() for rows in micro])
         loss, parts = loss if isinstance(loss, tuple) else (loss, {})  # RANK_MEANS: MoE's, a preference run's
         step_time = time.perf_counter() - start
         norm = self.engine.get_global_grad_norm()
@@ -204,6 +219,8 @@ class Trainer:
     def flush(self, pending: list[tuple[int, float, dict]]) -> float:
         """Average the pending steps' losses over ranks (one all-reduce), check them, write their records.
         Returns the last step's loss."""
+        if self.data.mixture is not None:
+            mixture.flush_sources(pending, self.data.mixture.names, self.dist.world_size // self.plan.dp_size)
         parts = [(record, key) for _, _, record in pending for key in RANK_MEANS if key in record]
         values = mean_across_ranks([record["loss"] for _, _, record in pending] + [r[key] for r, key in parts])
         losses = values[:len(pending)]
@@ -255,7 +272,7 @@ class Trainer:
 
     def rank_rows(self, rank: int, batch: int):
         """Positions in the training split of data batch `batch` on `rank` (any rank's: the plan is arithmetic)."""
-        plan = batch_plan(self.spec, dataclasses.replace(self.dist, rank=rank), self.data.train)
+        plan = batch_plan(self.spec, dataclasses.replace(self.dist, rank=rank), self.data)
         return torch.cat(plan.micro_batches(batch))
 
     def notify(self, kind: str, step: int, record: dict) -> None:
@@ -272,6 +289,8 @@ class Trainer:
         probe = fetch(self.data.eval if self.data.eval.shape[0] else self.data.train, slice(0, 1))[0][:, :16]
         client = {"step": step, "epoch": self.plan.epoch_of(self.data_steps.batch(max(step - 1, 0))),
                   faults.CLIENT_KEY: list(self.data_steps.skipped)}
+        if self.data.mixture is not None:
+            client.update(self.data.mixture.client_state())
         path = checkpoint.save(self.engine, self.spec, self.dist, self.run_dir / "checkpoints", step, client,
                                probe_ids=probe, model_info=self.model_info)
         if self.dist.is_main:
@@ -328,6 +347,8 @@ class Trainer:
                                 f"{tokens_per_s:.0f} tok/s")
             if eval_now:
                 evals = evaluate(self.engine, self.spec, self.dist, self.data)
+                if self.data.mixture is not None:
+                    evals.update(mixture.source_evals(evaluate, self.engine, self.spec, self.dist, self.data))
                 eval_loss = evals["eval_loss"]
                 self.log.write("eval", done, **evals)
                 self.notify("eval", done, evals)
