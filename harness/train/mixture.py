@@ -17,19 +17,19 @@ import torch
 from harness.data.rows import IGNORE_INDEX
 from harness.dist import DistInfo
 
-TILE_TOKENS = 2048  # positions per cross-entropy call of token_sums
+LOSS_TILE_POSITIONS = 2048  # positions per cross-entropy call of token_sums
 SUMS_KEY = "source_sums"  # a step record's [3, S] tensor until the flush turns it into loss/<name>, rows/<name>
 
 
 def token_sums(logits: torch.Tensor, labels: torch.Tensor, sources: np.ndarray, num: int) -> torch.Tensor:
     """[3, num]: summed token loss, targets and rows of each source in one micro-batch (rows: `sources`). The fp32
-    cross-entropy runs over TILE_TOKENS positions of one row at a time, so its transient copy of the logits is one
-    tile's (TILE_TOKENS x vocab x 4 bytes), not the micro-batch's."""
+    cross-entropy runs over LOSS_TILE_POSITIONS positions of one row at a time, so its transient copy of the logits is one
+    tile's (LOSS_TILE_POSITIONS x vocab x 4 bytes), not the micro-batch's."""
     shift_labels = labels[:, 1:].to(logits.device)
     per_row = torch.zeros(logits.shape[0], dtype=torch.float64, device=logits.device)
     for row in range(logits.shape[0]):
-        for lo in range(0, shift_labels.shape[1], TILE_TOKENS):
-            hi = min(lo + TILE_TOKENS, shift_labels.shape[1])
+        for lo in range(0, shift_labels.shape[1], LOSS_TILE_POSITIONS):
+            hi = min(lo + LOSS_TILE_POSITIONS, shift_labels.shape[1])
             part = torch.nn.functional.cross_entropy(logits[row, lo:hi].detach().float(), shift_labels[row, lo:hi],
                                                      ignore_index=IGNORE_INDEX, reduction="sum")
             per_row[row] += part.double()
