@@ -108,8 +108,9 @@ class GrpoSteps:
         index = [rows[j // self.g] for j in mine]
         prompt_ids = [self.prompts.token_ids[i] for i in index]
         began = time.perf_counter()
-        seed = self.spec.recipe["train"]["seed"] * 1000003 + (step // self.mu) * 1009 + self.dp_rank
-        completions = self.generator.generate(prompt_ids, seed=seed)
+        # row i of the step draws from (seed, i): the same completions on any world size
+        seed = self.spec.recipe["train"]["seed"] * 1000003 + step // self.mu
+        completions = self.generator.generate(prompt_ids, seed=seed, first_row=mine.start)
         times["generate_s"] = time.perf_counter() - began
         began = time.perf_counter()
         scores = self._score(index, completions)
