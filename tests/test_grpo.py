@@ -25,16 +25,14 @@ SPLIT_FREE = ("dapo", "grpo", "dr_grpo")  # unchanged by how the batch is split
 
 
 def cases(ref: str) -> list[Case]:
-    return [Case("ddp_dapo", "ddp"),
+    return [Case("ddp_dapo_old", "ddp", old_shift=0.3),
             Case("zero1_grpo_kl_t07", "zero1", {"loss_type": "grpo", "beta": 0.04, "temperature": 0.7}, reference=ref),
-            Case("zero2_bnpo_t07", "zero2", {"loss_type": "bnpo", "temperature": 0.7}),
+            Case("zero2_bnpo_t07_masked_batch", "zero2", {"loss_type": "bnpo", "temperature": 0.7,
+                                                           "mask_truncated_completions": True, "scale_rewards": "batch"}),
             Case("zero3_dr_grpo_kl", "zero3", {"loss_type": "dr_grpo", "beta": 0.04}, reference=ref),
             Case("offload_cispo_old", "zero2_offload", {"loss_type": "cispo", "epsilon_high": 5.0}, old_shift=0.3),
             Case("zero1_sapo_old", "zero1", {"loss_type": "sapo"}, old_shift=0.3),
             Case("zero2_gspo_delta_old", "zero2", {"importance_sampling_level": "sequence", "delta": 1.2},
-                 old_shift=0.3),
-            Case("zero3_grpo_masked_batch_old", "zero3", {"loss_type": "grpo", "mask_truncated_completions": True,
-                                                          "scale_rewards": "batch", "epsilon_high": 0.28},
                  old_shift=0.3),
             Case("zero3_lora_dapo_kl_adapter", "zero3", {"beta": 0.04}, lora=True)]
 
@@ -95,9 +93,10 @@ def test_every_loss_type_and_layout_matches_plain_torch_grpo(launched):
             worst[case.name] = _close("step1.loss", got[0]["loss"], want[0]["loss"], 1e-6)
             continue
         errs = [_close("step1.loss", got[0]["loss"], want[0]["loss"], 1e-6),
-                _close("step1.grad_norm", got[0]["grad_norm"], want[0]["grad_norm"], 1e-6),
-                _close("step2.loss", got[1]["loss"], want[1]["loss"], 1e-5),
-                _close("step2.grad_norm", got[1]["grad_norm"], want[1]["grad_norm"], 1e-5)]
+                _close("step2.loss", got[1]["loss"], want[1]["loss"], 1e-5)]
+        if case.recipe != "ddp":  # DeepSpeed logs no grad norm on ZeRO-0 (null)
+            errs += [_close("step1.grad_norm", got[0]["grad_norm"], want[0]["grad_norm"], 1e-6),
+                     _close("step2.grad_norm", got[1]["grad_norm"], want[1]["grad_norm"], 1e-5)]
         worst[case.name] = max(errs)
         if rl.get("beta"):
             assert got[0]["kl"] >= 0 and got[1]["kl"] > 0, got[1]["kl"]
@@ -118,11 +117,11 @@ def test_dapo_grpo_and_dr_grpo_are_unchanged_by_the_split_and_bnpo_is_not(tmp_pa
 def test_start_up_lines_name_the_reference_and_why_the_loss_sits_near_0(launched):
     root, _, all_cases, proc, _ = launched
     out = {c.name: job_output(proc.stdout, i) for i, c in enumerate(all_cases)}
-    assert "reference: none (rl.beta 0" in out["ddp_dapo"]
-    assert "why the loss sits near 0" in out["ddp_dapo"]
+    assert "reference: none (rl.beta 0" in out["ddp_dapo_old"]
+    assert "why the loss sits near 0" in out["ddp_dapo_old"]
     assert "reference: engine of" in out["zero3_dr_grpo_kl"] and "ZeRO-3 sharded" in out["zero3_dr_grpo_kl"]
     assert "reference: adapter" in out["zero3_lora_dapo_kl_adapter"]
-    lines = (root / "ddp_dapo" / "rollouts.jsonl").read_text().splitlines()
+    lines = (root / "ddp_dapo_old" / "rollouts.jsonl").read_text().splitlines()
     assert len(lines) == STEPS * 12 and json.loads(lines[0])["group"] == 0 and json.loads(lines[11])["group"] == 2
 
 
