@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.config.defaults import PATH_PREFIXES
+from harness.config.objectives import OBJECTIVES
 from harness.errors import UsageError
 
 BUILTIN = "builtin"
@@ -55,7 +56,7 @@ class DataSpec:
 
     @property
     def preference(self) -> bool:
-        return self.objective != "lm"
+        return OBJECTIVES[self.objective].data == "pairs"
 
     def column_note(self, key: str) -> str:
         """Where a column's name comes from, for messages: the recipe key and format, or the objective."""

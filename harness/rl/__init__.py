@@ -1,5 +1,7 @@
-"""RL: what online reinforcement learning adds beside train/: generators (completions from the policy's live weights
-on every ZeRO stage, HF generate or a colocated vLLM), rewards (functions with TRL's signature, an HTTP verifier,
-reward models, built-ins and the code sandbox) and rollouts.
+"""Online RL (train.objective grpo): the prompt set, the rollouts (generated, scored, recorded, replayed), the
+advantages and the GRPO family's losses; generation/ and rewards/ hold the generators (HF generate on the live
+weights, ZeRO-3 gathered whole or in layer groups; a colocated vLLM) and the reward entries (functions with TRL's
+signature, an HTTP verifier, reward models, built-ins, the code sandbox).
 
-May import: the ground floor, config/, planner/, data/, model/, checkpoint/, profiling/, trackers/."""
+May import: config/, planner/, data/, model/, checkpoint/, profiling/ and the ground floor. harness/train/grpo.py runs
+the step (it holds the policy's engine and the reference, train/reference*.py)."""

@@ -204,7 +204,7 @@ def model_problems(train: dict, cfg: dict) -> list[Problem]:
 def reference_problems(recipe: dict, cfg: dict) -> list[Problem]:
     """A dpo / ipo reference of another architecture or vocabulary than the policy (its config.json only)."""
     ref = recipe.get("preference", {}).get("reference")
-    if recipe["train"].get("objective", "lm") == "lm" or ref is None:
+    if not is_preference(recipe) or ref is None:
         return []
     try:
         other = model_config(ref)

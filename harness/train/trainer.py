@@ -41,6 +41,7 @@ class Data:
     train: Rows  # .shape == (rows, seq_len); views over the memory-mapped token store (a preference run: Pairs)
     eval: Rows
     reference: object = None  # a dpo / ipo run's reference log-probs (harness/train/reference.py)
+    steps: object = None  # an RL run's step (harness/train/grpo.py): it picks its own prompts and completions
 
 
 def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
@@ -172,11 +173,11 @@ class Trainer:
         self.model_info = model_info  # harness.model.load.meta.ModelInfo: dtypes and partition for the manifests
         self.run_dir, self.log, self.hooks = run_dir, log, list(boundaries.hooks)
         self.preempt = boundaries.preempt  # asked at every step boundary
-        self.plan = batch_plan(spec, dist, data.train.shape[0])
+        self.plan = data.steps.plan if data.steps is not None else batch_plan(spec, dist, data.train.shape[0])
         self.train_cfg = spec.recipe["train"]
         rows_per_sample = 2 if is_preference(spec.recipe) else 1  # a pair is two rows
         self.tokens_per_step = self.plan.global_batch * data.train.shape[1] * rows_per_sample
-        self.step_fn = strategy(spec, data.reference)[0]
+        self.step_fn = strategy(spec, data.reference)[0] if data.steps is None else None
         self.guard = faults.Guard.of(engine, self.train_cfg, dist.rank, dist.world_size)  # None: on_nonfinite off
         self.policy = faults.Policy(self.train_cfg)
         self.data_steps = faults.DataSteps(skipped_batches)
@@ -187,7 +188,10 @@ class Trainer:
         batch = self.data_steps.batch(step)
         if self.guard is not None:
             self.guard.begin(batch)
-        loss = self.step_fn(self.engine, [fetch(self.data.train, rows) for rows in self.plan.micro_batches(batch)])
+        if self.data.steps is not None:
+            loss = self.data.steps.train(self.engine, step)
+        else:
+            loss = self.step_fn(self.engine, [fetch(self.data.train, rows) for rows in self.plan.micro_batches(batch)])
         loss, parts = loss if isinstance(loss, tuple) else (loss, {})  # RANK_MEANS: MoE's, a preference run's
         step_time = time.perf_counter() - start
         norm = self.engine.get_global_grad_norm()
@@ -264,7 +268,8 @@ class Trainer:
         # under SP checkpoint.save shards the probe over the SP ranks (model/sequence/ulysses.probe_logits)
         probe = fetch(self.data.eval if self.data.eval.shape[0] else self.data.train, slice(0, 1))[0][:, :16]
         client = {"step": step, "epoch": self.plan.epoch_of(self.data_steps.batch(max(step - 1, 0))),
-                  faults.CLIENT_KEY: list(self.data_steps.skipped)}
+                  faults.CLIENT_KEY: list(self.data_steps.skipped),
+                  **(self.data.steps.client_state() if self.data.steps is not None else {})}
         path = checkpoint.save(self.engine, self.spec, self.dist, self.run_dir / "checkpoints", step, client,
                                probe_ids=probe, model_info=self.model_info)
         if self.dist.is_main:
@@ -303,7 +308,7 @@ class Trainer:
                     step, mark, mark_step = back, time.perf_counter(), back
                     continue
             bar.update(1)
-            eval_now = self.should(self.train_cfg["eval_every"], done, total)
+            eval_now = self.should(self.train_cfg["eval_every"], done, total) and self.data.steps is None
             stop = done < total and self.preempt is not None and self.preempt.stop_after(done)  # last: saved anyway
             save_now = self.should(self.train_cfg["save_every"], done, total) or stop
             log_now = done % self.train_cfg["log_every"] == 0
