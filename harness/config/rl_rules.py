@@ -63,6 +63,10 @@ def check_rl(ds: dict, ctx: Context) -> list[Problem]:
                            f"({epsilon_high(rl)}{' from epsilon: epsilon_high is null' if rl.get('epsilon_high') is None else ''}): "
                            "every weight would be at most that, scaling every update down (TRL does this silently)",
                            "set rl.epsilon_high >= 1 (MiniMax-M1 uses 5.0)"))
+    if not rl.get("rewards") and not rl.get("replay") and recipe.get("train", {}).get("dataset") != "builtin":
+        out.append(Problem("rl.rewards", "no reward: rl.rewards is empty and the prompts are not the built-in toy task "
+                           "(whose reward is the default)", "add entries, e.g. rl.rewards=[\"my_rewards.py:accuracy\"] "
+                           "(TRL's reward signature), or set rl.replay to a rollouts file"))
     return out + _reference_problems(recipe, rl) + _layout_problems(ds, recipe)
 
 

@@ -94,7 +94,7 @@ def load(train: dict, rl: dict, tokenizer) -> Prompts:
                                   train.get("dataset_config", ""))
     name, limit = train.get("prompt_field", "prompt"), rl["max_prompt_length"]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = Prompts([], pad)
+    out, kept = Prompts([], pad), []
     for number, record in enumerate(records, 1):
         if not isinstance(record, dict) or name not in record:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
@@ -111,9 +111,9 @@ def load(train: dict, rl: dict, tokenizer) -> Prompts:
         out.token_ids.append(ids)
         out.values.append(record[name])
         out.records.append(number - 1)
-        for key, value in record.items():
-            if key != name:
-                out.columns.setdefault(key, []).append(value)
+        kept.append(record)
+    keys = dict.fromkeys(k for r in kept for k in r if k != name)  # a column a record lacks: None there, as datasets
+    out.columns = {k: [r.get(k) for r in kept] for k in keys}
     if not out.token_ids:
         raise UsageError(f"{where}: no prompt of at most rl.max_prompt_length {limit} tokens ({out.dropped} longer)"
                          "\n    fix: raise rl.max_prompt_length")

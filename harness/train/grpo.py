@@ -74,8 +74,13 @@ class GrpoSteps:
             from harness.rl.generation import make_generator
             from harness.rl.rewards import load_rewards
 
-            self.generator = make_generator(self.rl, engine, self.tokenizer, self.spec.run)
-            self.rewards = load_rewards(self.rl, tokenizer=self.tokenizer, base_dir=Path.cwd())
+            rl = self.rl
+            if not rl["rewards"] and self.spec.recipe["train"]["dataset"] == "builtin":
+                from harness.rl import toy
+
+                rl = {**rl, "rewards": [toy.REWARD]}
+            self.generator = make_generator(rl, engine, self.tokenizer, self.spec.run)
+            self.rewards = load_rewards(rl, tokenizer=self.tokenizer, base_dir=Path.cwd())
             self.names, self.weights = tuple(self.rewards.names), tuple(self.rewards.weights)
         if client.get(CLIENT_KEY) and step0 % self.mu:
             self.buffer = self._assemble(engine, [dict(r) for r in client[CLIENT_KEY]])
@@ -108,8 +113,9 @@ class GrpoSteps:
         index = [rows[j // self.g] for j in mine]
         prompt_ids = [self.prompts.token_ids[i] for i in index]
         began = time.perf_counter()
-        seed = self.spec.recipe["train"]["seed"] * 1000003 + (step // self.mu) * 1009 + self.dp_rank
-        completions = self.generator.generate(prompt_ids, seed=seed)
+        # row i of the step draws from (seed, i): the same completions on any world size
+        seed = self.spec.recipe["train"]["seed"] * 1000003 + step // self.mu
+        completions = self.generator.generate(prompt_ids, seed=seed, first_row=mine.start)
         times["generate_s"] = time.perf_counter() - began
         began = time.perf_counter()
         scores = self._score(index, completions)

@@ -143,7 +143,7 @@ def expected(model_folder: str, rows: list[dict], rl: dict, micro: int, gas: int
         loss = step_loss(model, ref_model, rows, rl, micro, gas, world)
         loss.backward()
         norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters() if p.grad is not None))
-        out.append({"loss": float(loss), "grad_norm": norm})
+        out.append({"loss": float(loss.detach()), "grad_norm": norm})
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
