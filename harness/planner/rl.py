@@ -1,0 +1,120 @@
+"""What online RL's generation costs one rank (train.objective grpo): the generator's gathered weights and KV cache,
+decode and prefill time, the weight sync to a colocated vLLM, and the recommendation of a generator and a gather
+group. Pure: counts and a hardware profile in, numbers out (harness/rl/generation/ runs what this prices).
+
+Gathered weights under ZeRO-3 (rl.generator=hf, harness/rl/generation/gather.py). The bound counts the bytes
+gathered beyond what ZeRO-3 keeps whole anyway (tensors at or under stage3_param_persistence_threshold):
+- whole: every parameter gathered once per generate call; peak = the model's bytes;
+- groups: the parameters outside the decoder layers (embeddings, head, final norm) for the whole call, plus one
+  group of k consecutive layers at a time, k = floor((bound - outside) / layer); peak = persistent + outside + k x
+  layer. Decode passes through every layer for every token, so each token re-gathers the layers: per token the
+  rank receives (N-1)/N x layers' bytes in ceil(L / k) all-gathers, for all sequences of the batch at once.
+Stages 0-2 hold whole weights: nothing is gathered.
+
+KV cache = 2 x layers x kv_heads x head_dim x (prompt + completion) x sequences x bytes (K and V per layer).
+Decode is memory-bound: one pass over the weights per completion token (plus the cache read), at the profile's HBM
+bandwidth; under grouped ZeRO-3 the per-token gather over the link is added. Prefill is compute-bound:
+2 x params x prompt tokens x sequences flops.
+The weight sync (rl.generator=vllm): every weight once per optimizer step in buckets of rl.sync_bucket_mb
+gathered bytes; time = all-gather of the bucket + the copy into vLLM (HBM), no rank holding more than one bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.planner.params import ParamCount
+from harness.planner.shape import ModelShape
+
+GATHER_HEADROOM = 0.5  # of the free memory, what gathered weights may take (the rest: KV cache, logits, activations)
+MIB = 1 << 20
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    whole: bool
+    layers_per_group: int
+    num_groups: int
+    persistent_bytes: int  # kept whole by ZeRO-3 anyway (every rank, always)
+    outside_bytes: int  # gathered for the whole call: embeddings, head, final norm (non-persistent part)
+    layer_bytes: int  # one decoder layer's non-persistent bytes
+    peak_bytes: int  # whole-held parameter bytes at the generator's peak (persistent included)
+    per_token_gather_bytes: int  # gathered again per completion token (0: once per call)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def zero3_pieces(count: ParamCount, *, lp: int, threshold: int, hidden: int) -> tuple[int, int, int]:
+    """(persistent, outside, one layer) bytes: what ZeRO-3 keeps whole, the non-layer parameters it partitions, and
+    one decoder layer's partitioned parameters. Outside the layers only the final norm (hidden-sized tensors) can
+    be under the threshold."""
+    persistent = count.persistent_numel(threshold)
+    outside_small = count.other if hidden <= threshold else 0
+    layer_small = (persistent - outside_small) // max(count.num_layers, 1)
+    outside = count.embedding + count.lm_head + count.other - outside_small
+    return lp * persistent, lp * outside, lp * (count.per_layer - layer_small)
+
+
+def gather_plan(count: ParamCount, *, lp: int, threshold: int, hidden: int, bound_bytes: int | None,
+                stage: int = 3) -> GatherPlan:
+    """The generator's gathers under ZeRO-3 for a bound (None: whole), as generation/gather.py performs them."""
+    if stage != 3:
+        total = lp * count.total
+        return GatherPlan(True, count.num_layers, 1, total, 0, 0, total, 0)
+    persistent, outside, layer = zero3_pieces(count, lp=lp, threshold=threshold, hidden=hidden)
+    layers = count.num_layers
+    if bound_bytes is None or outside + layers * layer <= bound_bytes:
+        return GatherPlan(True, layers, 1, persistent, outside, layer, persistent + outside + layers * layer, 0)
+    k = max(1, min(layers, (bound_bytes - outside) // max(layer, 1)))
+    groups = -(-layers // k)
+    return GatherPlan(False, k, groups, persistent, outside, layer, persistent + outside + k * layer, layers * layer)
+
+
+@dataclass(frozen=True)
+class GatherChoice:
+    whole: bool
+    bound_bytes: int | None
+    reason: str
+
+
+def choose_gather(*, model_bytes: int, layer_bytes: int, free_bytes: int, headroom: float = GATHER_HEADROOM,
+                  kv_bytes: int = 0) -> GatherChoice:
+    """Whole when the gathered model and the KV cache fit in headroom x free memory; else layer groups in what
+    is left of it (at least one layer)."""
+    room = int(free_bytes * headroom) - kv_bytes
+    if model_bytes <= room:
+        return GatherChoice(True, None, f"the model's {model_bytes / MIB:.1f} MiB fit in {room / MIB:.1f} MiB")
+    bound = max(room, layer_bytes)
+    return GatherChoice(False, bound, f"the model's {model_bytes / MIB:.1f} MiB exceed {room / MIB:.1f} MiB "
+                                      f"({headroom:g} x free - KV cache): layer groups within {bound / MIB:.1f} MiB")
+
+
+def kv_cache_bytes(shape: ModelShape, *, sequences: int, tokens: int, lp: int) -> int:
+    """2 x layers x kv_heads x head_dim x tokens x sequences x bytes."""
+    return 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * tokens * sequences * lp
+
+
+def decode_s(*, weight_bytes: int, kv_bytes: int, completion_tokens: int, hbm_gbps: float,
+             gather_bytes_per_token: int = 0, link_gbps: float = 0.0, world: int = 1) -> float:
+    """Memory-bound decode: per completion token one pass over the weights and (on average) half the final cache,
+    plus the per-token gather of grouped ZeRO-3 over the link ((N-1)/N of the layers' bytes per rank)."""
+    per_token = (weight_bytes + kv_bytes / 2) / (hbm_gbps * GB)
+    if gather_bytes_per_token and link_gbps:
+        per_token += gather_bytes_per_token * (world - 1) / world / (link_gbps * GB)
+    return completion_tokens * per_token
+
+
+def prefill_s(*, params: int, prompt_tokens: int, sequences: int, flops: float) -> float:
+    return 2.0 * params * prompt_tokens * sequences / flops
+
+
+def sync_plan(*, total_params: int, lp: int, bucket_mb: float, world: int, link_gbps: float,
+              hbm_gbps: float) -> dict:
+    """The weight sync after each optimizer step: bytes, buckets, the most one rank holds, seconds."""
+    total = total_params * lp
+    bucket = max(int(bucket_mb * MIB), 1)
+    gather_s = total * (world - 1) / world / (link_gbps * GB) if world > 1 else 0.0
+    return {"bytes": total, "bucket_bytes": min(bucket, total), "buckets": -(-total // bucket),
+            "peak_bytes": min(bucket, total), "seconds": gather_s + total / (hbm_gbps * GB)}
