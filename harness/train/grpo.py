@@ -186,6 +186,8 @@ class GrpoSteps:
         metrics = {}
         if step % self.mu == 0 or self.buffer is None:
             metrics = self.generation(engine, step, times)
+        else:  # a later iteration on the same generation: the same tokens
+            metrics = {"step_tokens": gb.completion_metrics(self.buffer[1], self.eos_ids)["step_tokens"]}
         began = time.perf_counter()
         loss, stats = self._update(engine)
         times["train_s"] = time.perf_counter() - began
