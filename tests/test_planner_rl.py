@@ -68,3 +68,35 @@ def test_plan_objective_grpo_prints_and_returns_the_rollouts(capsys):
     main(["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "80GB", "--objective", "grpo", "--zero", "3"])
     text = capsys.readouterr().out
     assert "Rollouts on " in text and "KV cache" in text and "recommend" in text
+
+
+def test_vllm_is_refused_before_launch_without_cuda():
+    import torch
+
+    from harness.rl.generation import generator_problems
+
+    recipe = {"train": {"objective": "grpo"}, "rl": {"generator": "vllm"}}
+    problems = generator_problems(recipe)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert [p.path for p in problems] == ["rl.generator"]
+    assert "needs CUDA GPUs; this machine has none" in problems[0].message and "rl.generator=hf" in problems[0].fix
+    assert generator_problems({"train": {"objective": "grpo"}, "rl": {"generator": "hf"}}) == []
+
+
+def test_vllm_sync_buckets_count_gathered_bytes_not_numel():
+    """A ZeRO-3 parameter's numel() is 0; buckets must count ds_numel (what TRL's bucketing missed)."""
+    import torch
+
+    from harness.rl.generation.vllm import buckets
+
+    class Partitioned(torch.nn.Parameter):
+        pass
+
+    params = []
+    for _ in range(6):
+        p = Partitioned(torch.empty(0))
+        p.ds_numel = 1 << 18  # 1 MiB in fp32 when gathered
+        params.append(p)
+    got = buckets([(f"w{i}", p, None) for i, p in enumerate(params)], bucket_bytes=2 << 20)
+    assert [len(b) for b in got] == [2, 2, 2]
