@@ -14,6 +14,8 @@
 # OUT_DIR/dpo/{precomputed,engine,adapter}. Also fp16 (dynamic loss scaling) on ZeRO-2 and ZeRO-3; OUT_DIR/fp16
 # with summary.json (loss, peak memory beside the planner's). Also GRPO (one GPU): the built-in toy task with hf
 # generation in the loop, bf16, beta 0.04 (a reference engine), ZeRO-2 and ZeRO-3; OUT_DIR/grpo (reward, time split).
+# Also a GRPO case with a colocated vLLM (grpo_vllm, bench/gpu_check_rl.py; needs vllm in the image): weight sync
+# in buckets of gathered bytes, its time and memory beside planner/rl.py's; OUT_DIR/grpo_vllm.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -80,7 +82,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 grpo}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 grpo grpo_vllm}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -89,6 +91,10 @@ for case in $CASES; do
         continue
     fi
     case $case in
+        grpo_vllm)  # GRPO generation with a colocated vLLM on ZeRO-3: weight-sync time, bytes, buckets and memory
+            n=1; (( gpus >= 2 )) && n=2  # against planner/rl.py (bench/gpu_check_rl.py); skips itself without vllm
+            timeout 400 $PY -m deepspeed.launcher.runner --num_gpus $n "$ROOT/bench/gpu_check_rl.py" \
+                --out "$OUT/grpo_vllm" || echo "[grpo_vllm] failed (exit $?)" ;;
         zero2)
             timeout 450 $PY "$ROOT/bench/gpu_check.py" --out "$OUT" "$@" ;;
         pipeline|3d)
@@ -226,7 +232,7 @@ print(f"[grpo]    {sys.argv[2]}: reward {rs[0]['reward']:.3f} -> {rs[-1]['reward
       f"per step " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in split.items()))
 EOF
             done ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, grpo)" >&2; exit 2 ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, grpo, grpo_vllm)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

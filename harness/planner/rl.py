@@ -21,6 +21,7 @@ gathered bytes; time = all-gather of the bucket + the copy into vLLM (HBM), no r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from harness.planner.params import ParamCount
@@ -118,3 +119,71 @@ def sync_plan(*, total_params: int, lp: int, bucket_mb: float, world: int, link_
     gather_s = total * (world - 1) / world / (link_gbps * GB) if world > 1 else 0.0
     return {"bytes": total, "bucket_bytes": min(bucket, total), "buckets": -(-total // bucket),
             "peak_bytes": min(bucket, total), "seconds": gather_s + total / (hbm_gbps * GB)}
+
+
+@dataclass(frozen=True)
+class RolloutWork:
+    """What one rank generates per step (plan --objective grpo)."""
+
+    sequences: int  # completions this rank generates per generation (its share of the batch)
+    prompt_len: int
+    completion_len: int
+    generator: str = "hf"  # hf | vllm
+    gather_bound_bytes: int | None = None  # None: the planner chooses (choose_gather)
+    sync_bucket_mb: float = 256.0
+    vllm_memory_fraction: float = 0.3
+
+
+def rollout_plan(count: ParamCount, shape: ModelShape, work: RolloutWork, *, stage: int, world: int, lp: int,
+                 threshold: int, free_bytes: int, gpu_mem_bytes: int, profile: dict) -> dict:
+    """The generation's memory and time on one rank for a layout (stage over `world` ranks), with the gather the
+    planner recommends when work.gather_bound_bytes is None, and the vLLM alternative beside it."""
+    tokens = work.prompt_len + work.completion_len
+    kv = kv_cache_bytes(shape, sequences=work.sequences, tokens=tokens, lp=lp)
+    model_bytes = lp * count.total
+    bound = work.gather_bound_bytes
+    reason = "rl.gather_mb given"
+    if bound is None and stage == 3:
+        _, outside, layer = zero3_pieces(count, lp=lp, threshold=threshold, hidden=shape.hidden_size)
+        choice = choose_gather(model_bytes=outside + count.num_layers * layer, layer_bytes=outside + layer,
+                               free_bytes=free_bytes, kv_bytes=kv)
+        bound, reason = choice.bound_bytes, choice.reason
+    gather = gather_plan(count, lp=lp, threshold=threshold, hidden=shape.hidden_size, bound_bytes=bound, stage=stage)
+    hbm, link = float(profile.get("hbm_gbps", 1000)), float(profile.get("intra_node_gbps", 100))
+    flops = float(profile.get("peak_tflops", {}).get("bf16", 100)) * 1e12 * float(profile.get("gemm_efficiency", 0.5))
+    hf_decode = decode_s(weight_bytes=model_bytes, kv_bytes=kv, completion_tokens=work.completion_len,
+                         hbm_gbps=hbm, gather_bytes_per_token=gather.per_token_gather_bytes, link_gbps=link,
+                         world=world)
+    whole_gather_s = model_bytes * (world - 1) / world / (link * GB) if stage == 3 and gather.whole else 0.0
+    prefill = prefill_s(params=count.total, prompt_tokens=work.prompt_len, sequences=work.sequences, flops=flops)
+    sync = sync_plan(total_params=count.total, lp=lp, bucket_mb=work.sync_bucket_mb, world=world if stage == 3
+                     else 1, link_gbps=link, hbm_gbps=hbm)
+    vllm_bytes = int(work.vllm_memory_fraction * gpu_mem_bytes)  # vLLM's gpu_memory_utilization: of the whole GPU
+    hf_peak = (gather.peak_bytes - (gather.persistent_bytes if stage == 3 else model_bytes)) + kv
+    return {"kv_cache_bytes": kv, "gather": gather.to_dict(), "gather_reason": reason if stage == 3 else
+            "stages 0-2 hold whole weights: nothing is gathered",
+            "hf": {"extra_bytes": hf_peak, "prefill_s": prefill, "decode_s": hf_decode + whole_gather_s,
+                   "per_token_gather_bytes": gather.per_token_gather_bytes},
+            "vllm": {"bytes": model_bytes + kv, "budget_bytes": vllm_bytes,
+                     "decode_s": decode_s(weight_bytes=model_bytes, kv_bytes=kv,
+                                          completion_tokens=work.completion_len, hbm_gbps=hbm),
+                     "prefill_s": prefill, "sync": sync},
+            "recommend": _recommend(work, gather, model_bytes, kv, vllm_bytes, free_bytes, hf_peak, gpu_mem_bytes)}
+
+
+def _recommend(work: RolloutWork, gather: GatherPlan, model_bytes: int, kv: int, vllm_bytes: int, free_bytes: int,
+               hf_extra: int, gpu_mem_bytes: int) -> str:
+    if hf_extra > free_bytes:
+        return (f"nothing fits: hf needs {hf_extra / MIB:.0f} MiB beyond training (KV cache + one layer group), "
+                f"{free_bytes / MIB:.0f} MiB are free; fewer sequences per rank or a shorter max_completion_length")
+    need = model_bytes + kv
+    if need <= free_bytes and gpu_mem_bytes:
+        share = min(1.0, math.ceil(20 * need / gpu_mem_bytes) / 20 + 0.05)  # in steps of 0.05, one step spare
+        fits = vllm_bytes >= need and vllm_bytes <= free_bytes
+        return (f"vllm (GPU): the model and KV cache ({need / MIB:.0f} MiB) fit the {free_bytes / MIB:.0f} MiB free "
+                f"beside training; decode needs no per-token gathers"
+                + ("" if fits else f"; set rl.vllm_gpu_memory_utilization={share:g} (now {work.vllm_memory_fraction:g})"))
+    if gather.whole:
+        return "hf, whole gather: the model fits beside training; one all-gather per generate call"
+    return (f"hf, layer groups of {gather.layers_per_group} ({gather.num_groups} gathers per token over all "
+            f"{work.sequences} sequences at once): the model does not fit whole")

@@ -51,6 +51,20 @@ def gather_bound_bytes(rl: dict, engine) -> int | None:
     return None if choice.whole else choice.bound_bytes
 
 
+def generator_problems(recipe: dict) -> list:
+    """Before launch (train/checks.py): rl.generator=vllm on a machine without CUDA or vllm, with the reason."""
+    from harness.errors import Problem
+
+    rl = recipe.get("rl") or {}
+    if recipe.get("train", {}).get("objective") != "grpo" or rl.get("generator") != "vllm" or rl.get("replay"):
+        return []
+    from harness.rl.generation.vllm import unavailable
+
+    why = unavailable()
+    return [Problem("rl.generator", why, "run on a GPU node with vllm installed, or set rl.generator=hf (HF generate "
+                    "on the live weights, every stage)")] if why else []
+
+
 def make_generator(rl: dict, engine, tokenizer, run=None) -> Generator:
     """The generator rl.generator names, on this rank's engine."""
     kind = rl.get("generator", "hf")

@@ -130,15 +130,11 @@ def _entry(i: int, raw, rl: dict, tokenizer, base_dir: Path, ds_config) -> Entry
     return Entry(raw.get("name") or name, float(raw.get("weight", 1.0)), fn, kind, where)
 
 
-def load_rewards(rl: dict, *, tokenizer, base_dir, ds_config: dict | None = None, builtin_dataset: bool = True
-                 ) -> RewardSet:
-    """The run's reward entries, loaded and checked (UsageError, exit 2, for a bad one)."""
+def load_rewards(rl: dict, *, tokenizer, base_dir, ds_config: dict | None = None) -> RewardSet:
+    """The run's reward entries, loaded and checked (UsageError, exit 2, for a bad one). ds_config: the policy's
+    DeepSpeed dict, so that a reward model is ZeRO-3-sharded where the policy is (None: a whole copy per rank)."""
     raw = list(rl.get("rewards") or [])
     entries = [_entry(i, r, rl, tokenizer, Path(base_dir), ds_config) for i, r in enumerate(raw)]
-    if not entries and builtin_dataset:
-        from harness.rl import toy
-
-        entries = [Entry("vowels", 1.0, toy.vowels, "function", "the built-in toy task")]
     if not entries:
         raise UsageError("rl.rewards: empty\n    fix: add a reward entry, e.g. [\"my_rewards.py:accuracy\"]")
     names = [e.name for e in entries]
