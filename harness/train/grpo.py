@@ -81,7 +81,8 @@ class GrpoSteps:
 
                 rl = {**rl, "rewards": [toy.REWARD]}
             self.generator = make_generator(rl, engine, self.tokenizer, self.spec.run)
-            self.rewards = load_rewards(rl, tokenizer=self.tokenizer, base_dir=Path.cwd(), ds_config=self.spec.ds_config)
+            self.rewards = load_rewards(rl, tokenizer=self.tokenizer, base_dir=Path.cwd(),
+                                        ds_config=self.spec.ds_config)
             self.names, self.weights = tuple(self.rewards.names), tuple(self.rewards.weights)
         if client.get(CLIENT_KEY) and step0 % self.mu:
             kept = client[CLIENT_KEY]
