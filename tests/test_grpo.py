@@ -33,7 +33,8 @@ SPLIT_FREE = ("dapo", "grpo", "dr_grpo")  # unchanged by how the batch is split
 
 def cases(ref: str) -> list[Case]:
     return [Case("ddp_dapo_old", "ddp", old_shift=0.3),
-            Case("zero1_grpo_kl_t07", "zero1", {"loss_type": "grpo", "beta": 0.04, "temperature": 0.7}, reference=ref),
+            Case("zero1_grpo_kl_t07", "zero1", {"loss_type": "grpo", "beta": 0.04, "temperature": 0.7},
+                 reference=ref),
             Case("zero2_bnpo_t07_masked_batch", "zero2", {"loss_type": "bnpo", "temperature": 0.7,
                                                            "mask_truncated_completions": True, "scale_rewards": "batch"}),
             Case("zero3_dr_grpo_kl", "zero3", {"loss_type": "dr_grpo", "beta": 0.04}, reference=ref),

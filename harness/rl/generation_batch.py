@@ -52,7 +52,8 @@ def completion_metrics(records: list[dict], eos_ids: tuple[int, ...]) -> dict:
         if end is not None:
             ended.append(end + 1)
     tokens = sum(lengths) + sum(len(r["prompt_ids"]) for r in records)
-    out = {"step_tokens": float(tokens), "completions/mean_length": sum(lengths) / len(lengths), "completions/min_length": float(min(lengths)),
+    out = {"step_tokens": float(tokens), "completions/mean_length": sum(lengths) / len(lengths),
+           "completions/min_length": float(min(lengths)),
            "completions/max_length": float(max(lengths)),
            "completions/clipped_ratio": 1 - len(ended) / len(lengths)}
     if ended:
