@@ -61,8 +61,8 @@ args = GRPOConfig(output_dir=folder + "/trl_out", use_cpu=True, per_device_train
                   learning_rate=hyper["lr"], max_steps=steps, logging_steps=1, report_to=[], save_strategy="no",
                   lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=hyper["clip"], seed=0,
                   bf16=False, loss_type="dapo", beta=0.0, temperature=hyper["temperature"], disable_tqdm=True)
-trainer = GRPOTrainer(model=folder, reward_funcs=[toy.vowels], args=args, train_dataset=Dataset.from_list(toy.records()),
-                      processing_class=AutoTokenizer.from_pretrained(folder))
+trainer = GRPOTrainer(model=folder, reward_funcs=[toy.vowels], args=args,
+                      train_dataset=Dataset.from_list(toy.records()), processing_class=AutoTokenizer.from_pretrained(folder))
 began = time.perf_counter()
 trainer.train()
 logs = [h for h in trainer.state.log_history if "reward" in h]

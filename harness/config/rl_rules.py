@@ -59,8 +59,9 @@ def check_rl(ds: dict, ctx: Context) -> list[Problem]:
                            "step)", f"make batch.micro_batch_per_gpu x grad_accum_steps x data-parallel ranks a "
                            f"multiple of {g}, or pick num_generations dividing {total}"))
     if rl.get("loss_type") == "cispo" and epsilon_high(rl) < 1:
+        source = " from epsilon: epsilon_high is null" if rl.get("epsilon_high") is None else ""
         out.append(Problem("rl.epsilon_high", f"loss_type cispo caps the importance weight itself at epsilon_high "
-                           f"({epsilon_high(rl)}{' from epsilon: epsilon_high is null' if rl.get('epsilon_high') is None else ''}): "
+                           f"({epsilon_high(rl)}{source}): "
                            "every weight would be at most that, scaling every update down (TRL does this silently)",
                            "set rl.epsilon_high >= 1 (MiniMax-M1 uses 5.0)"))
     if not rl.get("rewards") and not rl.get("replay") and recipe.get("train", {}).get("dataset") != "builtin":

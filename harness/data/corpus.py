@@ -58,8 +58,15 @@ class DataSpec:
     def preference(self) -> bool:
         return OBJECTIVES[self.objective].data == "pairs"
 
+    @property
+    def prompts(self) -> bool:
+        """An RL run's prompt set (harness/rl/prompts.py): records with a prompt column."""
+        return OBJECTIVES[self.objective].data == "prompts"
+
     def column_note(self, key: str) -> str:
         """Where a column's name comes from, for messages: the recipe key and format, or the objective."""
+        if self.prompts:
+            return f"train.{key}, objective {self.objective!r}: TRL's prompt column"
         if self.preference and key in PAIR_COLUMNS:
             return f"train.objective {self.objective!r}"
         return f"train.{key}, format {self.format!r}"
@@ -75,6 +82,8 @@ class DataSpec:
         """{recipe key: column name} the format reads (a preference record: its two completions)."""
         if self.preference:
             return {key: key for key in PAIR_COLUMNS}
+        if self.prompts:
+            return {"prompt_field": self.prompt_field}
         if self.format == "instruction":
             return {"prompt_field": self.prompt_field, "response_field": self.response_field}
         if self.format == "chat":

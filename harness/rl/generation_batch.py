@@ -43,14 +43,17 @@ def fill_advantages(records: list[dict], rl: dict, names: tuple[str, ...], weigh
 
 def completion_metrics(records: list[dict], eos_ids: tuple[int, ...]) -> dict:
     """TRL's completions/* over the step's completions: lengths up to and including the first EOS, the share cut
-    at max_completion_length (no EOS), and the lengths of those that ended."""
+    at max_completion_length (no EOS), and the lengths of those that ended; step_tokens: the prompt and completion
+    tokens the step's forwards take (what tokens_per_s counts)."""
     lengths, ended = [], []
     for r in records:
         end = first_eos(r["completion_ids"], eos_ids)
         lengths.append(len(r["completion_ids"]) if end is None else end + 1)
         if end is not None:
             ended.append(end + 1)
-    out = {"completions/mean_length": sum(lengths) / len(lengths), "completions/min_length": float(min(lengths)),
+    tokens = sum(lengths) + sum(len(r["prompt_ids"]) for r in records)
+    out = {"step_tokens": float(tokens), "completions/mean_length": sum(lengths) / len(lengths),
+           "completions/min_length": float(min(lengths)),
            "completions/max_length": float(max(lengths)),
            "completions/clipped_ratio": 1 - len(ended) / len(lengths)}
     if ended:

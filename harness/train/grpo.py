@@ -21,6 +21,7 @@ import torch
 import torch.distributed as tdist
 
 from harness.data.batches import BatchPlan
+from harness.errors import UsageError
 from harness.log import say
 from harness.rl import generation_batch as gb
 from harness.rl import replay as replay_file
@@ -80,10 +81,17 @@ class GrpoSteps:
 
                 rl = {**rl, "rewards": [toy.REWARD]}
             self.generator = make_generator(rl, engine, self.tokenizer, self.spec.run)
-            self.rewards = load_rewards(rl, tokenizer=self.tokenizer, base_dir=Path.cwd())
+            self.rewards = load_rewards(rl, tokenizer=self.tokenizer, base_dir=Path.cwd(),
+                                        ds_config=self.spec.ds_config)
             self.names, self.weights = tuple(self.rewards.names), tuple(self.rewards.weights)
         if client.get(CLIENT_KEY) and step0 % self.mu:
-            self.buffer = self._assemble(engine, [dict(r) for r in client[CLIENT_KEY]])
+            kept = client[CLIENT_KEY]
+            if len(kept) != self.total:
+                raise UsageError(f"resuming at step {step0}, inside a generation (rl.num_iterations {self.mu}) of "
+                                 f"{len(kept)} completions, with a global batch of {self.total}: the generation's "
+                                 "remaining steps need its own batch\n    fix: resume with the global batch it was "
+                                 "saved with (batch.train_batch_size), or from a checkpoint at a generation's start")
+            self.buffer = self._assemble(engine, [dict(r) for r in kept])
         if self.dist.is_main:
             truncate_after(self.run_dir, step0)
             self._announce()
@@ -186,6 +194,8 @@ class GrpoSteps:
         metrics = {}
         if step % self.mu == 0 or self.buffer is None:
             metrics = self.generation(engine, step, times)
+        else:  # a later iteration on the same generation: the same tokens
+            metrics = {"step_tokens": gb.completion_metrics(self.buffer[1], self.eos_ids)["step_tokens"]}
         began = time.perf_counter()
         loss, stats = self._update(engine)
         times["train_s"] = time.perf_counter() - began

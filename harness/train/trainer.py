@@ -196,6 +196,7 @@ class Trainer:
             loss = self.step_fn(self.engine, [fetch(self.data.train, rows) for rows in self.plan.micro_batches(batch)])
         loss, parts = loss if isinstance(loss, tuple) else (loss, {})  # RANK_MEANS: MoE's, a preference run's
         step_time = time.perf_counter() - start
+        self.tokens_per_step = parts.get("step_tokens", self.tokens_per_step)  # an RL step's own count
         norm = self.engine.get_global_grad_norm()
         norm = norm.detach().clone() if torch.is_tensor(norm) else norm  # read (synchronised) at the flush
         return {"loss": loss, **parts, "lr": lr, "grad_norm": norm,
