@@ -100,3 +100,28 @@ def test_vllm_sync_buckets_count_gathered_bytes_not_numel():
         params.append(p)
     got = buckets([(f"w{i}", p, None) for i, p in enumerate(params)], bucket_bytes=2 << 20)
     assert [len(b) for b in got] == [2, 2, 2]
+
+
+def auto(sets: list[str], gpu_mem: int):
+    from harness.config.recipes import complete
+    from harness.planner import hardware
+    from harness.train import auto_recipe
+
+    settings = complete({"description": "auto"}, "--recipe auto", ["train.objective=grpo", "train.model=qwen2.5-7b",
+                                                                   "train.seq_len=2048", *sets])
+    hw = {"gpus_per_node": 8, "nodes": 1, "gpu_mem_bytes": gpu_mem, "cpu_mem_bytes": 10**12, "nvme_bytes": None,
+          "device": "cuda", "device_name": "H100"}
+    profile = hardware.load("h100-80gb-sxm")
+    result = auto_recipe.plan_for(settings, hw, profile)
+    return result, *auto_recipe.rl_layout(settings, hw, profile, result)
+
+
+def test_recipe_auto_plans_rl_runs_with_their_generation():
+    result, layout, line = auto(["rl.max_completion_length=1024", "batch.micro_batch_per_gpu=8"], 80 * 10**9)
+    assert layout["label"] == result.recommended["label"] and layout["rl_overrides"] == [] and "KV cache" in line
+    # 16 x 16K-token completions per rank: the KV cache (14.4 GiB) does not fit beside the first fit's training
+    result, layout, line = auto(["rl.max_completion_length=16384", "batch.micro_batch_per_gpu=16"], 80 * 10**9)
+    assert layout["zero_stage"] == 3 and layout["label"] != result.recommended["label"]
+    assert layout["rl_overrides"] and layout["rl_overrides"][0].startswith("rl.gather_mb=")
+    result, layout, _ = auto(["rl.max_completion_length=60000", "batch.micro_batch_per_gpu=64"], 40 * 10**9)
+    assert layout is None and "no layout leaves room for the generation" in result.missing[-1]

@@ -206,3 +206,64 @@ def test_verifier_4xx_and_garbage_are_not_retried(server):
     assert state["requests"] == 1
     with pytest.raises(RewardError, match=r"expected \{\"rewards\""):
         verify(url, "/garbage", retries=0)
+
+
+@pytest.fixture(scope="module")
+def reward_folder(tmp_path_factory):
+    """A tiny sequence-classification Llama with one label and the shipped tokenizer (what train.objective=reward
+    exports), seeded random weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from harness.model.hf import _shipped_eos_id, load_tokenizer
+
+    path = tmp_path_factory.mktemp("reward_model")
+    eos = _shipped_eos_id()
+    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=eos,
+                         bos_token_id=eos, eos_token_id=eos)
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    load_tokenizer("tiny-llama").save_pretrained(path)
+    return path
+
+
+def test_a_reward_model_scores_as_transformers_does(reward_folder):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(reward_folder)
+    rs = load_rewards({"rewards": [{"model": str(reward_folder), "weight": 0.5}]}, tokenizer=tok, base_dir=".")
+    prompts, completions = ["Question: 2+2?\nAnswer:", "Say hi:"] * 10, [" 4.", " hi there", " five"] * 6 + [" x", ""]
+    got = [row[0] for row in rs.score(prompts=prompts, completions=completions, completion_ids=None, columns={})]
+    model = AutoModelForSequenceClassification.from_pretrained(reward_folder).eval()
+    with torch.no_grad():
+        want = [model(**tok([p + c], add_special_tokens=False, return_tensors="pt")).logits[0, 0].item()
+                for p, c in zip(prompts, completions)]
+    assert rs.names == ("reward_model",) and rs.weights == (0.5,)
+    assert got == pytest.approx(want, abs=1e-5)  # batched with right padding == one at a time
+
+
+def test_a_reward_model_of_another_tokenizer_is_refused(reward_folder):
+    from transformers import GPT2TokenizerFast
+    from tokenizers import Tokenizer, models
+
+    other = GPT2TokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2},
+                                                                            unk_token="<unk>")))
+    with pytest.raises(UsageError, match=r"(?s)rl.rewards\[0\]: reward model .* has another tokenizer .*fix: .*\"own\""):
+        load_rewards({"rewards": [{"model": str(reward_folder)}]}, tokenizer=other, base_dir=".")
+    rs = load_rewards({"rewards": [{"model": str(reward_folder), "tokenizer": "own"}]}, tokenizer=other, base_dir=".")
+    assert rs.names == ("reward_model",)
+
+
+def test_bradley_terry_loss_and_metrics():
+    import torch
+
+    from harness.train.reward import bradley_terry
+
+    scores = torch.tensor([2.0, 0.0, 1.0, 1.0, -1.0, 1.0])  # chosen 2, 0, 1; rejected 1, -1, 1
+    loss, metrics = bradley_terry(scores)
+    margins = torch.tensor([1.0, 1.0, 0.0])
+    assert loss.item() == pytest.approx(-torch.nn.functional.logsigmoid(margins).mean().item())
+    assert metrics["rewards_accuracy"].item() == pytest.approx(2 / 3)  # a tie counts wrong
+    assert metrics["rewards_margin"].item() == pytest.approx(2 / 3)

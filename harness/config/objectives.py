@@ -41,6 +41,8 @@ OBJECTIVES = {o.name: o for o in (
     Objective("ipo", "preference", "pairs", 2, "preference", ("reference",), _PREF, "pairs", "docs/preference.md"),
     Objective("simpo", "preference", "pairs", 2, "preference", (), _PREF, "pairs", "docs/preference.md"),
     Objective("orpo", "preference", "pairs", 2, "preference", (), _PREF, "pairs", "docs/preference.md"),
+    Objective("reward", "preference", "pairs", 2, "preference", (), "harness.train.reward:RewardSteps", "pairs",
+              "docs/rl.md"),
     Objective("grpo", "rl", "prompts", 1, "rl", ("reference",), "harness.train.grpo:GrpoSteps", "rollouts",
               "docs/rl.md"),
 )}

@@ -183,7 +183,24 @@ def _recommend(work: RolloutWork, gather: GatherPlan, model_bytes: int, kv: int,
         return (f"vllm (GPU): the model and KV cache ({need / MIB:.0f} MiB) fit the {free_bytes / MIB:.0f} MiB free "
                 f"beside training; decode needs no per-token gathers"
                 + ("" if fits else f"; set rl.vllm_gpu_memory_utilization={share:g} (now {work.vllm_memory_fraction:g})"))
+    if gather.whole and not gather.outside_bytes:
+        return "hf: this stage holds whole weights, generate runs on them"
     if gather.whole:
         return "hf, whole gather: the model fits beside training; one all-gather per generate call"
     return (f"hf, layer groups of {gather.layers_per_group} ({gather.num_groups} gathers per token over all "
             f"{work.sequences} sequences at once): the model does not fit whole")
+
+
+def fit_rollouts(layouts: list[dict], count: ParamCount, shape: ModelShape, work: RolloutWork, *, gpu_mem_bytes: int,
+                 lp: int, threshold: int, reserve: float, profile: dict) -> tuple[dict | None, dict | None]:
+    """--recipe auto for an RL run: the first layout (in the planner's order, fitting for training) whose free memory
+    beside training also holds the generation (KV cache and the gathered group); with its rollout plan."""
+    for layout in layouts:
+        if not layout.get("fits"):
+            continue
+        free = int(gpu_mem_bytes * (1 - reserve)) - int(layout["memory"]["gpu_bytes"])
+        plan = rollout_plan(count, shape, work, stage=int(layout["zero_stage"]), world=int(layout["dp"]), lp=lp,
+                            threshold=threshold, free_bytes=free, gpu_mem_bytes=gpu_mem_bytes, profile=profile)
+        if plan["hf"]["extra_bytes"] <= free:
+            return layout, plan
+    return None, None

@@ -23,6 +23,7 @@ import torch
 from harness.checkpoint import files as ckpt_files
 from harness.checkpoint import save as checkpoint
 from harness.config.defaults import PREFERENCE_METRICS
+from harness.config.objectives import objective_of
 from harness.config.preference_rules import is_preference
 from harness.data.batches import BatchPlan
 from harness.dist import DistInfo, mean_across_ranks
@@ -119,10 +120,11 @@ def micro_eval(engine, batches: list) -> float:
 def strategy(spec, reference=None):
     """(train step, eval) functions: the pipeline engine runs a whole step in train_batch / eval_batch; a
     preference objective has its own (pipeline, tensor and sequence parallel are refused with it)."""
-    if is_preference(spec.recipe):
-        from harness.train.preference import PreferenceSteps
+    if is_preference(spec.recipe):  # the objective's step class (config/objectives.py): preference or reward
+        import importlib
 
-        steps = PreferenceSteps(spec, reference)
+        module, name = objective_of(spec.recipe).steps.split(":")
+        steps = getattr(importlib.import_module(module), name)(spec, reference)
         return steps.train, steps.eval
     if spec.pp > 1:
         from harness.model.parallel import pipe_engine
