@@ -173,8 +173,14 @@ def announce(spec, dist, run_dir: Path, info, data: Data, notes: list[str]) -> N
     rows = batch.micro_batch * batch.grad_accum * spec.dp
     unit, per_step = ("pairs", f"{rows} pairs = {2 * rows} sequences") if spec.run.preference else \
         ("blocks", f"{rows} sequences")
-    say("batch", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = {per_step} x "
-                 f"{data.train.shape[1]} tokens per step")
+    if objective_of(spec.recipe).family == "rl":  # completions of prompts (harness/train/grpo.py says the rest)
+        g = spec.recipe["rl"]["num_generations"]
+        unit, per_step = "prompts", f"{rows} completions = {rows // g} prompts x {g} generations"
+        say("batch", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = {per_step} per step, "
+                     f"prompts of at most {data.train.shape[1]} tokens")
+    else:
+        say("batch", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = {per_step} x "
+                     f"{data.train.shape[1]} tokens per step")
     say("model", f"{spec.recipe['train']['model']}: {n_params / 1e6:.2f}M params")
     say("data", f"{spec.recipe['train']['dataset']}: {data.train.shape[0]} train / {data.eval.shape[0]} eval {unit}")
     if spec.provenance:

@@ -36,17 +36,33 @@ def warpers(temperature: float, top_k: int | None, top_p: float | None) -> list:
 class RowSampler:
     """A transformers LogitsProcessor (duck-typed: __call__(input_ids, scores)) drawing each row from its stream."""
 
+    BLOCK = 64  # uniforms drawn per row at a time: one small draw per row per 64 tokens, not one per token
+
     def __init__(self, *, seed: int, first_row: int, rows: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None):
         self.streams = [torch.Generator().manual_seed(row_seed(seed, first_row + i)) for i in range(rows)]
         self.warpers = warpers(temperature, top_k, top_p)
+        self.uniforms, self.used = torch.empty(rows, 0, dtype=torch.float64), 0
+
+    def _uniform(self) -> torch.Tensor:
+        """[rows, 1]: the next uniform of each row's stream (drawn BLOCK at a time per row)."""
+        if self.used == self.uniforms.shape[1]:
+            self.uniforms = torch.stack([torch.rand(self.BLOCK, generator=g, dtype=torch.float64)
+                                         for g in self.streams])
+            self.used = 0
+        self.used += 1
+        return self.uniforms[:, self.used - 1:self.used]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Inverse-CDF sampling of every row at once, each from its own uniform: the pick of row i depends only
+        on its stream and its probabilities, however the rows are batched."""
         scores = scores.float()
         for warp in self.warpers:
             scores = warp(input_ids, scores)
-        probs = torch.softmax(scores, dim=-1).cpu()
-        picked = [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(self.streams)]
+        cdf = torch.softmax(scores, dim=-1).double().cumsum(-1)
+        u = self._uniform().to(cdf.device) * cdf[:, -1:]
+        picked = torch.searchsorted(cdf, u, right=True).clamp(max=scores.shape[1] - 1)
+        picked = torch.where(torch.isneginf(scores.gather(1, picked)), scores.argmax(-1, keepdim=True), picked)
         out = torch.full_like(scores, float("-inf"))
-        out.scatter_(1, torch.stack(picked).to(out.device), 0.0)
+        out.scatter_(1, picked, 0.0)
         return out
