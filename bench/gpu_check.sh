@@ -16,6 +16,10 @@
 # while its writer writes it, then on the finished store: the same losses step for step; OUT_DIR/stream. Also a
 # mixture case (train.datasets, NCCL, bf16): per-source loss and rows from the device, the one-row bound checked;
 # OUT_DIR/mixture.
+# GRPO (one GPU): the built-in toy task with hf generation in the loop, bf16, beta 0.04 (a reference engine),
+# ZeRO-2 and ZeRO-3; OUT_DIR/grpo (reward, time split). Also a GRPO case with a colocated vLLM (grpo_vllm,
+# bench/gpu_check_rl.py; needs vllm in the image): weight sync in buckets of gathered bytes, its time and memory
+# beside planner/rl.py's; OUT_DIR/grpo_vllm.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -82,7 +86,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -91,6 +95,10 @@ for case in $CASES; do
         continue
     fi
     case $case in
+        grpo_vllm)  # GRPO generation with a colocated vLLM on ZeRO-3: weight-sync time, bytes, buckets and memory
+            n=1; (( gpus >= 2 )) && n=2  # against planner/rl.py (bench/gpu_check_rl.py); skips itself without vllm
+            timeout 400 $PY -m deepspeed.launcher.runner --num_gpus $n "$ROOT/bench/gpu_check_rl.py" \
+                --out "$OUT/grpo_vllm" || echo "[grpo_vllm] failed (exit $?)" ;;
         zero2)
             timeout 450 $PY "$ROOT/bench/gpu_check.py" --out "$OUT" "$@" ;;
         pipeline|3d)
@@ -269,7 +277,23 @@ print(f"[mixture] {len(train)} steps: loss/web {last.get('loss/web')}, loss/inst
       f"eval_loss/inst {evals.get('eval_loss/inst')}")
 EOF
             ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture)" >&2; exit 2 ;;
+        grpo)  # online RL on the toy task: hf generation in the loop, nccl gathers, bf16, ZeRO-2 and ZeRO-3 (+ a KL)
+            for recipe in zero2 zero3; do
+                timeout 150 $PY -m deepspeed.launcher.runner --num_gpus 1 "$ROOT/harness/run.py" --recipe $recipe \
+                    --set train.objective=grpo --set precision=bf16 --set train.steps=20 --set train.log_every=5 \
+                    --set train.save_every=10 --set batch.micro_batch_per_gpu=16 --set batch.grad_accum_steps=2 \
+                    --set rl.num_generations=8 --set rl.max_completion_length=32 --set rl.beta=0.04 \
+                    --set optimizer.lr=3e-3 --set scheduler.type=none --output-dir "$OUT/grpo/$recipe" --overwrite \
+                    || echo "[grpo]    $recipe run failed (exit $?)"
+                $PY - "$OUT/grpo/$recipe/metrics.jsonl" "$recipe" <<'EOF' || true
+import json, sys
+rs = [r for r in map(json.loads, open(sys.argv[1])) if r["kind"] == "train"]
+split = {k: sum(r[f"time/{k}_s"] for r in rs) / len(rs) for k in ("generate", "score", "reference", "train", "sync")}
+print(f"[grpo]    {sys.argv[2]}: reward {rs[0]['reward']:.3f} -> {rs[-1]['reward']:.3f}, kl {rs[-1].get('kl')}, "
+      f"per step " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in split.items()))
+EOF
+            done ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

@@ -26,8 +26,11 @@ INVALID = Path(__file__).parent / "invalid"
 EXPECTED = json.loads((INVALID / "expected.json").read_text())
 FIXTURE = "{fx}"  # replaced by the fixture folder in argv and env values
 SECRET = "hf_catalogueSecret0123456789"
-TINY = ["--set", "train.steps=1", "--set", "train.eval_every=0"]
-MIX = '[{{"dataset": "builtin", "weight": 0.5}}, {{"dataset": {}, "format": "{}", "weight": 0.5}}]'  # a 2-source mixture  # bounds a case that wrongly gets through
+TINY = ["--set", "train.steps=1", "--set", "train.eval_every=0"]  # bounds a case that wrongly gets through
+GRPO = ["--set", "train.objective=grpo", "--set", "rl.num_generations=2", "--set", "batch.micro_batch_per_gpu=2",
+        "--set", "batch.train_batch_size=8",
+        *TINY]
+MIX = '[{{"dataset": "builtin", "weight": 0.5}}, {{"dataset": {}, "format": "{}", "weight": 0.5}}]'  # a 2-source mixture
 
 
 def case(id_, argv, where, fragment, env=None, post_init=False, needs=None, silent=False):
@@ -174,12 +177,27 @@ CASES = [
          "the store was tokenized with another tokenizer"),
     case("data:text_field_missing", ["--set", "train.text_field=body", *TINY, "--output-dir", f"{FIXTURE}/out_col"],
          "no column 'body'", "fix: set train.text_field to the column", post_init=True),
+    # an RL run's prompts (harness/rl/prompts.py) and replay file (harness/rl/replay.py), read after init
+    case("data:rl_prompt_column_missing", [*GRPO, "--dataset", f"{FIXTURE}/questions.jsonl", "--set",
+                                           'rl.rewards=["harness.rl.toy:vowels"]', "--output-dir", f"{FIXTURE}/out_q"],
+         f"{FIXTURE}/questions.jsonl has no column 'prompt' (train.prompt_field, objective 'grpo': TRL's prompt "
+         "column)", "fix: set train.prompt_field to the key that holds it"),
+    case("data:rl_prompt_too_long_refused", [*GRPO, "--set", "rl.max_prompt_length=4", "--set", "rl.truncation=refuse",
+                                             "--output-dir", f"{FIXTURE}/out_long"],
+         "record 1's prompt is", "over rl.max_prompt_length 4\n    fix: raise rl.max_prompt_length, or set "
+         "rl.truncation=drop", post_init=True),
+    case("data:rl_replay_short", [*GRPO, "--set", f"rl.replay={FIXTURE}/replay_short.jsonl", "--output-dir",
+                                  f"{FIXTURE}/out_replay"], f"rl.replay {FIXTURE}/replay_short.jsonl",
+         "step 1 has 1 completions; the run generates 8 per generation", post_init=True),
 ]
 
 
 def write_fixtures(fx: Path) -> None:
     _mixture_fixtures(fx)
     (fx / "file.txt").write_text("not a folder\n")
+    (fx / "questions.jsonl").write_text(json.dumps({"question": "2 + 2?", "answer": "4"}) + "\n")
+    (fx / "replay_short.jsonl").write_text(json.dumps({"step": 1, "prompt_ids": [5, 6], "completion_ids": [7, 0],
+                                                       "reward": 1.0}) + "\n")
     (fx / "empty_extensions").mkdir()
     offload = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},

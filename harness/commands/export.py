@@ -38,5 +38,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"[export] {info['tensors']} adapter tensors ({info['adapter_params']:,} params); load with "
               f"PeftModel.from_pretrained(base, {info['out']!r})")
     else:
-        print(f"[export] load with AutoModelForCausalLM.from_pretrained({info['out']!r})")
+        from transformers import AutoConfig
+
+        from harness.checkpoint.export.folder import auto_class
+
+        name = auto_class(AutoConfig.from_pretrained(info["out"])).__name__  # a reward model: sequence classification
+        print(f"[export] load with {name}.from_pretrained({info['out']!r})")
     return 0

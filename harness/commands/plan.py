@@ -6,6 +6,7 @@ a second for known model families.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -134,6 +135,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "source that runs out first (rows per step: --global-batch, else micro-batch "
                                          "x grad-accum x GPUs)")
     data.add_argument("--store-dir", default="", help="where the token stores are (train.store_dir)")
+    rl = parser.add_argument_group("online RL, --objective grpo (docs/rl.md): the generation's memory and time")
+    rl.add_argument("--num-generations", type=int, default=8, help="completions per prompt (rl.num_generations)")
+    rl.add_argument("--max-completion-length", type=int, default=512, help="tokens per completion")
+    rl.add_argument("--max-prompt-length", type=int, default=512, help="tokens per prompt")
+    rl.add_argument("--generator", choices=("hf", "vllm"), default="hf", help="rl.generator")
+    rl.add_argument("--gather-mb", type=float, help="rl.gather_mb (default: the planner chooses)")
+    rl.add_argument("--sync-bucket-mb", type=float, default=256.0, help="rl.sync_bucket_mb (vllm)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -224,13 +232,14 @@ def run(args: argparse.Namespace) -> int:
                          f"{count['total'] - count['lora_per_layer'] * count['num_layers']:,} frozen parameters "
                          "(frozen: 16-bit weights only; gradients, fp32 master and Adam for the adapters)\n")
     mixture = mixture_plan(args, seq_len) if args.datasets else None
+    rollouts = rollout_section(args, cfg, result, gpu_mem, profile) if args.objective == "grpo" else None
     if args.json:
-        import json
-
+        extra = {**({"data": mixture[1]} if mixture else {}), **({"rollouts": rollouts} if rollouts else {})}
         text = to_json(result)
-        sys.stdout.write((json.dumps({**json.loads(text), "data": mixture[1]}, indent=2) if mixture else text) + "\n")
+        sys.stdout.write((json.dumps({**json.loads(text), **extra}, indent=2) if extra else text) + "\n")
     else:
-        sys.stdout.write(to_text(result) + ("\n".join(mixture[0]) + "\n" if mixture else ""))
+        sys.stdout.write(to_text(result) + (render_rollouts(rollouts) if rollouts else "")
+                         + ("\n".join(mixture[0]) + "\n" if mixture else ""))
     return 0 if result.recommended or result.evaluated else 1
 
 
@@ -261,6 +270,48 @@ def mixture_plan(args: argparse.Namespace, seq_len: int) -> tuple[list[str], dic
     train = complete({"description": "plan"}, "harness plan --datasets", overrides)["train"]
     global_batch = args.global_batch or args.micro_batch * args.grad_accum * args.gpus * args.nodes
     return plan_lines(train, global_batch, args.steps, tokenizer_or_none(args.model))
+
+
+def rollout_section(args, cfg: dict, result, gpu_mem: int, profile: dict) -> dict | None:
+    """planner/rl.py's generation plan on the recommended (or evaluated) layout."""
+    from harness.config.defaults import PARAM_PERSISTENCE_THRESHOLD
+    from harness.planner import rl
+    from harness.planner.inputs import RESERVE_FRACTION
+    from harness.planner.params import count_params, model_shape
+
+    layout = result.recommended or getattr(result, "evaluated", None)
+    if not layout:
+        return None
+    lp = PRECISION_BYTES[args.precision]
+    free = int(gpu_mem * (1 - RESERVE_FRACTION)) - int(layout["memory"]["gpu_bytes"])
+    work = rl.RolloutWork(sequences=args.micro_batch * args.grad_accum, prompt_len=args.max_prompt_length,
+                          completion_len=args.max_completion_length, generator=args.generator,
+                          gather_bound_bytes=None if args.gather_mb is None else int(args.gather_mb * rl.MIB),
+                          sync_bucket_mb=args.sync_bucket_mb)
+    out = rl.rollout_plan(count_params(cfg), model_shape(cfg), work, stage=int(layout["zero_stage"]),
+                          world=int(layout["dp"]), lp=lp, threshold=PARAM_PERSISTENCE_THRESHOLD,
+                          free_bytes=free, gpu_mem_bytes=gpu_mem, profile=profile)
+    return {"layout": layout["label"], "free_bytes": free, "sequences_per_rank": work.sequences,
+            "num_generations": args.num_generations, **out}
+
+
+def render_rollouts(r: dict) -> str:
+    mib = 1 << 20
+    g, hf, vllm = r["gather"], r["hf"], r["vllm"]
+    how = "whole model once per call" if g["whole"] else \
+        f"layer groups of {g['layers_per_group']} ({g['num_groups']} per token)"
+    return "\n".join([
+        "", f"Rollouts on {r['layout']} ({r['sequences_per_rank']} completions per rank per step, "
+            f"{r['num_generations']} per prompt; {r['free_bytes'] / mib:,.0f} MiB free beside training):",
+        f"  KV cache         {r['kv_cache_bytes'] / mib:,.1f} MiB (2 x layers x kv_heads x head_dim x tokens x "
+        "sequences x bytes)",
+        f"  hf gather        {how}: peak {g['peak_bytes'] / mib:,.1f} MiB held, {g['per_token_gather_bytes'] / mib:,.1f}"
+        f" MiB gathered per token ({r['gather_reason']})",
+        f"  hf time          prefill {hf['prefill_s']:.3f} s, decode {hf['decode_s']:.3f} s",
+        f"  vllm             {vllm['bytes'] / mib:,.1f} MiB needed of a {vllm['budget_bytes'] / mib:,.0f} MiB share; "
+        f"decode {vllm['decode_s']:.3f} s; weight sync {vllm['sync']['bytes'] / mib:,.1f} MiB in "
+        f"{vllm['sync']['buckets']} bucket(s), {vllm['sync']['seconds']:.3f} s per step",
+        f"  recommend        {r['recommend']}", ""])
 
 
 def _layout(args: argparse.Namespace) -> dict | None:

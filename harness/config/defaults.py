@@ -64,4 +64,4 @@ PRECISION_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # logs them (rewards = beta x log-ratio per side, margin, accuracy with a strict >, the summed log-probs) ---
 PREFERENCE_METRICS = ("rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
                       "logps_rejected")
-REFERENCE_FREE = ("simpo", "orpo")  # objectives with no reference model
+REFERENCE_FREE = ("simpo", "orpo", "reward")  # objectives with no reference model

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from harness.config.adapter_rules import lora_on
 from harness.config.defaults import REFERENCE_FREE
+from harness.config.objectives import family
 from harness.config.resolve import Context, degrees, sequence_parallel
 from harness.errors import Problem
 
@@ -16,7 +17,7 @@ def objective(recipe: dict) -> str:
 
 
 def is_preference(recipe: dict) -> bool:
-    return objective(recipe) != "lm"
+    return family(recipe) == "preference"
 
 
 def packing(recipe: dict) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from harness.config import defaults as dd
 from harness.config.defaults import STAGE3_MAX_LIVE_PARAMETERS, TILE_TOKENS
-from harness.config.preference_rules import objective, packing, reference_mode
+from harness.config.preference_rules import is_preference, objective, packing, reference_mode
 from harness.config.resolve import degrees as pipe_tensor_degrees
 from harness.config.resolve import sequence_parallel
 
@@ -206,7 +206,7 @@ class RunModel:
 def _preference(recipe: Mapping) -> Preference | None:
     """The run's preference objective with its reference mode resolved; None for lm."""
     goal = objective(recipe)
-    if goal == "lm":
+    if not is_preference(recipe):
         return None
     pref = recipe["preference"]
     return Preference(goal, reference_mode(recipe), float(pref["beta"]), pref["reference"])

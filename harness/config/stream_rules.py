@@ -22,6 +22,10 @@ def check_streaming(ds: dict, ctx: Context) -> list[Problem]:
                            "pairs are read from their own store, built before the run",
                            "set train.streaming=false (the pair store is built once, by `harness data prepare "
                            "--set train.objective=...` or the launch), or objective lm"))
+    elif train.get("objective", "lm") != "lm":
+        out.append(Problem("train.streaming", f"streaming with objective {train.get('objective')!r}: only a "
+                           "language-model run reads a streamed token store (an RL run reads prompts, a reward model "
+                           "pairs)", "set train.streaming=false, or objective lm"))
     if train.get("datasets"):
         out.append(Problem("train.streaming", f"streaming with a mixture of {len(train['datasets'])} sources "
                            "(train.datasets): a streamed store is one source's, written in its own order",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.config.defaults import PATH_PREFIXES
+from harness.config.objectives import OBJECTIVES
 from harness.errors import UsageError
 
 BUILTIN = "builtin"
@@ -58,10 +59,17 @@ class DataSpec:
 
     @property
     def preference(self) -> bool:
-        return self.objective != "lm"
+        return OBJECTIVES[self.objective].data == "pairs"
+
+    @property
+    def prompts(self) -> bool:
+        """An RL run's prompt set (harness/rl/prompts.py): records with a prompt column."""
+        return OBJECTIVES[self.objective].data == "prompts"
 
     def column_note(self, key: str) -> str:
         """Where a column's name comes from, for messages: the recipe key and format, or the objective."""
+        if self.prompts:
+            return f"train.{key}, objective {self.objective!r}: TRL's prompt column"
         if self.preference and key in PAIR_COLUMNS:
             return f"train.objective {self.objective!r}"
         return f"train.{key}, format {self.format!r}"
@@ -77,6 +85,8 @@ class DataSpec:
         """{recipe key: column name} the format reads (a preference record: its two completions)."""
         if self.preference:
             return {key: key for key in PAIR_COLUMNS}
+        if self.prompts:
+            return {"prompt_field": self.prompt_field}
         if self.format == "instruction":
             return {"prompt_field": self.prompt_field, "response_field": self.response_field}
         if self.format == "chat":

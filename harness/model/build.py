@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness import model_shapes
+from harness.config.objectives import objective_of
 from harness.model import adapters
 from harness.model.load import meta, source as sources
 from harness.model.load.materialise import hf_paths, materialise
@@ -74,6 +75,7 @@ def build_whole(spec) -> Built:
     model = build_model(train["model"], seed=train["seed"], dtype=dtype,
                         zero3_init_config=spec.ds_config if spec.zero_stage == 3 else None,
                         gradient_checkpointing=spec.recipe["activation_checkpointing"],
+                        head="reward" if objective_of(spec.recipe).name == "reward" else "causal",
                         **adapters.build_kwargs(spec.recipe))  # QLoRA: the 4-bit base
     info = meta.ModelInfo(config=model.config, num_params=sum(getattr(p, "ds_numel", p.numel())
                                                               for p in model.parameters()),
@@ -105,4 +107,6 @@ def _build(spec) -> Built:
         return pipe_engine.build_stage(spec)
     if spec.tp > 1:
         return build_tp(spec)
+    if objective_of(spec.recipe).name == "reward":  # a sequence-classification model: transformers' own loading
+        return build_whole(spec)
     return build_zero3(spec) if zero3_by_module(spec) else build_whole(spec)

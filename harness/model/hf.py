@@ -172,18 +172,24 @@ def _init_preset_weights(model, seed: int, zero3: bool) -> None:
 
 
 def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | None = None,
-                gradient_checkpointing: bool = False, quantization_config=None):
-    """AutoModelForCausalLM for a spec: presets get seeded random weights, others their checkpoint.
+                gradient_checkpointing: bool = False, quantization_config=None, head: str = "causal"):
+    """AutoModelForCausalLM for a spec: presets get seeded random weights, others their checkpoint. head "reward":
+    AutoModelForSequenceClassification with one label (train.objective=reward; its score head seeded), pooling at
+    the last token that is not the tokenizer's pad (or EOS) id.
 
     `zero3_init_config` (a DeepSpeed config dict with zero_optimization.stage 3) makes transformers build
     the model under deepspeed.zero.Init, so no rank ever holds the full weights.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from harness.config.moe_families import attn_implementation
 
     config = load_model_config(spec)
+    auto = AutoModelForCausalLM
+    if head == "reward":
+        auto, config.num_labels = AutoModelForSequenceClassification, 1
+        config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else _reward_pad_id(spec)
     kwargs = {"attn_implementation": attn_implementation(config, ATTN_IMPLEMENTATION)}
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -194,12 +200,12 @@ def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | N
     with _zero3_context(zero3_init_config) as zero3:
         if model_shapes.is_preset(spec):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
+            model = auto.from_config(config, **kwargs)
             _init_preset_weights(model, seed, zero3)
         else:
             torch.manual_seed(seed)  # any weights missing from the checkpoint are initialised reproducibly
             try:
-                model = AutoModelForCausalLM.from_pretrained(spec, config=config, **kwargs)
+                model = auto.from_pretrained(spec, config=config, **kwargs)
             except (OSError, ValueError) as err:
                 if Path(spec).is_dir():
                     raise _local_error("model weights", spec, err, "config.json + *.safetensors",
@@ -207,7 +213,15 @@ def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | N
                 raise _hub_error("model", spec, err) from None
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
+    if head == "reward":
+        model.config.architectures = [type(model).__name__]  # the export builds this class (export/folder.py)
     return model
+
+
+def _reward_pad_id(spec: str) -> int:
+    """The id a reward model pools before: the tokenizer's pad, else its EOS (what the pair store pads with)."""
+    tok = load_tokenizer(spec)
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
 def enable_activation_checkpointing(model) -> None:

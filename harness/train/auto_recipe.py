@@ -46,11 +46,13 @@ def choose(overrides: list[str], launch: Launch) -> tuple[str, list[str], str]:
     hw = detect_hardware(launch, settings["zero"]["nvme_path"])
     profile, source = hardware.for_machine(hw["device"], hw["device_name"], hw["gpu_mem_bytes"])
     result = plan_for(settings, hw, profile)
-    best = result.recommended
+    best, rollout_line = result.recommended, ""
+    if best is not None and settings["train"]["objective"] == "grpo":  # the generation must fit beside training
+        best, rollout_line = rl_layout(settings, hw, profile, result)
     if best is None:
         raise UsageError(f"--recipe auto: no strategy fits {train['model']} on {hw['nodes']} x {hw['gpus_per_node']} "
                          f"{hw['device']} ranks: " + "; ".join(result.missing))
-    planned = [f"{k}={_literal(v)}" for k, v in best["overrides"].items()]
+    planned = [f"{k}={_literal(v)}" for k, v in best["overrides"].items()] + best.get("rl_overrides", [])
     reason = (f"planner chose {best['recipe']} for {train['model']} on {hw['nodes']} x {hw['gpus_per_node']} "
               f"{hw['device']} ranks ({hw['gpu_mem_bytes'] / 1e9:.1f} GB each): ")
     if "time" not in best:  # no hardware profile: memory alone decides
@@ -69,7 +71,37 @@ def choose(overrides: list[str], launch: Launch) -> tuple[str, list[str], str]:
         from harness.model.hf import load_tokenizer
 
         reason += "\n" + "\n".join(plan_lines(train, rows, train["steps"], load_tokenizer(train["model"]))[0])
-    return best["recipe"], planned, reason
+    return best["recipe"], planned, reason + rollout_line
+
+
+def rl_layout(settings: dict, hw: dict, profile: dict, result) -> tuple[dict | None, str]:
+    """The first fitting layout that also holds the generation (planner/rl.py fit_rollouts), with rl.gather_mb set
+    when its ZeRO-3 gather must go by layer groups; (None, "") when none does (result.missing says why)."""
+    from harness.config.defaults import PARAM_PERSISTENCE_THRESHOLD, PRECISION_BYTES
+    from harness.planner import rl
+    from harness.planner.inputs import RESERVE_FRACTION
+    from harness.planner.params import count_params, model_shape
+
+    cfg, batch, rl_keys = load_model_config(settings["train"]["model"]), settings["batch"], settings["rl"]
+    per_rank = (batch["micro_batch_per_gpu"] if isinstance(batch["micro_batch_per_gpu"], int) else 1) * \
+        (batch["grad_accum_steps"] if isinstance(batch["grad_accum_steps"], int) else 1)
+    work = rl.RolloutWork(sequences=per_rank, prompt_len=rl_keys["max_prompt_length"],
+                          completion_len=rl_keys["max_completion_length"], generator=rl_keys["generator"],
+                          sync_bucket_mb=rl_keys["sync_bucket_mb"])
+    ordered = [result.recommended] + [c for c in result.candidates if c is not result.recommended]
+    layout, plan = rl.fit_rollouts(ordered, count_params(cfg), model_shape(cfg), work, lp=PRECISION_BYTES[
+        settings["precision"]], gpu_mem_bytes=hw["gpu_mem_bytes"], threshold=PARAM_PERSISTENCE_THRESHOLD,
+        reserve=RESERVE_FRACTION, profile=profile)
+    if layout is None:
+        result.missing.append("no layout leaves room for the generation (KV cache and one gathered layer group) "
+                              "beside training: fewer completions per rank or a shorter rl.max_completion_length")
+        return None, ""
+    gather = plan["gather"]
+    layout = dict(layout)
+    layout["rl_overrides"] = [] if gather["whole"] or rl_keys["gather_mb"] != "auto" else \
+        [f"rl.gather_mb={(gather['peak_bytes'] - gather['persistent_bytes']) / rl.MIB:.3f}"]
+    return layout, (f"; rollouts: {plan['recommend']} (KV cache {plan['kv_cache_bytes'] / rl.MIB:.1f} MiB, "
+                    f"{plan['gather_reason']})")
 
 
 def plan_for(settings: dict, hw: dict, profile: dict):

@@ -23,6 +23,7 @@ from harness.config.preference_rules import is_preference
 from harness.config.run_model import Zero, optimizer_states
 from harness.errors import Problem, UsageError, raise_if_errors
 from harness.model.moe import rules as moe_rules
+from harness.rl.generation import generator_problems
 from harness.train import faults
 
 
@@ -44,7 +45,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     problems += path_problems(spec, cfg) + qlora_problems(spec.recipe) + sequence_problems(spec, cfg)
     problems += attention_problems(spec) + preference_problems(spec.recipe) + reference_problems(spec.recipe, cfg)
     problems += chat_problems(spec.recipe["train"])
-    problems += faults.recipe_problems(spec.recipe) + mixture_problems(spec.recipe)
+    problems += faults.recipe_problems(spec.recipe) + mixture_problems(spec.recipe) + generator_problems(spec.recipe)  # rl.generator=vllm
     problems += moe_rules.problems(spec.recipe, spec.world_size, cfg)  # MoE: ep, tp, pipeline, aux loss
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
@@ -245,7 +246,7 @@ def model_problems(train: dict, cfg: dict) -> list[Problem]:
 def reference_problems(recipe: dict, cfg: dict) -> list[Problem]:
     """A dpo / ipo reference of another architecture or vocabulary than the policy (its config.json only)."""
     ref = recipe.get("preference", {}).get("reference")
-    if recipe["train"].get("objective", "lm") == "lm" or ref is None:
+    if not is_preference(recipe) or ref is None:
         return []
     try:
         other = model_config(ref)

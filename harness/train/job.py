@@ -14,6 +14,7 @@ from harness.checkpoint import files as ckpt_files
 from harness.checkpoint import relayout, resume
 from harness.checkpoint import save as checkpoint
 from harness.config.jsonio import dump_json
+from harness.config.objectives import objective_of
 from harness.config.preference_rules import is_preference
 from harness.config.recipes import deep_merge
 from harness.config.resolve import render_provenance
@@ -65,6 +66,10 @@ def load_data(spec, dist, tokenizer) -> Data:
 
     start = time.perf_counter()
     train = spec.recipe["train"]
+    if objective_of(spec.recipe).data == "prompts":  # an RL run's prompt set (harness/rl/prompts.py)
+        from harness.train import grpo_start
+
+        return grpo_start.load_prompts(spec, dist, tokenizer)
     if train["objective"] != "lm":  # preference pairs (harness/data/preference.py), not packed rows
         from harness.data.preference import load_pairs
 
@@ -201,8 +206,14 @@ def announce(spec, dist, run_dir: Path, info, data: Data, notes: list[str]) -> N
     rows = batch.micro_batch * batch.grad_accum * spec.dp
     unit, per_step = ("pairs", f"{rows} pairs = {2 * rows} sequences") if spec.run.preference else \
         ("blocks", f"{rows} sequences")
-    say("batch", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = {per_step} x "
-                 f"{data.train.shape[1]} tokens per step")
+    if objective_of(spec.recipe).family == "rl":  # completions of prompts (harness/train/grpo.py says the rest)
+        g = spec.recipe["rl"]["num_generations"]
+        unit, per_step = "prompts", f"{rows} completions = {rows // g} prompts x {g} generations"
+        say("batch", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = {per_step} per step, "
+                     f"prompts of at most {data.train.shape[1]} tokens")
+    else:
+        say("batch", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = {per_step} x "
+                     f"{data.train.shape[1]} tokens per step")
     say("model", f"{spec.recipe['train']['model']}: {n_params / 1e6:.2f}M params")
     what = f"mixture of {', '.join(data.mixture.names)}" if data.mixture is not None else spec.recipe['train']['dataset']
     say("data", f"{what}: {data.train.shape[0]} train / {data.eval.shape[0]} eval {unit}")
@@ -287,7 +298,8 @@ def run(spec, dist) -> int:
         trackers = start_trackers(spec, dist, run_dir)  # exit 2 on every rank when one cannot start
         tokenizer = load_tokenizer(spec.recipe["train"]["model"])
         data = load_data(spec, dist, tokenizer)
-        checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
+        if objective_of(spec.recipe).data != "prompts":  # an RL step's prompts: harness/rl/prompts.py
+            checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
         if is_preference(spec.recipe):  # before the policy is built: a precomputed reference runs and is freed first
             from harness.train import reference
 
@@ -302,6 +314,10 @@ def run(spec, dist) -> int:
         step0, client = start_step(engine, spec, dist, run_dir, info)
         if data.mixture is not None:
             data = mixture_from(spec, dist, data, step0, client, log)
+        if objective_of(spec.recipe).family == "rl":
+            from harness.train import grpo_start
+
+            data = grpo_start.steps(spec, dist, data, run_dir, engine, tokenizer, step0, client)
         if dist.is_main:
             checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer)
         hooks = profiling.make_hooks(spec, engine, dist, run_dir, log, trackers)

@@ -10,13 +10,16 @@ import dataclasses
 
 import torch
 
+from harness.config.objectives import objective_of
 from harness.config.recipes import deep_merge
 from harness.train.objectives import label_logps
 
 
 def reference_name(spec) -> str:
-    """The reference's model folder or hub id: preference.reference, else the policy's starting weights."""
-    return spec.recipe["preference"]["reference"] or spec.recipe["train"]["model"]
+    """The reference's model folder or hub id: preference.reference (rl.reference for an RL run), else the
+    policy's starting weights."""
+    block = objective_of(spec.recipe).block or "preference"
+    return spec.recipe[block]["reference"] or spec.recipe["train"]["model"]
 
 
 def _reference_spec(spec):

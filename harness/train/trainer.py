@@ -23,6 +23,7 @@ import torch
 from harness.checkpoint import files as ckpt_files
 from harness.checkpoint import save as checkpoint
 from harness.config.defaults import PREFERENCE_METRICS
+from harness.config.objectives import objective_of
 from harness.config.preference_rules import is_preference
 from harness.data.batches import BatchPlan
 from harness.dist import DistInfo, mean_across_ranks
@@ -43,6 +44,7 @@ class Data:
     eval: Rows
     reference: object = None  # a dpo / ipo run's reference log-probs (harness/train/reference.py)
     mixture: object = None  # train.datasets: the sources and their blend (harness/data/mixture.py); train, eval: MixRows
+    steps: object = None  # an RL run's step (harness/train/grpo.py): it picks its own prompts and completions
 
 
 def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
@@ -129,10 +131,11 @@ def micro_eval(engine, batches: list) -> float:
 def strategy(spec, reference=None):
     """(train step, eval) functions: the pipeline engine runs a whole step in train_batch / eval_batch; a
     preference objective has its own (pipeline, tensor and sequence parallel are refused with it)."""
-    if is_preference(spec.recipe):
-        from harness.train.preference import PreferenceSteps
+    if is_preference(spec.recipe):  # the objective's step class (config/objectives.py): preference or reward
+        import importlib
 
-        steps = PreferenceSteps(spec, reference)
+        module, name = objective_of(spec.recipe).steps.split(":")
+        steps = getattr(importlib.import_module(module), name)(spec, reference)
         return steps.train, steps.eval
     if spec.pp > 1:
         from harness.model.parallel import pipe_engine
@@ -183,11 +186,11 @@ class Trainer:
         self.model_info = model_info  # harness.model.load.meta.ModelInfo: dtypes and partition for the manifests
         self.run_dir, self.log, self.hooks = run_dir, log, list(boundaries.hooks)
         self.preempt = boundaries.preempt  # asked at every step boundary
-        self.plan = batch_plan(spec, dist, data)
+        self.plan = data.steps.plan if data.steps is not None else batch_plan(spec, dist, data)
         self.train_cfg = spec.recipe["train"]
         rows_per_sample = 2 if is_preference(spec.recipe) else 1  # a pair is two rows
         self.tokens_per_step = self.plan.global_batch * data.train.shape[1] * rows_per_sample
-        self.step_fn = strategy(spec, data.reference)[0]
+        self.step_fn = strategy(spec, data.reference)[0] if data.steps is None else None
         if data.mixture is not None:  # loss/<name>, rows/<name> (harness/train/mixture.py)
             plain = mixture.plain_path(spec)
             self.step_fn = mixture.by_source(self.step_fn, len(data.mixture.names), *((_forward, _lm_aux) if plain
@@ -202,14 +205,18 @@ class Trainer:
         batch = self.data_steps.batch(step)
         if self.guard is not None:
             self.guard.begin(batch)
-        micro = self.plan.micro_batches(batch)
-        batches = [fetch(self.data.train, rows) for rows in micro]
-        if self.data.mixture is None:
-            loss = self.step_fn(self.engine, batches)
-        else:  # with each row's source
-            loss = self.step_fn(self.engine, batches, [self.data.train[rows].source_ids() for rows in micro])
+        if self.data.steps is not None:  # an RL step picks its own prompts and completions
+            loss = self.data.steps.train(self.engine, step)
+        else:
+            micro = self.plan.micro_batches(batch)
+            batches = [fetch(self.data.train, rows) for rows in micro]
+            if self.data.mixture is None:
+                loss = self.step_fn(self.engine, batches)
+            else:  # with each row's source
+                loss = self.step_fn(self.engine, batches, [self.data.train[rows].source_ids() for rows in micro])
         loss, parts = loss if isinstance(loss, tuple) else (loss, {})  # RANK_MEANS: MoE's, a preference run's
         step_time = time.perf_counter() - start
+        self.tokens_per_step = parts.get("step_tokens", self.tokens_per_step)  # an RL step's own count
         norm = self.engine.get_global_grad_norm()
         norm = norm.detach().clone() if torch.is_tensor(norm) else norm  # read (synchronised) at the flush
         return {"loss": loss, **parts, "lr": lr, "grad_norm": norm,
@@ -288,7 +295,8 @@ class Trainer:
         # under SP checkpoint.save shards the probe over the SP ranks (model/sequence/ulysses.probe_logits)
         probe = fetch(self.data.eval if self.data.eval.shape[0] else self.data.train, slice(0, 1))[0][:, :16]
         client = {"step": step, "epoch": self.plan.epoch_of(self.data_steps.batch(max(step - 1, 0))),
-                  faults.CLIENT_KEY: list(self.data_steps.skipped)}
+                  faults.CLIENT_KEY: list(self.data_steps.skipped),
+                  **(self.data.steps.client_state() if self.data.steps is not None else {})}
         if self.data.mixture is not None:
             client.update(self.data.mixture.client_state())
         path = checkpoint.save(self.engine, self.spec, self.dist, self.run_dir / "checkpoints", step, client,
@@ -329,7 +337,7 @@ class Trainer:
                     step, mark, mark_step = back, time.perf_counter(), back
                     continue
             bar.update(1)
-            eval_now = self.should(self.train_cfg["eval_every"], done, total)
+            eval_now = self.should(self.train_cfg["eval_every"], done, total) and self.data.steps is None
             stop = done < total and self.preempt is not None and self.preempt.stop_after(done)  # last: saved anyway
             save_now = self.should(self.train_cfg["save_every"], done, total) or stop
             log_now = done % self.train_cfg["log_every"] == 0

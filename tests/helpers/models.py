@@ -22,14 +22,14 @@ def qwen2_folder(path, seed: int = 1234) -> str:
     return str(path)
 
 
-def llama_folder(path, seed: int = 1234) -> str:
+def llama_folder(path, seed: int = 1234, layers: int = 2) -> str:
     """A tiny Llama (GQA, untied head) with seeded random weights and the shipped tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from harness.model.hf import _shipped_eos_id, load_tokenizer
 
     eos = _shipped_eos_id()
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos, attention_dropout=0.0)
     torch.manual_seed(seed)

@@ -37,16 +37,27 @@ from harness.errors import UsageError
 DEFAULT_SHARD_SIZE = "5GB"  # save_pretrained's default in transformers 5
 
 
+def auto_class(config):
+    """transformers' Auto class for a saved config: sequence classification for a reward model (train.objective
+    reward records LlamaForSequenceClassification etc. in architectures), else the causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    names = getattr(config, "architectures", None) or []
+    return AutoModelForSequenceClassification if any(n.endswith("ForSequenceClassification") for n in names) \
+        else AutoModelForCausalLM
+
+
 def meta_model(ref: CheckpointRef):
     """The checkpoint's HF model on the meta device: names, shapes, tied weights; no memory."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     hf = ref.ckpt_dir / "hf"
     if not (hf / "config.json").is_file():
         raise UsageError(f"{hf}: no config.json; this checkpoint folder was not written by harness/run.py")
+    config = AutoConfig.from_pretrained(hf)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf))
+        return auto_class(config).from_config(config)
 
 
 def save_names(model) -> list[str]:
@@ -97,13 +108,13 @@ def verify(ref: CheckpointRef, folder: Path, dtype) -> float | None:
     """Max |logit difference| between the written folder and the engine on the saved probe batch. Loaded in
     the files' dtype, so transformers maps the safetensors files instead of copying them."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     probe = ref.tag_dir / PROBE
     if not probe.is_file():
         return None
     saved = torch.load(probe, map_location="cpu", weights_only=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    model = auto_class(AutoConfig.from_pretrained(folder)).from_pretrained(folder, dtype=dtype).eval()
     with torch.no_grad():
         logits = model(input_ids=saved["input_ids"]).logits.float()
     return float((logits - saved["logits"].float()).abs().max())

@@ -1,0 +1,251 @@
+"""The step of an online RL run (train.objective grpo) on ddp and ZeRO-0..3, offload and LoRA.
+
+Per generation (every num_iterations steps): the step's prompts (global_batch / num_generations of them, the same
+on every rank) -> each rank generates its contiguous slice of the step's completions (num_generations per prompt,
+group after group) -> rewards on its slice -> every rank gathers the step's records and computes the advantages
+(a group may span ranks) -> the old policy's log-probs when num_iterations > 1 (or as a replay file gives them)
+-> the reference's when beta > 0 -> rank 0 appends the records to RUN/rollouts.jsonl. rl.replay takes the records
+from its file instead of generating and scoring.
+
+Per step: the loss (harness/rl/loss.py) over the rank's grad_accum micro-batches of micro_batch completions, with
+engine.backward / engine.step, then the generator's weight sync. The metrics carry TRL's names and the time split
+(time/generate_s, score_s, reference_s, train_s, sync_s).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+
+from harness.data.batches import BatchPlan
+from harness.errors import UsageError
+from harness.log import say
+from harness.rl import generation_batch as gb
+from harness.rl import replay as replay_file
+from harness.rl.loss import completion_logits, per_token_loss, reduce, token_logps
+from harness.rl.rollouts import ROLLOUTS_FILE, Rollouts, lines, truncate_after
+
+CLIENT_KEY = "rl_generation"  # the current generation's records, in the checkpoint's client state (num_iterations > 1)
+NEAR_ZERO = ("on-policy (num_iterations 1) the importance ratio is 1 and each group's advantages sum to ~0, so the "
+             "logged loss sits near 0 (plus beta x KL) while its gradient does not: watch reward, not loss")
+
+
+def forward_logps(engine, t: dict, temperature: float, entropy: bool):
+    """(per-token log-probs [B, C], entropy [B, C] or None) of the completions in micro-batch tensors t."""
+    logits = engine(input_ids=t["input_ids"].to(engine.device), use_cache=False).logits
+    comp = completion_logits(logits, t["prompt_len"], t["completion"].shape[1])
+    return token_logps(comp, t["completion"].to(logits.device), temperature, entropy)
+
+
+def gather_all(obj) -> list:
+    if not tdist.is_initialized() or tdist.get_world_size() == 1:
+        return [obj]
+    out = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+class GrpoSteps:
+    def __init__(self, spec, dist, data, run_dir: Path, *, tokenizer, reference=None):
+        self.rl, self.spec, self.dist, self.run_dir = spec.recipe["rl"], spec, dist, Path(run_dir)
+        self.g, self.mu = self.rl["num_generations"], self.rl["num_iterations"]
+        self.micro, self.gas = spec.run.batch.micro_batch, spec.run.batch.grad_accum
+        self.dp_rank, self.dp = dist.rank, dist.world_size  # tp / pp / sp are refused (config/rl_rules.py)
+        self.per_rank = self.micro * self.gas
+        self.total = self.per_rank * self.dp
+        self.prompts, self.tokenizer, self.reference = data.train, tokenizer, reference
+        self.eos_ids = (tokenizer.eos_token_id,)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.plan = BatchPlan(num_rows=self.prompts.shape[0], global_batch=self.total // self.g,
+                              micro_batch=self.total // self.g, grad_accum=1, seed=spec.recipe["train"]["seed"])
+        self.replay = None
+        if self.rl["replay"]:
+            self.replay = replay_file.read(self.rl["replay"], self.eos_ids)
+        self.generator = self.rewards = None
+        self.names, self.weights = (), ()
+        self.buffer: tuple[Rollouts, list[dict], int] | None = None  # (rollouts, the step's records, loss tokens)
+
+    def start(self, engine, step0: int, client: dict) -> None:
+        """After the engine exists and the checkpoint (if any) is loaded: the generator and rewards (live runs),
+        a generation in progress from the checkpoint, the start-up lines."""
+        if self.replay is None:
+            from harness.rl.generation import make_generator
+            from harness.rl.rewards import load_rewards
+
+            rl = self.rl
+            if not rl["rewards"] and self.spec.recipe["train"]["dataset"] == "builtin":
+                from harness.rl import toy
+
+                rl = {**rl, "rewards": [toy.REWARD]}
+            self.generator = make_generator(rl, engine, self.tokenizer, self.spec.run)
+            self.rewards = load_rewards(rl, tokenizer=self.tokenizer, base_dir=Path.cwd(),
+                                        ds_config=self.spec.ds_config)
+            self.names, self.weights = tuple(self.rewards.names), tuple(self.rewards.weights)
+        if client.get(CLIENT_KEY) and step0 % self.mu:
+            kept = client[CLIENT_KEY]
+            if len(kept) != self.total:
+                raise UsageError(f"resuming at step {step0}, inside a generation (rl.num_iterations {self.mu}) of "
+                                 f"{len(kept)} completions, with a global batch of {self.total}: the generation's "
+                                 "remaining steps need its own batch\n    fix: resume with the global batch it was "
+                                 "saved with (batch.train_batch_size), or from a checkpoint at a generation's start")
+            self.buffer = self._assemble(engine, [dict(r) for r in kept])
+        if self.dist.is_main:
+            truncate_after(self.run_dir, step0)
+            self._announce()
+
+    def _announce(self) -> None:
+        rl = self.rl
+        say("rl", f"grpo: loss {rl['loss_type']} ({rl['importance_sampling_level']} ratios), {self.total} completions "
+                  f"per step = {self.total // self.g} prompts x {self.g} generations ({self.micro} micro x "
+                  f"{self.gas} accum x {self.dp} ranks), {self.mu} step(s) per generation, beta {rl['beta']}")
+        source = f"replay of {rl['replay']}" if self.replay is not None else \
+            f"generator {rl['generator']}, rewards {', '.join(self.names)}"
+        say("rl", f"rollouts: {source} -> {self.run_dir / ROLLOUTS_FILE}")
+        if self.mu == 1:
+            say("rl", f"why the loss sits near 0: {NEAR_ZERO}")
+
+    def client_state(self) -> dict:
+        """The current generation's records when later steps reuse it (num_iterations > 1)."""
+        return {CLIENT_KEY: self.buffer[1]} if self.mu > 1 and self.buffer is not None else {}
+
+    # --- a generation ---
+    def _records(self, engine, step: int, times: dict) -> list[dict]:
+        """The step's records in order: from the replay file, or generated and scored here."""
+        if self.replay is not None:
+            return [dict(r) for r in self.replay[step + 1]]
+        rows = self.plan.global_rows(step // self.mu).tolist()
+        mine = range(self.dp_rank * self.per_rank, (self.dp_rank + 1) * self.per_rank)
+        index = [rows[j // self.g] for j in mine]
+        prompt_ids = [self.prompts.token_ids[i] for i in index]
+        began = time.perf_counter()
+        # row i of the step draws from (seed, i): the same completions on any world size
+        seed = self.spec.recipe["train"]["seed"] * 1000003 + step // self.mu
+        completions = self.generator.generate(prompt_ids, seed=seed, first_row=mine.start)
+        times["generate_s"] = time.perf_counter() - began
+        began = time.perf_counter()
+        scores = self._score(index, completions)
+        times["score_s"] = time.perf_counter() - began
+        local = [{"prompt_index": self.prompts.records[i], "prompt_ids": p, "completion_ids": list(c),
+                  "finish": "length" if gb.first_eos(list(c), self.eos_ids) is None else "eos",
+                  "rewards": dict(zip(self.names, s))} for i, p, c, s in zip(index, prompt_ids, completions, scores)]
+        return [r for part in gather_all(local) for r in part]
+
+    def _score(self, index: list[int], completions: list[list[int]]) -> list[list]:
+        texts = [self.tokenizer.decode(gb_kept(c, self.eos_ids), skip_special_tokens=True) for c in completions]
+        prompts = [self.prompts.values[i] for i in index]
+        if prompts and not isinstance(prompts[0], str):  # conversational: the completion as an assistant message
+            texts = [[{"role": "assistant", "content": t}] for t in texts]
+        columns = {k: [v[i] for i in index] for k, v in self.prompts.columns.items()}
+        return self.rewards.score(prompts=prompts, completions=texts, completion_ids=completions, columns=columns)
+
+    def _assemble(self, engine, records: list[dict]) -> tuple[Rollouts, list[dict], int]:
+        rollouts = gb.local_rollouts(records, self.dp_rank, self.per_rank, self.eos_ids)
+        tokens = gb.step_loss_tokens(records, self.eos_ids, self.rl["mask_truncated_completions"])
+        return rollouts, records, tokens
+
+    @torch.no_grad()
+    def _logps(self, engine, rollouts: Rollouts, reference: bool) -> list[torch.Tensor]:
+        """Per kept token log-probs of this rank's completions: the policy's now (the old policy), or the
+        reference's (its engine, or the policy with the adapters off)."""
+        out = []
+        for m in range(self.gas):
+            t = rollouts.tensors(range(m * self.micro, (m + 1) * self.micro), self.pad_id, False)
+            if reference and self.reference.mode == "engine":
+                logps, _ = forward_logps(self.reference.engine, t, self.rl["temperature"], False)
+            elif reference:
+                from harness.train.reference import adapters_off
+
+                with adapters_off(engine.module):
+                    logps, _ = forward_logps(engine, t, self.rl["temperature"], False)
+            else:
+                was = engine.module.training
+                engine.module.eval()
+                logps, _ = forward_logps(engine, t, self.rl["temperature"], False)
+                engine.module.train(was)
+            out += [row[:len(rollouts.kept(i))].float().cpu() for i, row in zip(t_rows(m, self.micro), logps)]
+        return out
+
+    def generation(self, engine, step: int, times: dict) -> dict:
+        records = self._records(engine, step, times)
+        metrics = gb.fill_advantages(records, self.rl, self.names, self.weights)
+        metrics.update(gb.completion_metrics(records, self.eos_ids))
+        rollouts, records, tokens = self._assemble(engine, records)
+        if self.mu > 1 and rollouts.old_logps is None:
+            rollouts.old_logps = self._logps(engine, rollouts, reference=False)
+            every = [x for part in gather_all([o.tolist() for o in rollouts.old_logps]) for x in part]
+            for r, o in zip(records, every):
+                r["old_logps"] = o
+        began = time.perf_counter()
+        if self.reference is not None:
+            rollouts.ref_logps = self._logps(engine, rollouts, reference=True)
+        times["reference_s"] = time.perf_counter() - began
+        self.buffer = (rollouts, records, tokens)
+        if self.dist.is_main:
+            with open(self.run_dir / ROLLOUTS_FILE, "a") as out:
+                out.write("".join(line + "\n" for line in lines(step + 1, self.g, records)))
+        return metrics
+
+    # --- the step ---
+    def train(self, engine, step: int) -> tuple[torch.Tensor, dict]:
+        times = dict.fromkeys(("generate_s", "score_s", "reference_s", "train_s", "sync_s"), 0.0)
+        metrics = {}
+        if step % self.mu == 0 or self.buffer is None:
+            metrics = self.generation(engine, step, times)
+        else:  # a later iteration on the same generation: the same tokens
+            metrics = {"step_tokens": gb.completion_metrics(self.buffer[1], self.eos_ids)["step_tokens"]}
+        began = time.perf_counter()
+        loss, stats = self._update(engine)
+        times["train_s"] = time.perf_counter() - began
+        began = time.perf_counter()
+        if self.generator is not None:
+            self.generator.after_step()
+        times["sync_s"] = time.perf_counter() - began
+        metrics.update(stats)
+        metrics.update({f"time/{k}": v for k, v in times.items()})
+        return loss, metrics
+
+    def _update(self, engine) -> tuple[torch.Tensor, dict]:
+        rollouts, _, tokens = self.buffer
+        rl, total, sums = self.rl, None, {}
+        for m in range(self.gas):
+            t = rollouts.tensors(range(m * self.micro, (m + 1) * self.micro), self.pad_id,
+                                 rl["mask_truncated_completions"])
+            logps, entropy = forward_logps(engine, t, rl["temperature"], True)
+            mask = t["mask"].to(logps.device)
+            old = logps.detach() if t["old"] is None else t["old"].to(logps.device, logps.dtype)
+            ref = None if t["ref"] is None else t["ref"].to(logps.device)
+            ptl, stats = per_token_loss(logps, old, ref, t["advantages"].to(logps.device), mask, rl)
+            loss = reduce(ptl, mask, rl, tokens, self.dp * self.gas)
+            engine.backward(loss)
+            engine.step()
+            stats["entropy"] = ((entropy * mask).sum(), mask.sum())
+            for k, (s, c) in stats.items():
+                a, b = sums.get(k, (0.0, 0.0))
+                sums[k] = (a + s.float().cpu(), b + c.float().cpu())
+            total = loss.detach().float() if total is None else total + loss.detach().float()
+        return total / self.gas, _global_means(sums)
+
+
+def _global_means(sums: dict) -> dict:
+    """{name: sum over ranks / count over ranks} in one all-reduce (TRL's global_masked_mean)."""
+    names = sorted(sums)
+    flat = torch.tensor([float(v) for k in names for v in sums[k]], dtype=torch.float64)
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        nccl = tdist.get_backend() == "nccl"
+        flat = flat.to(torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+        tdist.all_reduce(flat)
+        flat = flat.cpu()
+    return {k: (flat[2 * i] / flat[2 * i + 1].clamp(min=1)).item() for i, k in enumerate(names)}
+
+
+def t_rows(m: int, micro: int) -> range:
+    return range(m * micro, (m + 1) * micro)
+
+
+def gb_kept(ids: list[int], eos_ids: tuple[int, ...]) -> list[int]:
+    end = gb.first_eos(list(ids), eos_ids)
+    return list(ids) if end is None else list(ids)[:end + 1]
+

@@ -1,0 +1,165 @@
+"""A plain-torch GRPO written from the formulas of issue 38 (TRL 1.16's GRPOTrainer), one completion at a time, to
+check harness/rl + harness/train/grpo.py against: the fixed batch a replay file feeds, the advantages, the
+per-token loss of every loss_type, the KL, and each loss's averaging over micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+EOS = 0
+PROMPTS = ([33, 68, 68, 349, 284], [415, 26, 101], [77, 78, 79, 80])
+MAX_COMPLETION = 6
+# per group: completions as generated (EOS = 0; tokens after it are junk), and rewards
+COMPLETIONS = (
+    ([[40, 41, 0, 99, 98], [42, 0], [43, 44, 45, 46, 47, 48], [50, 51, 52, 0, 7, 7]], [1.0, 0.5, 0.0, 2.0]),
+    ([[60, 0], [61, 62, 0], [63, 0, 5], [64, 65, 66, 0]], [1.0, 1.0, 1.0, 1.0]),  # zero std
+    ([[70, 71, 72, 73, 74, 0], [0], [75, 0, 1, 2], [76, 77, 0]], [0.0, 3.0, 1.5, 0.25]),
+)
+
+
+@dataclass
+class Case:
+    name: str
+    recipe: str
+    rl: dict = field(default_factory=dict)
+    old_shift: float | None = None  # old_logps recorded = the policy's + a seeded perturbation of this size
+    lora: bool = False
+    reference: str | None = None  # a model folder (beta > 0)
+
+
+def records(old: list[list[float]] | None = None) -> list[dict]:
+    out = []
+    for g, (prompt, (comps, rewards)) in enumerate(zip(PROMPTS, COMPLETIONS)):
+        for c, r in zip(comps, rewards):
+            out.append({"group": g, "prompt_ids": list(prompt), "completion_ids": list(c), "reward": r})
+    if old is not None:
+        for r, o in zip(out, old):
+            r["old_logps"] = o
+    return out
+
+
+def kept(ids: list[int]) -> list[int]:
+    return ids[:ids.index(EOS) + 1] if EOS in ids else ids
+
+
+def write_replay(path: Path, steps: int, old: list[list[float]] | None = None) -> Path:
+    lines = [json.dumps({"step": s, **r}) for s in range(1, steps + 1) for r in records(old)]
+    Path(path).write_text("\n".join(lines) + "\n")
+    return Path(path)
+
+
+def advantages(rewards: list[float], g: int, scale: str) -> list[float]:
+    out = []
+    everything = torch.tensor(rewards, dtype=torch.float32)
+    for i in range(0, len(rewards), g):
+        group = everything[i:i + g]
+        std = group.std() if scale != "batch" else everything.std()  # Bessel-corrected
+        for x in group:
+            a = x - group.mean()
+            out.append(float(a / (std + 1e-4)) if scale != "none" else float(a))
+    return out
+
+
+def token_logps(model, prompt: list[int], comp: list[int], temperature: float) -> torch.Tensor:
+    ids = torch.tensor([prompt + comp])
+    logits = model(input_ids=ids).logits[0].float() / temperature
+    logp = torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(comp)], dim=-1)
+    return logp[torch.arange(len(comp)), torch.tensor(comp)]
+
+
+def seq_loss(model, ref_model, record: dict, adv: float, rl: dict) -> tuple[torch.Tensor, int]:
+    """(summed per-token loss of one completion, its loss tokens) by the formulas."""
+    comp = kept(record["completion_ids"])
+    if rl.get("mask_truncated_completions") and EOS not in record["completion_ids"]:
+        return torch.zeros(()), 0
+    t = rl.get("temperature", 1.0)
+    logp = token_logps(model, record["prompt_ids"], comp, t)
+    old = torch.tensor(record["old_logps"]) if "old_logps" in record else logp.detach()
+    if rl.get("importance_sampling_level") == "sequence":
+        ratio = torch.exp((logp - old).mean()).expand(len(comp))
+    else:
+        ratio = torch.exp(logp - old)
+    eps = rl.get("epsilon", 0.2)
+    eps_high = rl.get("epsilon_high") or eps
+    kind = rl.get("loss_type", "dapo")
+    if kind == "cispo":
+        per = -torch.clamp(ratio, max=eps_high).detach() * adv * logp
+    elif kind == "sapo":
+        tau = 1.0 if adv > 0 else 1.05
+        per = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    else:
+        free = ratio if rl.get("delta") is None else torch.clamp(ratio, max=rl["delta"])
+        per = -torch.minimum(free * adv, torch.clamp(ratio, 1 - eps, 1 + eps_high) * adv)
+    if rl.get("beta", 0.0):
+        with torch.no_grad():
+            ref = token_logps(ref_model, record["prompt_ids"], comp, t)
+        per = per + rl["beta"] * (torch.exp(ref - logp) - (ref - logp) - 1) * ratio
+    return per.sum(), len(comp)
+
+
+def micro_loss(model, ref_model, rows: list[dict], advs: list[float], rl: dict, step_tokens: int,
+               splits: int) -> torch.Tensor:
+    parts = [seq_loss(model, ref_model, r, a, rl) for r, a in zip(rows, advs)]
+    kind = rl.get("loss_type", "dapo")
+    if kind in ("grpo", "sapo"):
+        return sum(s / max(n, 1) for s, n in parts) / len(parts)
+    if kind == "bnpo":
+        return sum(s for s, _ in parts) / max(sum(n for _, n in parts), 1)
+    if kind == "dr_grpo":
+        return sum(s for s, _ in parts) / (len(parts) * rl.get("max_completion_length", MAX_COMPLETION))
+    return sum(s for s, _ in parts) * splits / step_tokens  # dapo, cispo
+
+
+def step_loss(model, ref_model, rows: list[dict], rl: dict, micro: int, gas: int, world: int) -> torch.Tensor:
+    """The mean over ranks and micro-batches of the micro-batch losses (what the engine's update differentiates)."""
+    advs = advantages([r["reward"] for r in rows], rl.get("num_generations", 4), rl.get("scale_rewards", "group"))
+    mask_trunc = rl.get("mask_truncated_completions")
+    tokens = sum(len(kept(r["completion_ids"])) for r in rows if not (mask_trunc and EOS not in r["completion_ids"]))
+    per_rank, losses = micro * gas, []
+    for rank in range(world):
+        for m in range(gas):
+            lo = rank * per_rank + m * micro
+            losses.append(micro_loss(model, ref_model, rows[lo:lo + micro], advs[lo:lo + micro], rl, tokens,
+                                     world * gas))
+    return sum(losses) / len(losses)
+
+
+def expected(model_folder: str, rows: list[dict], rl: dict, micro: int, gas: int, world: int, lr: float,
+             steps: int = 2, reference: str | None = None) -> list[dict]:
+    """Per step: the loss and the grad norm, then one SGD step of lr (no clipping)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_folder, torch_dtype=torch.float32)
+    ref_model = AutoModelForCausalLM.from_pretrained(reference or model_folder, torch_dtype=torch.float32)
+    out = []
+    for _ in range(steps):
+        model.zero_grad()
+        loss = step_loss(model, ref_model, rows, rl, micro, gas, world)
+        loss.backward()
+        norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters() if p.grad is not None))
+        out.append({"loss": float(loss.detach()), "grad_norm": norm})
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+    return out
+
+
+def perturbed_old(model_folder: str, shift: float, temperature: float = 1.0, seed: int = 7) -> list[list[float]]:
+    """The policy's own per-token log-probs of each kept completion, moved by seeded noise of size `shift`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_folder, torch_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    with torch.no_grad():
+        for r in records():
+            logp = token_logps(model, r["prompt_ids"], kept(r["completion_ids"]), temperature)
+            out.append((logp + shift * torch.randn(logp.shape, generator=gen)).tolist())
+    return out

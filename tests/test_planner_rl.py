@@ -1,0 +1,127 @@
+"""planner/rl.py: the generation's KV cache, gathered weights (whole or layer groups), decode and prefill, the vLLM
+weight sync, and `harness plan --objective grpo`. The live generator's peak equals gather_plan's on real ranks
+(tests/test_rl_generation.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.cli import main
+from harness.planner import rl
+from harness.planner.params import count_params, model_shape
+
+QWEN_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+           "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+           "max_position_embeddings": 32768}
+
+
+def test_kv_cache_is_two_x_layers_x_kv_heads_x_head_dim_x_tokens_x_sequences_x_bytes():
+    shape = model_shape(QWEN_7B)
+    assert rl.kv_cache_bytes(shape, sequences=8, tokens=1536, lp=2) == 2 * 28 * 4 * 128 * 1536 * 8 * 2
+
+
+def test_gather_groups_fit_the_bound_and_whole_when_it_fits():
+    count = count_params(QWEN_7B)
+    persistent, outside, layer = rl.zero3_pieces(count, lp=2, threshold=100_000, hidden=3584)
+    whole = rl.gather_plan(count, lp=2, threshold=100_000, hidden=3584, bound_bytes=None)
+    assert whole.whole and whole.peak_bytes == persistent + outside + 28 * layer and whole.per_token_gather_bytes == 0
+    bound = outside + 5 * layer + 1
+    groups = rl.gather_plan(count, lp=2, threshold=100_000, hidden=3584, bound_bytes=bound)
+    assert (groups.layers_per_group, groups.num_groups) == (5, 6)  # ceil(28 / 5)
+    assert groups.peak_bytes - groups.persistent_bytes <= bound and groups.per_token_gather_bytes == 28 * layer
+    assert rl.gather_plan(count, lp=2, threshold=100_000, hidden=3584, bound_bytes=1).layers_per_group == 1
+    assert rl.gather_plan(count, lp=2, threshold=0, hidden=3584, bound_bytes=None, stage=2).per_token_gather_bytes == 0
+
+
+def test_choose_gather_whole_or_groups_from_free_memory():
+    assert rl.choose_gather(model_bytes=10, layer_bytes=2, free_bytes=100).whole
+    choice = rl.choose_gather(model_bytes=100, layer_bytes=20, free_bytes=100, kv_bytes=10)
+    assert not choice.whole and choice.bound_bytes == 40 and "layer groups within" in choice.reason
+    assert rl.choose_gather(model_bytes=100, layer_bytes=20, free_bytes=10).bound_bytes == 20  # one layer at least
+
+
+def test_decode_is_one_pass_over_the_weights_per_token_and_groups_add_the_gather():
+    base = rl.decode_s(weight_bytes=10**9, kv_bytes=0, completion_tokens=100, hbm_gbps=1000)
+    assert base == pytest.approx(0.1)
+    assert rl.decode_s(weight_bytes=10**9, kv_bytes=0, completion_tokens=200, hbm_gbps=1000) == pytest.approx(2 * base)
+    grouped = rl.decode_s(weight_bytes=10**9, kv_bytes=0, completion_tokens=100, hbm_gbps=1000,
+                          gather_bytes_per_token=10**9, link_gbps=100, world=8)
+    assert grouped == pytest.approx(base + 100 * 10**9 * 7 / 8 / 100e9)
+
+
+def test_sync_buckets_count_gathered_bytes():
+    sync = rl.sync_plan(total_params=10**9, lp=2, bucket_mb=256, world=8, link_gbps=100, hbm_gbps=1000)
+    assert sync["bytes"] == 2 * 10**9 and sync["buckets"] == -(-2 * 10**9 // (256 << 20))
+    assert sync["peak_bytes"] == 256 << 20
+
+
+def test_plan_objective_grpo_prints_and_returns_the_rollouts(capsys):
+    code = main(["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "80GB", "--objective", "grpo",
+                 "--zero", "3", "--micro-batch", "8", "--max-completion-length", "1024", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)["rollouts"]
+    assert out["kv_cache_bytes"] == 2 * 28 * 4 * 128 * (512 + 1024) * 8 * 2
+    assert not out["gather"]["whole"] and out["gather"]["layers_per_group"] >= 1
+    assert out["vllm"]["sync"]["buckets"] >= 2 and "vllm" in out["recommend"]
+    main(["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "80GB", "--objective", "grpo", "--zero", "3"])
+    text = capsys.readouterr().out
+    assert "Rollouts on " in text and "KV cache" in text and "recommend" in text
+
+
+def test_vllm_is_refused_before_launch_without_cuda():
+    import torch
+
+    from harness.rl.generation import generator_problems
+
+    recipe = {"train": {"objective": "grpo"}, "rl": {"generator": "vllm"}}
+    problems = generator_problems(recipe)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert [p.path for p in problems] == ["rl.generator"]
+    assert "needs CUDA GPUs; this machine has none" in problems[0].message and "rl.generator=hf" in problems[0].fix
+    assert generator_problems({"train": {"objective": "grpo"}, "rl": {"generator": "hf"}}) == []
+
+
+def test_vllm_sync_buckets_count_gathered_bytes_not_numel():
+    """A ZeRO-3 parameter's numel() is 0; buckets must count ds_numel (what TRL's bucketing missed)."""
+    import torch
+
+    from harness.rl.generation.vllm import buckets
+
+    class Partitioned(torch.nn.Parameter):
+        pass
+
+    params = []
+    for _ in range(6):
+        p = Partitioned(torch.empty(0))
+        p.ds_numel = 1 << 18  # 1 MiB in fp32 when gathered
+        params.append(p)
+    got = buckets([(f"w{i}", p, None) for i, p in enumerate(params)], bucket_bytes=2 << 20)
+    assert [len(b) for b in got] == [2, 2, 2]
+
+
+def auto(sets: list[str], gpu_mem: int):
+    from harness.config.recipes import complete
+    from harness.planner import hardware
+    from harness.train import auto_recipe
+
+    settings = complete({"description": "auto"}, "--recipe auto", ["train.objective=grpo", "train.model=qwen2.5-7b",
+                                                                   "train.seq_len=2048", *sets])
+    hw = {"gpus_per_node": 8, "nodes": 1, "gpu_mem_bytes": gpu_mem, "cpu_mem_bytes": 10**12, "nvme_bytes": None,
+          "device": "cuda", "device_name": "H100"}
+    profile = hardware.load("h100-80gb-sxm")
+    result = auto_recipe.plan_for(settings, hw, profile)
+    return result, *auto_recipe.rl_layout(settings, hw, profile, result)
+
+
+def test_recipe_auto_plans_rl_runs_with_their_generation():
+    result, layout, line = auto(["rl.max_completion_length=1024", "batch.micro_batch_per_gpu=8"], 80 * 10**9)
+    assert layout["label"] == result.recommended["label"] and layout["rl_overrides"] == [] and "KV cache" in line
+    # 16 x 16K-token completions per rank: the KV cache (14.4 GiB) does not fit beside the first fit's training
+    result, layout, line = auto(["rl.max_completion_length=16384", "batch.micro_batch_per_gpu=16"], 80 * 10**9)
+    assert layout["zero_stage"] == 3 and layout["label"] != result.recommended["label"]
+    assert layout["rl_overrides"] and layout["rl_overrides"][0].startswith("rl.gather_mb=")
+    result, layout, _ = auto(["rl.max_completion_length=60000", "batch.micro_batch_per_gpu=64"], 40 * 10**9)
+    assert layout is None and "no layout leaves room for the generation" in result.missing[-1]
