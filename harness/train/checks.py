@@ -92,10 +92,11 @@ def _head_problems(train: dict, check) -> list[Problem]:
 def preference_problems(recipe: dict) -> list[Problem]:
     """A preference objective: the first records of each local file tokenized as pairs (malformed records, empty
     completions, a prompt that fills seq_len; harness/data/preference_store.check_head)."""
+    from harness.data.corpus import DataSpec
     from harness.data.preference_store import check_head
 
     train = recipe["train"]
-    if train["objective"] == "lm":
+    if not DataSpec.from_train(train).preference:  # the objectives that read pairs (objectives.py: data "pairs")
         return []
     return _head_problems(train, lambda data, tok: check_head(data, tok, train["seq_len"],
                                                               recipe["preference"]["truncation"]) or [])
