@@ -171,6 +171,16 @@ def _init_preset_weights(model, seed: int, zero3: bool) -> None:
     model.tie_weights()
 
 
+def auto_class(config):
+    """transformers' Auto class for a config: AutoModelForImageTextToText for a vision-language model (its config
+    has a vision_config: Qwen2-VL, LLaVA, Gemma 3, ...; harness/model/vision.py), else AutoModelForCausalLM."""
+    import transformers
+
+    if getattr(config, "vision_config", None) is not None:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
 def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | None = None,
                 gradient_checkpointing: bool = False, quantization_config=None):
     """AutoModelForCausalLM for a spec: presets get seeded random weights, others their checkpoint.
@@ -179,11 +189,11 @@ def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | N
     the model under deepspeed.zero.Init, so no rank ever holds the full weights.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     from harness.config.moe_families import attn_implementation
 
     config = load_model_config(spec)
+    AutoModelForCausalLM = auto_class(config)  # noqa: N806 (a vision-language model: its own Auto class)
     kwargs = {"attn_implementation": attn_implementation(config, ATTN_IMPLEMENTATION)}
     if dtype is not None:
         kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype

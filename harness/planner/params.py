@@ -269,8 +269,9 @@ def meta_count(cfg: dict) -> ParamCount:
 
         raise UsageError("model config has no 'model_type': cannot tell which architecture to build")
     config = transformers.AutoConfig.for_model(model_type, **fields)
+    auto = transformers.AutoModelForImageTextToText if cfg.get("vision_config") else transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)  # a vision-language model: tower, projector and language model
     return count_module(model)
 
 

@@ -143,7 +143,7 @@ def model_config(name: str) -> dict:
             raise
     from harness.model.hf import load_model_config
 
-    return load_model_config(name).to_dict()
+    return model_shapes.with_text_fields(load_model_config(name).to_dict())
 
 
 def _as_problem(path: str, err: UsageError) -> Problem:

@@ -72,6 +72,13 @@ def load_data(spec, dist, tokenizer) -> Data:
         for line in lines if dist.is_main else ():
             say("data", line)
         return Data(train=train_pairs, eval=eval_pairs)
+    from harness.train import vision_steps
+
+    if vision_steps.is_vision_run(spec):  # chat records with images: the vision store, one conversation per row
+        train_rows, eval_rows, lines = vision_steps.load_data(spec, dist, tokenizer)
+        for line in lines if dist.is_main else ():
+            say("data", line)
+        return Data(train=train_rows, eval=eval_rows)
     data_spec = DataSpec.from_train(train)
     if data_spec.uses_chat_template:  # every rank, so all exit with the message before any waits on a store
         check_chat_template(tokenizer, train["model"], data_spec.format)
