@@ -23,7 +23,7 @@ from harness.config.preference_rules import is_preference
 from harness.config.run_model import Zero, optimizer_states
 from harness.errors import Problem, UsageError, raise_if_errors
 from harness.model.moe import rules as moe_rules
-from harness.train import faults
+from harness.train import faults, vision_checks
 
 
 
@@ -44,6 +44,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     problems += path_problems(spec, cfg) + qlora_problems(spec.recipe) + sequence_problems(spec, cfg)
     problems += attention_problems(spec) + preference_problems(spec.recipe) + reference_problems(spec.recipe, cfg)
     problems += faults.recipe_problems(spec.recipe)
+    problems += vision_checks.problems(spec, cfg)  # vision-language: layouts, processor, images; images on text models
     problems += moe_rules.problems(spec.recipe, spec.world_size, cfg)  # MoE: ep, tp, pipeline, aux loss
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
