@@ -38,5 +38,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"[export] {info['tensors']} adapter tensors ({info['adapter_params']:,} params); load with "
               f"PeftModel.from_pretrained(base, {info['out']!r})")
     else:
-        print(f"[export] load with AutoModelForCausalLM.from_pretrained({info['out']!r})")
+        auto = "AutoModelForImageTextToText" if info.get("vision") else "AutoModelForCausalLM"
+        print(f"[export] load with {auto}.from_pretrained({info['out']!r})")
     return 0

@@ -127,6 +127,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                 "one pass up front)")
     pref.add_argument("--steps", type=int, help="optimizer steps the run trains (the recommendation weighs a pass "
                                                 "over every pair against a reference forward per step)")
+    vl = parser.add_argument_group("vision-language models (docs/vision-language.md)")
+    vl.add_argument("--images-per-sample", type=int, default=1,
+                    help="images in one sample (default 1): their tokens, the vision tower's activations")
+    vl.add_argument("--image-size", default="448x448", metavar="HxW",
+                    help="image resolution as the processor sees it (default 448x448)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -216,8 +221,29 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(f"LoRA r={args.lora_r}: {count['lora_per_layer'] * count['num_layers']:,} trainable / "
                          f"{count['total'] - count['lora_per_layer'] * count['num_layers']:,} frozen parameters "
                          "(frozen: 16-bit weights only; gradients, fp32 master and Adam for the adapters)\n")
+    if cfg.get("vision_config"):
+        _vision_lines(args, cfg, seq_len, result)
     sys.stdout.write(to_json(result) + "\n" if args.json else to_text(result))
     return 0 if result.recommended or result.evaluated else 1
+
+
+def _vision_lines(args: argparse.Namespace, cfg: dict, seq_len: int, result) -> None:
+    """The vision tower's and projector's parameters, the image tokens, what freezing saves (planner/vision.py)."""
+    from harness.planner import vision
+
+    try:
+        height, width = (int(v) for v in args.image_size.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"--image-size {args.image_size!r}: give HEIGHTxWIDTH in pixels, e.g. 448x448") from None
+    if min(height, width, args.images_per_sample) < 1:
+        raise UsageError("--image-size and --images-per-sample must be at least 1")
+    info = vision.summary(cfg, images=args.images_per_sample, height=height, width=width, seq_len=seq_len,
+                          micro_batch=args.micro_batch, optimizer_states=optimizer_states(
+                              {"optimizer": {"type": args.optimizer}}), zero_shards=args.gpus * args.nodes,
+                          precision_bytes=PRECISION_BYTES[args.precision])
+    result.model["vision"] = info
+    if not args.json:
+        sys.stdout.write(vision.render(info, args.images_per_sample, height, width))
 
 
 def _layout(args: argparse.Namespace) -> dict | None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from harness.errors import UsageError
 
@@ -31,6 +32,25 @@ class Encoded:
     mask: list[int]  # 1 where the token is a loss target
     pixels: list[np.ndarray]  # per image: float32, leading dim concatenated per vision call
     grids: list[list[int]]  # per image [t, h, w] (grid families) or []
+
+
+@dataclass
+class Images:
+    """One micro-batch's images, in the order their placeholder spans appear (row by row): each image's pixels
+    (leading dim concatenated per call) and, for grid families, its [t, h, w]."""
+
+    pixels: list[torch.Tensor]
+    grids: list[torch.Tensor]  # [3] each; empty for LLaVA-style families
+
+    def __len__(self) -> int:
+        return len(self.pixels)
+
+    def chunks(self, per_call: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        out = []
+        for i in range(0, len(self.pixels), per_call):
+            grid = torch.stack(self.grids[i:i + per_call]) if self.grids else None
+            out.append((torch.cat(self.pixels[i:i + per_call]), grid))
+        return out
 
 
 def image_parts(messages) -> list[dict]:

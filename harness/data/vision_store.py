@@ -71,12 +71,12 @@ class Context:
 def store_key(spec, tokenizer, image_processor, config, seq_len: int) -> dict:
     from harness.data.corpus import source_fingerprint
     from harness.data.store import tokenizer_hash
-    from harness.model.vision import family_of
+    from harness.planner.vision import family_of
 
     processor = hashlib.sha256(image_processor.to_json_string().encode()).hexdigest()
     return {"version": VERSION, "kind": "vision", "dataset": spec.dataset, "fingerprint": source_fingerprint(spec),
             "field": spec.messages_field, "tokenizer_hash": tokenizer_hash(tokenizer, True),
-            "image_processor": processor, "family": family_of(config).name, "seq_len": seq_len,
+            "image_processor": processor, "family": family_of(config.model_type).name, "seq_len": seq_len,
             "vision": config.vision_config.to_json_string()}
 
 
@@ -192,7 +192,7 @@ class VisionRows:
         return int(sum(starts[r + 1] - starts[r] for r in self.index))
 
     def images(self):
-        from harness.model.vision import Images
+        from harness.data.vision import Images
 
         s, pixels, grids = self.store, [], []
         for row in self.index:

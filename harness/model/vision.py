@@ -15,10 +15,10 @@ vision tower `num_calls` times, the language model, the head.
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
 
 import torch
 
+from harness.data.vision import Images  # noqa: F401 (what vl_forward takes)
 from harness.planner.vision import PARTS, parts_count as _parts_count, family_of as _family_of  # noqa: F401
 
 
@@ -74,25 +74,6 @@ def image_features(model, pixels: torch.Tensor, grid: torch.Tensor | None) -> to
     feats = out.pooler_output
     feats = torch.cat(list(feats), dim=0) if isinstance(feats, (list, tuple)) else feats
     return feats.reshape(-1, feats.shape[-1])
-
-
-@dataclass
-class Images:
-    """One micro-batch's images, in the order their placeholder spans appear (row by row): each image's pixels
-    (leading dim concatenated per call) and, for grid families, its [t, h, w]."""
-
-    pixels: list[torch.Tensor]
-    grids: list[torch.Tensor]  # [3] each; empty for LLaVA-style families
-
-    def __len__(self) -> int:
-        return len(self.pixels)
-
-    def chunks(self, per_call: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        out = []
-        for i in range(0, len(self.pixels), per_call):
-            grid = torch.stack(self.grids[i:i + per_call]) if self.grids else None
-            out.append((torch.cat(self.pixels[i:i + per_call]), grid))
-        return out
 
 
 def num_chunks(num_images: int, per_call: int) -> int:

@@ -76,3 +76,51 @@ def image_tokens(cfg: dict, height: int, width: int) -> int:
         return max(1, round(height / unit)) * max(1, round(width / unit))
     side = vision.get("image_size", 336) // patch
     return side * side + (1 if cfg.get("vision_feature_select_strategy") == "full" else 0)
+
+
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # a transformer layer's saved activations, 16-bit (Korthikanti et al., no
+# attention scores: the flash / sdpa kernels keep none), per token and hidden unit
+
+
+def vision_patches(cfg: dict, height: int, width: int) -> int:
+    """Tokens the vision tower itself runs on for one image (before Qwen-VL's merger; LLaVA: patches + CLS)."""
+    vision = cfg["vision_config"]
+    if family_of(cfg.get("model_type")).grid:
+        return image_tokens(cfg, height, width) * vision.get("spatial_merge_size", 2) ** 2
+    side = vision.get("image_size", 336) // vision.get("patch_size", 14)
+    return side * side + 1
+
+
+def summary(cfg: dict, *, images: int, height: int, width: int, seq_len: int, micro_batch: int,
+            optimizer_states: int, zero_shards: int, precision_bytes: int = 2) -> dict:
+    """What a vision-language model adds to a plan: the parts' parameters, the image tokens of a sample, the vision
+    tower's activations per micro-batch, and what freezing each part saves (its gradients, fp32 master weights and
+    optimizer states: they are never allocated), whole and per rank of a ZeRO group of `zero_shards`."""
+    parts = meta_parts(cfg)
+    vision = cfg["vision_config"]
+    hidden = vision.get("embed_dim") or vision.get("hidden_size")
+    depth = vision.get("depth") or vision.get("num_hidden_layers")
+    per_image = image_tokens(cfg, height, width)
+    act = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * vision_patches(cfg, height, width) * hidden * depth * images * micro_batch
+    trainable_bytes = precision_bytes + 4 * (1 + optimizer_states)  # gradient + fp32 master + optimizer states
+    return {"params": parts, "image_tokens_per_sample": per_image * images, "tokens_per_image": per_image,
+            "seq_len": seq_len, "vision_activation_bytes": act * precision_bytes // 2,
+            "freeze_saves_bytes": {p: n * trainable_bytes for p, n in parts.items()},
+            "freeze_saves_bytes_per_rank": {p: n * trainable_bytes // max(1, zero_shards) for p, n in parts.items()}}
+
+
+def render(info: dict, images: int, height: int, width: int) -> str:
+    p, gb = info["params"], 1e9
+    lines = [f"vision-language: vision tower {p['vision']:,} + projector {p['projector']:,} + language model "
+             f"{p['language']:,} parameters (all counted in the plan below)",
+             f"  {images} image(s) of {height}x{width} per sample = {info['image_tokens_per_sample']:,} image tokens "
+             f"({info['tokens_per_image']:,} each) of the {info['seq_len']:,}-token sequence; the vision tower's "
+             f"activations add ~{info['vision_activation_bytes'] / gb:.3f} GB per micro-batch"]
+    if info["image_tokens_per_sample"] > info["seq_len"]:
+        lines.append("  the image tokens alone exceed --seq-len: raise it, or lower the resolution")
+    saves = info["freeze_saves_bytes"]
+    per_rank = info["freeze_saves_bytes_per_rank"]
+    lines.append("  freezing saves (gradients + fp32 master + optimizer states): " + ", ".join(
+        f"{part} {saves[part] / gb:.3f} GB ({per_rank[part] / gb:.3f} GB per rank of a ZeRO-sharded group)"
+        for part in PARTS))
+    return "\n".join(lines) + "\n"

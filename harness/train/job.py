@@ -23,7 +23,7 @@ from harness.model import adapters
 from harness.model.lora_attach import attach
 from harness.model.moe.wiring import prepare_model as prepare_moe
 from harness.trackers import start as start_trackers, summary_metrics
-from harness.train import checks, faults, preempt, restarts
+from harness.train import checks, faults, preempt, restarts, vision_steps
 from harness.train.metrics import MetricsLog
 from harness.train.trainer import Boundaries, Data, Trainer
 
@@ -72,8 +72,6 @@ def load_data(spec, dist, tokenizer) -> Data:
         for line in lines if dist.is_main else ():
             say("data", line)
         return Data(train=train_pairs, eval=eval_pairs)
-    from harness.train import vision_steps
-
     if vision_steps.is_vision_run(spec):  # chat records with images: the vision store, one conversation per row
         train_rows, eval_rows, lines = vision_steps.load_data(spec, dist, tokenizer)
         for line in lines if dist.is_main else ():
@@ -251,7 +249,8 @@ def run(spec, dist) -> int:
             say("memory", line)
         step0, client = start_step(engine, spec, dist, run_dir, info)
         if dist.is_main:
-            checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer)
+            checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer,
+                                     vision_steps.image_processor(spec))  # None: a text-only model
         hooks = profiling.make_hooks(spec, engine, dist, run_dir, log, trackers)
         with preempt.Preemption() as stop:  # until the end: a later signal (the launcher's) must not cut the exit
             trainer = Trainer(engine, spec, dist, data, run_dir, log, Boundaries(tuple(hooks), stop),

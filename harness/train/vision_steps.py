@@ -22,6 +22,17 @@ def is_vision_run(spec) -> bool:
     return bool((spec.model_config or {}).get("vision_config"))
 
 
+def image_processor(spec):
+    """The image processor saved with every checkpoint and export (None for a text-only model)."""
+    if not is_vision_run(spec):
+        return None
+    from harness.model.hf import load_model_config
+    from harness.model.vision import load_image_processor
+
+    name = spec.recipe["train"]["model"]
+    return load_image_processor(name, load_model_config(name))
+
+
 def load_data(spec, dist, tokenizer):
     """(train, eval, start-up lines): the vision store for the run's data, prepared once per node."""
     import time

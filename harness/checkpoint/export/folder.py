@@ -34,19 +34,23 @@ from harness.checkpoint.export.state import (PROBE, TOLERANCE, CheckpointRef, fi
 from harness.config.defaults import PRECISION_DTYPES
 from harness.errors import UsageError
 
+IMAGE_PROCESSOR = "preprocessor_config.json"  # what image_processor.save_pretrained writes
 DEFAULT_SHARD_SIZE = "5GB"  # save_pretrained's default in transformers 5
 
 
 def meta_model(ref: CheckpointRef):
     """The checkpoint's HF model on the meta device: names, shapes, tied weights; no memory."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from harness.model.hf import auto_class
 
     hf = ref.ckpt_dir / "hf"
     if not (hf / "config.json").is_file():
         raise UsageError(f"{hf}: no config.json; this checkpoint folder was not written by harness/run.py")
+    config = AutoConfig.from_pretrained(hf)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf))
+        return auto_class(config).from_config(config)  # a vision-language model: AutoModelForImageTextToText
 
 
 def save_names(model) -> list[str]:
@@ -97,13 +101,15 @@ def verify(ref: CheckpointRef, folder: Path, dtype) -> float | None:
     """Max |logit difference| between the written folder and the engine on the saved probe batch. Loaded in
     the files' dtype, so transformers maps the safetensors files instead of copying them."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from harness.model.hf import auto_class
 
     probe = ref.tag_dir / PROBE
     if not probe.is_file():
         return None
     saved = torch.load(probe, map_location="cpu", weights_only=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    model = auto_class(AutoConfig.from_pretrained(folder)).from_pretrained(folder, dtype=dtype).eval()
     with torch.no_grad():
         logits = model(input_ids=saved["input_ids"]).logits.float()
     return float((logits - saved["logits"].float()).abs().max())
@@ -134,6 +140,8 @@ def _write_folder(ref: CheckpointRef, manifest: dict, folder: Path, dtype, max_s
     if model.can_generate():
         model.generation_config.save_pretrained(folder)
     AutoTokenizer.from_pretrained(ref.ckpt_dir / "hf").save_pretrained(folder)
+    if (ref.ckpt_dir / "hf" / IMAGE_PROCESSOR).is_file():  # a vision-language model's image processor
+        shutil.copy(ref.ckpt_dir / "hf" / IMAGE_PROCESSOR, folder / IMAGE_PROCESSOR)
     return {"shards": len(shards), "total_size_bytes": split.metadata["total_size"],
             "largest_tensor_bytes": max(math.prod(s) * d.itemsize for _, s, d in plan)}
 
@@ -195,4 +203,4 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False, max_shard
     return {"checkpoint": str(ref.tag_dir), "out": str(out), "step": manifest.get("step"),
             "zero_stage": manifest["zero_stage"], "tp": manifest.get("tp", 1), "pp": manifest.get("pp", 1),
             "dtype": name, "max_logit_diff": diff, "tolerance": limit, "seconds": time.perf_counter() - start,
-            **sizes}
+            "vision": (out / IMAGE_PROCESSOR).is_file(), **sizes}
