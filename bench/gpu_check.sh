@@ -12,7 +12,8 @@
 # words as prompt/chosen/rejected strings), train.objective=dpo for 10 steps at seq 1024 twice: the reference as a
 # frozen engine (recipe zero2) and as the base with the adapters off (recipe lora_zero2), and precomputed;
 # OUT_DIR/dpo/{precomputed,engine,adapter}. Also fp16 (dynamic loss scaling) on ZeRO-2 and ZeRO-3; OUT_DIR/fp16
-# with summary.json (loss, peak memory beside the planner's).
+# with summary.json (loss, peak memory beside the planner's). Also a vision-language case (bench/vlm.py: a ~0.6B
+# Qwen2-VL, ZeRO-3, images on some rows only, the vision tower trained and frozen); OUT_DIR/vlm.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -79,7 +80,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 vlm}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -167,6 +168,13 @@ EOF
                 "${ep[@]}" --set "train.model=$OUT/moe/model" --set train.steps=20 --set train.seq_len=1024 \
                 --set train.eval_every=0 --profile-steps 15-16 --output-dir "$OUT/moe/run" --overwrite
             echo "[moe]     run: $OUT/moe/run (summary.json: lm_loss, aux_loss, tokens/s, all_to_all bytes)" ;;
+        vlm)  # vision-language (docs/vision-language.md): a ~0.6B Qwen2-VL folder (bench/vlm.py --size small), every
+              # other record one 448x448 image, ZeRO-3 on up to 2 GPUs (a rank regularly has text only: the placeholder
+              # call), vision tower trained and frozen; per-rank peak memory beside the planner, images/s
+            n=1; (( gpus >= 2 )) && n=2
+            timeout 420 $PY "$ROOT/bench/vlm.py" --size small --ranks $n --recipe zero3 --steps 12 --records 96 \
+                --image-size 448 --keep "$OUT/vlm" || echo "[vlm]     failed (exit $?)"
+            echo "[vlm]     runs: $OUT/vlm/{trained,frozen} (summary.json: memory, throughput)" ;;
         dpo)  # preference optimisation: the reference as a frozen engine (zero2) and as the base, adapters off (LoRA)
             $PY - "$OUT/dpo" <<'EOF'
 import json, random, sys, torch

@@ -58,9 +58,11 @@ def meta_parts(cfg: dict) -> dict[str, int]:
     import torch
     import transformers
 
+    from harness.planner.params import outside_zero3
+
     fields = dict(cfg)
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-    with torch.device("meta"):
+    with outside_zero3(), torch.device("meta"):
         model = transformers.AutoModelForImageTextToText.from_config(config)
     return parts_count(model.named_parameters(), cfg["model_type"])
 
