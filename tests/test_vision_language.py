@@ -123,3 +123,21 @@ def test_planner_part_counts_equal_the_live_model(folders, family):
     assert meta_parts(cfg) == live
     assert count_params(cfg).total == sum(live.values()) == sum(p.numel() for p in model.parameters())
     assert live["vision"] > 0 and live["projector"] > 0 and live["language"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen", "llava"])
+def test_lora_goes_on_the_language_model_not_the_tower(folders, family, tmp_path):
+    """adapter.type=lora on a vision-language model: adapters on the language model's projections only (a CLIP
+    tower's q_proj / v_proj match the default suffixes), and the harness's forward still runs through them."""
+    from harness.config.recipes import load_recipe
+    from harness.model import adapters
+    from harness.planner.vision import family_of
+
+    recipe = load_recipe("lora_zero2", [])[0]
+    model = adapters.apply(model_of(folders[family]), recipe)
+    part = family_of(model.config.model_type).part_of
+    lora = [n for n, _ in model.named_parameters() if ".lora_A." in n]
+    assert lora and {part(n) for n in lora} == {"language"}, lora
+    rows, _ = rows_of(folders[family], folders["data"], tmp_path / "store")
+    loss, grads = loss_and_grads(model, rows[1:2].tensors(), num_calls=1)
+    assert torch.isfinite(loss) and all(g is not None for n, g in grads.items() if ".lora_B." in n)

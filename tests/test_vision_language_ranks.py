@@ -3,7 +3,7 @@ the data is laid out so that at every step rank 0's row is text only and rank 1'
 vision.max_images_per_call 1: two tower calls on rank 1, two placeholder calls on rank 0). ZeRO-3 (the case that
 hangs with transformers' forward), ZeRO-2 and ZeRO-3 with a frozen vision tower finish, and their losses and grad
 norms equal a 1-rank run on the same global batch (1 micro x 2 accumulation steps) within 1e-5; the 2-rank ZeRO-3
-checkpoint resumes on 1 rank exactly; its export loads with transformers' own class and image processor, with logits
+checkpoint (AdamW) resumes on 1 rank exactly; its export loads with transformers' own class and image processor, with logits
 equal to the engine's (the probe) and, on an image conversation, transformers' own forward (pixel_values) equal to the
 harness's. Two launches: every 2-rank case, then every 1-rank case and the resume."""
 
@@ -24,6 +24,9 @@ STEPS, ROWS, SEED, TOL = 2, 8, 1234, 1e-5
 CASES = [("qwen_zero3", "qwen", "zero3", []), ("qwen_zero2", "qwen", "zero2", []),
          ("qwen_zero3_frozen_vision", "qwen", "zero3", ["--set", 'vision.freeze=["vision"]']),
          ("llava_zero3", "llava", "zero3", []), ("llava_zero2", "llava", "zero2", [])]
+# resumed on 1 rank: AdamW (DeepSpeed's universal conversion of a ZeRO-3 checkpoint reads Adam's exp_avg / exp_avg_sq;
+# plain SGD keeps no optimizer state and the conversion fails with KeyError)
+RESUMED = ("qwen_zero3_adamw", "qwen", "zero3", ["--set", "optimizer.type=adamw", "--set", "optimizer.lr=0.001"])
 
 
 def split_kinds() -> list[str]:
@@ -56,10 +59,10 @@ def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl_ranks")
     qwen2_vl_folder(root / "qwen"), llava_folder(root / "llava")
     write_chat(root / "data" / "chat.jsonl", write_images(root / "data" / "img", 5), split_kinds())
-    two = [argv(root, *case, ranks=2) for case in CASES]
-    resume = argv(root, *CASES[0], ranks=1)
+    two = [argv(root, *case, ranks=2) for case in [*CASES, RESUMED]]
+    resume = argv(root, *RESUMED, ranks=1)
     resume[resume.index("--output-dir") + 1] = str(root / "resumed")
-    resume += ["--resume", str(root / "qwen_zero3_r2" / "checkpoints" / "global_step1")]
+    resume += ["--resume", str(root / "qwen_zero3_adamw_r2" / "checkpoints" / "global_step1")]
     start = time.perf_counter()
     launch_jobs(two, root, ranks=2, timeout_s=900)
     middle = time.perf_counter()
@@ -93,7 +96,7 @@ def test_text_only_rank_and_image_rank_match_one_rank(launched):
 @pytest.mark.multirank
 def test_resume_on_one_rank_continues_exactly(launched):
     root, _ = launched
-    two, resumed = records(root / "qwen_zero3_r2", "train"), records(root / "resumed", "train")
+    two, resumed = records(root / "qwen_zero3_adamw_r2", "train"), records(root / "resumed", "train")
     assert [r["step"] for r in resumed] == [2]
     _close("resumed step 2 loss", resumed[0]["loss"], two[1]["loss"])
     _close("resumed step 2 grad_norm", resumed[0]["grad_norm"], two[1]["grad_norm"])

@@ -24,6 +24,7 @@ class Family:
     vision: tuple[str, ...]  # the vision tower's prefixes (the projector's excluded)
     projector: tuple[str, ...]
     grid: bool  # Qwen-VL: patches [n, dim] + image_grid_thw per image, 3-D rotary positions
+    tower_modules: str  # a regex of the vision tower's module names (projector excluded): no LoRA there
 
     def part_of(self, name: str) -> str:
         if name.startswith(self.projector):
@@ -33,8 +34,19 @@ class Family:
         return "language"
 
 
-QWEN = Family("qwen-vl", ("model.visual.",), ("model.visual.merger.",), grid=True)
-LLAVA = Family("llava", ("model.vision_tower.",), ("model.multi_modal_projector.",), grid=False)
+QWEN = Family("qwen-vl", ("model.visual.",), ("model.visual.merger.",), grid=True,
+              tower_modules=r"(.*\.)?visual\.(?!merger\.).*")
+LLAVA = Family("llava", ("model.vision_tower.",), ("model.multi_modal_projector.",), grid=False,
+               tower_modules=r"(.*\.)?vision_tower\..*")
+
+
+def lora_exclude(config) -> str | None:
+    """The modules LoRA leaves alone in a vision-language model: its vision tower (a CLIP tower's q_proj / v_proj
+    match the default target suffixes); None for a text-only model. LoRA goes on the language model and, when
+    adapter.target_modules names its layers (linear_1 / linear_2, mlp.0 / mlp.2), the projector."""
+    if getattr(config, "vision_config", None) is None:
+        return None
+    return family_of(getattr(config, "model_type", "")).tower_modules
 
 
 def family_of(model_type: str) -> Family:
