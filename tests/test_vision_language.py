@@ -141,3 +141,25 @@ def test_lora_goes_on_the_language_model_not_the_tower(folders, family, tmp_path
     rows, _ = rows_of(folders[family], folders["data"], tmp_path / "store")
     loss, grads = loss_and_grads(model, rows[1:2].tensors(), num_calls=1)
     assert torch.isfinite(loss) and all(g is not None for n, g in grads.items() if ".lora_B." in n)
+
+
+def test_plan_counts_the_tower_image_tokens_and_what_freezing_saves(folders, capsys):
+    """`harness plan --images-per-sample 2 --image-size 224x224`: the parts' counts equal the live model's, 2 x 64
+    image tokens (224 / 28 = 8 merged patches a side), freezing a part saves its gradient + fp32 master + Adam
+    states (2 + 4 x 3 = 14 B/param in bf16), per rank / 2 GPUs."""
+    import json
+
+    from harness.cli import main
+    from harness.planner.vision import parts_count
+
+    assert main(["plan", "--model", folders["qwen"], "--gpus", "2", "--gpu-mem", "80GB", "--images-per-sample", "2",
+                 "--image-size", "224x224", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["model"]["vision"]
+    model = model_of(folders["qwen"])
+    live = parts_count(model.named_parameters(), model.config.model_type)
+    assert info["params"] == live
+    assert info["image_tokens_per_sample"] == 2 * 64
+    assert info["freeze_saves_bytes"] == {part: 14 * n for part, n in live.items()}
+    assert info["freeze_saves_bytes_per_rank"]["vision"] == 14 * live["vision"] // 2
+    assert main(["plan", "--model", folders["qwen"], "--gpus", "2", "--gpu-mem", "80GB", "--image-size", "big"]) == 2
+    assert "--image-size 'big': give HEIGHTxWIDTH" in capsys.readouterr().err
