@@ -39,7 +39,7 @@ ARRAYS = ("tokens", "mask", "row_images", "pixel_offsets", "pixel_shapes", "grid
 
 def _records(spec):
     """(source name, base folder for relative image paths, iterable of (number, record))."""
-    from harness.data.corpus import load_dataset_for, local_source
+    from harness.data.corpus import load_raw, local_source
 
     local = local_source(spec.dataset)
     if local is not None and all(f.endswith((".json", ".jsonl")) for f in local[1]):
@@ -53,7 +53,7 @@ def _records(spec):
                     number += 1
                     yield number, row
         return spec.dataset, Path(local[1][0]).parent, read()
-    return spec.dataset, Path.cwd(), enumerate(load_dataset_for(spec), start=1)
+    return spec.dataset, Path.cwd(), enumerate(load_raw(spec), start=1)  # every column: the images one too
 
 
 @dataclass
