@@ -12,8 +12,10 @@
 # words as prompt/chosen/rejected strings), train.objective=dpo for 10 steps at seq 1024 twice: the reference as a
 # frozen engine (recipe zero2) and as the base with the adapters off (recipe lora_zero2), and precomputed;
 # OUT_DIR/dpo/{precomputed,engine,adapter}. Also fp16 (dynamic loss scaling) on ZeRO-2 and ZeRO-3; OUT_DIR/fp16
-# with summary.json (loss, peak memory beside the planner's). Also a vision-language case (bench/vlm.py: a ~0.6B
-# Qwen2-VL, ZeRO-3, images on some rows only, the vision tower trained and frozen); OUT_DIR/vlm.
+# with summary.json (loss, peak memory beside the planner's). Also train.streaming on every GPU: a run on the store
+# while its writer writes it, then on the finished store: the same losses step for step; OUT_DIR/stream.
+# Also a vision-language case (bench/vlm.py: a ~0.6B Qwen2-VL, ZeRO-3, images on some rows only, the vision
+# tower trained and frozen); OUT_DIR/vlm.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -80,7 +82,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 vlm}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream vlm}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -217,7 +219,29 @@ EOF
                     --set train.eval_every=0 --set train.save_every=15 --output-dir "$OUT/fp16/$recipe" --overwrite \
                     || echo "[fp16]    $recipe run failed (exit $?)"
             done ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16)" >&2; exit 2 ;;
+        stream)  # train.streaming on CUDA ranks: a CUDA rank spawns the writer; the run on the store while it is
+                 # written, then on the same store finished (`harness data prepare`): the same losses step for step
+            st=(--set train.streaming=true --set train.stream_shard_tokens=65536 --set train.seq_len=512
+                --set "train.store_dir=$OUT/stream/stores")
+            rm -rf "$OUT/stream"
+            for run in live finished; do
+                [[ $run == finished ]] && $PY -m harness.cli data prepare --model tiny-llama --seq-len 512 \
+                    --out "$OUT/stream/stores" --set train.streaming=true --set train.stream_shard_tokens=65536
+                timeout 180 $PY -m deepspeed.launcher.runner --num_gpus "$gpus" "$ROOT/harness/run.py" --recipe zero2 \
+                    "${st[@]}" --set train.steps=40 --set train.log_every=10 --set train.eval_every=0 \
+                    --set train.save_every=0 --output-dir "$OUT/stream/$run" --overwrite || echo "[stream]  $run failed"
+            done
+            $PY - "$OUT/stream" <<'EOF' || true
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+loss = {r: [json.loads(l)["loss"] for l in open(out / r / "metrics.jsonl") if '"kind": "train"' in l] for r in ("live", "finished")}
+wait = json.load(open(out / "live" / "summary.json")).get("stream_wait_s")
+print(f"[stream]  losses equal step for step: {loss['live'] == loss['finished']} ({len(loss['live'])} steps); "
+      f"rank 0 waited {wait} s for the writer")
+EOF
+            ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

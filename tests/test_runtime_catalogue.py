@@ -173,6 +173,10 @@ CASES = [
     case("data:shorter_than_one_block", ["--dataset", f"{FIXTURE}/data/tiny.jsonl", *TINY,
                                          "--output-dir", f"{FIXTURE}/out_tiny"], "the dataset has",
          "fewer than one block of seq_len=128", post_init=True),
+    case("data:chat_record_the_template_cannot_render", ["--model", f"{FIXTURE}/model_gemma_chat", "--dataset",
+                                                        f"{FIXTURE}/data/chat_tool.jsonl", "--set", "train.format=chat"],
+         f"train.dataset: data file {FIXTURE}/data/chat_tool.jsonl line 3 is not a chat record the tokenizer's template "
+         "can train", "(TemplateError: Conversation roles must alternate user/assistant/user/assistant/...)"),
     case("data:text_field_missing", ["--set", "train.text_field=body", *TINY, "--output-dir", f"{FIXTURE}/out_col"],
          "no column 'body'", "fix: set train.text_field to the column", post_init=True),
 ]
@@ -210,6 +214,7 @@ def write_fixtures(fx: Path) -> None:
     (data / "tiny.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
     words = " ".join(f"word{i}" for i in range(30))  # ~3 blocks of 32 tokens in all: 1 eval + 2 train rows
     (data / "small.jsonl").write_text("".join(json.dumps({"text": words}) + "\n" for _ in range(2)))
+    _chat_fixtures(fx)
     step = fx / "run_done" / "checkpoints" / "global_step5"
     step.mkdir(parents=True)
     (step.parent / "latest").write_text("global_step5")
@@ -240,6 +245,25 @@ def _vision_fixtures(fx: Path) -> None:
     (fx / "vl" / "ok.jsonl").write_text(chat([image, {"type": "text", "text": "what?"}], "hello"))
     (fx / "vl" / "missing.jsonl").write_text(chat("hello", [{"type": "image", "image": "img/nope.png"}]))
     (fx / "vl" / "extra.jsonl").write_text(chat([image, {"type": "text", "text": "see <|image_pad|>"}]))
+
+
+def _chat_fixtures(fx: Path) -> None:
+    """A tiny-llama folder whose tokenizer carries Gemma 3's chat template (no tool role), and chat records whose
+    line 3 holds a tool result."""
+    from helpers.chat_templates import TEMPLATES
+    from harness.model.hf import load_tokenizer
+    from harness.model_shapes import PRESETS
+
+    folder = fx / "model_gemma_chat"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(PRESETS["tiny-llama"]))
+    tok = load_tokenizer("tiny-llama")
+    tok.chat_template = (TEMPLATES / "gemma3.jinja").read_text()
+    tok.save_pretrained(folder)
+    turn = [{"role": "user", "content": "Sort: b a"}, {"role": "assistant", "content": "a b"}]
+    tool = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Checking."},
+            {"role": "tool", "content": "3 C"}, {"role": "assistant", "content": "3 C."}]
+    (fx / "data" / "chat_tool.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in (turn, turn, tool)))
 
 
 def fill(value: str, fx: Path) -> str:

@@ -12,7 +12,8 @@ import torch
 
 from harness.data.corpus import DataSpec
 from helpers.baseline import plain_pytorch_losses
-from helpers.corpora import chat_model_dir, write_chat, write_instruction
+from helpers.chat_templates import TEMPLATES, write_tool_chat
+from helpers.corpora import chat_model_dir, write_instruction
 from helpers.export_checks import assert_export_equals_engine
 from helpers.launch import job_output, launch, launch_jobs, losses, records
 from helpers.parity import (BETAS, CLIP, COMMON, EPS, EVAL_FRACTION, LR, MICRO, SEED, SEQ_LEN, STEPS, WD, assert_close,
@@ -47,7 +48,8 @@ def data_cases(root) -> dict[str, list[str]]:
     path, stores = write_instruction(root / "instr.jsonl", 400), root / "instr_stores"
     assert main(["data", "prepare", "--dataset", str(path), "--model", "tiny-llama", "--seq-len", str(SEQ_LEN),
                  "--format", "instruction", "--out", str(stores)]) == 0
-    model, chat = chat_model_dir(root / "chat_model", SEED), write_chat(root / "chat.jsonl", 400)
+    qwen3 = (TEMPLATES / "qwen3.jinja").read_text()  # its markup as plain text: the shipped 512-id tokenizer
+    model, chat = chat_model_dir(root / "chat_model", SEED, qwen3), write_tool_chat(root / "chat.jsonl", 400)
     fp32 = ["--recipe", "zero2", "--set", "precision=fp32"]
     return {"instruction": [*fp32, "--output-dir", str(root / "instruction"), *COMMON, "--set", f"train.dataset={path}",
                             "--set", "train.format=instruction", "--set", f"train.store_dir={stores}"],
@@ -155,10 +157,13 @@ def test_instruction_parity_on_a_store_prepared_beforehand(launched):
 
 
 def test_chat_parity_with_a_chat_template_model_folder(launched):
-    """A model folder whose tokenizer has a chat template; the launch prepares the store itself."""
+    """A model folder whose tokenizer has Qwen3's chat template, records with tool calls and reasoning: the
+    two-question records (half) train in two samples each, as the template rewrites their first turn's history, and
+    the start-up lines say so; the launch prepares the store itself."""
     root, (stdout, _) = launched[0], launched[1]["chat"]
     model, path, run, stores = root / "chat_model", root / "chat.jsonl", root / "chat", root / "chat_stores"
-    assert "prepared store" in stdout
+    assert "prepared store" in stdout and "600 documents" in stdout
+    assert "the chat template renders 50 of the first 100 records differently" in stdout
     want = reference_losses(str(model), data=DataSpec(str(path), format="chat"), store_dir=str(stores),
                             micro_batches=2)
     print(f"chat: max relative loss difference vs one process {assert_close(losses(run), want, FP32_RTOL):.2e}")

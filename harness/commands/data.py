@@ -49,8 +49,26 @@ def _prepare_pairs(spec, tokenizer, train: dict, truncation: str, num_proc: int 
     return 0
 
 
+def _prepare_shards(spec, tokenizer, train: dict, num_proc: int | None) -> int:
+    """--set train.streaming=true: the shard store a streamed run reads, written to the end here (continuing from
+    the shards a run's writer left)."""
+    import time
+
+    from harness.data.shards import stream_key, stream_path
+    from harness.data.stream_writer import write_store
+
+    start = time.perf_counter()
+    key = stream_key(spec, tokenizer, train["seq_len"], train["stream_shard_tokens"])
+    manifest = write_store(spec, tokenizer, key, stream_path(key, train["store_dir"] or None), num_proc)
+    print(f"[data] {manifest['shards']} shards of {manifest['shard_rows']} rows: {manifest['rows']} rows of "
+          f"{manifest['seq_len']}, {manifest['documents']} documents, {manifest['loss_tokens']} tokens carry loss "
+          f"({time.perf_counter() - start:.1f}s)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from harness.data.corpus import DataSpec
+    from harness.data.chat_check import check_chat_head
     from harness.data.formats import check_chat_template
     from harness.model.hf import load_tokenizer
     from harness.data.store import empty_rows_note, prepare
@@ -64,6 +82,12 @@ def run(args: argparse.Namespace) -> int:
         return _prepare_pairs(spec, tokenizer, train, recipe["preference"]["truncation"], args.num_proc)
     if spec.uses_chat_template:
         check_chat_template(tokenizer, train["model"], spec.format)
+        checked, split = check_chat_head(spec, tokenizer)  # a record the template cannot train: file and line
+        if split:
+            print(f"[data] the chat template rewrites history in {split} of the first {checked} records: their "
+                  f"assistant turns train in more than one sample (train.chat_turns={spec.chat_turns})")
+    if train["streaming"]:
+        return _prepare_shards(spec, tokenizer, train, args.num_proc)
     store, made = prepare(spec, tokenizer, train["seq_len"], train["store_dir"] or None,
                           num_proc=args.num_proc, streaming=True if args.stream else None)
     meta = store.meta

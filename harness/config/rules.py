@@ -15,6 +15,7 @@ from harness.config.resolve import BATCH_KEYS, Context, autotp, batch_world, deg
 from harness.config.schema import suggest
 from harness.config.adapter_rules import check_adapter
 from harness.config.preference_rules import check_preference
+from harness.config.stream_rules import check_streaming
 
 # DeepSpeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS (matched lower-cased) ...
 DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
@@ -202,7 +203,7 @@ def check_comms_logger(ds: dict, ctx: Context) -> list[Problem]:
 
 
 RULES = (check_precision, check_offload, check_parallel, check_batch, check_optimizer, check_scheduler,
-         check_comms_logger, check_adapter, check_preference)
+         check_comms_logger, check_adapter, check_preference, check_streaming)
 
 
 def check(ds: dict, ctx: Context) -> list[Problem]:

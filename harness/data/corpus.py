@@ -40,6 +40,8 @@ class DataSpec:
     input_field: str = "input"  # alpaca, optional
     output_field: str = "output"  # alpaca
     objective: str = "lm"  # train.objective: anything else reads preference pairs (harness/data/preference.py)
+    tools_field: str = "tools"  # chat: the record's tool schemas, passed to the chat template (optional column)
+    chat_turns: str = "all"  # chat, sharegpt: which assistant turns carry loss (harness/data/chat_template.py)
 
     @classmethod
     def from_train(cls, train: dict) -> "DataSpec":
@@ -51,7 +53,8 @@ class DataSpec:
                    conversations_field=train.get("conversations_field", "conversations"),
                    instruction_field=train.get("instruction_field", "instruction"),
                    input_field=train.get("input_field", "input"), output_field=train.get("output_field", "output"),
-                   objective=train.get("objective", "lm"))
+                   objective=train.get("objective", "lm"), tools_field=train.get("tools_field", "tools"),
+                   chat_turns=train.get("chat_turns", "all"))
 
     @property
     def preference(self) -> bool:
@@ -97,6 +100,8 @@ class DataSpec:
         """{recipe key: column name} the format reads when the dataset has it."""
         if self.preference:
             return {"prompt_field": self.prompt_field}
+        if self.format == "chat":
+            return {"tools_field": self.tools_field}
         return {"input_field": self.input_field} if self.format == "alpaca" else {}
 
     @property

@@ -3,13 +3,14 @@
 text:        the text, then eos; every token carries loss (as plain language-model pre-training).
 instruction: the prompt's tokens (no loss), then the response's tokens and eos (loss). Put any separator or
              prompt template into the prompt text itself: nothing is inserted between the two.
-chat:        the tokenizer's chat template over a list of {role, content} messages. Only what the template
-             renders for assistant turns carries loss; a conversation ends with eos (no loss: it only separates
-             packed conversations). The template is rendered turn by turn, so each assistant turn's text is
-             exactly what the full conversation renders after the generation prompt.
+chat:        the tokenizer's chat template over HF chat records (messages with reasoning_content and tool_calls,
+             tool messages, a tools list; harness/data/chat_template.py). Only what the template renders for
+             assistant turns carries loss, each turn in the context the template gives it at inference (a record
+             may be several documents under a template that rewrites history); each document ends with eos (no
+             loss: it only separates packed conversations).
 sharegpt:    chat from ShareGPT records: a list (train.conversations_field, default `conversations`) of
              {"from": human | gpt | system, "value": text}; human -> user, gpt -> assistant (carries loss),
-             system -> system (first turn only). Each record is one document.
+             system -> system (first turn only), trained as chat (train.chat_turns too).
 alpaca:      instruction from Alpaca records (train.instruction_field / input_field / output_field, default
              `instruction`, `input`, `output`; input optional): the prompt is Stanford Alpaca's template
              (ALPACA_PROMPT / ALPACA_PROMPT_NO_INPUT, no loss), the response the output and eos (loss). Each record
@@ -61,28 +62,6 @@ def _encode_segments(tokenizer, docs: list[list[tuple[str, int]]], eos: int, eos
         ids_out.append(ids)
         mask_out.append(mask)
     return {"input_ids": ids_out, "loss_mask": mask_out}
-
-
-def chat_segments(tokenizer, messages: list[dict]) -> list[tuple[str, int]]:
-    """(text, 1 for assistant output else 0) pieces whose concatenation is the rendered conversation."""
-    def render(msgs, gen=False):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen) if msgs else ""
-
-    segments, done = [], ""
-    for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        prefix, full = render(messages[:i], gen=True), render(messages[:i + 1])
-        if not (prefix.startswith(done) and full.startswith(prefix)):
-            raise UsageError("the tokenizer's chat template does not render a conversation as a prefix of its "
-                             f"continuation (at message {i}), so assistant tokens cannot be located\n"
-                             "    fix: use a template whose output for messages[:i] (+ generation prompt) is a "
-                             "prefix of its output for messages[:i+1], or train.format=instruction")
-        segments += [(prefix[len(done):], 0), (full[len(prefix):], 1)]
-        done = full
-    whole = render(messages)
-    segments.append((whole[len(done):], 0))
-    return [(text, loss) for text, loss in segments if text]
 
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
@@ -149,11 +128,11 @@ def record_fix(spec) -> str:
                                           output=spec.output_field, input=spec.input_field)
 
 
-def _refuse_record(spec, number: int | None, record: dict, problem: str) -> UsageError:
+def _refuse_record(spec, number: int | None, record: dict, problem: str, fix: str = "") -> UsageError:
     shown = str(record)[:120]
     which = f"record {number + 1} (counting from 1 over the dataset's files)" if number is not None else "a record"
     return UsageError(f"dataset {spec.dataset!r}: {which} (train.format {spec.format!r}) {problem}: "
-                      f"{shown}\n    fix: {record_fix(spec)}")
+                      f"{shown}\n    fix: {fix or record_fix(spec)}")
 
 
 def _checked(spec, batch: dict, indices) -> list[dict]:
@@ -176,30 +155,50 @@ def alpaca_prompt(instruction: str, extra: str | None) -> str:
     return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
 
 
-def _record_encoder(spec, tokenizer, eos: int):
-    """sharegpt / alpaca: a map function with indices (so a bad record is named by its number)."""
-    if spec.format == "alpaca":
-        def encode_alpaca(batch, indices=None):
-            docs = [[(alpaca_prompt(r[spec.instruction_field], r.get(spec.input_field)), 0),
-                     (r[spec.output_field], 1)] for r in _checked(spec, batch, indices)]
-            return _encode_segments(tokenizer, docs, eos, eos_loss=1)
-        encode_alpaca.with_indices = True
-        return encode_alpaca
-    check_chat_template(tokenizer, fmt="sharegpt")
+def _alpaca_encoder(spec, tokenizer, eos: int):
+    """A map function with indices (so a bad record is named by its number)."""
+    def encode_alpaca(batch, indices=None):
+        docs = [[(alpaca_prompt(r[spec.instruction_field], r.get(spec.input_field)), 0),
+                 (r[spec.output_field], 1)] for r in _checked(spec, batch, indices)]
+        return _encode_segments(tokenizer, docs, eos, eos_loss=1)
+    encode_alpaca.with_indices = True
+    return encode_alpaca
 
-    def encode_sharegpt(batch, indices=None):
-        docs = [chat_segments(tokenizer, sharegpt_messages(r[spec.conversations_field]))
-                for r in _checked(spec, batch, indices)]
+
+def chat_record(spec, record: dict) -> tuple[list, list | None]:
+    """(messages, tools) of a chat or sharegpt record, as the chat template takes them."""
+    if spec.format == "sharegpt":
+        return sharegpt_messages(record[spec.conversations_field]), None
+    return record.get(spec.messages_field) or [], record.get(spec.tools_field)
+
+
+def _chat_encoder(spec, tokenizer, eos: int):
+    """chat / sharegpt: each record's documents (harness/data/chat_template.py), a refused record named by number."""
+    from harness.data.chat_template import documents, explain
+
+    check_chat_template(tokenizer, fmt=spec.format)
+
+    def encode_chat(batch, indices=None):
+        docs = []
+        for offset, record in enumerate(_checked(spec, batch, indices)):
+            try:
+                docs += documents(tokenizer, *chat_record(spec, record), spec.chat_turns)[0]
+            except Exception as e:  # the template's own error or a RenderProblem: refused, named
+                what, fix = explain(e)
+                raise _refuse_record(spec, indices[offset] if indices is not None else None, record, what,
+                                     fix) from None
         return _encode_segments(tokenizer, docs, eos, eos_loss=0)
-    encode_sharegpt.with_indices = True
-    return encode_sharegpt
+    encode_chat.with_indices = True
+    return encode_chat
 
 
 def encoder(spec, tokenizer):
     """A batched `datasets.map` function for spec.format (a picklable closure over the tokenizer)."""
     eos = _eos(tokenizer)
-    if spec.format in RECORD_FIX:
-        return _record_encoder(spec, tokenizer, eos)
+    if spec.uses_chat_template:
+        return _chat_encoder(spec, tokenizer, eos)
+    if spec.format == "alpaca":
+        return _alpaca_encoder(spec, tokenizer, eos)
     if spec.format == "text":
         field = spec.text_field
 
@@ -214,10 +213,5 @@ def encoder(spec, tokenizer):
             docs = [[(p or "", 0), (r or "", 1)] for p, r in zip(batch[prompt], batch[response])]
             return _encode_segments(tokenizer, docs, eos, eos_loss=1)
         return encode_instruction
-    check_chat_template(tokenizer)
-    field = spec.messages_field
+    raise UsageError(f"train.format {spec.format!r} has no encoder")
 
-    def encode_chat(batch):
-        docs = [chat_segments(tokenizer, list(messages or [])) for messages in batch[field]]
-        return _encode_segments(tokenizer, docs, eos, eos_loss=0)
-    return encode_chat

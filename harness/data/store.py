@@ -54,7 +54,8 @@ def store_key(spec: DataSpec, tokenizer, seq_len: int) -> dict:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     return {"version": STORE_VERSION, "dataset": spec.dataset, "config": spec.config, "split": spec.split,
             "dataset_fingerprint": source_fingerprint(spec), "format": spec.format, "fields": spec.fields,
-            "tokenizer_hash": tokenizer_hash(tokenizer, spec.uses_chat_template), "seq_len": seq_len}
+            "tokenizer_hash": tokenizer_hash(tokenizer, spec.uses_chat_template), "seq_len": seq_len,
+            **({"chat_turns": spec.chat_turns} if spec.uses_chat_template else {})}
 
 
 def store_path(key: dict, root: str | None) -> Path:

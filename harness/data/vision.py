@@ -8,7 +8,7 @@ the record's `images` column (TRL's layout). Records without images are text-onl
 
 The conversation is rendered by the tokenizer's chat template (which writes the family's image marker for each image
 part: Qwen-VL `<|vision_start|><|image_pad|><|vision_end|>`, LLaVA `<image>`), the loss goes on assistant turns only
-(formats.chat_segments, as for text chat), and each image marker is expanded into as many image tokens as the image
+(data/chat_template.py, as for text chat), and each image marker is expanded into as many image tokens as the image
 processor gives the image features. The counts are checked here, so a mismatch is a clear error before any rank
 trains, never a shape error inside the model.
 """
@@ -125,10 +125,27 @@ def tokens_per_image(config, pixels: np.ndarray, grid: list[int]) -> int:
     return patches + (1 if config.vision_feature_select_strategy == "full" else 0)
 
 
+def chat_pieces(tokenizer, messages, where: str) -> list[tuple[str, int]]:
+    """(text, 1 on assistant turns) pieces of the conversation rendered once by the chat template
+    (harness/data/chat_template.py; a template that rewrites earlier turns, like Qwen3's, would need a row per turn
+    group, each repeating the images: refused)."""
+    from harness.data.chat_template import documents, explain
+
+    try:
+        docs, whole = documents(tokenizer, messages)
+    except Exception as err:  # RenderProblem or the template's own error
+        what, fix = explain(err)
+        raise UsageError(f"{where} {what}\n    fix: {fix}") from None
+    if not whole:
+        raise UsageError(f"{where}: the chat template renders its earlier assistant turns differently once later "
+                         "messages follow (as Qwen3's drops old <think> blocks), so the conversation is not one row\n"
+                         "    fix: split the conversation into one record per user turn, or use a template that "
+                         "renders a conversation as a prefix of its continuation")
+    return [piece for doc in docs for piece in doc]
+
+
 def encode(record: dict, number: int, ctx) -> Encoded:
     """One record -> Encoded. ctx: tokenizer, image_processor, config, grid, image_token, field, base, source."""
-    from harness.data.formats import chat_segments
-
     where = _where(ctx.source, number)
     messages = record.get(ctx.field)
     if not isinstance(messages, list) or not messages:
@@ -137,7 +154,7 @@ def encode(record: dict, number: int, ctx) -> Encoded:
     refs = _refs(record, messages, where)
     pixels, grids = preprocess(ctx.image_processor, [open_image(r, ctx.base, where) for r in refs], ctx.grid)
     ids, mask = [], []
-    for text, loss in chat_segments(ctx.tokenizer, messages):
+    for text, loss in chat_pieces(ctx.tokenizer, messages, where):
         piece = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += piece
         mask += [loss] * len(piece)

@@ -43,6 +43,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     problems = op_problems(spec.ds_config) + model_problems(spec.recipe["train"], cfg)
     problems += path_problems(spec, cfg) + qlora_problems(spec.recipe) + sequence_problems(spec, cfg)
     problems += attention_problems(spec) + preference_problems(spec.recipe) + reference_problems(spec.recipe, cfg)
+    problems += chat_problems(spec.recipe["train"])
     problems += faults.recipe_problems(spec.recipe)
     problems += vision_checks.problems(spec, cfg)  # vision-language: layouts, processor, images; images on text models
     problems += moe_rules.problems(spec.recipe, spec.world_size, cfg)  # MoE: ep, tp, pipeline, aux loss
@@ -64,26 +65,58 @@ def attention_problems(spec) -> list[Problem]:
     return attention.recipe_problems(spec.recipe, spec.ds_config["train_micro_batch_size_per_gpu"])
 
 
-def preference_problems(recipe: dict) -> list[Problem]:
-    """A preference objective: the first records of each local file tokenized as pairs (malformed records, empty
-    completions, a prompt that fills seq_len; harness/data/preference_store.check_head)."""
+def _head_problems(train: dict, check) -> list[Problem]:
+    """check(DataSpec, tokenizer) over the first records of the dataset: the problems it returns, or its UsageError
+    as a train.dataset problem. A tokenizer that cannot load is model_problems' to list."""
     from harness.data.corpus import DataSpec
-    from harness.data.preference_store import check_head
     from harness.model.hf import load_tokenizer
 
-    train = recipe["train"]
-    data = DataSpec.from_train(train)
-    if not data.preference:
-        return []
     try:
         tokenizer = load_tokenizer(train["model"])
     except UsageError:
-        return []  # model_problems lists it
+        return []
     try:
-        check_head(data, tokenizer, train["seq_len"], recipe["preference"]["truncation"])
+        return check(DataSpec.from_train(train), tokenizer)
     except UsageError as e:
         return [_as_problem("train.dataset", e)]
-    return []
+
+
+def preference_problems(recipe: dict) -> list[Problem]:
+    """A preference objective: the first records of each local file tokenized as pairs (malformed records, empty
+    completions, a prompt that fills seq_len; harness/data/preference_store.check_head)."""
+    from harness.data.preference_store import check_head
+
+    train = recipe["train"]
+    if train["objective"] == "lm":
+        return []
+    return _head_problems(train, lambda data, tok: check_head(data, tok, train["seq_len"],
+                                                              recipe["preference"]["truncation"]) or [])
+
+
+def _chat_head(data, tokenizer, model: str) -> list[Problem]:
+    from harness.data.chat_check import check_chat_head
+    from harness.data.formats import check_chat_template
+
+    check_chat_template(tokenizer, model, data.format)
+    checked, split = check_chat_head(data, tokenizer)
+    if not split:
+        return []
+    return [Problem("train.dataset", f"the chat template renders {split} of the first {checked} records differently "
+                    "once later messages follow (it rewrites history, e.g. drops earlier <think> blocks): their "
+                    "assistant turns train in more than one sample, each in the context it has at inference",
+                    "nothing to fix; train.chat_turns=last trains only each record's last assistant turn (one "
+                    "sample per record)", severity="warning")]
+
+
+def chat_problems(train: dict) -> list[Problem]:
+    """Chat and sharegpt: the first records of each local file rendered by the tokenizer's chat template as they
+    will train (harness/data/chat_check.py); a note when the template rewrites history."""
+    from harness.data.corpus import DataSpec
+
+    data = DataSpec.from_train(train)
+    if data.preference or not data.uses_chat_template:
+        return []
+    return _head_problems(train, lambda data, tok: _chat_head(data, tok, train["model"]))
 
 
 def sequence_problems(spec, cfg: dict) -> list[Problem]:

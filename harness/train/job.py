@@ -80,6 +80,8 @@ def load_data(spec, dist, tokenizer) -> Data:
     data_spec = DataSpec.from_train(train)
     if data_spec.uses_chat_template:  # every rank, so all exit with the message before any waits on a store
         check_chat_template(tokenizer, train["model"], data_spec.format)
+    if train["streaming"]:
+        return load_streamed(spec, dist, tokenizer, data_spec, start)
     store, made = ensure_store(data_spec, tokenizer, train["seq_len"], train["store_dir"] or None, dist.local_rank)
     train_rows, eval_rows = split_rows(Rows.of(store, train["packing"]), train["eval_fraction"], train["seed"])
     if dist.is_main:
@@ -89,6 +91,23 @@ def load_data(spec, dist, tokenizer) -> Data:
                     f"data ready in {time.perf_counter() - start:.2f}s")
         if note := empty_rows_note(meta):
             say("data", f"warning: {note}")
+    return Data(train=train_rows, eval=eval_rows)
+
+
+def load_streamed(spec, dist, tokenizer, data_spec, start: float) -> Data:
+    """train.streaming: the shard store being written by this node's writer (harness/data/stream_rows.py)."""
+    import time
+
+    from harness.data.stream_rows import load_stream
+
+    batch = spec.run.batch
+    train_rows, eval_rows, store = load_stream(data_spec, tokenizer, spec.recipe["train"], dist.local_rank,
+                                               dist.is_main, batch.micro_batch * batch.grad_accum * spec.dp)
+    if dist.is_main:
+        state = "done" if store.done else "being written"
+        say("data", f"streaming store {store.path} ({state}): {store.num_shards} shards of {store.shard_rows} rows "
+                    f"published, {train_rows.known_rows} training rows so far; data ready in "
+                    f"{time.perf_counter() - start:.2f}s")
     return Data(train=train_rows, eval=eval_rows)
 
 
@@ -222,7 +241,7 @@ def run(spec, dist) -> int:
     """One job in an existing process group (main's; or a test driver's, running several jobs in one group)."""
     from harness.model.hf import load_tokenizer
 
-    log = trackers = None
+    log = trackers = data = None
     code = 1  # an exception escaping: the trackers record a failed run
     try:
         run_dir = choose_run_dir(spec, dist)
@@ -263,6 +282,8 @@ def run(spec, dist) -> int:
                 code = faults.EXIT_NUMERIC_FAULT
                 return code
             result.update(startup_summary)
+            if hasattr(data.train, "store"):  # streaming: how long rank 0 waited for its node's writer
+                result["stream_wait_s"] = round(data.train.store.waited_s, 3)
             for hook in hooks:
                 result.update(hook.close() or {})
             if dist.is_main:
@@ -272,6 +293,8 @@ def run(spec, dist) -> int:
         code = preempt.EXIT_PREEMPTED if "preempted_at" in result else 0
         return code
     finally:
+        if data is not None and hasattr(data.train, "close"):  # a streamed store: this node's writer stops
+            data.train.close()
         if trackers is not None:
             trackers.finish(code)
         if log:

@@ -30,6 +30,7 @@ from harness.log import say
 from harness.train import faults
 from harness.train.metrics import MetricsLog
 from harness.data.rows import Rows, loss_items, model_inputs
+from harness.data.stream_rows import StreamPlan, StreamRows
 
 
 # Values a step may return beside its loss ({name: this rank's mean}), averaged over ranks in the flush's all-reduce
@@ -56,11 +57,15 @@ def dp_coords(spec, dist: DistInfo) -> tuple[int, int]:
     return dist.rank // spec.tp, spec.dp
 
 
-def batch_plan(spec, dist: DistInfo, num_rows: int) -> BatchPlan:
+def batch_plan(spec, dist: DistInfo, split) -> BatchPlan:
+    """The plan over a training split; a streamed store's (harness/data/stream_rows.py) has its own order."""
     micro, gas = spec.run.batch.micro_batch, spec.run.batch.grad_accum
     dp_rank, dp_size = dp_coords(spec, dist)
-    return BatchPlan(num_rows=num_rows, global_batch=micro * gas * dp_size, micro_batch=micro, grad_accum=gas,
-                     dp_rank=dp_rank, dp_size=dp_size, seed=spec.recipe["train"]["seed"])
+    plan = dict(global_batch=micro * gas * dp_size, micro_batch=micro, grad_accum=gas, dp_rank=dp_rank,
+                dp_size=dp_size, seed=spec.recipe["train"]["seed"])
+    if isinstance(split, StreamRows):
+        return StreamPlan(split, **plan)
+    return BatchPlan(num_rows=split.shape[0], **plan)
 
 
 def fetch(split, rows) -> tuple[torch.Tensor, ...]:
@@ -177,7 +182,7 @@ class Trainer:
         self.model_info = model_info  # harness.model.load.meta.ModelInfo: dtypes and partition for the manifests
         self.run_dir, self.log, self.hooks = run_dir, log, list(boundaries.hooks)
         self.preempt = boundaries.preempt  # asked at every step boundary
-        self.plan = batch_plan(spec, dist, data.train.shape[0])
+        self.plan = batch_plan(spec, dist, data.train)
         self.train_cfg = spec.recipe["train"]
         rows_per_sample = 2 if is_preference(spec.recipe) else 1  # a pair is two rows
         self.tokens_per_step = self.plan.global_batch * data.train.shape[1] * rows_per_sample
@@ -253,7 +258,7 @@ class Trainer:
 
     def rank_rows(self, rank: int, batch: int):
         """Positions in the training split of data batch `batch` on `rank` (any rank's: the plan is arithmetic)."""
-        plan = batch_plan(self.spec, dataclasses.replace(self.dist, rank=rank), self.data.train.shape[0])
+        plan = batch_plan(self.spec, dataclasses.replace(self.dist, rank=rank), self.data.train)
         return torch.cat(plan.micro_batches(batch))
 
     def notify(self, kind: str, step: int, record: dict) -> None:

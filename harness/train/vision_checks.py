@@ -49,8 +49,7 @@ def _layout_problems(spec) -> list[Problem]:
 
 def _record_problems(spec, ctx) -> list[Problem]:
     """Every local record's image files and image-part counts; the first records' rendered placeholders."""
-    from harness.data.formats import chat_segments
-    from harness.data.vision import _refs, image_parts
+    from harness.data.vision import _refs, chat_pieces, image_parts
 
     for name, rows in _local_records(spec):
         base = Path(name).parent
@@ -66,7 +65,7 @@ def _record_problems(spec, ctx) -> list[Problem]:
                         raise UsageError(f"{where}: image {path} does not exist\n    fix: correct the path (relative "
                                          f"paths start at the data file's folder {base}), or remove the image part")
                 if number <= HEAD_RECORDS and isinstance(messages, list):
-                    text = "".join(t for t, _ in chat_segments(ctx.tokenizer, messages))
+                    text = "".join(t for t, _ in chat_pieces(ctx.tokenizer, messages, where))
                     marks = ctx.tokenizer(text, add_special_tokens=False)["input_ids"].count(ctx.image_token)
                     if marks != len(image_parts(messages)):
                         raise UsageError(f"{where}: {len(image_parts(messages))} image parts but the rendered "
@@ -105,6 +104,9 @@ def problems(spec, cfg: dict) -> list[Problem]:
         return _text_model_problems(data, recipe) if data.format == "chat" or recipe.get("vision", {}).get(
             "freeze") else []
     out = _layout_problems(spec)
+    if recipe["train"].get("streaming"):
+        out.append(Problem("train.streaming", "true for a vision-language model: its store (tokens and preprocessed "
+                           "images) is prepared whole before training", "set train.streaming=false"))
     if data.format != "chat":
         return out + [Problem("train.format", f"{data.format!r} for vision-language model "
                               f"{recipe['train']['model']}", 'train.format=chat: messages whose content parts hold the '

@@ -46,10 +46,10 @@ def chat_tokenizer(template: str | None = CHAT_TEMPLATE):
     return tok
 
 
-def chat_model_dir(folder: Path, seed: int) -> Path:
-    """A tiny-llama model folder (weights from seed) whose tokenizer has CHAT_TEMPLATE."""
+def chat_model_dir(folder: Path, seed: int, template: str = CHAT_TEMPLATE) -> Path:
+    """A tiny-llama model folder (weights from seed) whose tokenizer has `template` (CHAT_TEMPLATE by default)."""
     from harness.model.hf import build_model
 
     build_model("tiny-llama", seed=seed).save_pretrained(folder)
-    chat_tokenizer().save_pretrained(folder)
+    chat_tokenizer(template).save_pretrained(folder)
     return folder
