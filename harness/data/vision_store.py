@@ -165,7 +165,7 @@ class VisionRows:
     tensors() -> (input_ids, labels, Images), labels IGNORE_INDEX off the assistant turns."""
 
     def __init__(self, store: dict, index: np.ndarray):
-        self.store, self.index = store, index
+        self.arrays, self.index = store, index  # not `.store`: a streamed run's rows have one (job.py reads it)
 
     @classmethod
     def of(cls, store: dict) -> "VisionRows":
@@ -173,7 +173,7 @@ class VisionRows:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (len(self.index), self.store["meta"]["seq_len"])
+        return (len(self.index), self.arrays["meta"]["seq_len"])
 
     def __len__(self) -> int:
         return len(self.index)
@@ -181,20 +181,20 @@ class VisionRows:
     def __getitem__(self, sel) -> "VisionRows":
         if torch.is_tensor(sel):
             sel = sel.numpy()
-        return VisionRows(self.store, self.index[sel])
+        return VisionRows(self.arrays, self.index[sel])
 
     @property
     def records(self) -> np.ndarray:
-        return np.asarray(self.store["records"][self.index])
+        return np.asarray(self.arrays["records"][self.index])
 
     def num_images(self) -> int:
-        starts = self.store["row_images"]
+        starts = self.arrays["row_images"]
         return int(sum(starts[r + 1] - starts[r] for r in self.index))
 
     def images(self):
         from harness.data.vision import Images
 
-        s, pixels, grids = self.store, [], []
+        s, pixels, grids = self.arrays, [], []
         for row in self.index:
             for i in range(int(s["row_images"][row]), int(s["row_images"][row + 1])):
                 lo, hi = int(s["pixel_offsets"][i]), int(s["pixel_offsets"][i + 1])
@@ -206,8 +206,8 @@ class VisionRows:
         return Images(pixels, grids)
 
     def tensors(self):
-        ids = torch.from_numpy(np.asarray(self.store["tokens"][self.index], dtype=np.int64))
-        keep = torch.from_numpy(np.asarray(self.store["mask"][self.index], dtype=bool))
+        ids = torch.from_numpy(np.asarray(self.arrays["tokens"][self.index], dtype=np.int64))
+        keep = torch.from_numpy(np.asarray(self.arrays["mask"][self.index], dtype=bool))
         return ids, ids.masked_fill(~keep, IGNORE_INDEX), self.images()
 
 
