@@ -20,6 +20,8 @@
 # ZeRO-2 and ZeRO-3; OUT_DIR/grpo (reward, time split). Also a GRPO case with a colocated vLLM (grpo_vllm,
 # bench/gpu_check_rl.py; needs vllm in the image): weight sync in buckets of gathered bytes, its time and memory
 # beside planner/rl.py's; OUT_DIR/grpo_vllm.
+# Also a vision-language case (bench/vlm.py: a ~0.6B Qwen2-VL, ZeRO-3, images on some rows only, the vision
+# tower trained and frozen); OUT_DIR/vlm.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -86,7 +88,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm vlm}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -178,6 +180,13 @@ EOF
                 "${ep[@]}" --set "train.model=$OUT/moe/model" --set train.steps=20 --set train.seq_len=1024 \
                 --set train.eval_every=0 --profile-steps 15-16 --output-dir "$OUT/moe/run" --overwrite
             echo "[moe]     run: $OUT/moe/run (summary.json: lm_loss, aux_loss, tokens/s, all_to_all bytes)" ;;
+        vlm)  # vision-language (docs/vision-language.md): a ~0.6B Qwen2-VL folder (bench/vlm.py --size small), every
+              # other record one 448x448 image, ZeRO-3 on up to 2 GPUs (a rank regularly has text only: the placeholder
+              # call), vision tower trained and frozen; per-rank peak memory beside the planner, images/s
+            n=1; (( gpus >= 2 )) && n=2
+            timeout 420 $PY "$ROOT/bench/vlm.py" --size small --ranks $n --recipe zero3 --steps 12 --records 96 \
+                --image-size 448 --keep "$OUT/vlm" || echo "[vlm]     failed (exit $?)"
+            echo "[vlm]     runs: $OUT/vlm/{trained,frozen} (summary.json: memory, throughput)" ;;
         dpo)  # preference optimisation: the reference as a frozen engine (zero2) and as the base, adapters off (LoRA)
             $PY - "$OUT/dpo" <<'EOF'
 import json, random, sys, torch
@@ -293,7 +302,7 @@ print(f"[grpo]    {sys.argv[2]}: reward {rs[0]['reward']:.3f} -> {rs[-1]['reward
       f"per step " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in split.items()))
 EOF
             done ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm)" >&2; exit 2 ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, vlm)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

@@ -150,7 +150,7 @@ def load_model_config(spec: str) -> dict:
         path = path / "config.json"
     if path.is_file():
         try:
-            return json.loads(path.read_text())
+            return with_text_fields(json.loads(path.read_text()))
         except json.JSONDecodeError as e:
             raise UsageError(f"{path}: not valid JSON ({e})") from None
     choices = ", ".join(sorted(PRESETS) + sorted(KNOWN))
@@ -158,6 +158,16 @@ def load_model_config(spec: str) -> dict:
         f"unknown model {spec!r}: not a built-in preset or known shape, and no config.json at {spec}\n"
         f"    choose one of: {choices}, or pass a local model directory"
     )
+
+
+def with_text_fields(cfg: dict) -> dict:
+    """A vision-language config (text_config + vision_config: Qwen2-VL, LLaVA, ...) with its language model's
+    fields (hidden_size, layers, vocab, positions) also at the top, where the shape, bucket and position rules read
+    them; top-level keys win. Any other config unchanged."""
+    text = cfg.get("text_config")
+    if not (isinstance(text, dict) and cfg.get("vision_config")):
+        return cfg
+    return {**{k: v for k, v in text.items() if k != "model_type"}, **cfg}
 
 
 def shape_summary(cfg: dict) -> dict:

@@ -114,6 +114,22 @@ CASES = [
          "unsupported data file"),
     case("data:empty_folder", ["--dataset", f"{FIXTURE}/data/empty"], "train.dataset", "has no data files"),
     case("data:mixed_folder", ["--dataset", f"{FIXTURE}/data/mixed"], "train.dataset", "mixes file kinds"),
+    # vision-language models (issue 40): images, placeholders, processor, layouts, text-only models
+    case("data:vl_image_missing", ["--model", f"{FIXTURE}/vl_qwen", "--dataset", f"{FIXTURE}/vl/missing.jsonl",
+                                   "--set", "train.format=chat"], "train.dataset",
+         f"{FIXTURE}/vl/missing.jsonl record 2: image {FIXTURE}/vl/img/nope.png does not exist"),
+    case("data:vl_parts_vs_placeholders", ["--model", f"{FIXTURE}/vl_qwen", "--dataset", f"{FIXTURE}/vl/extra.jsonl",
+                                           "--set", "train.format=chat"], "train.dataset",
+         "record 1: 1 image parts but the rendered conversation holds 2 image placeholders"),
+    case("model:vl_text_only_processor", ["--model", f"{FIXTURE}/vl_noproc", "--dataset", f"{FIXTURE}/vl/ok.jsonl",
+                                          "--set", "train.format=chat"], "train.model",
+         "is a vision-language model (qwen2_vl) but its image processor cannot be loaded"),
+    case("data:images_under_text_model", ["--dataset", f"{FIXTURE}/vl/ok.jsonl", "--set", "train.format=chat"],
+         "train.dataset", "record 1 has images but train.model tiny-llama is a text-only model"),
+    case("recipe:vl_sequence_parallel", ["--recipe", "zero3", "--model", f"{FIXTURE}/vl_qwen", "--dataset",
+                                         f"{FIXTURE}/vl/ok.jsonl", "--set", "train.format=chat", "--set",
+                                         "parallel.sequence=2"], "parallel.sequence",
+         "2 for a vision-language model: the vision tower", env={"WORLD_SIZE": "2"}),
     # paths and free space
     case("path:output_in_proc", ["--output-dir", "/proc/nope"], "--output-dir", "cannot create anything in /proc"),
     case("path:output_is_a_file", ["--output-dir", f"{FIXTURE}/file.txt"], "--output-dir", "is a file"),
@@ -216,6 +232,7 @@ def write_fixtures(fx: Path) -> None:
         if name != "model_notok":
             for asset in ("tokenizer.json", "tokenizer_config.json"):
                 shutil.copy(ASSETS / asset, folder / asset)
+    _vision_fixtures(fx)
     (fx / "model_badjson").mkdir()
     (fx / "model_badjson" / "config.json").write_text("{\"model_type\": ")
     data = fx / "data"
@@ -237,6 +254,27 @@ def write_fixtures(fx: Path) -> None:
     (zero0 / "mp_rank_00_model_states.pt").write_bytes(b"")
     (zero0 / "manifest.json").write_text(json.dumps({"step": 2, "world_size": 1, "pp": 1, "tp": 1, "dp": 1,
                                                       "zero_stage": 0, "train_batch_size": 4, "precision": "bf16"}))
+
+
+def _vision_fixtures(fx: Path) -> None:
+    """A tiny Qwen2-VL folder, one without its image processor, and chat files with image parts."""
+    from helpers.vl_models import qwen2_vl_folder, write_images
+
+    qwen2_vl_folder(fx / "vl_qwen")
+    (fx / "vl_noproc").mkdir()
+    for path in (fx / "vl_qwen").iterdir():
+        if path.name != "preprocessor_config.json":
+            shutil.copy(path, fx / "vl_noproc" / path.name)
+    write_images(fx / "vl" / "img", 1)
+
+    def chat(*contents):
+        return "".join(json.dumps({"messages": [{"role": "user", "content": c},
+                                                {"role": "assistant", "content": "ok"}]}) + "\n" for c in contents)
+
+    image = {"type": "image", "image": "img/img0.png"}
+    (fx / "vl" / "ok.jsonl").write_text(chat([image, {"type": "text", "text": "what?"}], "hello"))
+    (fx / "vl" / "missing.jsonl").write_text(chat("hello", [{"type": "image", "image": "img/nope.png"}]))
+    (fx / "vl" / "extra.jsonl").write_text(chat([image, {"type": "text", "text": "see <|image_pad|>"}]))
 
 
 def _chat_fixtures(fx: Path) -> None:

@@ -90,13 +90,16 @@ def _offload(ds: dict) -> dict:
     return {k: zero.get(k, {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
 
 
-def save_hf_files(ckpt_dir: Path, config, tokenizer) -> None:
-    """Model config + tokenizer once per run (rank 0), so export needs nothing but the checkpoint folder."""
+def save_hf_files(ckpt_dir: Path, config, tokenizer, image_processor=None) -> None:
+    """Model config + tokenizer (+ a vision-language model's image processor) once per run (rank 0), so export
+    needs nothing but the checkpoint folder."""
     hf = ckpt_dir / "hf"
     if not (hf / "config.json").exists():
         hf.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(hf)
         tokenizer.save_pretrained(hf)
+        if image_processor is not None:
+            image_processor.save_pretrained(hf)
 
 
 @torch.no_grad()

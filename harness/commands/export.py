@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         from transformers import AutoConfig
 
-        from harness.checkpoint.export.folder import auto_class
+        from harness.model.hf import auto_class
 
-        name = auto_class(AutoConfig.from_pretrained(info["out"])).__name__  # a reward model: sequence classification
+        name = auto_class(AutoConfig.from_pretrained(info["out"])).__name__  # a reward model, a vision-language model
         print(f"[export] load with {name}.from_pretrained({info['out']!r})")
     return 0

@@ -142,6 +142,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rl.add_argument("--generator", choices=("hf", "vllm"), default="hf", help="rl.generator")
     rl.add_argument("--gather-mb", type=float, help="rl.gather_mb (default: the planner chooses)")
     rl.add_argument("--sync-bucket-mb", type=float, default=256.0, help="rl.sync_bucket_mb (vllm)")
+    vl = parser.add_argument_group("vision-language models (docs/vision-language.md)")
+    vl.add_argument("--images-per-sample", type=int, default=1,
+                    help="images in one sample (default 1): their tokens, the vision tower's activations")
+    vl.add_argument("--image-size", default="448x448", metavar="HxW",
+                    help="image resolution as the processor sees it (default 448x448)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -231,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(f"LoRA r={args.lora_r}: {count['lora_per_layer'] * count['num_layers']:,} trainable / "
                          f"{count['total'] - count['lora_per_layer'] * count['num_layers']:,} frozen parameters "
                          "(frozen: 16-bit weights only; gradients, fp32 master and Adam for the adapters)\n")
+    if cfg.get("vision_config"):
+        _vision_lines(args, cfg, seq_len, result)
     mixture = mixture_plan(args, seq_len) if args.datasets else None
     rollouts = rollout_section(args, cfg, result, gpu_mem, profile) if args.objective == "grpo" else None
     if args.json:
@@ -312,6 +319,25 @@ def render_rollouts(r: dict) -> str:
         f"decode {vllm['decode_s']:.3f} s; weight sync {vllm['sync']['bytes'] / mib:,.1f} MiB in "
         f"{vllm['sync']['buckets']} bucket(s), {vllm['sync']['seconds']:.3f} s per step",
         f"  recommend        {r['recommend']}", ""])
+
+
+def _vision_lines(args: argparse.Namespace, cfg: dict, seq_len: int, result) -> None:
+    """The vision tower's and projector's parameters, the image tokens, what freezing saves (planner/vision.py)."""
+    from harness.planner import vision
+
+    try:
+        height, width = (int(v) for v in args.image_size.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"--image-size {args.image_size!r}: give HEIGHTxWIDTH in pixels, e.g. 448x448") from None
+    if min(height, width, args.images_per_sample) < 1:
+        raise UsageError("--image-size and --images-per-sample must be at least 1")
+    info = vision.summary(cfg, images=args.images_per_sample, height=height, width=width, seq_len=seq_len,
+                          micro_batch=args.micro_batch, optimizer_states=optimizer_states(
+                              {"optimizer": {"type": args.optimizer}}), zero_shards=args.gpus * args.nodes,
+                          precision_bytes=PRECISION_BYTES[args.precision])
+    result.model["vision"] = info
+    if not args.json:
+        sys.stdout.write(vision.render(info, args.images_per_sample, height, width))
 
 
 def _layout(args: argparse.Namespace) -> dict | None:

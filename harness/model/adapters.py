@@ -30,7 +30,7 @@ def scaling(adapter: dict) -> float:
     return adapter["alpha"] / (math.sqrt(r) if adapter["use_rslora"] else r)
 
 
-def lora_config(adapter: dict, model_type: str, base: str = ""):
+def lora_config(adapter: dict, model_type: str, base: str = "", exclude: str | None = None):
     """peft.LoraConfig for the recipe's adapter block (also what adapter_config.json holds)."""
     from peft import LoraConfig
 
@@ -40,7 +40,8 @@ def lora_config(adapter: dict, model_type: str, base: str = ""):
                       target_parameters=list(adapter.get("target_parameters", [])) or None,
                       modules_to_save=to_save or None, use_rslora=adapter["use_rslora"],
                       use_dora=adapter["use_dora"], fan_in_fan_out=model_type == "gpt2",  # GPT-2's Conv1D
-                      task_type="CAUSAL_LM", base_model_name_or_path=base or None, bias="none")
+                      task_type="CAUSAL_LM", base_model_name_or_path=base or None, bias="none",
+                      exclude_modules=exclude)  # a vision-language model's tower (planner/vision.lora_exclude)
 
 
 ROUTERS = {"gpt_oss": "mlp.router"}  # an MoE layer's router module, by model_type; the others: mlp.gate
@@ -80,9 +81,11 @@ def apply(model, recipe: dict, *, seed: int | None = None, hf_model=None):
     model, which names them), in place; only the adapters (and modules_to_save) stay trainable. Returns model."""
     from peft import inject_adapter_in_model
 
+    from harness.planner.vision import lora_exclude
+
     adapter, hf_model = recipe["adapter"], model if hf_model is None else hf_model
     seed = recipe["train"]["seed"] if seed is None else seed
-    config = lora_config(adapter, hf_model.config.model_type)
+    config = lora_config(adapter, hf_model.config.model_type, exclude=lora_exclude(hf_model.config))
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     _init_peft_layers(model, seed, hf_model)
     for name, param in model.named_parameters():

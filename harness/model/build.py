@@ -7,6 +7,7 @@ callers keep instead of the HF model. Pipeline and 3D stages are built in harnes
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from harness import model_shapes
@@ -97,6 +98,11 @@ def build(spec) -> Built:
         from harness.model import attention
 
         attention.apply(built.module, spec)
+        from harness.model import vision
+
+        if vision.is_vision_language(built.module.config):  # every rank calls the vision tower alike; model.freeze
+            note = vision.install(built.module, tuple(spec.recipe["vision"]["freeze"]))
+            built = dataclasses.replace(built, notes=(*built.notes, note))
     return built
 
 

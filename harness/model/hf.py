@@ -171,6 +171,20 @@ def _init_preset_weights(model, seed: int, zero3: bool) -> None:
     model.tie_weights()
 
 
+def auto_class(config):
+    """transformers' Auto class for a config: AutoModelForImageTextToText for a vision-language model (its config
+    has a vision_config: Qwen2-VL, LLaVA, Gemma 3, ...; harness/model/vision.py), AutoModelForSequenceClassification
+    for a saved reward model (train.objective=reward records *ForSequenceClassification in architectures), else
+    AutoModelForCausalLM."""
+    import transformers
+
+    if getattr(config, "vision_config", None) is not None:
+        return transformers.AutoModelForImageTextToText
+    if any(n.endswith("ForSequenceClassification") for n in getattr(config, "architectures", None) or []):
+        return transformers.AutoModelForSequenceClassification
+    return transformers.AutoModelForCausalLM
+
+
 def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | None = None,
                 gradient_checkpointing: bool = False, quantization_config=None, head: str = "causal"):
     """AutoModelForCausalLM for a spec: presets get seeded random weights, others their checkpoint. head "reward":
@@ -181,12 +195,12 @@ def build_model(spec: str, *, seed: int, dtype=None, zero3_init_config: dict | N
     the model under deepspeed.zero.Init, so no rank ever holds the full weights.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     from harness.config.moe_families import attn_implementation
 
     config = load_model_config(spec)
-    auto = AutoModelForCausalLM
+    auto = auto_class(config)  # a vision-language model: its own Auto class
     if head == "reward":
         auto, config.num_labels = AutoModelForSequenceClassification, 1
         config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else _reward_pad_id(spec)

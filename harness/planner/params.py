@@ -13,6 +13,8 @@ whole on every rank).
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 
 from harness.model_shapes import LLAMA_LIKE
@@ -257,6 +259,24 @@ def closed_form_count(cfg: dict) -> ParamCount | None:
     return None
 
 
+@contextlib.contextmanager
+def outside_zero3():
+    """transformers builds every model under deepspeed.zero.Init while a ZeRO-3 config is registered (a ZeRO-3
+    rank's, harness/model/hf.py keeps it for the run), and zero.Init's weight init gathers: a count on the meta
+    device inside a run would then be a collective on one rank only (a hang). Unregistered for the count, then put
+    back (transformers keeps only a weak reference to it)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    held = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if held is not None:
+            hf_deepspeed.set_hf_deepspeed_config(held)
+
+
 def meta_count(cfg: dict) -> ParamCount:
     """What transformers builds from this config, counted on the meta device (no memory, no weights)."""
     import torch
@@ -269,8 +289,9 @@ def meta_count(cfg: dict) -> ParamCount:
 
         raise UsageError("model config has no 'model_type': cannot tell which architecture to build")
     config = transformers.AutoConfig.for_model(model_type, **fields)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    auto = transformers.AutoModelForImageTextToText if cfg.get("vision_config") else transformers.AutoModelForCausalLM
+    with outside_zero3(), torch.device("meta"):
+        model = auto.from_config(config)  # a vision-language model: tower, projector and language model
     return count_module(model)
 
 

@@ -24,7 +24,7 @@ from harness.config.run_model import Zero, optimizer_states
 from harness.errors import Problem, UsageError, raise_if_errors
 from harness.model.moe import rules as moe_rules
 from harness.rl.generation import generator_problems
-from harness.train import faults
+from harness.train import faults, vision_checks
 
 
 
@@ -46,6 +46,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     problems += attention_problems(spec) + preference_problems(spec.recipe) + reference_problems(spec.recipe, cfg)
     problems += chat_problems(spec.recipe["train"])
     problems += faults.recipe_problems(spec.recipe) + mixture_problems(spec.recipe) + generator_problems(spec.recipe)  # rl.generator=vllm
+    problems += vision_checks.problems(spec, cfg)  # vision-language: layouts, processor, images; images on text models
     problems += moe_rules.problems(spec.recipe, spec.world_size, cfg)  # MoE: ep, tp, pipeline, aux loss
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
@@ -186,7 +187,7 @@ def model_config(name: str) -> dict:
             raise
     from harness.model.hf import load_model_config
 
-    return load_model_config(name).to_dict()
+    return model_shapes.with_text_fields(load_model_config(name).to_dict())
 
 
 def _as_problem(path: str, err: UsageError) -> Problem:

@@ -24,7 +24,7 @@ from harness.model import adapters
 from harness.model.lora_attach import attach
 from harness.model.moe.wiring import prepare_model as prepare_moe
 from harness.trackers import start as start_trackers, summary_metrics
-from harness.train import checks, faults, preempt, restarts, schedule
+from harness.train import checks, faults, preempt, restarts, schedule, vision_steps
 from harness.train.metrics import MetricsLog
 from harness.train.trainer import Boundaries, Data, Trainer
 
@@ -77,6 +77,11 @@ def load_data(spec, dist, tokenizer) -> Data:
         for line in lines if dist.is_main else ():
             say("data", line)
         return Data(train=train_pairs, eval=eval_pairs)
+    if vision_steps.is_vision_run(spec):  # chat records with images: the vision store, one conversation per row
+        train_rows, eval_rows, lines = vision_steps.load_data(spec, dist, tokenizer)
+        for line in lines if dist.is_main else ():
+            say("data", line)
+        return Data(train=train_rows, eval=eval_rows)
     if train["datasets"]:  # a mixture (harness/data/mixture.py)
         from harness.data import mixture
 
@@ -319,7 +324,8 @@ def run(spec, dist) -> int:
 
             data = grpo_start.steps(spec, dist, data, run_dir, engine, tokenizer, step0, client)
         if dist.is_main:
-            checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer)
+            checkpoint.save_hf_files(run_dir / "checkpoints", info.config, tokenizer,
+                                     vision_steps.image_processor(spec))  # None: a text-only model
         hooks = profiling.make_hooks(spec, engine, dist, run_dir, log, trackers)
         with preempt.Preemption() as stop:  # until the end: a later signal (the launcher's) must not cut the exit
             trainer = Trainer(engine, spec, dist, data, run_dir, log, Boundaries(tuple(hooks), stop),

@@ -137,6 +137,11 @@ def strategy(spec, reference=None):
         module, name = objective_of(spec.recipe).steps.split(":")
         steps = getattr(importlib.import_module(module), name)(spec, reference)
         return steps.train, steps.eval
+    from harness.train.vision_steps import VisionSteps, is_vision_run
+
+    if is_vision_run(spec):  # every rank calls the vision tower alike (pipeline, tensor, sequence parallel refused)
+        steps = VisionSteps(spec)
+        return steps.train, steps.eval
     if spec.pp > 1:
         from harness.model.parallel import pipe_engine
 

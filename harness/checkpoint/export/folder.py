@@ -34,17 +34,8 @@ from harness.checkpoint.export.state import (PROBE, TOLERANCE, CheckpointRef, fi
 from harness.config.defaults import PRECISION_DTYPES
 from harness.errors import UsageError
 
+IMAGE_PROCESSOR = "preprocessor_config.json"  # what image_processor.save_pretrained writes
 DEFAULT_SHARD_SIZE = "5GB"  # save_pretrained's default in transformers 5
-
-
-def auto_class(config):
-    """transformers' Auto class for a saved config: sequence classification for a reward model (train.objective
-    reward records LlamaForSequenceClassification etc. in architectures), else the causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    names = getattr(config, "architectures", None) or []
-    return AutoModelForSequenceClassification if any(n.endswith("ForSequenceClassification") for n in names) \
-        else AutoModelForCausalLM
 
 
 def meta_model(ref: CheckpointRef):
@@ -52,12 +43,14 @@ def meta_model(ref: CheckpointRef):
     import torch
     from transformers import AutoConfig
 
+    from harness.model.hf import auto_class
+
     hf = ref.ckpt_dir / "hf"
     if not (hf / "config.json").is_file():
         raise UsageError(f"{hf}: no config.json; this checkpoint folder was not written by harness/run.py")
     config = AutoConfig.from_pretrained(hf)
     with torch.device("meta"):
-        return auto_class(config).from_config(config)
+        return auto_class(config).from_config(config)  # a vision-language model: AutoModelForImageTextToText
 
 
 def save_names(model) -> list[str]:
@@ -110,6 +103,8 @@ def verify(ref: CheckpointRef, folder: Path, dtype) -> float | None:
     import torch
     from transformers import AutoConfig
 
+    from harness.model.hf import auto_class
+
     probe = ref.tag_dir / PROBE
     if not probe.is_file():
         return None
@@ -145,6 +140,8 @@ def _write_folder(ref: CheckpointRef, manifest: dict, folder: Path, dtype, max_s
     if model.can_generate():
         model.generation_config.save_pretrained(folder)
     AutoTokenizer.from_pretrained(ref.ckpt_dir / "hf").save_pretrained(folder)
+    if (ref.ckpt_dir / "hf" / IMAGE_PROCESSOR).is_file():  # a vision-language model's image processor
+        shutil.copy(ref.ckpt_dir / "hf" / IMAGE_PROCESSOR, folder / IMAGE_PROCESSOR)
     return {"shards": len(shards), "total_size_bytes": split.metadata["total_size"],
             "largest_tensor_bytes": max(math.prod(s) * d.itemsize for _, s, d in plan)}
 
@@ -206,4 +203,4 @@ def export(ckpt: str | Path, out: str | Path, overwrite: bool = False, max_shard
     return {"checkpoint": str(ref.tag_dir), "out": str(out), "step": manifest.get("step"),
             "zero_stage": manifest["zero_stage"], "tp": manifest.get("tp", 1), "pp": manifest.get("pp", 1),
             "dtype": name, "max_logit_diff": diff, "tolerance": limit, "seconds": time.perf_counter() - start,
-            **sizes}
+            "vision": (out / IMAGE_PROCESSOR).is_file(), **sizes}

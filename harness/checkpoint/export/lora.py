@@ -133,7 +133,10 @@ def export_adapter(ref, manifest: dict, out: Path, dtype: torch.dtype) -> dict:
                          "trained every weight\n    fix: export without --adapter-only")
     adapter, state = manifest["adapter"], adapter_state(ref, manifest)
     base = base_model(manifest)
-    config = adapters.lora_config(adapter, base.config.model_type, base=manifest["model"])
+    from harness.planner.vision import lora_exclude
+
+    config = adapters.lora_config(adapter, base.config.model_type, base=manifest["model"],
+                                  exclude=lora_exclude(base.config))
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     tensors = {adapters.peft_key(k): v.to(dtype).contiguous() for k, v in state.items()}

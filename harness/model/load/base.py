@@ -10,6 +10,7 @@ from pathlib import Path
 
 from harness import model_shapes
 from harness.model.load import experts, meta, source as sources
+from harness.model.load.renamed import renamed_view
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ def open_model(spec):
     train = spec.recipe["train"]
     model = meta.build_on_meta(load_model_config(train["model"]))
     source = experts.fused_view(open_source(train["model"], train["seed"]), model.config)  # MoE: per-expert keys
+    source = renamed_view(source, model)  # keys transformers renames at load (vision-language folders)
     sources.check_keys(source, model)
     info = meta.ModelInfo(config=model.config, num_params=meta.num_params(model), checkpoint_dtype=source.dtype(),
                           train_dtype=meta.dtype_name(meta.train_dtype(spec.recipe["precision"])))

@@ -40,12 +40,13 @@ def build_on_meta(config):
     Buffers are left real (include_buffers=False): they are tiny and computed from the config at construction
     (rotary inv_freq), so no buffer has to be recomputed after materialising and none is left on meta."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+
+    from harness.model.hf import auto_class
 
     # never under zero.Init: an earlier ZeRO-3 build in this process (a driver running several jobs) leaves
     # transformers' DeepSpeed config registered, and zero.Init cannot partition meta tensors
     with _zero3_context(None), init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation(config,
+        model = auto_class(config).from_config(config, attn_implementation=attn_implementation(config,
                                                                                       ATTN_IMPLEMENTATION))
     # init_empty_weights re-registers every parameter as a new meta Parameter, so the tie made during
     # construction (lm_head.weight = embed.weight) is lost; tie again now, outside its patch

@@ -53,13 +53,11 @@ def large_tensors_mapped():
 def construct(config, dtype: torch.dtype, ds_config: dict):
     """The model built under zero.Init (parameters partitioned as they are created) with transformers'
     ZeRO-3 initialisation; the values are overwritten by `fill`."""
-    from transformers import AutoModelForCausalLM
-
-    from harness.model.hf import ATTN_IMPLEMENTATION, _zero3_context
+    from harness.model.hf import ATTN_IMPLEMENTATION, _zero3_context, auto_class
     from harness.config.moe_families import attn_implementation
 
     with _zero3_context(ds_config):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype,  # gpt-oss: eager (config/moe_families.py)
+        return auto_class(config).from_config(config, dtype=dtype,  # gpt-oss: eager (config/moe_families.py)
                                                 attn_implementation=attn_implementation(config, ATTN_IMPLEMENTATION))
 
 

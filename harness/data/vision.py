@@ -1,0 +1,185 @@
+"""Chat records with images, for a vision-language model (train.format chat): one record -> token ids, a loss mask
+and its images, preprocessed once (harness/data/vision_store.py keeps them).
+
+A record is the chat format's `messages` list; a message's content is a string or a list of parts, as in
+transformers' and TRL's chat format: {"type": "text", "text": ...} and {"type": "image", "image": PATH} (a path
+relative to the data file's folder, or absolute). A part {"type": "image"} without a path takes the next entry of
+the record's `images` column (TRL's layout). Records without images are text-only rows and mix freely with the rest.
+
+The conversation is rendered by the tokenizer's chat template (which writes the family's image marker for each image
+part: Qwen-VL `<|vision_start|><|image_pad|><|vision_end|>`, LLaVA `<image>`), the loss goes on assistant turns only
+(data/chat_template.py, as for text chat), and each image marker is expanded into as many image tokens as the image
+processor gives the image features. The counts are checked here, so a mismatch is a clear error before any rank
+trains, never a shape error inside the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from harness.errors import UsageError
+
+IMAGES_COLUMN = "images"  # TRL's: a record's images, taken in order by parts {"type": "image"} without a path
+
+
+@dataclass
+class Encoded:
+    ids: list[int]
+    mask: list[int]  # 1 where the token is a loss target
+    pixels: list[np.ndarray]  # per image: float32, leading dim concatenated per vision call
+    grids: list[list[int]]  # per image [t, h, w] (grid families) or []
+
+
+@dataclass
+class Images:
+    """One micro-batch's images, in the order their placeholder spans appear (row by row): each image's pixels
+    (leading dim concatenated per call) and, for grid families, its [t, h, w]."""
+
+    pixels: list[torch.Tensor]
+    grids: list[torch.Tensor]  # [3] each; empty for LLaVA-style families
+
+    def __len__(self) -> int:
+        return len(self.pixels)
+
+    def chunks(self, per_call: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        out = []
+        for i in range(0, len(self.pixels), per_call):
+            grid = torch.stack(self.grids[i:i + per_call]) if self.grids else None
+            out.append((torch.cat(self.pixels[i:i + per_call]), grid))
+        return out
+
+
+def image_parts(messages) -> list[dict]:
+    """The image parts of a conversation, in order."""
+    out = []
+    for message in messages or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            out += [p for p in content if isinstance(p, dict) and p.get("type") == "image"]
+    return out
+
+
+def _where(source: str, number: int) -> str:
+    return f"{source} record {number}"
+
+
+def open_image(ref, base: Path, where: str):
+    """A PIL RGB image from a path (relative to `base`) or a PIL image (an HF dataset's Image column)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if hasattr(ref, "convert"):
+        return ref.convert("RGB")
+    path = Path(str(ref)).expanduser()
+    path = path if path.is_absolute() else base / path
+    if not path.is_file():
+        raise UsageError(f"{where}: image {path} does not exist\n    fix: correct the path in the record (relative "
+                         f"paths start at the data file's folder {base}), or remove the image part")
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError) as err:
+        raise UsageError(f"{where}: image {path} cannot be read ({type(err).__name__}: {err})\n"
+                         "    fix: replace it with a PNG/JPEG/WebP file Pillow can open, or remove the part") from None
+
+
+def _refs(record: dict, messages, where: str) -> list:
+    """Each image part's path or image, the parts without one taking the `images` column in order."""
+    parts, column = image_parts(messages), list(record.get(IMAGES_COLUMN) or ())
+    refs, taken = [], 0
+    for part in parts:
+        ref = part.get("image") or part.get("path") or part.get("url")
+        if ref is None:
+            if taken >= len(column):
+                raise UsageError(f"{where}: {len(parts)} image parts but {len(column)} entries in its "
+                                 f"{IMAGES_COLUMN!r} column\n    fix: give each image part a path "
+                                 '({"type": "image", "image": "cat.png"}) or list one image per part')
+            ref, taken = column[taken], taken + 1
+        refs.append(ref)
+    return refs
+
+
+def preprocess(image_processor, images: list, grid: bool) -> tuple[list[np.ndarray], list[list[int]]]:
+    """Each image through the family's image processor: (pixels per image, grid per image)."""
+    if not images:
+        return [], []
+    out = image_processor(images=images, return_tensors="np")
+    values = np.asarray(out["pixel_values"], dtype=np.float32)
+    if not grid:
+        return [values[i:i + 1] for i in range(len(images))], []
+    grids = np.asarray(out["image_grid_thw"], dtype=np.int64)
+    sizes = grids.prod(axis=1)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    return [values[starts[i]:starts[i + 1]] for i in range(len(images))], grids.tolist()
+
+
+def tokens_per_image(config, pixels: np.ndarray, grid: list[int]) -> int:
+    """How many image tokens the model expects for one preprocessed image."""
+    vision = config.vision_config
+    if grid:
+        return int(np.prod(grid)) // vision.spatial_merge_size ** 2
+    patches = (pixels.shape[-2] // vision.patch_size) * (pixels.shape[-1] // vision.patch_size)
+    return patches + (1 if config.vision_feature_select_strategy == "full" else 0)
+
+
+def chat_pieces(tokenizer, messages, where: str) -> list[tuple[str, int]]:
+    """(text, 1 on assistant turns) pieces of the conversation rendered once by the chat template
+    (harness/data/chat_template.py; a template that rewrites earlier turns, like Qwen3's, would need a row per turn
+    group, each repeating the images: refused)."""
+    from harness.data.chat_template import documents, explain
+
+    try:
+        docs, whole = documents(tokenizer, messages)
+    except Exception as err:  # RenderProblem or the template's own error
+        what, fix = explain(err)
+        raise UsageError(f"{where} {what}\n    fix: {fix}") from None
+    if not whole:
+        raise UsageError(f"{where}: the chat template renders its earlier assistant turns differently once later "
+                         "messages follow (as Qwen3's drops old <think> blocks), so the conversation is not one row\n"
+                         "    fix: split the conversation into one record per user turn, or use a template that "
+                         "renders a conversation as a prefix of its continuation")
+    return [piece for doc in docs for piece in doc]
+
+
+def encode(record: dict, number: int, ctx) -> Encoded:
+    """One record -> Encoded. ctx: tokenizer, image_processor, config, grid, image_token, field, base, source."""
+    where = _where(ctx.source, number)
+    messages = record.get(ctx.field)
+    if not isinstance(messages, list) or not messages:
+        raise UsageError(f"{where}: no {ctx.field!r} list of messages\n    fix: set train.messages_field to the "
+                         "column holding the conversation")
+    refs = _refs(record, messages, where)
+    pixels, grids = preprocess(ctx.image_processor, [open_image(r, ctx.base, where) for r in refs], ctx.grid)
+    ids, mask = [], []
+    for text, loss in chat_pieces(ctx.tokenizer, messages, where):
+        piece = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [loss] * len(piece)
+    marks = [i for i, t in enumerate(ids) if t == ctx.image_token]
+    if len(marks) != len(refs):
+        raise UsageError(f"{where}: {len(refs)} image parts but the rendered conversation holds {len(marks)} image "
+                         f"placeholders (token {ctx.image_token})\n    fix: one image part per image, and no literal "
+                         "image marker in the text; or a chat template that renders image parts")
+    out_ids, out_mask, last = [], [], 0
+    for mark, pix, grid in zip(marks, pixels, grids or [[]] * len(pixels)):
+        out_ids += ids[last:mark] + [ctx.image_token] * tokens_per_image(ctx.config, pix, grid)
+        out_mask += mask[last:mark] + [0] * tokens_per_image(ctx.config, pix, grid)
+        last = mark + 1
+    return Encoded(out_ids + ids[last:], out_mask + mask[last:], pixels, grids)
+
+
+def has_images(records: list[dict], field: str) -> bool:
+    return any(image_parts(r.get(field)) or r.get(IMAGES_COLUMN) for r in records if isinstance(r, dict))
+
+
+def check_text_model(spec, records_by_file) -> None:
+    """Images under a text-only model: exit 2 with the file and record (the data's first records are read)."""
+    for path, numbers, records in records_by_file:
+        for number, record in zip(numbers or range(1, len(records) + 1), records):
+            if has_images([record], spec.messages_field):
+                raise UsageError(f"{path} record {number} has images but train.model is a text-only model\n"
+                                 "    fix: train a vision-language model (a *ForConditionalGeneration folder with "
+                                 "a vision_config, e.g. Qwen2-VL or LLaVA), or drop the image parts")

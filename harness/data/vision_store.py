@@ -1,0 +1,219 @@
+"""The store of a vision-language run: tokens and preprocessed images, written once, memory-mapped by every rank.
+
+One folder per (data source, tokenizer + chat template, image processor, model family, seq_len), named by a hash:
+    tokens.npy   int32 [rows, seq_len]  one conversation per row, right-padded (pad is never a target)
+    mask.npy     uint8 [rows, seq_len]  1 on assistant tokens (the loss), 0 on prompts, image tokens and padding
+    row_images.npy int64 [rows + 1]     row r's images are images[row_images[r]:row_images[r + 1]]
+    pixel_offsets.npy int64 [images + 1] element offsets into pixels.npy
+    pixel_shapes.npy  int64 [images, 4]  each image's preprocessed shape (leading dim concatenated per call)
+    grids.npy    int64 [images, 3]      [t, h, w] per image (Qwen-VL), zeros otherwise
+    pixels.npy   float32 [elements]     every image's pixel values back to back
+    records.npy  int64 [rows]           the record each row came from (for messages)
+    meta.json    the key and counts; written last, the folder renamed into place when complete.
+Rows are not packed: a conversation and its image tokens stay together in one row (packing several conversations
+with their images into a row is not done; a VL run says so at start-up). A conversation longer than seq_len is an
+error when it holds an image (cutting it would cut image tokens off their features), and is truncated otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from harness.data.rows import IGNORE_INDEX
+from harness.data.vision import encode
+from harness.errors import UsageError
+
+VERSION = 1
+ARRAYS = ("tokens", "mask", "row_images", "pixel_offsets", "pixel_shapes", "grids", "pixels", "records")
+
+
+def _records(spec):
+    """(source name, base folder for relative image paths, iterable of (number, record))."""
+    from harness.data.corpus import load_raw, local_source
+
+    local = local_source(spec.dataset)
+    if local is not None and all(f.endswith((".json", ".jsonl")) for f in local[1]):
+        def read():
+            number = 0
+            for name in local[1]:
+                text = Path(name).read_text()
+                rows = json.loads(text) if name.endswith(".json") else \
+                    [json.loads(line) for line in text.splitlines() if line.strip()]
+                for row in rows:
+                    number += 1
+                    yield number, row
+        return spec.dataset, Path(local[1][0]).parent, read()
+    return spec.dataset, Path.cwd(), enumerate(load_raw(spec), start=1)  # every column: the images one too
+
+
+@dataclass
+class Context:
+    tokenizer: object
+    image_processor: object
+    config: object
+    grid: bool
+    image_token: int
+    field: str
+    base: Path
+    source: str
+
+
+def store_key(spec, tokenizer, image_processor, config, seq_len: int) -> dict:
+    from harness.data.corpus import source_fingerprint
+    from harness.data.store import tokenizer_hash
+    from harness.planner.vision import family_of
+
+    processor = hashlib.sha256(image_processor.to_json_string().encode()).hexdigest()
+    return {"version": VERSION, "kind": "vision", "dataset": spec.dataset, "fingerprint": source_fingerprint(spec),
+            "field": spec.messages_field, "tokenizer_hash": tokenizer_hash(tokenizer, True),
+            "image_processor": processor, "family": family_of(config.model_type).name, "seq_len": seq_len,
+            "vision": config.vision_config.to_json_string()}
+
+
+def _write(tmp: Path, spec, ctx: Context, seq_len: int) -> dict:
+    source, base, records = _records(spec)
+    ctx.source, ctx.base = source, base
+    tokens, masks, row_images, offsets, shapes, grids, pixels, numbers = [], [], [0], [0], [], [], [], []
+    truncated = with_images = 0
+    pad = ctx.tokenizer.pad_token_id
+    for number, record in records:
+        enc = encode(record, number, ctx)
+        if len(enc.ids) > seq_len:
+            if enc.pixels:
+                raise UsageError(f"{source} record {number}: {len(enc.ids)} tokens with its image tokens, more than "
+                                 f"train.seq_len {seq_len}\n    fix: raise train.seq_len to at least {len(enc.ids)}, "
+                                 "or give the image processor a smaller max_pixels / size")
+            enc.ids, enc.mask, truncated = enc.ids[:seq_len], enc.mask[:seq_len], truncated + 1
+        row = np.full(seq_len, pad, dtype=np.int32)
+        row[:len(enc.ids)] = enc.ids
+        mask = np.zeros(seq_len, dtype=np.uint8)
+        mask[:len(enc.mask)] = enc.mask
+        tokens.append(row), masks.append(mask), numbers.append(number)
+        for i, pix in enumerate(enc.pixels):
+            pixels.append(pix.reshape(-1))
+            offsets.append(offsets[-1] + pix.size)
+            shapes.append(list(pix.shape) + [1] * (4 - pix.ndim))
+            grids.append(enc.grids[i] if enc.grids else [0, 0, 0])
+        row_images.append(row_images[-1] + len(enc.pixels))
+        with_images += bool(enc.pixels)
+    if not tokens:
+        raise UsageError(f"{source}: no records\n    fix: point train.dataset at a file with chat records")
+    arrays = {"tokens": np.stack(tokens), "mask": np.stack(masks), "row_images": np.asarray(row_images),
+              "pixel_offsets": np.asarray(offsets), "pixel_shapes": np.asarray(shapes, dtype=np.int64).reshape(-1, 4),
+              "grids": np.asarray(grids, dtype=np.int64).reshape(-1, 3),
+              "pixels": np.concatenate(pixels) if pixels else np.zeros(0, np.float32),
+              "records": np.asarray(numbers, dtype=np.int64)}
+    for name, value in arrays.items():
+        np.save(tmp / f"{name}.npy", value)
+    return {"rows": len(tokens), "with_images": with_images, "images": len(shapes), "truncated": truncated,
+            "pixel_bytes": int(arrays["pixels"].nbytes), "seq_len": seq_len}
+
+
+def _open(path: Path, key: dict) -> dict | None:
+    meta = path / "meta.json"
+    if not meta.is_file() or json.loads(meta.read_text()).get("key") != key:
+        return None
+    store = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in ARRAYS}
+    return {**store, "meta": json.loads(meta.read_text()), "path": path}
+
+
+def prepare(spec, ctx: Context, seq_len: int, root: str | None, key: dict) -> tuple[dict, bool]:
+    from harness.data.store import DEFAULT_ROOT
+
+    path = Path(root or DEFAULT_ROOT).expanduser() / f"vision-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}"
+    if (found := _open(path, key)) is not None:
+        return found, False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        meta = _write(tmp, spec, ctx, seq_len)
+        (tmp / "meta.json").write_text(json.dumps({"key": key, **meta}, indent=2) + "\n")
+        if path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _open(path, key), True
+
+
+def ensure(spec, ctx: Context, seq_len: int, root: str | None, local_rank: int, poll_s: float = 0.2):
+    """Local rank 0 prepares the store if it is missing; the node's other ranks wait for it on the file system."""
+    key = store_key(spec, ctx.tokenizer, ctx.image_processor, ctx.config, seq_len)
+    if local_rank == 0:
+        return prepare(spec, ctx, seq_len, root, key)
+    from harness.data.store import DEFAULT_ROOT
+
+    path = Path(root or DEFAULT_ROOT).expanduser() / f"vision-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}"
+    while (found := _open(path, key)) is None:
+        time.sleep(poll_s)
+    return found, False
+
+
+class VisionRows:
+    """A view (index array) over the store that quacks like harness/data/rows.Rows: shape, len, [sel], and
+    tensors() -> (input_ids, labels, Images), labels IGNORE_INDEX off the assistant turns."""
+
+    def __init__(self, store: dict, index: np.ndarray):
+        self.arrays, self.index = store, index  # not `.store`: a streamed run's rows have one (job.py reads it)
+
+    @classmethod
+    def of(cls, store: dict) -> "VisionRows":
+        return cls(store, np.arange(store["meta"]["rows"], dtype=np.int64))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.index), self.arrays["meta"]["seq_len"])
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, sel) -> "VisionRows":
+        if torch.is_tensor(sel):
+            sel = sel.numpy()
+        return VisionRows(self.arrays, self.index[sel])
+
+    @property
+    def records(self) -> np.ndarray:
+        return np.asarray(self.arrays["records"][self.index])
+
+    def num_images(self) -> int:
+        starts = self.arrays["row_images"]
+        return int(sum(starts[r + 1] - starts[r] for r in self.index))
+
+    def images(self):
+        from harness.data.vision import Images
+
+        s, pixels, grids = self.arrays, [], []
+        for row in self.index:
+            for i in range(int(s["row_images"][row]), int(s["row_images"][row + 1])):
+                lo, hi = int(s["pixel_offsets"][i]), int(s["pixel_offsets"][i + 1])
+                shape = [int(d) for d in s["pixel_shapes"][i] if True]
+                flat = np.asarray(s["pixels"][lo:hi], dtype=np.float32)
+                pixels.append(torch.from_numpy(flat.copy()).reshape(_shape(shape, hi - lo)))
+                if s["grids"][i].any():
+                    grids.append(torch.from_numpy(np.asarray(s["grids"][i], dtype=np.int64).copy()))
+        return Images(pixels, grids)
+
+    def tensors(self):
+        ids = torch.from_numpy(np.asarray(self.arrays["tokens"][self.index], dtype=np.int64))
+        keep = torch.from_numpy(np.asarray(self.arrays["mask"][self.index], dtype=bool))
+        return ids, ids.masked_fill(~keep, IGNORE_INDEX), self.images()
+
+
+def _shape(padded: list[int], size: int) -> list[int]:
+    """The stored 4-d shape back to the image's own rank (trailing 1s were padding) with the element count."""
+    shape = list(padded)
+    while len(shape) > 1 and shape[-1] == 1 and int(np.prod(shape[:-1])) == size:
+        shape.pop()
+    return shape

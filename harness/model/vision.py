@@ -1,0 +1,149 @@
+"""Vision-language models (AutoModelForImageTextToText: Qwen2-VL / Qwen2.5-VL / Qwen3-VL, LLaVA(-Next), Gemma 3, ...):
+the parts (vision tower, projector, language model), model.freeze, and the forward every rank runs.
+
+Why a forward of our own. ZeRO-3 gathers a module's parameters each time the module runs, and ZeRO-1/2 reduce a
+gradient for every parameter that has one. transformers' forward calls the vision tower only when the micro-batch
+has an image, so a rank with text only and a rank with an image run different collectives: gloo aborts ("collective
+mismatch"), NCCL hangs. Here every rank calls the vision tower exactly `num_calls` times per micro-batch (the
+trainer agrees on the number across ranks first: harness/train/vision_steps.py); a call with no real image runs on a
+tiny placeholder image, and its output enters the graph as `embeds + 0 * features.sum()`: the forward values are
+unchanged bit for bit (x + 0 == x) and the placeholder's gradient is exactly zero, while every vision parameter
+still takes part in the backward on every rank. Then the same module sequence runs everywhere: embeddings, the
+vision tower `num_calls` times, the language model, the head.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from harness.data.vision import Images  # noqa: F401 (what vl_forward takes)
+from harness.planner.vision import PARTS, parts_count as _parts_count, family_of as _family_of  # noqa: F401
+
+
+def is_vision_language(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def family_of(config):
+    """The family's parts and feeding (harness/planner/vision.py's table)."""
+    return _family_of(getattr(config, "model_type", ""))
+
+
+def image_token_id(config) -> int:
+    token = getattr(config, "image_token_id", None)
+    return token if token is not None else config.image_token_index
+
+
+def parts_count(named_params, config) -> dict[str, int]:
+    return _parts_count(named_params, getattr(config, "model_type", ""))
+
+
+def freeze(model, parts) -> int:
+    """requires_grad False on the named parts (model.freeze); the number of parameters frozen."""
+    family, frozen = family_of(model.config), 0
+    for name, param in model.named_parameters():
+        if family.part_of(name) in parts:
+            param.requires_grad_(False)
+            frozen += getattr(param, "ds_numel", param.numel())
+    return frozen
+
+
+def placeholder(config, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The smallest image the family's vision tower takes: (pixels, grid or None), zeros."""
+    vision = config.vision_config
+    if family_of(config).grid:
+        merge = vision.spatial_merge_size
+        dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        return torch.zeros(merge * merge, dim, dtype=dtype), torch.tensor([[1, merge, merge]])
+    size = vision.image_size
+    return torch.zeros(1, getattr(vision, "num_channels", 3), size, size, dtype=dtype), None
+
+
+def image_features(model, pixels: torch.Tensor, grid: torch.Tensor | None) -> torch.Tensor:
+    """One call of the vision tower (+ projector) on a chunk of images: their tokens' features, concatenated."""
+    config = model.config
+    if grid is not None:
+        out = model.model.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True)
+    else:
+        out = model.model.get_image_features(pixel_values=pixels,
+                                             vision_feature_layer=config.vision_feature_layer,
+                                             vision_feature_select_strategy=config.vision_feature_select_strategy,
+                                             return_dict=True)
+    feats = out.pooler_output
+    feats = torch.cat(list(feats), dim=0) if isinstance(feats, (list, tuple)) else feats
+    return feats.reshape(-1, feats.shape[-1])
+
+
+def num_chunks(num_images: int, per_call: int) -> int:
+    """Vision-tower calls a micro-batch with this many images needs: at least one (the placeholder)."""
+    return max(1, -(-num_images // per_call))
+
+
+def _merge(model, embeds, input_ids, images: Images, num_calls: int, per_call: int):
+    device, dtype = embeds.device, embeds.dtype
+    chunks = images.chunks(per_call)
+    assert len(chunks) <= num_calls, f"{len(chunks)} vision calls needed, {num_calls} agreed"
+    real, zero = [], None
+    for i in range(num_calls):
+        pixels, grid = chunks[i] if i < len(chunks) else placeholder(model.config, dtype)
+        feats = image_features(model, pixels.to(device, dtype), None if grid is None else grid.to(device))
+        if i < len(chunks):
+            real.append(feats)
+        else:  # the placeholder: in the graph, adds exactly nothing (module docstring)
+            zero = feats.sum() * 0.0 if zero is None else zero + feats.sum() * 0.0
+    if real:
+        mask = (input_ids == image_token_id(model.config)).unsqueeze(-1).to(device)
+        feats = torch.cat(real).to(dtype)
+        assert int(mask.sum()) == feats.shape[0], f"{int(mask.sum())} image tokens, {feats.shape[0]} features"
+        embeds = embeds.masked_scatter(mask, feats)
+    return embeds if zero is None else embeds + zero.to(dtype)
+
+
+def vl_forward(self, input_ids, labels=None, images: Images | None = None, num_calls: int = 1, per_call: int = 8,
+               **kwargs):
+    """The forward every rank runs (module docstring): kwargs go to transformers' own forward (use_cache,
+    num_items_in_batch)."""
+    images = images if images is not None else Images([], [])
+    embeds = self.get_input_embeddings()(input_ids)
+    embeds = _merge(self, embeds, input_ids, images, num_calls, per_call)
+    position_ids = None
+    if hasattr(self.model, "rope_deltas"):  # generation state: left over, it would shift a text-only row's positions
+        self.model.rope_deltas = None
+    if family_of(self.config).grid and len(images):  # 3-D rotary positions from the images' grids
+        kinds = (input_ids == image_token_id(self.config)).int()
+        position_ids, _ = self.model.get_rope_index(input_ids, mm_token_type_ids=kinds,
+                                                    image_grid_thw=torch.stack(images.grids).to(input_ids.device))
+    return type(self).forward(self, inputs_embeds=embeds, position_ids=position_ids, labels=labels, **kwargs)
+
+
+def install(model, freeze_parts=()) -> str:
+    """The harness's forward on this model object (names and checkpoints unchanged) and model.freeze; the start-up
+    note."""
+    model.forward = types.MethodType(vl_forward, model)
+    frozen = freeze(model, freeze_parts) if freeze_parts else 0
+    counts = parts_count(model.named_parameters(), model.config)
+    note = (f"vision-language ({family_of(model.config).name}): vision {counts['vision'] / 1e6:.3f}M, projector "
+            f"{counts['projector'] / 1e6:.3f}M, language {counts['language'] / 1e6:.3f}M params")
+    if freeze_parts:
+        note += f"; frozen: {', '.join(freeze_parts)} ({frozen / 1e6:.3f}M)"
+    return note
+
+
+def load_image_processor(model: str, config):
+    """The model folder's (or hub id's) image processor: AutoImageProcessor, which picks the PIL backend when
+    torchvision is missing (transformers 5: the Qwen2-VL *Processor* needs torchvision for its video half; the
+    harness needs only the image half). A vision-language model without one is an error with the fix."""
+    from transformers import AutoImageProcessor
+
+    from harness.errors import UsageError
+
+    try:
+        return AutoImageProcessor.from_pretrained(model)
+    except (OSError, ValueError, ImportError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UsageError(f"train.model {model} is a vision-language model ({config.model_type}) but its image "
+                         f"processor cannot be loaded: {first}\n    fix: the folder needs the processor's "
+                         "preprocessor_config.json (image_processor.save_pretrained(dir) or "
+                         "processor.save_pretrained(dir)); a text-only tokenizer folder is not enough") from None

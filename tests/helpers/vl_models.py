@@ -1,0 +1,117 @@
+"""Tiny vision-language folders written with save_pretrained (seeded random weights, transformers' own config
+classes): a Qwen2-VL and a LLaVA (CLIP vision tower + projector + Llama), each with the shipped tokenizer plus the
+family's image tokens, a chat template that renders image parts as the family does, and the family's image
+processor saved beside them (the PIL ones: no torchvision needed)."""
+
+from __future__ import annotations
+
+import torch
+
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+LLAVA_TOKENS = ["<image>"]
+VOCAB = 520  # the shipped tokenizer's 512 + the added image tokens, rounded up
+
+_TURN = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+         "{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE{% else %}{{ p['text'] }}{% endif %}"
+         "{% endfor %}{% endif %}<|endoftext|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+QWEN_TEMPLATE = _TURN.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>")
+LLAVA_TEMPLATE = _TURN.replace("IMAGE", "<image>\n")
+
+
+def _tokenizer(tokens: list[str], template: str):
+    from harness.model.hf import load_tokenizer
+
+    tok = load_tokenizer("tiny-llama")
+    tok.add_special_tokens({"additional_special_tokens": tokens})
+    tok.chat_template = template
+    return tok
+
+
+def qwen2_vl_folder(path, seed: int = 1234) -> str:
+    """A tiny Qwen2-VL: 2-layer vision tower (patch 14, merge 2) + merger + 2-layer Qwen2 language model."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = _tokenizer(QWEN_TOKENS, QWEN_TEMPLATE)
+    ids = tok.convert_tokens_to_ids(QWEN_TOKENS)
+    eos = tok.eos_token_id
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rope_parameters={"rope_type": "default",
+                "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}, bos_token_id=eos, eos_token_id=eos,
+                attention_dropout=0.0)
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, vision_start_token_id=ids[0],
+                           vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3],
+                           tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(path)
+    return str(path)
+
+
+def llava_folder(path, seed: int = 1234) -> str:
+    """A tiny LLaVA: 2-layer CLIP vision tower (image 28, patch 14: 4 patches + CLS) + MLP projector + Llama."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    tok = _tokenizer(LLAVA_TOKENS, LLAVA_TEMPLATE)
+    eos = tok.eos_token_id
+    text = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       bos_token_id=eos, eos_token_id=eos, attention_dropout=0.0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=28, patch_size=14, projection_dim=32)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                         vision_feature_layer=-1, vision_feature_select_strategy="default",
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    LlavaForConditionalGeneration(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    LlavaImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(path)
+    return str(path)
+
+
+def write_images(folder, count: int, seed: int = 7) -> list[str]:
+    """`count` small RGB PNGs of varied sizes (seeded noise)."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        h, w = (28, 28) if i % 3 == 0 else (40 + 6 * (i % 4), 56 + 4 * (i % 5))
+        path = folder / f"img{i}.png"
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def write_chat(path, images: list[str], kinds: list[str], seed: int = 3) -> str:
+    """A JSONL of chat records: kinds[i] 'text' (content strings), 'image' (one image part + text), 'two' (two
+    images); image paths relative to the file's folder where they lie under it."""
+    import json
+    import random
+    from pathlib import Path
+
+    rng, lines, k = random.Random(seed), [], 0
+    words = "the a cat dog red blue sky tree house runs sits big small".split()
+    for i, kind in enumerate(kinds):
+        say = " ".join(rng.choice(words) for _ in range(rng.randint(3, 7)))
+        answer = " ".join(rng.choice(words) for _ in range(rng.randint(2, 6)))
+        if kind == "text":
+            user = {"role": "user", "content": f"record {i}: {say}"}
+        else:
+            parts = []
+            for _ in range(2 if kind == "two" else 1):
+                ref = Path(images[k % len(images)])
+                k += 1
+                parts.append({"type": "image", "image": str(ref.relative_to(Path(path).parent))
+                              if ref.is_relative_to(Path(path).parent) else str(ref)})
+            user = {"role": "user", "content": [*parts, {"type": "text", "text": f"record {i}: {say}"}]}
+        lines.append(json.dumps({"messages": [user, {"role": "assistant", "content": answer}]}))
+    Path(path).write_text("\n".join(lines) + "\n")
+    return str(path)
