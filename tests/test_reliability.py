@@ -122,7 +122,7 @@ from harness.dist import exit_now
 from harness import dist as distmod
 info = distmod.init(timeout_min=0.05)  # 3 s
 if info.rank == 1:
-    time.sleep(15)  # a hung peer
+    time.sleep(300)  # a hung peer: the test kills it once rank 0 has timed out
     exit_now(0)
 start = time.monotonic()
 try:
@@ -151,8 +151,11 @@ def test_collective_timeout_ends_a_hung_collective_naming_the_setting():
                               env={**env(), "PYTHONPATH": str(ROOT), "RANK": str(r), "LOCAL_RANK": str(r),
                                    "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
              for r in (0, 1)]
-    out0 = procs[0].communicate(timeout=180)[0]
-    procs[1].communicate(timeout=180)
+    try:
+        out0 = procs[0].communicate(timeout=180)[0]
+    finally:
+        procs[1].kill()  # still hung (it would sleep on): nothing more to learn from it
+        procs[1].communicate(timeout=60)
     assert "rank 0: a collective did not complete within train.collective_timeout = 0.05 min; no answer from peer " \
            "rank 1 (127.0.0.1)" in out0, out0[-2000:]
     waited = float(out0.split("waited ")[1].split(" s")[0])
