@@ -25,6 +25,15 @@ def zero2_uninterrupted(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def nvme_runs(tmp_path_factory):
+    """The NVMe runs of test_training and test_profiling in ONE launch (tests/helpers/nvme.py): their root, run
+    folders by name. Asked for by `nvme` tests only, so where those are skipped (no libaio) it never launches."""
+    from helpers.nvme import launch_nvme_runs
+
+    return launch_nvme_runs(tmp_path_factory.mktemp("nvme"))
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real one-node Slurm cluster (tests/helpers/slurm_cluster.py), up for the session, stopped after. Where
     it cannot start (not root, Slurm not installed) the tests skip with the reason, except in CI (CI or

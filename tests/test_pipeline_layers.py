@@ -96,20 +96,13 @@ def test_partition_method_is_checked_against_the_layers():
         pipeline.check_partition_method("best", specs)
 
 
-def run_py(world: int, *argv: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
-    env["WORLD_SIZE"] = str(world)
-    return subprocess.run([sys.executable, "harness/run.py", *argv], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
-
-
 def opt_folder(tmp_path) -> str:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "opt", "hidden_size": 64, "num_hidden_layers": 4,
                                                       "num_attention_heads": 4, "vocab_size": 512}))
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("world, argv, message", [
+BAD_LAYOUTS = [
     (6, ["--recipe", "3d"], "pipeline 2 x tensor 2 = 4 does not divide the world size 6 (6 / 4 = 1.5 data-parallel"),
     (8, ["--recipe", "3d", "--set", "parallel.tensor=4"], "num_key_value_heads (2) of model tiny-llama must be "
                                                           "divisible by the tensor degree (4)"),
@@ -118,13 +111,30 @@ def opt_folder(tmp_path) -> str:
     (2, ["--recipe", "pipeline", "--set", "zero.stage=2"], "DeepSpeed refuses ZeRO-2/3 with pipeline parallelism"),
     (2, ["--recipe", "pipeline", "--model", "OPT"], "model_type 'opt') cannot be split into pipeline stages; "
                                                     "supported model types: gpt2, llama, mistral, qwen2"),
-])
-def test_bad_layouts_exit_2_before_launch(world, argv, message, tmp_path):
-    argv = [opt_folder(tmp_path) if a == "OPT" else a for a in argv]
-    proc = run_py(world, *argv)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert message in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr and "Initializing TorchBackend" not in proc.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def bad_layout_runs(tmp_path_factory) -> dict:
+    """harness/run.py's main on each bad layout, as the launcher would start it (WORLD_SIZE set, no RANK), every
+    case in ONE interpreter (tests/drivers/catalogue.py: its own exit code and fd 1/2 per case)."""
+    folder = tmp_path_factory.mktemp("layouts")
+    cases = [{"id": str(i), "argv": [opt_folder(folder) if a == "OPT" else a for a in argv],
+              "env": {"WORLD_SIZE": str(world), "RANK": None, "LOCAL_RANK": None}}
+             for i, (world, argv, _) in enumerate(BAD_LAYOUTS)]
+    (folder / "cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, "tests/drivers/catalogue.py", str(folder / "cases.json"),
+                           str(folder / "results.json")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((folder / "results.json").read_text())
+
+
+@pytest.mark.parametrize("case, message", [(str(i), m) for i, (_, _, m) in enumerate(BAD_LAYOUTS)])
+def test_bad_layouts_exit_2_before_launch(case, message, bad_layout_runs):
+    got = bad_layout_runs[case]
+    assert got["rc"] == 2, got["stderr"][-3000:]
+    assert message in got["stderr"], got["stderr"]
+    assert "Traceback" not in got["stderr"] and "Initializing TorchBackend" not in got["stderr"]
 
 
 def test_resume_of_a_zero0_layout_on_another_is_refused(tmp_path):

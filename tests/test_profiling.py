@@ -272,16 +272,11 @@ def test_report_renders_both_runs(runs):
 
 @pytest.mark.multirank
 @pytest.mark.nvme
-def test_zero_infinity_swap_buffers_and_files_are_counted(tmp_path):
-    from helpers.launch import launch
+def test_zero_infinity_swap_buffers_and_files_are_counted(nvme_runs):
+    """The swap run of tests/helpers/nvme.py (its launch is shared with test_training's NVMe run)."""
+    from helpers.nvme import SWAP_COUNT as swap_count, SWAP_ELEMS as swap_elems
 
-    run_dir, nvme = tmp_path / "run", tmp_path / "nvme"
-    swap_elems, swap_count = 1_000_000, 3  # not DeepSpeed's 5 x 1e8 (1 GB pinned per rank)
-    launch("--recipe", "zero3_nvme", "--set", f"zero.nvme_path={nvme}", "--set", "train.steps=4",
-           "--set", "train.seq_len=64", "--profile-steps", "2-3", "--set", "train.eval_every=0",
-           "--set", f"deepspeed.zero_optimization.offload_param.buffer_size={swap_elems}",
-           "--set", f"deepspeed.zero_optimization.offload_param.buffer_count={swap_count}",
-           "--output-dir", str(run_dir))
+    run_dir = nvme_runs / "swap"
     buckets = planner_memory.harness_buckets(HIDDEN)
     buckets = planner_memory.ZeroBuckets(**{**buckets.__dict__, "param_swap_buffer_elems": swap_elems,
                                             "param_swap_buffer_count": swap_count})

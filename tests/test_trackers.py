@@ -30,9 +30,18 @@ def closed_url() -> str:
     return f"http://127.0.0.1:{free_port()}"  # nothing listens there
 
 
+def compiled_ops() -> str:
+    """The torch extensions folder DeepSpeed's compiled ops sit in, whatever HOME says: under a fresh HOME the
+    ranks would compile the shm all-reduce and the optimizer's op again (minutes on 2 cores)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+
+
 @pytest.fixture
 def secrets_env(monkeypatch, tmp_path):
     """Fake credentials in the environment, no ~/.netrc or wandb settings of this machine's user."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", compiled_ops())
     monkeypatch.setenv("WANDB_API_KEY", FAKE_WANDB_KEY)
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", FAKE_MLFLOW_TOKEN)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -174,7 +183,8 @@ def tracked(tmp_path_factory):
     base = tmp_path_factory.mktemp("tracked")
     run_dir = base / "run"
     env = {"WANDB_API_KEY": FAKE_WANDB_KEY, "MLFLOW_TRACKING_TOKEN": FAKE_MLFLOW_TOKEN, "HARNESS_HARDWARE": str(PROFILE),
-           "HOME": str(base / "home"), "WANDB_CONFIG_DIR": str(base / "home" / "wandb")}
+           "HOME": str(base / "home"), "WANDB_CONFIG_DIR": str(base / "home" / "wandb"),
+           "TORCH_EXTENSIONS_DIR": compiled_ops()}
     with pytest.MonkeyPatch.context() as mp:
         for name, value in env.items():
             mp.setenv(name, value)

@@ -2,7 +2,8 @@
 
 Each launch costs ~30 s of process start-up, so the runs share ONE launch (tests/drivers/jobs.py), and each
 run checks several things: a 6-step run with a checkpoint at step 3 gives the parity trajectory, and resuming
-from that checkpoint must reproduce steps 4-6 exactly. Only the NVMe run launches on its own.
+from that checkpoint must reproduce steps 4-6 exactly. The NVMe run launches on its own, with
+test_profiling's NVMe run (conftest's nvme_runs).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from helpers.baseline import plain_pytorch_losses
 from helpers.chat_templates import TEMPLATES, write_tool_chat
 from helpers.corpora import chat_model_dir, write_instruction
 from helpers.export_checks import assert_export_equals_engine
-from helpers.launch import job_output, launch, launch_jobs, losses, records
+from helpers.launch import job_output, launch_jobs, losses, records
 from helpers.parity import (BETAS, CLIP, COMMON, EPS, EVAL_FRACTION, LR, MICRO, SEED, SEQ_LEN, STEPS, WD, assert_close,
                             assert_planner_matches_engine)
 
@@ -113,11 +114,9 @@ def test_zero2_offload_grad_accumulation(reference, runs):
 
 
 @pytest.mark.nvme
-def test_zero3_nvme_matches_offload_and_reference(reference, tmp_path):
-    nvme = tmp_path / "nvme"
-    run = tmp_path / "run"
-    launch("--recipe", "zero3_nvme", "--set", "precision=fp32", "--set", f"zero.nvme_path={nvme}",
-           "--output-dir", str(run), *COMMON)
+def test_zero3_nvme_matches_offload_and_reference(reference, nvme_runs):
+    """The fp32 parity run on zero3_nvme (tests/helpers/nvme.py; its launch is shared with test_profiling's NVMe run)."""
+    nvme, run = nvme_runs / "parity_nvme", nvme_runs / "parity"
     assert_close(losses(run), reference, FP32_RTOL)
     assert any(nvme.rglob("*")), "no swap files under nvme_path"
     print("zero3_nvme: measured / planner", assert_planner_matches_engine(run))

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(TESTS))  # the repository (harness)
 sys.path.insert(0, TESTS)  # helpers
 
 from harness.dist import exit_now  # noqa: E402
+from harness.ops import quick_start  # noqa: E402
 from helpers.launch import JOB_MARK  # noqa: E402
 
 
@@ -57,4 +58,5 @@ def main(cases_path: str) -> int:
 
 
 if __name__ == "__main__":
+    quick_start()  # harness/run.py's start-up, before DeepSpeed is imported
     exit_now(main(next(a for a in sys.argv[1:] if not a.startswith("--local_rank"))))

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(TESTS))  # the repository (harness)
 sys.path.insert(0, TESTS)  # helpers
 
 from harness.dist import exit_now  # noqa: E402
+from harness.ops import quick_start  # noqa: E402
 
 
 def disjoint(argv: list[str], dist, steps: int, micro: int, seq_len: int) -> dict:
@@ -78,4 +79,5 @@ def main(cases_path: str, result_path: str) -> int:
 
 
 if __name__ == "__main__":
+    quick_start()  # harness/run.py's start-up, before DeepSpeed is imported
     exit_now(main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")]))

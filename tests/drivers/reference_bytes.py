@@ -18,6 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from harness.dist import exit_now  # noqa: E402
+from harness.ops import quick_start  # noqa: E402
 
 THRESHOLD = 256  # elements: the norms (64) stay whole, every matrix is partitioned
 FP32 = 4
@@ -83,4 +84,5 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
+    quick_start()  # harness/run.py's start-up, before DeepSpeed is imported
     exit_now(main(next(a for a in sys.argv[1:] if not a.startswith("--local_rank"))))

@@ -18,6 +18,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from harness.dist import exit_now  # noqa: E402
+from harness.ops import quick_start  # noqa: E402
 
 SEQ, ROWS, SEED = 32, 4, 7
 STAGES = [("zero0", {"stage": 0}), ("zero1", {"stage": 1}), ("zero2", {"stage": 2}), ("zero3", {"stage": 3}),
@@ -195,5 +196,6 @@ def main(out_path: str, model_name: str, second_family: str) -> int:
 
 
 if __name__ == "__main__":
+    quick_start()  # harness/run.py's start-up, before DeepSpeed is imported
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     exit_now(main(*args))
