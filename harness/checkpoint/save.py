@@ -135,8 +135,9 @@ def save(engine, spec, dist: DistInfo, ckpt_dir: Path, step: int, client_state: 
     barrier()
     _declare_universal_info(engine.module)
     # LoRA: the frozen base is rebuilt from train.model at resume and export; only adapters are state
-    if engine.zero_optimization_stage() == 0:  # its optimizer state is by index: names for a layout change
-        client_state = {**client_state, zero0.NAMES: zero0.param_names(engine)}
+    names = zero0.param_names(engine) if engine.zero_optimization_stage() == 0 else None
+    if names is not None:  # ZeRO-0's optimizer state is by index: names for a layout change
+        client_state = {**client_state, zero0.NAMES: names}
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False,
                            exclude_frozen_parameters=frozen_excluded(spec))
     torch.save(_rng_state(), folder / f"rng_rank{dist.rank}.pt")

@@ -34,9 +34,14 @@ DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen
                   "ds_version", "universal_checkpoint_info", "checkpoint_parallel_dimensions", NAMES}
 
 
-def param_names(engine) -> list[list[str]]:
+def param_names(engine) -> list[list[str]] | None:
+    """The optimizer's parameter names per group; None where its groups hold other tensors than the module's (bf16:
+    DeepSpeed's wrapper steps fp32 masters), a layout change this module refuses (see above)."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in engine.optimizer.param_groups]
+    groups = [group["params"] for group in engine.optimizer.param_groups]
+    if not all(id(p) in names for params in groups for p in params):
+        return None
+    return [[names[id(p)] for p in params] for params in groups]
 
 
 def to_universal(source: Path, out: Path) -> None:
