@@ -20,6 +20,7 @@ from harness.config.recipes import deep_merge
 from harness.config.resolve import render_provenance
 from harness.errors import UsageError
 from harness.log import quiet_scheduler_construction, say
+from harness.data.stream_rows import StreamRows
 from harness.model import adapters
 from harness.model.lora_attach import attach
 from harness.model.moe.wiring import prepare_model as prepare_moe
@@ -338,7 +339,7 @@ def run(spec, dist) -> int:
                 code = faults.EXIT_NUMERIC_FAULT
                 return code
             result.update(startup_summary)
-            if hasattr(data.train, "store"):  # streaming: how long rank 0 waited for its node's writer
+            if isinstance(data.train, StreamRows):  # streaming: how long rank 0 waited for its node's writer
                 result["stream_wait_s"] = round(data.train.store.waited_s, 3)
             for hook in hooks:
                 result.update(hook.close() or {})

@@ -56,7 +56,7 @@ def main(out: str, argv: list[str]) -> int:
     try:
         data = job.load_data(spec, dist, load_tokenizer(spec.recipe["train"]["model"]))
         engine, _, _ = job.build_engine(spec, profiling.Startup(dist.device))
-        plan, step_fn = batch_plan(spec, dist, data.train.shape[0]), strategy(spec)[0]
+        plan, step_fn = batch_plan(spec, dist, data), strategy(spec)[0]
         during = watch_forward(engine.module)
         states = []
         for step in range(STEPS):
