@@ -22,6 +22,19 @@ def _epoch_order(num_rows: int, epoch_seed: int):
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(epoch_seed))
 
 
+def check_shape(plan) -> None:
+    """The batch arithmetic every plan (BatchPlan, MixPlan, StreamPlan) must satisfy."""
+    per_step = plan.micro_batch * plan.grad_accum * plan.dp_size
+    if min(plan.micro_batch, plan.grad_accum, plan.dp_size) < 1:
+        raise ValueError(f"micro_batch ({plan.micro_batch}), grad_accum ({plan.grad_accum}) and dp_size "
+                         f"({plan.dp_size}) must all be >= 1")
+    if plan.global_batch != per_step:
+        raise ValueError(f"global_batch ({plan.global_batch}) != micro_batch ({plan.micro_batch}) * "
+                         f"grad_accum ({plan.grad_accum}) * dp_size ({plan.dp_size}) = {per_step}")
+    if not 0 <= plan.dp_rank < plan.dp_size:
+        raise ValueError(f"dp_rank ({plan.dp_rank}) must be in [0, dp_size={plan.dp_size})")
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     num_rows: int  # packed rows (blocks of seq_len tokens) in the training split
@@ -33,15 +46,7 @@ class BatchPlan:
     seed: int = 0  # epoch e shuffles with seed + e
 
     def __post_init__(self):
-        per_step = self.micro_batch * self.grad_accum * self.dp_size
-        if min(self.micro_batch, self.grad_accum, self.dp_size) < 1:
-            raise ValueError(f"micro_batch ({self.micro_batch}), grad_accum ({self.grad_accum}) and dp_size "
-                             f"({self.dp_size}) must all be >= 1")
-        if self.global_batch != per_step:
-            raise ValueError(f"global_batch ({self.global_batch}) != micro_batch ({self.micro_batch}) * "
-                             f"grad_accum ({self.grad_accum}) * dp_size ({self.dp_size}) = {per_step}")
-        if not 0 <= self.dp_rank < self.dp_size:
-            raise ValueError(f"dp_rank ({self.dp_rank}) must be in [0, dp_size={self.dp_size})")
+        check_shape(self)
         if self.num_rows < self.global_batch:
             raise ValueError(f"only {self.num_rows} rows of data for a global batch of {self.global_batch} rows: "
                              "not one full step; use more data, a smaller batch or a shorter seq_len")

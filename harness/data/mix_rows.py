@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harness.data.batches import check_shape
 from harness.data.blend import Blend, epoch_order
 
 
@@ -76,12 +77,7 @@ class MixPlan:
     seed: int = 0
 
     def __post_init__(self):
-        per_step = self.micro_batch * self.grad_accum * self.dp_size
-        if self.global_batch != per_step:
-            raise ValueError(f"global_batch ({self.global_batch}) != micro_batch ({self.micro_batch}) * "
-                             f"grad_accum ({self.grad_accum}) * dp_size ({self.dp_size}) = {per_step}")
-        if not 0 <= self.dp_rank < self.dp_size:
-            raise ValueError(f"dp_rank ({self.dp_rank}) must be in [0, dp_size={self.dp_size})")
+        check_shape(self)
 
     @property
     def offsets(self) -> np.ndarray:

@@ -23,6 +23,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from harness.data.batches import check_shape
 from harness.data.rows import Rows
 from harness.data.shards import ShardStore
 from harness.errors import UsageError
@@ -120,6 +121,9 @@ class StreamPlan:
     dp_rank: int = 0
     dp_size: int = 1
     seed: int = 0
+
+    def __post_init__(self):
+        check_shape(self)
 
     @property
     def steps_per_epoch(self) -> int | None:
