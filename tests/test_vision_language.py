@@ -7,6 +7,7 @@ tests/test_vision_language_ranks.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -125,19 +126,24 @@ def test_planner_part_counts_equal_the_live_model(folders, family):
     assert live["vision"] > 0 and live["projector"] > 0 and live["language"] > 0
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava"])
-def test_lora_goes_on_the_language_model_not_the_tower(folders, family, tmp_path):
-    """adapter.type=lora on a vision-language model: adapters on the language model's projections only (a CLIP
-    tower's q_proj / v_proj match the default suffixes), and the harness's forward still runs through them."""
+@pytest.mark.parametrize("family,parts", [("qwen", ["language"]), ("llava", ["language"]),
+                                          ("qwen", ["projector"]), ("llava", ["language", "projector"])])
+def test_lora_goes_on_the_parts_vision_lora_names(folders, family, parts, tmp_path):
+    """adapter.type=lora with vision.lora: adapters on exactly the named parts (the language model's projections,
+    every Linear of the projector), never on the tower (a CLIP tower's q_proj / v_proj match the default
+    suffixes); the harness's forward trains every adapter B on an image row."""
     from harness.config.recipes import load_recipe
     from harness.model import adapters
     from harness.planner.vision import family_of
 
-    recipe = load_recipe("lora_zero2", [])[0]
+    recipe = load_recipe("lora_zero2", [f"vision.lora={json.dumps(parts)}"])[0]
     model = adapters.apply(model_of(folders[family]), recipe)
     part = family_of(model.config.model_type).part_of
     lora = [n for n, _ in model.named_parameters() if ".lora_A." in n]
-    assert lora and {part(n) for n in lora} == {"language"}, lora
+    assert lora and {part(n) for n in lora} == set(parts), lora
+    if "projector" in parts:  # every Linear of the projector: LLaVA linear_1 / linear_2, Qwen-VL's merger mlp.0 / mlp.2
+        assert len([n for n in lora if part(n) == "projector"]) == 2, lora
+    assert all(p.requires_grad == adapters.is_trainable_name(n) for n, p in model.named_parameters())
     rows, _ = rows_of(folders[family], folders["data"], tmp_path / "store")
     loss, grads = loss_and_grads(model, rows[1:2].tensors(), num_calls=1)
     assert torch.isfinite(loss) and all(g is not None for n, g in grads.items() if ".lora_B." in n)

@@ -50,6 +50,31 @@ def freeze(model, parts) -> int:
     return frozen
 
 
+def lora_targets(model, target_modules, parts) -> list[str]:
+    """The modules LoRA goes on in a vision-language model (vision.lora): the language model's modules whose names
+    end with one of adapter.target_modules ("language"), every Linear layer of the projector ("projector"); never
+    the vision tower. Full module names, so peft matches exactly these (a CLIP tower's q_proj is not one)."""
+    from harness.errors import UsageError
+
+    family, found = family_of(model.config), {"language": [], "projector": []}
+    for name, module in model.named_modules():
+        part = family.part_of(name + ".")
+        if part == "language" and any(name == s or name.endswith("." + s) for s in target_modules):
+            found[part].append(name)
+        elif part == "projector" and isinstance(module, torch.nn.Linear):
+            found[part].append(name)
+    if "projector" in parts and not found["projector"]:
+        raise UsageError(f"vision.lora includes projector but the projector of this {model.config.model_type} model "
+                         "has no Linear layer to adapt (Gemma 3's is one weight matrix and a norm)\n    fix: train "
+                         'the projector in full (adapter.modules_to_save=["multi_modal_projector"]) with '
+                         'vision.lora=["language"]')
+    if "language" in parts and not found["language"]:
+        raise UsageError(f"vision.lora includes language but no module of the language model ends with "
+                         f"adapter.target_modules {list(target_modules)}\n    fix: name its projections "
+                         "(q_proj, v_proj, ...) in adapter.target_modules")
+    return [name for part in PARTS if part in parts for name in found.get(part, [])]
+
+
 def placeholder(config, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The smallest image the family's vision tower takes: (pixels, grid or None), zeros."""
     vision = config.vision_config

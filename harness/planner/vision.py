@@ -65,8 +65,8 @@ def parts_count(named_params, model_type: str) -> dict[str, int]:
     return out
 
 
-def meta_parts(cfg: dict) -> dict[str, int]:
-    """The parts' parameter counts of the model transformers builds from this config (meta device)."""
+def meta_model(cfg: dict):
+    """The model transformers builds from this config, on the meta device (no memory)."""
     import torch
     import transformers
 
@@ -75,8 +75,12 @@ def meta_parts(cfg: dict) -> dict[str, int]:
     fields = dict(cfg)
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     with outside_zero3(), torch.device("meta"):
-        model = transformers.AutoModelForImageTextToText.from_config(config)
-    return parts_count(model.named_parameters(), cfg["model_type"])
+        return transformers.AutoModelForImageTextToText.from_config(config)
+
+
+def meta_parts(cfg: dict) -> dict[str, int]:
+    """The parts' parameter counts of the model transformers builds from this config (meta device)."""
+    return parts_count(meta_model(cfg).named_parameters(), cfg["model_type"])
 
 
 def image_tokens(cfg: dict, height: int, width: int) -> int:

@@ -115,6 +115,7 @@ def problems(spec, cfg: dict) -> list[Problem]:
     if recipe["train"].get("objective", "lm") != "lm":
         out.append(Problem("train.objective", f"{recipe['train']['objective']!r} for a vision-language model: only "
                            "the next-token objective (lm) reads images here", "set train.objective=lm"))
+    out += _lora_problems(recipe, cfg)
     if data.format != "chat":
         return out + [Problem("train.format", f"{data.format!r} for vision-language model "
                               f"{recipe['train']['model']}", 'train.format=chat: messages whose content parts hold the '
@@ -125,6 +126,22 @@ def problems(spec, cfg: dict) -> list[Problem]:
         why, _, fix = str(e).partition("\n    fix: ")
         return out + [Problem("train.model", why, fix)]
     return out + _record_problems(data, ctx)
+
+
+def _lora_problems(recipe, cfg: dict) -> list[Problem]:
+    """vision.lora's parts have modules to adapt (on the meta model: Gemma 3's projector has no Linear layer)."""
+    from harness.config.adapter_rules import lora_on
+    from harness.model.vision import lora_targets
+    from harness.planner.vision import meta_model
+
+    if not lora_on(recipe):
+        return []
+    try:
+        lora_targets(meta_model(cfg), recipe["adapter"]["target_modules"], recipe["vision"]["lora"])
+    except UsageError as e:
+        why, _, fix = str(e).partition("\n    fix: ")
+        return [Problem("vision.lora", why, fix)]
+    return []
 
 
 def _context(recipe, data):
