@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers.vl_models import llava_folder, qwen2_vl_folder, write_chat, write_images
+from helpers.vl_models import gemma3_folder, llava_folder, qwen2_vl_folder, write_chat, write_images
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,8 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl")
     images = write_images(root / "data" / "img", 4)
     data = write_chat(root / "data" / "chat.jsonl", images, ["text", "image", "two", "image"])
-    return {"qwen": qwen2_vl_folder(root / "qwen"), "llava": llava_folder(root / "llava"), "data": data,
-            "root": root}
+    return {"qwen": qwen2_vl_folder(root / "qwen"), "llava": llava_folder(root / "llava"),
+            "gemma": gemma3_folder(root / "gemma"), "data": data, "root": root}
 
 
 def rows_of(folder: str, data: str, store: Path):
@@ -36,6 +36,16 @@ def rows_of(folder: str, data: str, store: Path):
 
     train, _, lines = load_data(SimpleNamespace(recipe=recipe), SimpleNamespace(local_rank=0), load_tokenizer(folder))
     return train, lines
+
+
+def before_launch(folder: str, data: str, sets: list[str]) -> list:
+    """The vision-language checks a run makes before any rank starts (train/vision_checks.py)."""
+    from harness.config.recipes import load_recipe
+    from harness.model_shapes import load_model_config
+    from harness.train.vision_checks import problems
+
+    recipe = load_recipe("zero2", [f"train.model={folder}", f"train.dataset={data}", "train.format=chat", *sets])[0]
+    return problems(SimpleNamespace(recipe=recipe, pp=1, tp=1, sp=1), load_model_config(folder))
 
 
 def model_of(folder: str):
@@ -59,7 +69,7 @@ def loss_and_grads(model, batch, num_calls: int):
     return loss.detach(), {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava"])
+@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
 def test_placeholder_adds_exactly_zero(folders, family, tmp_path):
     """A text-only row with one placeholder call against the same row with no vision call at all, and an image
     row with its calls against the same row with two extra placeholder calls: loss and every gradient equal bit
@@ -91,7 +101,7 @@ def test_placeholder_adds_exactly_zero(folders, family, tmp_path):
     assert vision_grads and any(torch.count_nonzero(g) for g in vision_grads)  # real images do train the tower
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava"])
+@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
 def test_store_keeps_image_tokens_with_their_images(folders, family, tmp_path):
     """Each row's image tokens equal the features its images give, no image token is a loss target, and the
     loss covers exactly the assistant turns."""
@@ -112,7 +122,7 @@ def test_store_keeps_image_tokens_with_their_images(folders, family, tmp_path):
         assert int((labels != -100).sum()) > 0
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava"])
+@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
 def test_planner_part_counts_equal_the_live_model(folders, family):
     from harness.model_shapes import load_model_config
     from harness.planner.params import count_params
@@ -169,3 +179,76 @@ def test_plan_counts_the_tower_image_tokens_and_what_freezing_saves(folders, cap
     assert info["freeze_saves_bytes_per_rank"]["vision"] == 14 * live["vision"] // 2
     assert main(["plan", "--model", folders["qwen"], "--gpus", "2", "--gpu-mem", "80GB", "--image-size", "big"]) == 2
     assert "--image-size 'big': give HEIGHTxWIDTH" in capsys.readouterr().err
+
+
+def test_gemma3_rows_and_forward_equal_transformers_own(folders, tmp_path):
+    """Gemma 3: its template writes <start_of_image>, which the store expands as Gemma3Processor does (blank lines,
+    begin, mm_tokens_per_image image tokens, end): the stored ids and pixels equal the processor's own (it loads
+    without torchvision); the harness's forward (token_type_ids from the image tokens: bidirectional attention
+    within each image) equals transformers' forward with pixel_values and the processor's token_type_ids, in logits
+    and loss; an SGD step on the harness's loss lowers it; vision.lora=["projector"] is refused (no Linear there)."""
+    import json
+
+    from transformers import AutoTokenizer
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+    from harness.data.vision import open_image
+    from harness.errors import UsageError
+    from harness.model import vision
+    from harness.model.vision import load_image_processor, lora_targets
+
+    folder, root = folders["gemma"], folders["root"]
+    rows, _ = rows_of(folder, folders["data"], tmp_path / "store")
+    model = model_of(folder)
+    record = json.loads(Path(folders["data"]).read_text().splitlines()[1])
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processor = Gemma3Processor(image_processor=load_image_processor(folder, model.config), tokenizer=tokenizer,
+                                chat_template=tokenizer.chat_template, image_seq_length=4)
+    messages = [{**m, "content": [{**p, "image": open_image(p["image"], root / "data", "t")} if p["type"] == "image"
+                                  else p for p in m["content"]] if isinstance(m["content"], list) else m["content"]}
+                for m in record["messages"]]
+    theirs = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    ids, labels, images = rows[1:2].tensors()
+    n = theirs["input_ids"].shape[1]
+    assert torch.equal(ids[0, :n], theirs["input_ids"][0]) and int((ids[0, n:] != tokenizer.pad_token_id).sum()) == 0
+    assert torch.equal(images.pixels[0], theirs["pixel_values"])
+    assert int(theirs["token_type_ids"].sum()) == 4 and not bool((labels[0, :n][theirs["token_type_ids"][0] == 1]
+                                                                    != -100).any())
+    cut = slice(0, n)
+    with torch.no_grad():
+        ref = type(model).forward(model, input_ids=ids[:, cut], pixel_values=theirs["pixel_values"],
+                                  token_type_ids=theirs["token_type_ids"], labels=labels[:, cut])
+        ours = model(input_ids=ids[:, cut], labels=labels[:, cut], images=images, num_calls=1)
+        causal = type(model).forward(model, input_ids=ids[:, cut], pixel_values=theirs["pixel_values"])
+    assert torch.allclose(ours.logits, ref.logits, atol=1e-5, rtol=0), float((ours.logits - ref.logits).abs().max())
+    assert abs(float(ours.loss) - float(ref.loss)) <= 1e-6
+    assert not torch.allclose(causal.logits, ref.logits, atol=1e-4)  # the image block's mask matters
+    loss, _ = loss_and_grads(model, (ids, labels, images), num_calls=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.5 * p.grad if p.grad is not None else 0
+        after = model(input_ids=ids, labels=labels, images=images, num_calls=1).loss
+    assert float(after) < float(loss), (float(loss), float(after))
+    with pytest.raises(UsageError, match="has no Linear layer to adapt"):
+        lora_targets(model, ["q_proj"], ["projector"])
+    assert before_launch(folder, folders["data"], []) == []  # the records' <start_of_image> count as placeholders
+    refused = before_launch(folder, folders["data"], ["adapter.type=lora", 'vision.lora=["projector"]'])
+    assert [p.path for p in refused] == ["vision.lora"] and "Gemma 3's is one weight matrix" in refused[0].message
+    assert all(".language_model." in n for n in lora_targets(model, ["q_proj", "v_proj"], ["language"]))
+    assert vision.family_of(model.config).name == "gemma3"
+
+
+@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
+def test_load_by_share_reads_what_from_pretrained_loads(folders, family):
+    """ZeRO-3's build by module reads the folder itself (model/load/base.open_model): under the model's names
+    (transformers' renamings applied: Qwen2-VL and LLaVA store older layouts), every tensor equal to the one
+    from_pretrained loads; the tied head is the only name not read."""
+    from harness.model.load.base import open_model
+    from harness.model.load.slices import Request
+
+    _, source, _ = open_model(SimpleNamespace(recipe={"train": {"model": folders[family], "seed": 0},
+                                                      "precision": "fp32"}))
+    live = model_of(folders[family]).state_dict()
+    got = source.read({k: Request() for k in source.keys()}, torch.float32)
+    assert all(torch.equal(got[k], live[k]) for k in got)
+    assert set(live) - set(got) <= {"lm_head.weight"}

@@ -119,10 +119,24 @@ def preprocess(image_processor, images: list, grid: bool) -> tuple[list[np.ndarr
 def tokens_per_image(config, pixels: np.ndarray, grid: list[int]) -> int:
     """How many image tokens the model expects for one preprocessed image."""
     vision = config.vision_config
+    if getattr(config, "mm_tokens_per_image", None):  # Gemma 3: pooled to a fixed count
+        return config.mm_tokens_per_image
     if grid:
         return int(np.prod(grid)) // vision.spatial_merge_size ** 2
     patches = (pixels.shape[-2] // vision.patch_size) * (pixels.shape[-1] // vision.patch_size)
     return patches + (1 if config.vision_feature_select_strategy == "full" else 0)
+
+
+def image_marker(tokenizer, config) -> tuple[str, str] | None:
+    """(what the chat template writes for an image, what it stands for with ONE image token) where the two differ:
+    Gemma 3's template writes <start_of_image>, its processor expands it to "\\n\\n<start_of_image>" + the image
+    token x mm_tokens_per_image + "<end_of_image>\\n\\n" (the full_image_sequence); None for families whose
+    template writes the image token itself (Qwen-VL, LLaVA)."""
+    boi, eoi = getattr(config, "boi_token_id", None), getattr(config, "eoi_token_id", None)
+    if boi is None or eoi is None or boi >= len(tokenizer):
+        return None
+    begin, end, image = tokenizer.convert_ids_to_tokens([boi, eoi, config.image_token_id])
+    return begin, f"\n\n{begin}{image}{end}\n\n"
 
 
 def chat_pieces(tokenizer, messages, where: str) -> list[tuple[str, int]]:
@@ -153,9 +167,9 @@ def encode(record: dict, number: int, ctx) -> Encoded:
                          "column holding the conversation")
     refs = _refs(record, messages, where)
     pixels, grids = preprocess(ctx.image_processor, [open_image(r, ctx.base, where) for r in refs], ctx.grid)
-    ids, mask = [], []
+    ids, mask, marker = [], [], image_marker(ctx.tokenizer, ctx.config)
     for text, loss in chat_pieces(ctx.tokenizer, messages, where):
-        piece = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+        piece = ctx.tokenizer(text.replace(*marker) if marker else text, add_special_tokens=False)["input_ids"]
         ids += piece
         mask += [loss] * len(piece)
     marks = [i for i, t in enumerate(ids) if t == ctx.image_token]

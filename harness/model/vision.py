@@ -91,6 +91,8 @@ def image_features(model, pixels: torch.Tensor, grid: torch.Tensor | None) -> to
     config = model.config
     if grid is not None:
         out = model.model.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True)
+    elif not hasattr(config, "vision_feature_layer"):  # Gemma 3: the last layer, pooled by its projector
+        out = model.model.get_image_features(pixel_values=pixels, return_dict=True)
     else:
         out = model.model.get_image_features(pixel_values=pixels,
                                              vision_feature_layer=config.vision_feature_layer,
@@ -140,6 +142,8 @@ def vl_forward(self, input_ids, labels=None, images: Images | None = None, num_c
         kinds = (input_ids == image_token_id(self.config)).int()
         position_ids, _ = self.model.get_rope_index(input_ids, mm_token_type_ids=kinds,
                                                     image_grid_thw=torch.stack(images.grids).to(input_ids.device))
+    if family_of(self.config).token_types:  # Gemma 3: each image's tokens attend to each other (as its processor)
+        kwargs["token_type_ids"] = (input_ids == image_token_id(self.config)).long()
     return type(self).forward(self, inputs_embeds=embeds, position_ids=position_ids, labels=labels, **kwargs)
 
 
@@ -165,10 +169,15 @@ def load_image_processor(model: str, config):
     from harness.errors import UsageError
 
     try:
-        return AutoImageProcessor.from_pretrained(model)
+        processor = AutoImageProcessor.from_pretrained(model)
     except (OSError, ValueError, ImportError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UsageError(f"train.model {model} is a vision-language model ({config.model_type}) but its image "
                          f"processor cannot be loaded: {first}\n    fix: the folder needs the processor's "
                          "preprocessor_config.json (image_processor.save_pretrained(dir) or "
                          "processor.save_pretrained(dir)); a text-only tokenizer folder is not enough") from None
+    if getattr(processor, "do_pan_and_scan", False):  # Gemma 3's crops: a variable number of image blocks per image
+        raise UsageError(f"train.model {model}: its image processor has do_pan_and_scan true (Gemma 3's extra crops "
+                         "per image), which the harness does not expand into image blocks\n    fix: set "
+                         '"do_pan_and_scan": false in its preprocessor_config.json')
+    return processor

@@ -25,6 +25,7 @@ class Family:
     projector: tuple[str, ...]
     grid: bool  # Qwen-VL: patches [n, dim] + image_grid_thw per image, 3-D rotary positions
     tower_modules: str  # a regex of the vision tower's module names (projector excluded): no LoRA there
+    token_types: bool = False  # Gemma 3: token_type_ids mark the image tokens (bidirectional attention per image)
 
     def part_of(self, name: str) -> str:
         if name.startswith(self.projector):
@@ -39,6 +40,9 @@ QWEN = Family("qwen-vl", ("model.visual.",), ("model.visual.merger.",), grid=Tru
 LLAVA = Family("llava", ("model.vision_tower.",), ("model.multi_modal_projector.",), grid=False,
                tower_modules=r"(.*\.)?vision_tower\..*")
 
+GEMMA3 = Family("gemma3", LLAVA.vision, LLAVA.projector, grid=False, tower_modules=LLAVA.tower_modules,
+                token_types=True)
+
 
 def lora_exclude(config) -> str | None:
     """The modules LoRA leaves alone in a vision-language model: its vision tower (a CLIP tower's q_proj / v_proj
@@ -51,7 +55,9 @@ def lora_exclude(config) -> str | None:
 
 def family_of(model_type: str) -> Family:
     """Qwen-VL's layout (a `visual` tower with its merger) or LLaVA's (vision_tower + multi_modal_projector, which
-    LLaVA-Next, Gemma 3, Mistral 3 and most others share)."""
+    LLaVA-Next, Gemma 3, Mistral 3 and most others share; Gemma 3 also marks its image tokens' types)."""
+    if model_type == "gemma3":
+        return GEMMA3
     return QWEN if "qwen" in (model_type or "") else LLAVA
 
 
@@ -92,6 +98,8 @@ def image_tokens(cfg: dict, height: int, width: int) -> int:
         merge = vision.get("spatial_merge_size", 2)
         unit = patch * merge
         return max(1, round(height / unit)) * max(1, round(width / unit))
+    if cfg.get("mm_tokens_per_image"):  # Gemma 3: the tower's patches pooled to a fixed count
+        return cfg["mm_tokens_per_image"]
     side = vision.get("image_size", 336) // patch
     return side * side + (1 if cfg.get("vision_feature_select_strategy") == "full" else 0)
 

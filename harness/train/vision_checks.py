@@ -66,6 +66,7 @@ def _record_problems(spec, ctx) -> list[Problem]:
                                          f"paths start at the data file's folder {base}), or remove the image part")
                 if number <= HEAD_RECORDS and isinstance(messages, list):
                     text = "".join(t for t, _ in chat_pieces(ctx.tokenizer, messages, where))
+                    text = text.replace(*ctx.marker) if ctx.marker else text  # Gemma 3: <start_of_image> -> ...
                     marks = ctx.tokenizer(text, add_special_tokens=False)["input_ids"].count(ctx.image_token)
                     if marks != len(image_parts(messages)):
                         raise UsageError(f"{where}: {len(image_parts(messages))} image parts but the rendered "
@@ -163,4 +164,6 @@ def _context(recipe, data):
         raise UsageError(f"the tokenizer of {name} ({len(tokenizer)} tokens) has no image token (config "
                          f"image_token_id {token}): a text-only tokenizer\n    fix: save the model's own processor / "
                          "tokenizer in the folder (processor.save_pretrained(dir))")
-    return SimpleNamespace(tokenizer=tokenizer, image_token=token)
+    from harness.data.vision import image_marker
+
+    return SimpleNamespace(tokenizer=tokenizer, image_token=token, marker=image_marker(tokenizer, config))
