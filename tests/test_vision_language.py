@@ -252,3 +252,63 @@ def test_load_by_share_reads_what_from_pretrained_loads(folders, family):
     got = source.read({k: Request() for k in source.keys()}, torch.float32)
     assert all(torch.equal(got[k], live[k]) for k in got)
     assert set(live) - set(got) <= {"lm_head.weight"}
+
+
+def test_hf_dataset_image_column_stores_the_pixels_files_give(folders, tmp_path):
+    """A datasets.Dataset whose rows carry their images in an `images` column (Sequence(Image()), PNG bytes
+    embedded), saved as parquet: the store holds the same tokens and pixels as the same conversations with the
+    images given as files, and an SGD step on its rows lowers the loss; a single `image` column and undecoded
+    bytes ({"bytes": ...}, Image(decode=False)) read the same."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    from harness.data.vision import _refs, open_image
+
+    files = write_images(tmp_path / "img", 3)
+    kinds, messages, columns, k = ["image", "text", "two", "image"], [], [], 0
+    for i, kind in enumerate(kinds):
+        count = {"text": 0, "image": 1, "two": 2}[kind]
+        parts = [{"type": "image", "text": None}] * count + [{"type": "text", "text": f"record {i}: what?"}]
+        messages.append([{"role": "user", "content": parts},
+                         {"role": "assistant", "content": [{"type": "text", "text": f"answer {i}"}]}])
+        columns.append([files[(k + j) % len(files)] for j in range(count)])
+        k += count
+    pil = [[Image.fromarray(np.asarray(Image.open(f).convert("RGB"))) for f in paths] for paths in columns]
+    table = datasets.Dataset.from_dict({"messages": messages, "images": pil}, features=datasets.Features(
+        {"messages": [{"role": datasets.Value("string"), "content": [{"type": datasets.Value("string"),
+                                                                       "text": datasets.Value("string")}]}],
+         "images": datasets.List(datasets.Image())}))
+    parquet = tmp_path / "hf" / "train.parquet"
+    table.to_parquet(parquet)
+    as_files = [{"messages": [{**m, "content": [{**p, "image": f} if p["type"] == "image" else p for p, f in
+                                               zip(m["content"], iter_paths(m, paths))]} for m in record]}
+                for record, paths in zip(messages, columns)]
+    jsonl = tmp_path / "files.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in as_files))
+    rows, lines = rows_of(folders["qwen"], str(parquet), tmp_path / "store")
+    want, _ = rows_of(folders["qwen"], str(jsonl), tmp_path / "store")
+    assert "4 conversations (3 with images, 4 images" in lines[0], lines
+    for i in range(len(kinds)):
+        (ids, labels, images), (ids2, labels2, images2) = rows[i:i + 1].tensors(), want[i:i + 1].tensors()
+        assert torch.equal(ids, ids2) and torch.equal(labels, labels2) and len(images) == len(images2)
+        assert all(torch.equal(a, b) for a, b in zip(images.pixels + images.grids, images2.pixels + images2.grids))
+    model = model_of(folders["qwen"])
+    batch = rows[2:3].tensors()
+    loss, _ = loss_and_grads(model, batch, num_calls=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.5 * p.grad if p.grad is not None else 0
+        assert float(model(input_ids=batch[0], labels=batch[1], images=batch[2], num_calls=2).loss) < float(loss)
+    raw = datasets.Dataset.from_parquet(str(parquet)).cast_column("images", datasets.List(
+        datasets.Image(decode=False)))[0]
+    assert raw["images"][0]["bytes"] and not raw["images"][0]["path"]  # the file holds the images, not paths
+    single = {"messages": messages[0], "image": raw["images"][0]}
+    assert np.array_equal(np.asarray(open_image(_refs(single, messages[0], "t")[0], tmp_path, "t")),
+                          np.asarray(open_image(files[0], tmp_path, "t")))
+
+
+def iter_paths(message: dict, paths: list[str]):
+    """Each content part's image path (the record's next one for an image part, None for text)."""
+    taken = iter(paths)
+    return [next(taken) if p["type"] == "image" else None for p in message["content"]]

@@ -24,6 +24,7 @@ import torch
 from harness.errors import UsageError
 
 IMAGES_COLUMN = "images"  # TRL's: a record's images, taken in order by parts {"type": "image"} without a path
+IMAGE_COLUMN = "image"  # a dataset's single Image column, where it has no `images`
 
 
 @dataclass
@@ -73,6 +74,13 @@ def open_image(ref, base: Path, where: str):
 
     if hasattr(ref, "convert"):
         return ref.convert("RGB")
+    if isinstance(ref, dict) and ref.get("bytes") or isinstance(ref, (bytes, bytearray)):  # Image(decode=False)
+        import io
+
+        with Image.open(io.BytesIO(ref["bytes"] if isinstance(ref, dict) else ref)) as img:
+            return img.convert("RGB")
+    if isinstance(ref, dict):
+        ref = ref.get("path")
     path = Path(str(ref)).expanduser()
     path = path if path.is_absolute() else base / path
     if not path.is_file():
@@ -86,9 +94,16 @@ def open_image(ref, base: Path, where: str):
                          "    fix: replace it with a PNG/JPEG/WebP file Pillow can open, or remove the part") from None
 
 
+def _column(record: dict) -> list:
+    """The record's `images` column, or its single `image` column as a list of one (an HF dataset's Image)."""
+    if record.get(IMAGES_COLUMN) is not None:
+        return list(record[IMAGES_COLUMN])
+    return [record[IMAGE_COLUMN]] if record.get(IMAGE_COLUMN) is not None else []
+
+
 def _refs(record: dict, messages, where: str) -> list:
     """Each image part's path or image, the parts without one taking the `images` column in order."""
-    parts, column = image_parts(messages), list(record.get(IMAGES_COLUMN) or ())
+    parts, column = image_parts(messages), _column(record)
     refs, taken = [], 0
     for part in parts:
         ref = part.get("image") or part.get("path") or part.get("url")
@@ -186,7 +201,7 @@ def encode(record: dict, number: int, ctx) -> Encoded:
 
 
 def has_images(records: list[dict], field: str) -> bool:
-    return any(image_parts(r.get(field)) or r.get(IMAGES_COLUMN) for r in records if isinstance(r, dict))
+    return any(image_parts(r.get(field)) or _column(r) for r in records if isinstance(r, dict))
 
 
 def check_text_model(spec, records_by_file) -> None:
