@@ -1,7 +1,9 @@
-"""Vision-language models (issue 40) on tiny random Qwen2-VL and LLaVA folders built from transformers' own config
-classes (tests/helpers/vl_models.py), without DeepSpeed ranks: the placeholder vision call adds exactly zero to the
-loss and to every gradient, bit for bit; the store keeps each conversation's image tokens with its images; the
-planner's vision / projector / language parameter counts equal the live model's. The multi-rank cases (ZeRO-2/3 with
+"""Vision-language models (issue 40) on tiny random Qwen2-VL, LLaVA and Gemma 3 folders built from transformers' own
+config classes (tests/helpers/vl_models.py), without DeepSpeed ranks: the placeholder vision call adds exactly zero to
+the loss and to every gradient, bit for bit; the store keeps each conversation's image tokens with its images; the
+planner's vision / projector / language parameter counts equal the live model's; LoRA goes on the parts vision.lora
+names; Gemma 3's rows and forward equal its own processor's and transformers' forward; an HF dataset's Image column
+stores the pixels the same images as files give. The multi-rank cases (ZeRO-2/3 with
 a text-only rank 0 and an images-only rank 1 against one rank, frozen tower, resume 2 -> 1, export) are in
 tests/test_vision_language_ranks.py."""
 
@@ -163,8 +165,6 @@ def test_plan_counts_the_tower_image_tokens_and_what_freezing_saves(folders, cap
     """`harness plan --images-per-sample 2 --image-size 224x224`: the parts' counts equal the live model's, 2 x 64
     image tokens (224 / 28 = 8 merged patches a side), freezing a part saves its gradient + fp32 master + Adam
     states (2 + 4 x 3 = 14 B/param in bf16), per rank / 2 GPUs."""
-    import json
-
     from harness.cli import main
     from harness.planner.vision import parts_count
 

@@ -4,10 +4,12 @@ and its images, preprocessed once (harness/data/vision_store.py keeps them).
 A record is the chat format's `messages` list; a message's content is a string or a list of parts, as in
 transformers' and TRL's chat format: {"type": "text", "text": ...} and {"type": "image", "image": PATH} (a path
 relative to the data file's folder, or absolute). A part {"type": "image"} without a path takes the next entry of
-the record's `images` column (TRL's layout). Records without images are text-only rows and mix freely with the rest.
+the record's `images` column (TRL's layout), or its single `image` column (datasets.Image values: PIL images,
+{"bytes", "path"} dicts, bytes or paths). Records without images are text-only rows and mix freely with the rest.
 
 The conversation is rendered by the tokenizer's chat template (which writes the family's image marker for each image
-part: Qwen-VL `<|vision_start|><|image_pad|><|vision_end|>`, LLaVA `<image>`), the loss goes on assistant turns only
+part: Qwen-VL `<|vision_start|><|image_pad|><|vision_end|>`, LLaVA `<image>`, Gemma 3 `<start_of_image>`, which
+is expanded into its image block as its processor does: image_marker), the loss goes on assistant turns only
 (data/chat_template.py, as for text chat), and each image marker is expanded into as many image tokens as the image
 processor gives the image features. The counts are checked here, so a mismatch is a clear error before any rank
 trains, never a shape error inside the model.
