@@ -236,6 +236,14 @@ def test_gemma3_rows_and_forward_equal_transformers_own(folders, tmp_path):
     assert [p.path for p in refused] == ["vision.lora"] and "Gemma 3's is one weight matrix" in refused[0].message
     assert all(".language_model." in n for n in lora_targets(model, ["q_proj", "v_proj"], ["language"]))
     assert vision.family_of(model.config).name == "gemma3"
+    from harness.config.recipes import load_recipe
+    from harness.model import adapters
+
+    recipe = load_recipe("lora_zero2", ['adapter.modules_to_save=["multi_modal_projector"]'])[0]
+    lora = adapters.apply(model_of(folder), recipe)  # the documented way to train Gemma 3's projector under LoRA
+    _, grads = loss_and_grads(lora, (ids, labels, images), num_calls=1)
+    saved = [n for n in grads if ".modules_to_save." in n and "mm_input_projection_weight" in n]
+    assert saved and all(torch.count_nonzero(grads[n]) for n in saved), sorted(grads)[:5]
 
 
 @pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
