@@ -1,11 +1,13 @@
 """Vision-language runs on real DeepSpeed ranks (issue 40), tiny random Qwen2-VL and LLaVA folders, fp32, SGD:
 the data is laid out so that at every step rank 0's row is text only and rank 1's holds images (one, then two with
 vision.max_images_per_call 1: two tower calls on rank 1, two placeholder calls on rank 0). ZeRO-3 (the case that
-hangs with transformers' forward), ZeRO-2 and ZeRO-3 with a frozen vision tower finish, and their losses and grad
-norms equal a 1-rank run on the same global batch (1 micro x 2 accumulation steps) within 1e-5; the 2-rank ZeRO-3
-checkpoint (AdamW) resumes on 1 rank exactly; its export loads with transformers' own class and image processor, with logits
-equal to the engine's (the probe) and, on an image conversation, transformers' own forward (pixel_values) equal to the
-harness's. Two launches: every 2-rank case, then every 1-rank case and the resume."""
+hangs with transformers' forward), ZeRO-2, ZeRO-3 with a frozen vision tower and ZeRO-3 with LoRA on the language
+model and the projector finish, and their losses and grad norms equal a 1-rank run on the same global batch (1 micro
+x 2 accumulation steps) within 1e-5; the 2-rank ZeRO-3 checkpoint (AdamW) resumes on 1 rank exactly; its export loads
+with transformers' own class and image processor, with logits equal to the engine's (the probe) and, on an image
+conversation, transformers' own forward (pixel_values) equal to the harness's; the LoRA run's merged export loads with
+transformers' own class and equals peft's base + adapter on an image conversation. Two launches: every 2-rank case,
+then every 1-rank case and the resume."""
 
 from __future__ import annotations
 
