@@ -186,9 +186,8 @@ def test_gemma3_rows_and_forward_equal_transformers_own(folders, tmp_path):
     begin, mm_tokens_per_image image tokens, end): the stored ids and pixels equal the processor's own (it loads
     without torchvision); the harness's forward (token_type_ids from the image tokens: bidirectional attention
     within each image) equals transformers' forward with pixel_values and the processor's token_type_ids, in logits
-    and loss; an SGD step on the harness's loss lowers it; vision.lora=["projector"] is refused (no Linear there)."""
-    import json
-
+    and loss; an SGD step on the harness's loss lowers it; vision.lora=["projector"] is refused (no Linear there), the
+    projector trains in full as a module to save; pan-and-scan is refused."""
     from transformers import AutoTokenizer
     from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
@@ -244,6 +243,14 @@ def test_gemma3_rows_and_forward_equal_transformers_own(folders, tmp_path):
     _, grads = loss_and_grads(lora, (ids, labels, images), num_calls=1)
     saved = [n for n in grads if ".modules_to_save." in n and "mm_input_projection_weight" in n]
     assert saved and all(torch.count_nonzero(grads[n]) for n in saved), sorted(grads)[:5]
+    import shutil
+
+    scan = tmp_path / "pan_and_scan"  # Gemma 3's crops: refused with the fix, before any rank starts
+    shutil.copytree(folder, scan)
+    config = json.loads((scan / "preprocessor_config.json").read_text())
+    (scan / "preprocessor_config.json").write_text(json.dumps({**config, "do_pan_and_scan": True}))
+    with pytest.raises(UsageError, match='fix: set "do_pan_and_scan": false in its preprocessor_config.json'):
+        load_image_processor(str(scan), model.config)
 
 
 @pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
