@@ -186,15 +186,13 @@ def test_gemma3_rows_and_forward_equal_transformers_own(folders, tmp_path):
     begin, mm_tokens_per_image image tokens, end): the stored ids and pixels equal the processor's own (it loads
     without torchvision); the harness's forward (token_type_ids from the image tokens: bidirectional attention
     within each image) equals transformers' forward with pixel_values and the processor's token_type_ids, in logits
-    and loss; an SGD step on the harness's loss lowers it; vision.lora=["projector"] is refused (no Linear there), the
-    projector trains in full as a module to save; pan-and-scan is refused."""
+    and loss; an SGD step on the harness's loss lowers it."""
     from transformers import AutoTokenizer
     from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
     from harness.data.vision import open_image
-    from harness.errors import UsageError
     from harness.model import vision
-    from harness.model.vision import load_image_processor, lora_targets
+    from harness.model.vision import load_image_processor
 
     folder, root = folders["gemma"], folders["root"]
     rows, _ = rows_of(folder, folders["data"], tmp_path / "store")
@@ -228,24 +226,35 @@ def test_gemma3_rows_and_forward_equal_transformers_own(folders, tmp_path):
             p -= 0.5 * p.grad if p.grad is not None else 0
         after = model(input_ids=ids, labels=labels, images=images, num_calls=1).loss
     assert float(after) < float(loss), (float(loss), float(after))
+    assert vision.family_of(model.config).name == "gemma3"
+
+
+def test_gemma3_lora_parts_and_what_is_refused(folders, tmp_path):
+    """Gemma 3 under LoRA: vision.lora=["projector"] is refused before launch (its projector has no Linear layer),
+    the language model's projections take adapters, the projector trains in full as a module to save (what the
+    refusal suggests); pan-and-scan is refused with the fix. Valid records pass the checks before launch."""
+    import shutil
+
+    from harness.config.recipes import load_recipe
+    from harness.errors import UsageError
+    from harness.model import adapters
+    from harness.model.vision import load_image_processor, lora_targets
+
+    folder = folders["gemma"]
+    model = model_of(folder)
     with pytest.raises(UsageError, match="has no Linear layer to adapt"):
         lora_targets(model, ["q_proj"], ["projector"])
+    assert all(".language_model." in n for n in lora_targets(model, ["q_proj", "v_proj"], ["language"]))
     assert before_launch(folder, folders["data"], []) == []  # the records' <start_of_image> count as placeholders
     refused = before_launch(folder, folders["data"], ["adapter.type=lora", 'vision.lora=["projector"]'])
     assert [p.path for p in refused] == ["vision.lora"] and "Gemma 3's is one weight matrix" in refused[0].message
-    assert all(".language_model." in n for n in lora_targets(model, ["q_proj", "v_proj"], ["language"]))
-    assert vision.family_of(model.config).name == "gemma3"
-    from harness.config.recipes import load_recipe
-    from harness.model import adapters
-
     recipe = load_recipe("lora_zero2", ['adapter.modules_to_save=["multi_modal_projector"]'])[0]
-    lora = adapters.apply(model_of(folder), recipe)  # the documented way to train Gemma 3's projector under LoRA
-    _, grads = loss_and_grads(lora, (ids, labels, images), num_calls=1)
+    lora = adapters.apply(model, recipe)
+    rows, _ = rows_of(folder, folders["data"], tmp_path / "store")
+    _, grads = loss_and_grads(lora, rows[1:2].tensors(), num_calls=1)
     saved = [n for n in grads if ".modules_to_save." in n and "mm_input_projection_weight" in n]
     assert saved and all(torch.count_nonzero(grads[n]) for n in saved), sorted(grads)[:5]
-    import shutil
-
-    scan = tmp_path / "pan_and_scan"  # Gemma 3's crops: refused with the fix, before any rank starts
+    scan = tmp_path / "pan_and_scan"  # Gemma 3's crops
     shutil.copytree(folder, scan)
     config = json.loads((scan / "preprocessor_config.json").read_text())
     (scan / "preprocessor_config.json").write_text(json.dumps({**config, "do_pan_and_scan": True}))
