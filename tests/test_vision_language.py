@@ -128,7 +128,7 @@ def test_store_keeps_image_tokens_with_their_images(folders, family, tmp_path):
 def test_planner_part_counts_equal_the_live_model(folders, family):
     from harness.model_shapes import load_model_config
     from harness.planner.params import count_params
-    from harness.planner.vision import meta_parts, parts_count
+    from harness.planner.vision import image_tokens, meta_parts, parts_count, vision_patches
 
     cfg = load_model_config(folders[family])
     model = model_of(folders[family])
@@ -136,6 +136,16 @@ def test_planner_part_counts_equal_the_live_model(folders, family):
     assert meta_parts(cfg) == live
     assert count_params(cfg).total == sum(live.values()) == sum(p.numel() for p in model.parameters())
     assert live["vision"] > 0 and live["projector"] > 0 and live["language"] > 0
+    if family != "qwen":  # a fixed-size tower: the tokens it runs on (CLIP's CLS, SigLIP none) and those it gives
+        from harness.model import vision
+
+        size = model.config.vision_config.image_size
+        pixels, _ = vision.placeholder(model.config)
+        with torch.no_grad():
+            tower = model.model.vision_tower(pixel_values=pixels).last_hidden_state
+            feats = vision.image_features(model, pixels, None)
+        assert vision_patches(cfg, size, size) == tower.shape[1]
+        assert image_tokens(cfg, size, size) == feats.shape[0]
 
 
 @pytest.mark.parametrize("family,parts", [("qwen", ["language"]), ("llava", ["language"]),

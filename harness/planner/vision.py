@@ -109,12 +109,13 @@ ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # a transformer layer's saved activation
 
 
 def vision_patches(cfg: dict, height: int, width: int) -> int:
-    """Tokens the vision tower itself runs on for one image (before Qwen-VL's merger; LLaVA: patches + CLS)."""
+    """Tokens the vision tower itself runs on for one image (before Qwen-VL's merger; LLaVA: patches + CLIP's CLS;
+    Gemma 3: SigLIP's patches, no CLS)."""
     vision = cfg["vision_config"]
     if family_of(cfg.get("model_type")).grid:
         return image_tokens(cfg, height, width) * vision.get("spatial_merge_size", 2) ** 2
     side = vision.get("image_size", 336) // vision.get("patch_size", 14)
-    return side * side + 1
+    return side * side + (0 if str(vision.get("model_type", "")).startswith("siglip") else 1)
 
 
 def summary(cfg: dict, *, images: int, height: int, width: int, seq_len: int, micro_batch: int,
