@@ -1,19 +1,22 @@
-"""Vision-language models (issue 40) on tiny random Qwen2-VL and LLaVA folders built from transformers' own config
-classes (tests/helpers/vl_models.py), without DeepSpeed ranks: the placeholder vision call adds exactly zero to the
-loss and to every gradient, bit for bit; the store keeps each conversation's image tokens with its images; the
-planner's vision / projector / language parameter counts equal the live model's. The multi-rank cases (ZeRO-2/3 with
+"""Vision-language models (issue 40) on tiny random Qwen2-VL, LLaVA and Gemma 3 folders built from transformers' own
+config classes (tests/helpers/vl_models.py), without DeepSpeed ranks: the placeholder vision call adds exactly zero to
+the loss and to every gradient, bit for bit; the store keeps each conversation's image tokens with its images; the
+planner's vision / projector / language parameter counts equal the live model's; LoRA goes on the parts vision.lora
+names; Gemma 3's rows and forward equal its own processor's and transformers' forward; an HF dataset's Image column
+stores the pixels the same images as files give. The multi-rank cases (ZeRO-2/3 with
 a text-only rank 0 and an images-only rank 1 against one rank, frozen tower, resume 2 -> 1, export) are in
 tests/test_vision_language_ranks.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers.vl_models import llava_folder, qwen2_vl_folder, write_chat, write_images
+from helpers.vl_models import gemma3_folder, llava_folder, qwen2_vl_folder, write_chat, write_images
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +24,8 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl")
     images = write_images(root / "data" / "img", 4)
     data = write_chat(root / "data" / "chat.jsonl", images, ["text", "image", "two", "image"])
-    return {"qwen": qwen2_vl_folder(root / "qwen"), "llava": llava_folder(root / "llava"), "data": data,
-            "root": root}
+    return {"qwen": qwen2_vl_folder(root / "qwen"), "llava": llava_folder(root / "llava"),
+            "gemma": gemma3_folder(root / "gemma"), "data": data, "root": root}
 
 
 def rows_of(folder: str, data: str, store: Path):
@@ -35,6 +38,16 @@ def rows_of(folder: str, data: str, store: Path):
 
     train, _, lines = load_data(SimpleNamespace(recipe=recipe), SimpleNamespace(local_rank=0), load_tokenizer(folder))
     return train, lines
+
+
+def before_launch(folder: str, data: str, sets: list[str]) -> list:
+    """The vision-language checks a run makes before any rank starts (train/vision_checks.py)."""
+    from harness.config.recipes import load_recipe
+    from harness.model_shapes import load_model_config
+    from harness.train.vision_checks import problems
+
+    recipe = load_recipe("zero2", [f"train.model={folder}", f"train.dataset={data}", "train.format=chat", *sets])[0]
+    return problems(SimpleNamespace(recipe=recipe, pp=1, tp=1, sp=1), load_model_config(folder))
 
 
 def model_of(folder: str):
@@ -58,7 +71,7 @@ def loss_and_grads(model, batch, num_calls: int):
     return loss.detach(), {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava"])
+@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
 def test_placeholder_adds_exactly_zero(folders, family, tmp_path):
     """A text-only row with one placeholder call against the same row with no vision call at all, and an image
     row with its calls against the same row with two extra placeholder calls: loss and every gradient equal bit
@@ -90,7 +103,7 @@ def test_placeholder_adds_exactly_zero(folders, family, tmp_path):
     assert vision_grads and any(torch.count_nonzero(g) for g in vision_grads)  # real images do train the tower
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava"])
+@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
 def test_store_keeps_image_tokens_with_their_images(folders, family, tmp_path):
     """Each row's image tokens equal the features its images give, no image token is a loss target, and the
     loss covers exactly the assistant turns."""
@@ -111,11 +124,11 @@ def test_store_keeps_image_tokens_with_their_images(folders, family, tmp_path):
         assert int((labels != -100).sum()) > 0
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava"])
+@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
 def test_planner_part_counts_equal_the_live_model(folders, family):
     from harness.model_shapes import load_model_config
     from harness.planner.params import count_params
-    from harness.planner.vision import meta_parts, parts_count
+    from harness.planner.vision import image_tokens, meta_parts, parts_count, vision_patches
 
     cfg = load_model_config(folders[family])
     model = model_of(folders[family])
@@ -123,21 +136,36 @@ def test_planner_part_counts_equal_the_live_model(folders, family):
     assert meta_parts(cfg) == live
     assert count_params(cfg).total == sum(live.values()) == sum(p.numel() for p in model.parameters())
     assert live["vision"] > 0 and live["projector"] > 0 and live["language"] > 0
+    if family != "qwen":  # a fixed-size tower: the tokens it runs on (CLIP's CLS, SigLIP none) and those it gives
+        from harness.model import vision
+
+        size = model.config.vision_config.image_size
+        pixels, _ = vision.placeholder(model.config)
+        with torch.no_grad():
+            tower = model.model.vision_tower(pixel_values=pixels).last_hidden_state
+            feats = vision.image_features(model, pixels, None)
+        assert vision_patches(cfg, size, size) == tower.shape[1]
+        assert image_tokens(cfg, size, size) == feats.shape[0]
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava"])
-def test_lora_goes_on_the_language_model_not_the_tower(folders, family, tmp_path):
-    """adapter.type=lora on a vision-language model: adapters on the language model's projections only (a CLIP
-    tower's q_proj / v_proj match the default suffixes), and the harness's forward still runs through them."""
+@pytest.mark.parametrize("family,parts", [("qwen", ["language"]), ("llava", ["language"]),
+                                          ("qwen", ["projector"]), ("llava", ["language", "projector"])])
+def test_lora_goes_on_the_parts_vision_lora_names(folders, family, parts, tmp_path):
+    """adapter.type=lora with vision.lora: adapters on exactly the named parts (the language model's projections,
+    every Linear of the projector), never on the tower (a CLIP tower's q_proj / v_proj match the default
+    suffixes); the harness's forward trains every adapter B on an image row."""
     from harness.config.recipes import load_recipe
     from harness.model import adapters
     from harness.planner.vision import family_of
 
-    recipe = load_recipe("lora_zero2", [])[0]
+    recipe = load_recipe("lora_zero2", [f"vision.lora={json.dumps(parts)}"])[0]
     model = adapters.apply(model_of(folders[family]), recipe)
     part = family_of(model.config.model_type).part_of
     lora = [n for n, _ in model.named_parameters() if ".lora_A." in n]
-    assert lora and {part(n) for n in lora} == {"language"}, lora
+    assert lora and {part(n) for n in lora} == set(parts), lora
+    if "projector" in parts:  # every Linear of the projector: LLaVA linear_1 / linear_2, Qwen-VL's merger mlp.0 / mlp.2
+        assert len([n for n in lora if part(n) == "projector"]) == 2, lora
+    assert all(p.requires_grad == adapters.is_trainable_name(n) for n, p in model.named_parameters())
     rows, _ = rows_of(folders[family], folders["data"], tmp_path / "store")
     loss, grads = loss_and_grads(model, rows[1:2].tensors(), num_calls=1)
     assert torch.isfinite(loss) and all(g is not None for n, g in grads.items() if ".lora_B." in n)
@@ -147,8 +175,6 @@ def test_plan_counts_the_tower_image_tokens_and_what_freezing_saves(folders, cap
     """`harness plan --images-per-sample 2 --image-size 224x224`: the parts' counts equal the live model's, 2 x 64
     image tokens (224 / 28 = 8 merged patches a side), freezing a part saves its gradient + fp32 master + Adam
     states (2 + 4 x 3 = 14 B/param in bf16), per rank / 2 GPUs."""
-    import json
-
     from harness.cli import main
     from harness.planner.vision import parts_count
 
@@ -163,3 +189,160 @@ def test_plan_counts_the_tower_image_tokens_and_what_freezing_saves(folders, cap
     assert info["freeze_saves_bytes_per_rank"]["vision"] == 14 * live["vision"] // 2
     assert main(["plan", "--model", folders["qwen"], "--gpus", "2", "--gpu-mem", "80GB", "--image-size", "big"]) == 2
     assert "--image-size 'big': give HEIGHTxWIDTH" in capsys.readouterr().err
+
+
+def test_gemma3_rows_and_forward_equal_transformers_own(folders, tmp_path):
+    """Gemma 3: its template writes <start_of_image>, which the store expands as Gemma3Processor does (blank lines,
+    begin, mm_tokens_per_image image tokens, end): the stored ids and pixels equal the processor's own (it loads
+    without torchvision); the harness's forward (token_type_ids from the image tokens: bidirectional attention
+    within each image) equals transformers' forward with pixel_values and the processor's token_type_ids, in logits
+    and loss; an SGD step on the harness's loss lowers it."""
+    from transformers import AutoTokenizer
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+    from harness.data.vision import open_image
+    from harness.model import vision
+    from harness.model.vision import load_image_processor
+
+    folder, root = folders["gemma"], folders["root"]
+    rows, _ = rows_of(folder, folders["data"], tmp_path / "store")
+    model = model_of(folder)
+    record = json.loads(Path(folders["data"]).read_text().splitlines()[1])
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processor = Gemma3Processor(image_processor=load_image_processor(folder, model.config), tokenizer=tokenizer,
+                                chat_template=tokenizer.chat_template, image_seq_length=4)
+    messages = [{**m, "content": [{**p, "image": open_image(p["image"], root / "data", "t")} if p["type"] == "image"
+                                  else p for p in m["content"]] if isinstance(m["content"], list) else m["content"]}
+                for m in record["messages"]]
+    theirs = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    ids, labels, images = rows[1:2].tensors()
+    n = theirs["input_ids"].shape[1]
+    assert torch.equal(ids[0, :n], theirs["input_ids"][0]) and int((ids[0, n:] != tokenizer.pad_token_id).sum()) == 0
+    assert torch.equal(images.pixels[0], theirs["pixel_values"])
+    assert int(theirs["token_type_ids"].sum()) == 4 and not bool((labels[0, :n][theirs["token_type_ids"][0] == 1]
+                                                                    != -100).any())
+    cut = slice(0, n)
+    with torch.no_grad():
+        ref = type(model).forward(model, input_ids=ids[:, cut], pixel_values=theirs["pixel_values"],
+                                  token_type_ids=theirs["token_type_ids"], labels=labels[:, cut])
+        ours = model(input_ids=ids[:, cut], labels=labels[:, cut], images=images, num_calls=1)
+        causal = type(model).forward(model, input_ids=ids[:, cut], pixel_values=theirs["pixel_values"])
+    assert torch.allclose(ours.logits, ref.logits, atol=1e-5, rtol=0), float((ours.logits - ref.logits).abs().max())
+    assert abs(float(ours.loss) - float(ref.loss)) <= 1e-6
+    assert not torch.allclose(causal.logits, ref.logits, atol=1e-4)  # the image block's mask matters
+    loss, _ = loss_and_grads(model, (ids, labels, images), num_calls=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.5 * p.grad if p.grad is not None else 0
+        after = model(input_ids=ids, labels=labels, images=images, num_calls=1).loss
+    assert float(after) < float(loss), (float(loss), float(after))
+    assert vision.family_of(model.config).name == "gemma3"
+
+
+def test_gemma3_lora_parts_and_what_is_refused(folders, tmp_path):
+    """Gemma 3 under LoRA: vision.lora=["projector"] is refused before launch (its projector has no Linear layer),
+    the language model's projections take adapters, the projector trains in full as a module to save (what the
+    refusal suggests); pan-and-scan is refused with the fix. Valid records pass the checks before launch."""
+    import shutil
+
+    from harness.config.recipes import load_recipe
+    from harness.errors import UsageError
+    from harness.model import adapters
+    from harness.model.vision import load_image_processor, lora_targets
+
+    folder = folders["gemma"]
+    model = model_of(folder)
+    with pytest.raises(UsageError, match="has no Linear layer to adapt"):
+        lora_targets(model, ["q_proj"], ["projector"])
+    assert all(".language_model." in n for n in lora_targets(model, ["q_proj", "v_proj"], ["language"]))
+    assert before_launch(folder, folders["data"], []) == []  # the records' <start_of_image> count as placeholders
+    refused = before_launch(folder, folders["data"], ["adapter.type=lora", 'vision.lora=["projector"]'])
+    assert [p.path for p in refused] == ["vision.lora"] and "Gemma 3's is one weight matrix" in refused[0].message
+    recipe = load_recipe("lora_zero2", ['adapter.modules_to_save=["multi_modal_projector"]'])[0]
+    lora = adapters.apply(model, recipe)
+    rows, _ = rows_of(folder, folders["data"], tmp_path / "store")
+    _, grads = loss_and_grads(lora, rows[1:2].tensors(), num_calls=1)
+    saved = [n for n in grads if ".modules_to_save." in n and "mm_input_projection_weight" in n]
+    assert saved and all(torch.count_nonzero(grads[n]) for n in saved), sorted(grads)[:5]
+    scan = tmp_path / "pan_and_scan"  # Gemma 3's crops
+    shutil.copytree(folder, scan)
+    config = json.loads((scan / "preprocessor_config.json").read_text())
+    (scan / "preprocessor_config.json").write_text(json.dumps({**config, "do_pan_and_scan": True}))
+    with pytest.raises(UsageError, match='fix: set "do_pan_and_scan": false in its preprocessor_config.json'):
+        load_image_processor(str(scan), model.config)
+
+
+@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
+def test_load_by_share_reads_what_from_pretrained_loads(folders, family):
+    """ZeRO-3's build by module reads the folder itself (model/load/base.open_model): under the model's names
+    (transformers' renamings applied: Qwen2-VL and LLaVA store older layouts), every tensor equal to the one
+    from_pretrained loads; the tied head is the only name not read."""
+    from harness.model.load.base import open_model
+    from harness.model.load.slices import Request
+
+    _, source, _ = open_model(SimpleNamespace(recipe={"train": {"model": folders[family], "seed": 0},
+                                                      "precision": "fp32"}))
+    live = model_of(folders[family]).state_dict()
+    got = source.read({k: Request() for k in source.keys()}, torch.float32)
+    assert all(torch.equal(got[k], live[k]) for k in got)
+    assert set(live) - set(got) <= {"lm_head.weight"}
+
+
+def test_hf_dataset_image_column_stores_the_pixels_files_give(folders, tmp_path):
+    """A datasets.Dataset whose rows carry their images in an `images` column (Sequence(Image()), PNG bytes
+    embedded), saved as parquet: the store holds the same tokens and pixels as the same conversations with the
+    images given as files, and an SGD step on its rows lowers the loss; a single `image` column and undecoded
+    bytes ({"bytes": ...}, Image(decode=False)) read the same."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    from harness.data.vision import _refs, open_image
+
+    files = write_images(tmp_path / "img", 3)
+    kinds, messages, columns, k = ["image", "text", "two", "image"], [], [], 0
+    for i, kind in enumerate(kinds):
+        count = {"text": 0, "image": 1, "two": 2}[kind]
+        parts = [{"type": "image", "text": None}] * count + [{"type": "text", "text": f"record {i}: what?"}]
+        messages.append([{"role": "user", "content": parts},
+                         {"role": "assistant", "content": [{"type": "text", "text": f"answer {i}"}]}])
+        columns.append([files[(k + j) % len(files)] for j in range(count)])
+        k += count
+    pil = [[Image.fromarray(np.asarray(Image.open(f).convert("RGB"))) for f in paths] for paths in columns]
+    table = datasets.Dataset.from_dict({"messages": messages, "images": pil}, features=datasets.Features(
+        {"messages": [{"role": datasets.Value("string"), "content": [{"type": datasets.Value("string"),
+                                                                       "text": datasets.Value("string")}]}],
+         "images": datasets.List(datasets.Image())}))
+    parquet = tmp_path / "hf" / "train.parquet"
+    table.to_parquet(parquet)
+    as_files = [{"messages": [{**m, "content": [{**p, "image": f} if p["type"] == "image" else p for p, f in
+                                               zip(m["content"], iter_paths(m, paths))]} for m in record]}
+                for record, paths in zip(messages, columns)]
+    jsonl = tmp_path / "files.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in as_files))
+    rows, lines = rows_of(folders["qwen"], str(parquet), tmp_path / "store")
+    want, _ = rows_of(folders["qwen"], str(jsonl), tmp_path / "store")
+    assert "4 conversations (3 with images, 4 images" in lines[0], lines
+    for i in range(len(kinds)):
+        (ids, labels, images), (ids2, labels2, images2) = rows[i:i + 1].tensors(), want[i:i + 1].tensors()
+        assert torch.equal(ids, ids2) and torch.equal(labels, labels2) and len(images) == len(images2)
+        assert all(torch.equal(a, b) for a, b in zip(images.pixels + images.grids, images2.pixels + images2.grids))
+    model = model_of(folders["qwen"])
+    batch = rows[2:3].tensors()
+    loss, _ = loss_and_grads(model, batch, num_calls=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.5 * p.grad if p.grad is not None else 0
+        assert float(model(input_ids=batch[0], labels=batch[1], images=batch[2], num_calls=2).loss) < float(loss)
+    raw = datasets.Dataset.from_parquet(str(parquet)).cast_column("images", datasets.List(
+        datasets.Image(decode=False)))[0]
+    assert raw["images"][0]["bytes"] and not raw["images"][0]["path"]  # the file holds the images, not paths
+    single = {"messages": messages[0], "image": raw["images"][0]}
+    assert np.array_equal(np.asarray(open_image(_refs(single, messages[0], "t")[0], tmp_path, "t")),
+                          np.asarray(open_image(files[0], tmp_path, "t")))
+
+
+def iter_paths(message: dict, paths: list[str]):
+    """Each content part's image path (the record's next one for an image part, None for text)."""
+    taken = iter(paths)
+    return [next(taken) if p["type"] == "image" else None for p in message["content"]]

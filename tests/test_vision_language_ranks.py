@@ -1,15 +1,18 @@
 """Vision-language runs on real DeepSpeed ranks (issue 40), tiny random Qwen2-VL and LLaVA folders, fp32, SGD:
 the data is laid out so that at every step rank 0's row is text only and rank 1's holds images (one, then two with
 vision.max_images_per_call 1: two tower calls on rank 1, two placeholder calls on rank 0). ZeRO-3 (the case that
-hangs with transformers' forward), ZeRO-2 and ZeRO-3 with a frozen vision tower finish, and their losses and grad
-norms equal a 1-rank run on the same global batch (1 micro x 2 accumulation steps) within 1e-5; the 2-rank ZeRO-3
-checkpoint (AdamW) resumes on 1 rank exactly; its export loads with transformers' own class and image processor, with logits
-equal to the engine's (the probe) and, on an image conversation, transformers' own forward (pixel_values) equal to the
-harness's. Two launches: every 2-rank case, then every 1-rank case and the resume."""
+hangs with transformers' forward), ZeRO-2, ZeRO-3 with a frozen vision tower and ZeRO-3 with LoRA on the language
+model and the projector finish, and their losses and grad norms equal a 1-rank run on the same global batch (1 micro
+x 2 accumulation steps) within 1e-5; the 2-rank ZeRO-3 checkpoint (AdamW) resumes on 1 rank exactly; its export loads
+with transformers' own class and image processor, with logits equal to the engine's (the probe) and, on an image
+conversation, transformers' own forward (pixel_values) equal to the harness's; the LoRA run's merged export loads with
+transformers' own class and equals peft's base + adapter on an image conversation. Two launches: every 2-rank case,
+then every 1-rank case and the resume."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -23,7 +26,9 @@ from helpers.vl_models import llava_folder, qwen2_vl_folder, write_chat, write_i
 STEPS, ROWS, SEED, TOL = 2, 8, 1234, 1e-5
 CASES = [("qwen_zero3", "qwen", "zero3", []), ("qwen_zero2", "qwen", "zero2", []),
          ("qwen_zero3_frozen_vision", "qwen", "zero3", ["--set", 'vision.freeze=["vision"]']),
-         ("llava_zero3", "llava", "zero3", []), ("llava_zero2", "llava", "zero2", [])]
+         ("llava_zero3", "llava", "zero3", []), ("llava_zero2", "llava", "zero2", []),
+         ("qwen_zero3_lora", "qwen", "zero3", ["--set", "adapter.type=lora", "--set", "adapter.r=4",
+                                               "--set", 'vision.lora=["language","projector"]'])]
 # resumed on 1 rank: AdamW (DeepSpeed's universal conversion of a ZeRO-3 checkpoint reads Adam's exp_avg / exp_avg_sq;
 # plain SGD keeps no optimizer state and the conversion fails with KeyError)
 RESUMED = ("qwen_zero3_adamw", "qwen", "zero3", ["--set", "optimizer.type=adamw", "--set", "optimizer.lr=0.001"])
@@ -102,12 +107,31 @@ def test_resume_on_one_rank_continues_exactly(launched):
     _close("resumed step 2 grad_norm", resumed[0]["grad_norm"], two[1]["grad_norm"])
 
 
+def image_inputs(folder: Path, root: Path, config) -> dict:
+    """An image conversation of the data as transformers' own classes prepare it: the tokenizer's chat template,
+    the image processor's pixels, the image token repeated once per merged patch."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from harness.data.vision import open_image
+
+    processor, tokenizer = AutoImageProcessor.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    record = next(json.loads(line) for line in (root / "data" / "chat.jsonl").read_text().splitlines()
+                  if '"image"' in line)
+    text = tokenizer.apply_chat_template(record["messages"], tokenize=False)
+    image = open_image(record["messages"][0]["content"][0]["image"], root / "data", "test")
+    pixels = processor(images=[image], return_tensors="pt")
+    merge = config.vision_config.spatial_merge_size ** 2
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * int(pixels["image_grid_thw"].prod() // merge))
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    return {"input_ids": ids, "pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"],
+            "mm_token_type_ids": (ids == config.image_token_id).int()}
+
+
 @pytest.mark.multirank
 def test_export_loads_with_transformers_class_and_processor(launched, tmp_path, capsys):
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration
 
     from harness.model import vision
-    from harness.data.vision import open_image
 
     root, _ = launched
     out = tmp_path / "export"
@@ -115,20 +139,43 @@ def test_export_loads_with_transformers_class_and_processor(launched, tmp_path, 
     said = capsys.readouterr().out
     assert "max |logit diff| 0.00e+00" in said and "AutoModelForImageTextToText" in said, said
     model = Qwen2VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
-    processor, tokenizer = AutoImageProcessor.from_pretrained(out), AutoTokenizer.from_pretrained(out)
-    record = next(json.loads(line) for line in (root / "data" / "chat.jsonl").read_text().splitlines()
-                  if '"image"' in line)
-    text = tokenizer.apply_chat_template(record["messages"], tokenize=False)
-    image = open_image(record["messages"][0]["content"][0]["image"], root / "data", "test")
-    pixels = processor(images=[image], return_tensors="pt")
-    merge = model.config.vision_config.spatial_merge_size ** 2
-    text = text.replace("<|image_pad|>", "<|image_pad|>" * int(pixels["image_grid_thw"].prod() // merge))
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    kinds = (ids == model.config.image_token_id).int()
+    inputs = image_inputs(out, root, model.config)
     with torch.no_grad():
-        theirs = model(input_ids=ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
-                       mm_token_type_ids=kinds).logits
+        theirs = model(**inputs).logits
         vision.install(model)
-        ours = model(input_ids=ids, images=vision.Images([pixels["pixel_values"]], [pixels["image_grid_thw"][0]]),
-                     num_calls=1).logits
+        ours = model(input_ids=inputs["input_ids"], images=vision.Images([inputs["pixel_values"]],
+                     [inputs["image_grid_thw"][0]]), num_calls=1).logits
     assert torch.allclose(theirs, ours, atol=1e-5, rtol=0), float((theirs - ours).abs().max())
+
+
+@pytest.mark.multirank
+def test_merged_lora_export_loads_with_transformers_class(launched, tmp_path, capsys):
+    """The 2-rank ZeRO-3 LoRA run (language model + projector): `harness export` merges the adapters into the
+    base (W + s B A, the folder's keys read under transformers' renamings) and checks the text probe against the
+    engine's logits; on an image conversation, transformers' own class on the merged folder equals peft's base +
+    adapter (the adapter-only export), so the projector's merged adapters are right too."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import Qwen2VLForConditionalGeneration
+
+    root, _ = launched
+    run, merged, adapter = root / "qwen_zero3_lora_r2", tmp_path / "merged", tmp_path / "adapter"
+    assert main(["export", str(run), "--out", str(merged)]) == 0
+    said = capsys.readouterr().out
+    assert main(["export", str(run), "--out", str(adapter), "--adapter-only"]) == 0
+    said += capsys.readouterr().out
+    diffs = [float(d) for d in re.findall(r"max \|logit diff\| ([0-9.e+-]+)", said)]
+    assert len(diffs) == 2 and max(diffs) <= 1e-5, said
+    model = Qwen2VLForConditionalGeneration.from_pretrained(merged, dtype=torch.float32).eval()
+    base = Qwen2VLForConditionalGeneration.from_pretrained(root / "qwen", dtype=torch.float32)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    projector = [k for k in tensors if ".merger." in k and ".lora_B." in k]
+    assert len(projector) == 2 and all(torch.count_nonzero(tensors[k]) for k in projector), sorted(tensors)
+    assert not torch.equal(model.model.visual.merger.mlp[0].weight, base.model.visual.merger.mlp[0].weight)
+    peft = PeftModel.from_pretrained(base, adapter).eval()
+    inputs = image_inputs(merged, root, model.config)
+    with torch.no_grad():
+        ours, theirs = model(**inputs).logits, peft(**inputs).logits
+    worst = float((ours - theirs).abs().max())
+    assert worst <= 1e-5, worst
+    print(f"[vl] merged LoRA export: probe |logit diff| {diffs}; image conversation merged vs peft {worst:.2e}")

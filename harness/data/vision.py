@@ -4,10 +4,12 @@ and its images, preprocessed once (harness/data/vision_store.py keeps them).
 A record is the chat format's `messages` list; a message's content is a string or a list of parts, as in
 transformers' and TRL's chat format: {"type": "text", "text": ...} and {"type": "image", "image": PATH} (a path
 relative to the data file's folder, or absolute). A part {"type": "image"} without a path takes the next entry of
-the record's `images` column (TRL's layout). Records without images are text-only rows and mix freely with the rest.
+the record's `images` column (TRL's layout), or its single `image` column (datasets.Image values: PIL images,
+{"bytes", "path"} dicts, bytes or paths). Records without images are text-only rows and mix freely with the rest.
 
 The conversation is rendered by the tokenizer's chat template (which writes the family's image marker for each image
-part: Qwen-VL `<|vision_start|><|image_pad|><|vision_end|>`, LLaVA `<image>`), the loss goes on assistant turns only
+part: Qwen-VL `<|vision_start|><|image_pad|><|vision_end|>`, LLaVA `<image>`, Gemma 3 `<start_of_image>`, which
+is expanded into its image block as its processor does: image_marker), the loss goes on assistant turns only
 (data/chat_template.py, as for text chat), and each image marker is expanded into as many image tokens as the image
 processor gives the image features. The counts are checked here, so a mismatch is a clear error before any rank
 trains, never a shape error inside the model.
@@ -24,6 +26,7 @@ import torch
 from harness.errors import UsageError
 
 IMAGES_COLUMN = "images"  # TRL's: a record's images, taken in order by parts {"type": "image"} without a path
+IMAGE_COLUMN = "image"  # a dataset's single Image column, where it has no `images`
 
 
 @dataclass
@@ -73,6 +76,13 @@ def open_image(ref, base: Path, where: str):
 
     if hasattr(ref, "convert"):
         return ref.convert("RGB")
+    if isinstance(ref, dict) and ref.get("bytes") or isinstance(ref, (bytes, bytearray)):  # Image(decode=False)
+        import io
+
+        with Image.open(io.BytesIO(ref["bytes"] if isinstance(ref, dict) else ref)) as img:
+            return img.convert("RGB")
+    if isinstance(ref, dict):
+        ref = ref.get("path")
     path = Path(str(ref)).expanduser()
     path = path if path.is_absolute() else base / path
     if not path.is_file():
@@ -86,9 +96,16 @@ def open_image(ref, base: Path, where: str):
                          "    fix: replace it with a PNG/JPEG/WebP file Pillow can open, or remove the part") from None
 
 
+def _column(record: dict) -> list:
+    """The record's `images` column, or its single `image` column as a list of one (an HF dataset's Image)."""
+    if record.get(IMAGES_COLUMN) is not None:
+        return list(record[IMAGES_COLUMN])
+    return [record[IMAGE_COLUMN]] if record.get(IMAGE_COLUMN) is not None else []
+
+
 def _refs(record: dict, messages, where: str) -> list:
     """Each image part's path or image, the parts without one taking the `images` column in order."""
-    parts, column = image_parts(messages), list(record.get(IMAGES_COLUMN) or ())
+    parts, column = image_parts(messages), _column(record)
     refs, taken = [], 0
     for part in parts:
         ref = part.get("image") or part.get("path") or part.get("url")
@@ -119,10 +136,24 @@ def preprocess(image_processor, images: list, grid: bool) -> tuple[list[np.ndarr
 def tokens_per_image(config, pixels: np.ndarray, grid: list[int]) -> int:
     """How many image tokens the model expects for one preprocessed image."""
     vision = config.vision_config
+    if getattr(config, "mm_tokens_per_image", None):  # Gemma 3: pooled to a fixed count
+        return config.mm_tokens_per_image
     if grid:
         return int(np.prod(grid)) // vision.spatial_merge_size ** 2
     patches = (pixels.shape[-2] // vision.patch_size) * (pixels.shape[-1] // vision.patch_size)
     return patches + (1 if config.vision_feature_select_strategy == "full" else 0)
+
+
+def image_marker(tokenizer, config) -> tuple[str, str] | None:
+    """(what the chat template writes for an image, what it stands for with ONE image token) where the two differ:
+    Gemma 3's template writes <start_of_image>, its processor expands it to "\\n\\n<start_of_image>" + the image
+    token x mm_tokens_per_image + "<end_of_image>\\n\\n" (the full_image_sequence); None for families whose
+    template writes the image token itself (Qwen-VL, LLaVA)."""
+    boi, eoi = getattr(config, "boi_token_id", None), getattr(config, "eoi_token_id", None)
+    if boi is None or eoi is None or boi >= len(tokenizer):
+        return None
+    begin, end, image = tokenizer.convert_ids_to_tokens([boi, eoi, config.image_token_id])
+    return begin, f"\n\n{begin}{image}{end}\n\n"
 
 
 def chat_pieces(tokenizer, messages, where: str) -> list[tuple[str, int]]:
@@ -153,9 +184,9 @@ def encode(record: dict, number: int, ctx) -> Encoded:
                          "column holding the conversation")
     refs = _refs(record, messages, where)
     pixels, grids = preprocess(ctx.image_processor, [open_image(r, ctx.base, where) for r in refs], ctx.grid)
-    ids, mask = [], []
+    ids, mask, marker = [], [], image_marker(ctx.tokenizer, ctx.config)
     for text, loss in chat_pieces(ctx.tokenizer, messages, where):
-        piece = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+        piece = ctx.tokenizer(text.replace(*marker) if marker else text, add_special_tokens=False)["input_ids"]
         ids += piece
         mask += [loss] * len(piece)
     marks = [i for i, t in enumerate(ids) if t == ctx.image_token]
@@ -172,7 +203,7 @@ def encode(record: dict, number: int, ctx) -> Encoded:
 
 
 def has_images(records: list[dict], field: str) -> bool:
-    return any(image_parts(r.get(field)) or r.get(IMAGES_COLUMN) for r in records if isinstance(r, dict))
+    return any(image_parts(r.get(field)) or _column(r) for r in records if isinstance(r, dict))
 
 
 def check_text_model(spec, records_by_file) -> None:

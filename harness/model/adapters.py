@@ -30,13 +30,15 @@ def scaling(adapter: dict) -> float:
     return adapter["alpha"] / (math.sqrt(r) if adapter["use_rslora"] else r)
 
 
-def lora_config(adapter: dict, model_type: str, base: str = "", exclude: str | None = None):
-    """peft.LoraConfig for the recipe's adapter block (also what adapter_config.json holds)."""
+def lora_config(adapter: dict, model_type: str, base: str = "", exclude: str | None = None,
+                targets: list[str] | None = None):
+    """peft.LoraConfig for the recipe's adapter block (also what adapter_config.json holds). targets: the module
+    names that get adapters, where the harness chose them (a vision-language model's vision.lora parts)."""
     from peft import LoraConfig
 
     to_save = list(adapter["modules_to_save"]) + (router_modules(model_type) if adapter.get("train_router") else [])
     return LoraConfig(r=adapter["r"], lora_alpha=adapter["alpha"], lora_dropout=adapter["dropout"],
-                      target_modules=list(adapter["target_modules"]),
+                      target_modules=list(adapter["target_modules"] if targets is None else targets),
                       target_parameters=list(adapter.get("target_parameters", [])) or None,
                       modules_to_save=to_save or None, use_rslora=adapter["use_rslora"],
                       use_dora=adapter["use_dora"], fan_in_fan_out=model_type == "gpt2",  # GPT-2's Conv1D
@@ -81,11 +83,14 @@ def apply(model, recipe: dict, *, seed: int | None = None, hf_model=None):
     model, which names them), in place; only the adapters (and modules_to_save) stay trainable. Returns model."""
     from peft import inject_adapter_in_model
 
+    from harness.model import vision
     from harness.planner.vision import lora_exclude
 
     adapter, hf_model = recipe["adapter"], model if hf_model is None else hf_model
     seed = recipe["train"]["seed"] if seed is None else seed
-    config = lora_config(adapter, hf_model.config.model_type, exclude=lora_exclude(hf_model.config))
+    targets = vision.lora_targets(hf_model, adapter["target_modules"], recipe["vision"]["lora"]) \
+        if vision.is_vision_language(hf_model.config) else None  # the parts vision.lora names
+    config = lora_config(adapter, hf_model.config.model_type, exclude=lora_exclude(hf_model.config), targets=targets)
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     _init_peft_layers(model, seed, hf_model)
     for name, param in model.named_parameters():

@@ -50,6 +50,31 @@ def freeze(model, parts) -> int:
     return frozen
 
 
+def lora_targets(model, target_modules, parts) -> list[str]:
+    """The modules LoRA goes on in a vision-language model (vision.lora): the language model's modules whose names
+    end with one of adapter.target_modules ("language"), every Linear layer of the projector ("projector"); never
+    the vision tower. Full module names, so peft matches exactly these (a CLIP tower's q_proj is not one)."""
+    from harness.errors import UsageError
+
+    family, found = family_of(model.config), {"language": [], "projector": []}
+    for name, module in model.named_modules():
+        part = family.part_of(name + ".")
+        if part == "language" and any(name == s or name.endswith("." + s) for s in target_modules):
+            found[part].append(name)
+        elif part == "projector" and isinstance(module, torch.nn.Linear):
+            found[part].append(name)
+    if "projector" in parts and not found["projector"]:
+        raise UsageError(f"vision.lora includes projector but the projector of this {model.config.model_type} model "
+                         "has no Linear layer to adapt (Gemma 3's is one weight matrix and a norm)\n    fix: train "
+                         'the projector in full (adapter.modules_to_save=["multi_modal_projector"]) with '
+                         'vision.lora=["language"]')
+    if "language" in parts and not found["language"]:
+        raise UsageError(f"vision.lora includes language but no module of the language model ends with "
+                         f"adapter.target_modules {list(target_modules)}\n    fix: name its projections "
+                         "(q_proj, v_proj, ...) in adapter.target_modules")
+    return [name for part in PARTS if part in parts for name in found.get(part, [])]
+
+
 def placeholder(config, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The smallest image the family's vision tower takes: (pixels, grid or None), zeros."""
     vision = config.vision_config
@@ -66,6 +91,8 @@ def image_features(model, pixels: torch.Tensor, grid: torch.Tensor | None) -> to
     config = model.config
     if grid is not None:
         out = model.model.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True)
+    elif not hasattr(config, "vision_feature_layer"):  # Gemma 3: the last layer, pooled by its projector
+        out = model.model.get_image_features(pixel_values=pixels, return_dict=True)
     else:
         out = model.model.get_image_features(pixel_values=pixels,
                                              vision_feature_layer=config.vision_feature_layer,
@@ -115,6 +142,8 @@ def vl_forward(self, input_ids, labels=None, images: Images | None = None, num_c
         kinds = (input_ids == image_token_id(self.config)).int()
         position_ids, _ = self.model.get_rope_index(input_ids, mm_token_type_ids=kinds,
                                                     image_grid_thw=torch.stack(images.grids).to(input_ids.device))
+    if family_of(self.config).token_types:  # Gemma 3: each image's tokens attend to each other (as its processor)
+        kwargs["token_type_ids"] = (input_ids == image_token_id(self.config)).long()
     return type(self).forward(self, inputs_embeds=embeds, position_ids=position_ids, labels=labels, **kwargs)
 
 
@@ -140,10 +169,15 @@ def load_image_processor(model: str, config):
     from harness.errors import UsageError
 
     try:
-        return AutoImageProcessor.from_pretrained(model)
+        processor = AutoImageProcessor.from_pretrained(model)
     except (OSError, ValueError, ImportError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UsageError(f"train.model {model} is a vision-language model ({config.model_type}) but its image "
                          f"processor cannot be loaded: {first}\n    fix: the folder needs the processor's "
                          "preprocessor_config.json (image_processor.save_pretrained(dir) or "
                          "processor.save_pretrained(dir)); a text-only tokenizer folder is not enough") from None
+    if getattr(processor, "do_pan_and_scan", False):  # Gemma 3's crops: a variable number of image blocks per image
+        raise UsageError(f"train.model {model}: its image processor has do_pan_and_scan true (Gemma 3's extra crops "
+                         "per image), which the harness does not expand into image blocks\n    fix: set "
+                         '"do_pan_and_scan": false in its preprocessor_config.json')
+    return processor

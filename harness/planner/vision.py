@@ -25,6 +25,7 @@ class Family:
     projector: tuple[str, ...]
     grid: bool  # Qwen-VL: patches [n, dim] + image_grid_thw per image, 3-D rotary positions
     tower_modules: str  # a regex of the vision tower's module names (projector excluded): no LoRA there
+    token_types: bool = False  # Gemma 3: token_type_ids mark the image tokens (bidirectional attention per image)
 
     def part_of(self, name: str) -> str:
         if name.startswith(self.projector):
@@ -39,6 +40,9 @@ QWEN = Family("qwen-vl", ("model.visual.",), ("model.visual.merger.",), grid=Tru
 LLAVA = Family("llava", ("model.vision_tower.",), ("model.multi_modal_projector.",), grid=False,
                tower_modules=r"(.*\.)?vision_tower\..*")
 
+GEMMA3 = Family("gemma3", LLAVA.vision, LLAVA.projector, grid=False, tower_modules=LLAVA.tower_modules,
+                token_types=True)
+
 
 def lora_exclude(config) -> str | None:
     """The modules LoRA leaves alone in a vision-language model: its vision tower (a CLIP tower's q_proj / v_proj
@@ -51,7 +55,9 @@ def lora_exclude(config) -> str | None:
 
 def family_of(model_type: str) -> Family:
     """Qwen-VL's layout (a `visual` tower with its merger) or LLaVA's (vision_tower + multi_modal_projector, which
-    LLaVA-Next, Gemma 3, Mistral 3 and most others share)."""
+    LLaVA-Next, Gemma 3, Mistral 3 and most others share; Gemma 3 also marks its image tokens' types)."""
+    if model_type == "gemma3":
+        return GEMMA3
     return QWEN if "qwen" in (model_type or "") else LLAVA
 
 
@@ -65,8 +71,8 @@ def parts_count(named_params, model_type: str) -> dict[str, int]:
     return out
 
 
-def meta_parts(cfg: dict) -> dict[str, int]:
-    """The parts' parameter counts of the model transformers builds from this config (meta device)."""
+def meta_model(cfg: dict):
+    """The model transformers builds from this config, on the meta device (no memory)."""
     import torch
     import transformers
 
@@ -75,8 +81,12 @@ def meta_parts(cfg: dict) -> dict[str, int]:
     fields = dict(cfg)
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     with outside_zero3(), torch.device("meta"):
-        model = transformers.AutoModelForImageTextToText.from_config(config)
-    return parts_count(model.named_parameters(), cfg["model_type"])
+        return transformers.AutoModelForImageTextToText.from_config(config)
+
+
+def meta_parts(cfg: dict) -> dict[str, int]:
+    """The parts' parameter counts of the model transformers builds from this config (meta device)."""
+    return parts_count(meta_model(cfg).named_parameters(), cfg["model_type"])
 
 
 def image_tokens(cfg: dict, height: int, width: int) -> int:
@@ -88,6 +98,8 @@ def image_tokens(cfg: dict, height: int, width: int) -> int:
         merge = vision.get("spatial_merge_size", 2)
         unit = patch * merge
         return max(1, round(height / unit)) * max(1, round(width / unit))
+    if cfg.get("mm_tokens_per_image"):  # Gemma 3: the tower's patches pooled to a fixed count
+        return cfg["mm_tokens_per_image"]
     side = vision.get("image_size", 336) // patch
     return side * side + (1 if cfg.get("vision_feature_select_strategy") == "full" else 0)
 
@@ -97,12 +109,13 @@ ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # a transformer layer's saved activation
 
 
 def vision_patches(cfg: dict, height: int, width: int) -> int:
-    """Tokens the vision tower itself runs on for one image (before Qwen-VL's merger; LLaVA: patches + CLS)."""
+    """Tokens the vision tower itself runs on for one image (before Qwen-VL's merger; LLaVA: patches + CLIP's CLS;
+    Gemma 3: SigLIP's patches, no CLS)."""
     vision = cfg["vision_config"]
     if family_of(cfg.get("model_type")).grid:
         return image_tokens(cfg, height, width) * vision.get("spatial_merge_size", 2) ** 2
     side = vision.get("image_size", 336) // vision.get("patch_size", 14)
-    return side * side + 1
+    return side * side + (0 if str(vision.get("model_type", "")).startswith("siglip") else 1)
 
 
 def summary(cfg: dict, *, images: int, height: int, width: int, seq_len: int, micro_batch: int,

@@ -66,6 +66,7 @@ def _record_problems(spec, ctx) -> list[Problem]:
                                          f"paths start at the data file's folder {base}), or remove the image part")
                 if number <= HEAD_RECORDS and isinstance(messages, list):
                     text = "".join(t for t, _ in chat_pieces(ctx.tokenizer, messages, where))
+                    text = text.replace(*ctx.marker) if ctx.marker else text  # Gemma 3: <start_of_image> -> ...
                     marks = ctx.tokenizer(text, add_special_tokens=False)["input_ids"].count(ctx.image_token)
                     if marks != len(image_parts(messages)):
                         raise UsageError(f"{where}: {len(image_parts(messages))} image parts but the rendered "
@@ -115,6 +116,7 @@ def problems(spec, cfg: dict) -> list[Problem]:
     if recipe["train"].get("objective", "lm") != "lm":
         out.append(Problem("train.objective", f"{recipe['train']['objective']!r} for a vision-language model: only "
                            "the next-token objective (lm) reads images here", "set train.objective=lm"))
+    out += _lora_problems(recipe, cfg)
     if data.format != "chat":
         return out + [Problem("train.format", f"{data.format!r} for vision-language model "
                               f"{recipe['train']['model']}", 'train.format=chat: messages whose content parts hold the '
@@ -125,6 +127,22 @@ def problems(spec, cfg: dict) -> list[Problem]:
         why, _, fix = str(e).partition("\n    fix: ")
         return out + [Problem("train.model", why, fix)]
     return out + _record_problems(data, ctx)
+
+
+def _lora_problems(recipe, cfg: dict) -> list[Problem]:
+    """vision.lora's parts have modules to adapt (on the meta model: Gemma 3's projector has no Linear layer)."""
+    from harness.config.adapter_rules import lora_on
+    from harness.model.vision import lora_targets
+    from harness.planner.vision import meta_model
+
+    if not lora_on(recipe):
+        return []
+    try:
+        lora_targets(meta_model(cfg), recipe["adapter"]["target_modules"], recipe["vision"]["lora"])
+    except UsageError as e:
+        why, _, fix = str(e).partition("\n    fix: ")
+        return [Problem("vision.lora", why, fix)]
+    return []
 
 
 def _context(recipe, data):
@@ -146,4 +164,6 @@ def _context(recipe, data):
         raise UsageError(f"the tokenizer of {name} ({len(tokenizer)} tokens) has no image token (config "
                          f"image_token_id {token}): a text-only tokenizer\n    fix: save the model's own processor / "
                          "tokenizer in the folder (processor.save_pretrained(dir))")
-    return SimpleNamespace(tokenizer=tokenizer, image_token=token)
+    from harness.data.vision import image_marker
+
+    return SimpleNamespace(tokenizer=tokenizer, image_token=token, marker=image_marker(tokenizer, config))

@@ -1,5 +1,5 @@
 """Tiny vision-language folders written with save_pretrained (seeded random weights, transformers' own config
-classes): a Qwen2-VL and a LLaVA (CLIP vision tower + projector + Llama), each with the shipped tokenizer plus the
+classes): a Qwen2-VL, a LLaVA (CLIP vision tower + projector + Llama) and a Gemma 3 (SigLIP + Gemma 3), each with the shipped tokenizer plus the
 family's image tokens, a chat template that renders image parts as the family does, and the family's image
 processor saved beside them (the PIL ones: no torchvision needed)."""
 
@@ -71,6 +71,42 @@ def llava_folder(path, seed: int = 1234) -> str:
     LlavaForConditionalGeneration(config).save_pretrained(path)
     tok.save_pretrained(path)
     LlavaImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(path)
+    return str(path)
+
+
+GEMMA_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+
+
+def gemma3_folder(path, seed: int = 1234) -> str:
+    """A tiny Gemma 3: 2-layer SigLIP tower (image 56, patch 14: 16 patches, pooled to 4 image tokens) + Gemma 3's
+    projector + 2-layer Gemma 3 text model (one sliding, one full attention layer); Gemma 3's own chat template
+    (tests/fixtures/chat_templates), its image tokens as its tokenizer names them (boi / eoi / image token), and
+    its PIL image processor (no torchvision)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from helpers.chat_templates import template_tokenizer
+
+    tok = template_tokenizer("gemma3")
+    tok.add_special_tokens({"additional_special_tokens": GEMMA_TOKENS})
+    tok._set_model_specific_special_tokens(dict(zip(("boi_token", "eoi_token", "image_token"), GEMMA_TOKENS)))
+    boi, eoi, image = tok.convert_tokens_to_ids(GEMMA_TOKENS)
+    text = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                            sliding_window=32, layer_types=["sliding_attention", "full_attention"],
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id, attention_dropout=0.0)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=56, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=boi,
+                          eoi_token_index=eoi, image_token_index=image, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # transformers initialises the projector's matrix to zeros: give the images a say
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.05)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    Gemma3ImageProcessorPil(size={"height": 56, "width": 56}).save_pretrained(path)
     return str(path)
 
 

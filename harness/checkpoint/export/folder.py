@@ -29,12 +29,11 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from harness.checkpoint.export.state import (PROBE, TOLERANCE, CheckpointRef, find_checkpoint, open_state,
-                                             train_dtype)
+from harness.checkpoint.export.state import (IMAGE_PROCESSOR, PROBE, TOLERANCE, CheckpointRef, find_checkpoint,
+                                             open_state, train_dtype)
 from harness.config.defaults import PRECISION_DTYPES
 from harness.errors import UsageError
 
-IMAGE_PROCESSOR = "preprocessor_config.json"  # what image_processor.save_pretrained writes
 DEFAULT_SHARD_SIZE = "5GB"  # save_pretrained's default in transformers 5
 
 

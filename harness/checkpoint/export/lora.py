@@ -77,6 +77,7 @@ def merged_lazy(manifest: dict, state: dict, model) -> dict:
     (small) are read once. `model`: the meta model, for names and shapes."""
     from harness.checkpoint.export.ckpt_tensors import Lazy
     from harness.model.load.base import open_source
+    from harness.model.load.renamed import renamed_view
     from harness.model.load.slices import Request
 
     trained = {k: v.read().float() for k, v in state.items() if adapters.is_trainable_name(k)}
@@ -89,7 +90,7 @@ def merged_lazy(manifest: dict, state: dict, model) -> dict:
     if saved and getattr(model.config, "tie_word_embeddings", False):
         raise UsageError(f"modules_to_save {sorted(saved)} on a model with tied embeddings: the merged folder would "
                          "tie the trained copy back to the frozen embedding\n    fix: export with --adapter-only")
-    source = open_source(manifest["model"], int(manifest.get("seed", 0)))
+    source = renamed_view(open_source(manifest["model"], int(manifest.get("seed", 0))), model)  # VL folders' keys
     fan_in_fan_out = model.config.model_type == "gpt2"  # Conv1D stores W transposed
 
     def read(name: str) -> torch.Tensor:
@@ -135,14 +136,27 @@ def export_adapter(ref, manifest: dict, out: Path, dtype: torch.dtype) -> dict:
     base = base_model(manifest)
     from harness.planner.vision import lora_exclude
 
+    vision = lora_exclude(base.config) is not None  # a vision-language model: the modules the run adapted, by name
     config = adapters.lora_config(adapter, base.config.model_type, base=manifest["model"],
-                                  exclude=lora_exclude(base.config))
+                                  exclude=lora_exclude(base.config), targets=sorted(_lora_modules(state)) if vision
+                                  else None)
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     tensors = {adapters.peft_key(k): v.to(dtype).contiguous() for k, v in state.items()}
     save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
     AutoTokenizer.from_pretrained(ref.ckpt_dir / "hf").save_pretrained(out)
+    _copy_image_processor(ref, out)
     model = PeftModel.from_pretrained(base, out).eval()
     return {"max_logit_diff": _check(ref, manifest, model, "adapter"), "tensors": len(state), "shards": 1,
             "adapter_params": sum(v.numel() for v in state.values()),
             "total_size_bytes": sum(v.numel() * v.element_size() for v in tensors.values())}
+
+
+def _copy_image_processor(ref, out: Path) -> None:
+    """A vision-language run's image processor beside the adapter (as beside a merged export)."""
+    import shutil
+
+    from harness.checkpoint.export.state import IMAGE_PROCESSOR
+
+    if (ref.ckpt_dir / "hf" / IMAGE_PROCESSOR).is_file():
+        shutil.copy(ref.ckpt_dir / "hf" / IMAGE_PROCESSOR, out / IMAGE_PROCESSOR)

@@ -15,6 +15,7 @@ from harness.config.defaults import PRECISION_DTYPES
 from harness.errors import UsageError
 
 PROBE = "probe.pt"
+IMAGE_PROCESSOR = "preprocessor_config.json"  # what image_processor.save_pretrained writes (vision-language)
 TOLERANCE = {"fp32": 1e-4, "bf16": 0.25, "fp16": 0.05}  # max |logit diff| vs the engine, by the coarser dtype
 
 
