@@ -7,6 +7,8 @@ One folder per (data source, tokenizer + chat template, image processor, model f
     pixel_offsets.npy int64 [images + 1] element offsets into pixels.npy
     pixel_shapes.npy  int64 [images, 4]  each image's preprocessed shape (leading dim concatenated per call)
     grids.npy    int64 [images, 3]      [t, h, w] per image (Qwen-VL), zeros otherwise
+    kinds.npy    int8 [images]          1 an image, 2 a video (harness/data/video.py: frames grouped in time)
+    seconds.npy  float64 [images]       a video's seconds per temporal patch (Qwen2.5-VL's time positions), else 0
     pixels.npy   float32 [elements]     every image's pixel values back to back
     records.npy  int64 [rows]           the record each row came from (for messages)
     meta.json    the key and counts; written last, the folder renamed into place when complete.
@@ -23,18 +25,20 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from harness.data.rows import IGNORE_INDEX
+from harness.data.video import DEFAULTS as VIDEO_DEFAULTS
 from harness.data.vision import encode
 from harness.errors import UsageError
 
-VERSION = 1
-ARRAYS = ("tokens", "mask", "row_images", "pixel_offsets", "pixel_shapes", "grids", "pixels", "records")
+VERSION = 2  # 2: kinds and seconds (videos)
+ARRAYS = ("tokens", "mask", "row_images", "pixel_offsets", "pixel_shapes", "grids", "pixels", "records", "kinds",
+          "seconds")
 
 
 def _records(spec):
@@ -66,9 +70,10 @@ class Context:
     field: str
     base: Path
     source: str
+    video_defaults: dict = field(default_factory=lambda: dict(VIDEO_DEFAULTS))  # video.defaults_of(model folder)
 
 
-def store_key(spec, tokenizer, image_processor, config, seq_len: int) -> dict:
+def store_key(spec, tokenizer, image_processor, config, seq_len: int, video_defaults: dict | None = None) -> dict:
     from harness.data.corpus import source_fingerprint
     from harness.data.store import tokenizer_hash
     from harness.planner.vision import family_of
@@ -77,13 +82,14 @@ def store_key(spec, tokenizer, image_processor, config, seq_len: int) -> dict:
     return {"version": VERSION, "kind": "vision", "dataset": spec.dataset, "fingerprint": source_fingerprint(spec),
             "field": spec.messages_field, "tokenizer_hash": tokenizer_hash(tokenizer, True),
             "image_processor": processor, "family": family_of(config.model_type).name, "seq_len": seq_len,
-            "vision": config.vision_config.to_json_string()}
+            "vision": config.vision_config.to_json_string(), "video_defaults": video_defaults or VIDEO_DEFAULTS}
 
 
 def _write(tmp: Path, spec, ctx: Context, seq_len: int) -> dict:
     source, base, records = _records(spec)
     ctx.source, ctx.base = source, base
     tokens, masks, row_images, offsets, shapes, grids, pixels, numbers = [], [], [0], [0], [], [], [], []
+    kinds, seconds = [], []
     truncated = with_images = 0
     pad = ctx.tokenizer.pad_token_id
     for number, record in records:
@@ -104,6 +110,8 @@ def _write(tmp: Path, spec, ctx: Context, seq_len: int) -> dict:
             offsets.append(offsets[-1] + pix.size)
             shapes.append(list(pix.shape) + [1] * (4 - pix.ndim))
             grids.append(enc.grids[i] if enc.grids else [0, 0, 0])
+            kinds.append(enc.kinds[i] if enc.kinds else 1)
+            seconds.append(enc.seconds[i] if enc.seconds else 0.0)
         row_images.append(row_images[-1] + len(enc.pixels))
         with_images += bool(enc.pixels)
     if not tokens:
@@ -112,10 +120,12 @@ def _write(tmp: Path, spec, ctx: Context, seq_len: int) -> dict:
               "pixel_offsets": np.asarray(offsets), "pixel_shapes": np.asarray(shapes, dtype=np.int64).reshape(-1, 4),
               "grids": np.asarray(grids, dtype=np.int64).reshape(-1, 3),
               "pixels": np.concatenate(pixels) if pixels else np.zeros(0, np.float32),
-              "records": np.asarray(numbers, dtype=np.int64)}
+              "records": np.asarray(numbers, dtype=np.int64), "kinds": np.asarray(kinds, dtype=np.int8),
+              "seconds": np.asarray(seconds, dtype=np.float64)}
     for name, value in arrays.items():
         np.save(tmp / f"{name}.npy", value)
     return {"rows": len(tokens), "with_images": with_images, "images": len(shapes), "truncated": truncated,
+            "videos": int((arrays["kinds"] == 2).sum()),
             "pixel_bytes": int(arrays["pixels"].nbytes), "seq_len": seq_len}
 
 
@@ -149,7 +159,7 @@ def prepare(spec, ctx: Context, seq_len: int, root: str | None, key: dict) -> tu
 
 def ensure(spec, ctx: Context, seq_len: int, root: str | None, local_rank: int, poll_s: float = 0.2):
     """Local rank 0 prepares the store if it is missing; the node's other ranks wait for it on the file system."""
-    key = store_key(spec, ctx.tokenizer, ctx.image_processor, ctx.config, seq_len)
+    key = store_key(spec, ctx.tokenizer, ctx.image_processor, ctx.config, seq_len, ctx.video_defaults)
     if local_rank == 0:
         return prepare(spec, ctx, seq_len, root, key)
     from harness.data.store import DEFAULT_ROOT
@@ -194,7 +204,7 @@ class VisionRows:
     def images(self):
         from harness.data.vision import Images
 
-        s, pixels, grids = self.arrays, [], []
+        s, pixels, grids, kinds, seconds = self.arrays, [], [], [], []
         for row in self.index:
             for i in range(int(s["row_images"][row]), int(s["row_images"][row + 1])):
                 lo, hi = int(s["pixel_offsets"][i]), int(s["pixel_offsets"][i + 1])
@@ -203,7 +213,9 @@ class VisionRows:
                 pixels.append(torch.from_numpy(flat.copy()).reshape(_shape(shape, hi - lo)))
                 if s["grids"][i].any():
                     grids.append(torch.from_numpy(np.asarray(s["grids"][i], dtype=np.int64).copy()))
-        return Images(pixels, grids)
+                kinds.append(int(s["kinds"][i]))
+                seconds.append(float(s["seconds"][i]))
+        return Images(pixels, grids, kinds, seconds)
 
     def tensors(self):
         ids = torch.from_numpy(np.asarray(self.arrays["tokens"][self.index], dtype=np.int64))
