@@ -170,8 +170,9 @@ def test_video_and_image_equal_transformers_forward(folders, family, tmp_path):
 
 
 def test_video_file_decoded_with_pyav_and_teaching_error_without(folders, tmp_path, monkeypatch):
-    """An 8-frame 4 fps MPEG-4 sampled at fps 2: frames 0, 2, 4, 6 (transformers' sampling), 2 s per... grid t 2,
-    1 s per temporal patch; with `import av` failing, a UsageError that names the file and the fix."""
+    """An 8-frame 4 fps MPEG-4 (2 s) sampled at the default fps 2: frames 0, 2, 4, 6 (transformers' sampling), grid
+    t 2, 1 s per temporal patch, the patches of exactly those decoded frames; with `import av` failing, a UsageError
+    that names the file and the fix."""
     import av
 
     from harness.data.video import DEFAULTS, encode_video
@@ -191,3 +192,24 @@ def test_video_file_decoded_with_pyav_and_teaching_error_without(folders, tmp_pa
     with pytest.raises(UsageError) as err:
         encode_video({"type": "video", "video": "clip.mp4"}, ctx, "r 1", open_image)
     assert "needs PyAV to be decoded" in str(err.value) and "pip install av" in str(err.value)
+
+
+def test_frame_folder_thinned_to_max_frames_and_folder_defaults(folders, tmp_path):
+    """A folder of 10 frames (name order) with max_frames 4 keeps frames 0, 2, 5, 7 (uniform, as sample_frames):
+    the patches of exactly those frames, grid t 2, and fps 3 (the frames' rate) thinned by 4 / 10 -> 1.2 frames a
+    second, 2 / 1.2 s per temporal patch. A video_preprocessor_config.json beside the model sets the defaults."""
+    from harness.data.video import DEFAULTS, defaults_of, encode_video, patches
+    from harness.data.vision import open_image
+
+    paths = write_frames(tmp_path / "clip", 10)
+    ctx = SimpleNamespace(image_processor=processor(folders["qwen"]), base=tmp_path, video_defaults=dict(DEFAULTS))
+    got = encode_video({"type": "video", "video": "clip", "max_frames": 4, "fps": 3}, ctx, "r 1", open_image)
+    want, grid = patches(ctx.image_processor, frames_of([paths[i] for i in (0, 2, 5, 7)]), {})
+    assert got.grid == grid and grid[0] == 2 and np.array_equal(got.pixels, want)
+    assert got.second_per_grid == pytest.approx(2 / 1.2)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "video_preprocessor_config.json").write_text(json.dumps(
+        {"fps": 1.0, "max_frames": 16, "size": {"shortest_edge": 3136, "longest_edge": 50176}}))
+    assert defaults_of(str(model)) == {"fps": 1.0, "min_frames": 4, "max_frames": 16, "min_pixels": 3136,
+                                       "max_pixels": 50176}

@@ -114,10 +114,9 @@ def defaults_of(model_dir: str | None) -> dict:
     path = Path(model_dir or "") / "video_preprocessor_config.json"
     if model_dir and path.is_file():
         saved = json.loads(path.read_text())
-        out.update({k: saved[k] for k in SAMPLING_KEYS if saved.get(k) is not None})
         size = saved.get("size") or {}
-        out.update({"min_pixels": size.get("shortest_edge"), "max_pixels": size.get("longest_edge")})
-        out = {k: v for k, v in out.items() if v is not None}
+        saved.update({"min_pixels": size.get("shortest_edge"), "max_pixels": size.get("longest_edge")} if size else {})
+        out.update({k: saved[k] for k in SAMPLING_KEYS if saved.get(k) is not None})
     return out
 
 
