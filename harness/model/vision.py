@@ -102,19 +102,24 @@ def _merge(model, embeds, input_ids, images: Images, num_calls: int, per_call: i
 
 
 def vl_forward(self, input_ids, labels=None, images: Images | None = None, num_calls: int = 1, per_call: int = 8,
-               **kwargs):
+               position_ids=None, **kwargs):
     """The forward every rank runs (module docstring): kwargs go to transformers' own forward (use_cache,
-    num_items_in_batch)."""
+    num_items_in_batch). position_ids: a packed row's text positions, restarting per conversation (train.packing
+    document): LLaVA-style families take them as they are, Qwen-VL's 3-D ones are computed per conversation."""
     images = images if images is not None else Images([], [])
     embeds = self.get_input_embeddings()(input_ids)
     embeds = _merge(self, embeds, input_ids, images, num_calls, per_call)
-    position_ids = None
     if hasattr(self.model, "rope_deltas"):  # generation state: left over, it would shift a text-only row's positions
         self.model.rope_deltas = None
-    if family_of(self.config).grid and len(images):  # 3-D rotary positions from the images' grids
+    if family_of(self.config).grid and (len(images) or position_ids is not None):  # 3-D rotary positions
         kinds = (input_ids == image_token_id(self.config)).int()
-        position_ids, _ = self.model.get_rope_index(input_ids, mm_token_type_ids=kinds,
-                                                    image_grid_thw=torch.stack(images.grids).to(input_ids.device))
+        grids = torch.stack(images.grids).to(input_ids.device) if len(images) else None
+        if position_ids is None:
+            position_ids, _ = self.model.get_rope_index(input_ids, mm_token_type_ids=kinds, image_grid_thw=grids)
+        else:
+            from harness.model.vision_positions import packed_rope
+
+            position_ids = packed_rope(self, input_ids, position_ids.to(input_ids.device), kinds, {1: grids})
     return type(self).forward(self, inputs_embeds=embeds, position_ids=position_ids, labels=labels, **kwargs)
 
 
