@@ -94,7 +94,9 @@ def run(args, model: Path, data: Path, out: Path, frozen: bool) -> dict:
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
     timed = train[args.warmup_steps:]
     rows_per_step = train[0]["samples_per_s"] * train[0]["step_time_s"]
-    images_per_step = rows_per_step / 2  # every other record has one image
+    store = next(m for m in map(json.loads, map(Path.read_text, (out.parent / "stores").glob("vision-*/meta.json")))
+                 if m["seq_len"] == seq)
+    images_per_step = rows_per_step * store["images"] / store["rows"]  # packed rows: conversations x images each
     seconds = sum(r["step_time_s"] for r in timed)
     memory = summary["memory"]
     return {"images_per_s": images_per_step * len(timed) / seconds, "steps_timed": len(timed),
