@@ -2,15 +2,17 @@
 positions cost, side by side in one invocation, in process on one CPU process (no ranks: the ratios are the point).
 
     python bench/vlm_packing.py [--size tiny|small] [--records 48] [--image-size 112] [--seq-len 512] [--repeats 2]
+                                [--device cpu|cuda] [--attention sdpa|flash_attention_2|flex_attention|eager]
 
 A Qwen2-VL of bench/vlm.py's size, a chat JSONL where every other record has one image (the rest text only), the
 vision store at --seq-len. The same conversations run forward + backward (fp32, micro-batch 1) two ways:
     packed       the store's rows (whole conversations packed, train.packing=document: per-conversation positions,
                  Qwen-VL's 3-D ones computed per conversation, the document mask)
     one per row  each conversation alone in a row of --seq-len, right-padded (the layout before packing)
-Reported: rows, the share of positions that are padding, conversations/s each way and their ratio, and the time
-spent computing the packed rows' positions (harness/model/vision_positions.packed_rope) against one get_rope_index
-over the whole row, per row.
+Reported: rows, the share of positions that are padding, conversations/s each way and their ratio, the summed loss
+of all conversations both ways (equal where the document mask and positions hold: the check for flash-attention's
+varlen and flex_attention on a GPU, bench/gpu_check.sh's vlm_packing case), and the time spent computing the packed
+rows' positions (harness/model/vision_positions.packed_rope) against one get_rope_index over the whole row, per row.
 """
 
 from __future__ import annotations
@@ -67,18 +69,27 @@ def one_per_row(packed, seq_len: int, pad: int, token: int) -> list[tuple]:
     return out
 
 
-def timed(model, batches, repeats: int) -> float:
+def timed(model, batches, repeats: int, device: str) -> tuple[float, float]:
+    """(seconds per pass over the batches, the summed cross-entropy over every target of the last pass)."""
+    import torch
+
     from harness.data.rows import loss_items
 
-    start = time.perf_counter()
+    start, total = time.perf_counter(), 0.0
     for _ in range(repeats):
+        total = torch.zeros((), dtype=torch.float64, device=device)
         for batch in batches:
             ids, labels, images, *positions = batch
+            items = loss_items(labels)
             model.zero_grad(set_to_none=True)
-            model(input_ids=ids, labels=labels, images=images, num_calls=max(1, len(images)), per_call=8,
-                  position_ids=positions[0] if positions else None, use_cache=False,
-                  num_items_in_batch=loss_items(labels)).loss.backward()
-    return (time.perf_counter() - start) / repeats
+            loss = model(input_ids=ids.to(device), labels=labels.to(device), images=images,
+                         num_calls=max(1, len(images)), per_call=8, use_cache=False, num_items_in_batch=items,
+                         position_ids=positions[0].to(device) if positions else None).loss
+            loss.backward()
+            total += loss.detach().double() * items.item()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats, float(total)
 
 
 def rope_cost(model, packed, token: int) -> tuple[float, float]:
@@ -112,13 +123,16 @@ def main(argv=None) -> int:
     parser.add_argument("--image-size", type=int, default=112)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--attention", default="sdpa", help="the transformers attn_implementation")
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="bench_vlm_packing_"))
     try:
         write_model(root / "model", args.size)
         data = write_data(root / "data", args.records, args.image_size)
         packed = rows(root / "model", data, args.seq_len, root / "stores")
-        model = AutoModelForImageTextToText.from_pretrained(root / "model", dtype=torch.float32)
+        model = AutoModelForImageTextToText.from_pretrained(root / "model", dtype=torch.float32,
+                                                            attn_implementation=args.attention).to(args.device)
         vision.install(model)
         token = vision.image_token_id(model.config)
         from harness.model.hf import load_tokenizer
@@ -127,7 +141,10 @@ def main(argv=None) -> int:
         batches = [packed[r:r + 1].tensors() for r in range(len(packed))]
         assert len(alone) == args.records, (len(alone), args.records)
         used = sum(int(hi) - int(lo) for lo, hi in packed.arrays["doc_bounds"])
-        seconds = {"packed": timed(model, batches, args.repeats), "one per row": timed(model, alone, args.repeats)}
+        runs = {"packed": timed(model, batches, args.repeats, args.device),
+                "one per row": timed(model, alone, args.repeats, args.device)}
+        seconds = {k: v[0] for k, v in runs.items()}
+        (packed_ce, alone_ce) = runs["packed"][1], runs["one per row"][1]
         per_doc, whole = rope_cost(model, packed, token)
         print(f"[vlm_packing] {args.size} seq_len {args.seq_len}: {args.records} conversations ({used} tokens) -> "
               f"{len(batches)} packed rows, padding {1 - used / (len(batches) * args.seq_len):.1%}"
@@ -135,6 +152,8 @@ def main(argv=None) -> int:
         rates = {k: args.records / v for k, v in seconds.items()}
         print(f"[vlm_packing] forward+backward: packed {rates['packed']:.1f} conversations/s, one per row "
               f"{rates['one per row']:.1f} conversations/s: x{rates['packed'] / rates['one per row']:.2f}")
+        print(f"[vlm_packing] summed loss over every target: packed {packed_ce:.6f}, one per row {alone_ce:.6f}, "
+              f"relative difference {abs(packed_ce - alone_ce) / abs(alone_ce):.1e} ({args.attention}, {args.device})")
         print(f"[vlm_packing] positions per packed row: per conversation {per_doc * 1e3:.2f} ms, one get_rope_index "
               f"over the row {whole * 1e3:.2f} ms (x{per_doc / whole:.1f}); {per_doc * len(batches) / seconds['packed']:.1%}"
               " of the packed forward+backward")

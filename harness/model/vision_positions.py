@@ -31,8 +31,11 @@ def packed_rope(model, input_ids: torch.Tensor, text_positions: torch.Tensor, ki
     """[4, batch, seq] position ids: text positions, then get_rope_index per conversation (module docstring).
     kinds: mm_token_type_ids [batch, seq] (0 text, 1 image, 2 video); grids: each modality's [n, 3] grids in span
     order over the whole batch (None where there are none)."""
+    device = input_ids.device  # the loop runs on host copies: one transfer each way, not a sync per conversation
+    input_ids, text_positions, kinds = input_ids.cpu(), text_positions.cpu(), kinds.cpu()
+    grids = {kind: None if grid is None else grid.cpu() for kind, grid in grids.items()}
     batch, seq = input_ids.shape
-    rope = torch.zeros(3, batch, seq, dtype=input_ids.dtype, device=input_ids.device)
+    rope = torch.zeros(3, batch, seq, dtype=input_ids.dtype)
     used = {kind: 0 for kind in grids}
     names = {1: "image_grid_thw", 2: "video_grid_thw"}
     for b in range(batch):
@@ -47,4 +50,4 @@ def packed_rope(model, input_ids: torch.Tensor, text_positions: torch.Tensor, ki
             rope[:, b, lo:hi] = piece[:, 0]
     for kind, grid in grids.items():
         assert grid is None or used[kind] == len(grid), f"{used[kind]} spans of kind {kind}, {len(grid)} grids"
-    return torch.cat([text_positions.to(rope.dtype).unsqueeze(0), rope])
+    return torch.cat([text_positions.to(rope.dtype).unsqueeze(0), rope]).to(device)
