@@ -100,11 +100,15 @@ def run(args, model: Path, data: Path, out: Path, frozen: bool) -> dict:
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
     timed = train[args.warmup_steps:]
     rows_per_step = train[0]["samples_per_s"] * train[0]["step_time_s"]
-    images_per_step = rows_per_step / 2  # every other record has one image
+    store = next(m for m in map(json.loads, map(Path.read_text, (out.parent / "stores").glob("vision-*/meta.json")))
+                 if m["seq_len"] == seq)
+    videos = store.get("videos", 0)  # the store counts a video among its "images" (harness/data/vision_store.py)
+    images_per_step = rows_per_step * (store["images"] - videos) / store["rows"]  # packed rows: convs x images each
+    videos_per_step = rows_per_step * videos / store["rows"]
     seconds = sum(r["step_time_s"] for r in timed)
     memory = summary["memory"]
     return {"images_per_s": images_per_step * len(timed) / seconds, "steps_timed": len(timed),
-            "video_frames_per_s": images_per_step * args.video_frames * len(timed) / seconds,
+            "video_frames_per_s": videos_per_step * args.video_frames * len(timed) / seconds,
             "peak_per_rank": [p.get("peak_in_use_bytes") for p in memory["peak_per_rank"]],
             "predicted_peak_per_rank": memory.get("predicted_peak_total_per_rank"),
             "model_states_per_rank": memory["model_states_per_rank"][0]}

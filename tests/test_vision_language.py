@@ -25,12 +25,13 @@ def folders(tmp_path_factory):
             "root": root}
 
 
-def rows_of(folder: str, data: str, store: Path):
+def rows_of(folder: str, data: str, store: Path, seq_len: int = 96, packing: str = "document"):
     """The vision store's rows for a chat file, as a run prepares them (train/vision_steps.load_data)."""
     from harness.train.vision_steps import load_data
 
-    recipe = {"train": {"model": folder, "dataset": data, "format": "chat", "seq_len": 96, "store_dir": str(store),
-                        "eval_fraction": 0, "seed": 0, "messages_field": "messages"}}
+    recipe = {"train": {"model": folder, "dataset": data, "format": "chat", "seq_len": seq_len, "store_dir": str(store),
+                        "eval_fraction": 0, "seed": 0, "messages_field": "messages",
+                        "packing": packing}}
     from harness.model.hf import load_tokenizer
 
     train, _, lines = load_data(SimpleNamespace(recipe=recipe), SimpleNamespace(local_rank=0), load_tokenizer(folder))
@@ -51,9 +52,9 @@ def loss_and_grads(model, batch, num_calls: int):
     from harness.data.rows import loss_items
 
     model.zero_grad(set_to_none=True)
-    ids, labels, images = batch
+    ids, labels, images, *positions = batch  # position ids under train.packing=document
     loss = model(input_ids=ids, labels=labels, images=images, num_calls=num_calls, per_call=1, use_cache=False,
-                 num_items_in_batch=loss_items(labels)).loss
+                 position_ids=positions[0] if positions else None, num_items_in_batch=loss_items(labels)).loss
     loss.backward()
     return loss.detach(), {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
 
@@ -101,7 +102,7 @@ def test_store_keeps_image_tokens_with_their_images(folders, family, tmp_path):
     model = model_of(folders[family])
     token = vision.image_token_id(model.config)
     for i in range(len(rows)):
-        ids, labels, images = rows[i:i + 1].tensors()
+        ids, labels, images, _ = rows[i:i + 1].tensors()
         if len(images):
             with torch.no_grad():
                 feats = [vision.image_features(model, p, None if not images.grids else g.unsqueeze(0))

@@ -110,7 +110,7 @@ def video_rows(folder, root: Path, store: Path, part_extra=None):
         lines = [json.loads(x) for x in Path(path).read_text().splitlines()]
         lines[1]["messages"][0]["content"][0].update(part_extra)
         Path(path).write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return rows_of(folder, path, store)
+    return rows_of(folder, path, store, packing="concat")
 
 
 def grads_of(model, run):
@@ -134,7 +134,8 @@ def test_video_and_image_equal_transformers_forward(folders, family, tmp_path):
 
     rows, lines = video_rows(folders[family], folders["root"] / family, tmp_path / "store", {"fps": 2.5})
     assert "3 conversations (2 with images, 2 images, 1 videos" in lines[0], lines
-    ids, labels, images = rows[1:2].tensors()
+    row = next(i for i in range(len(rows)) if 2 in rows[i:i + 1].tensors()[2].kinds)  # rows hold whole conversations
+    ids, labels, images = rows[row:row + 1].tensors()
     assert images.kinds == [VIDEO, IMAGE] and images.grids[0][0] == 3  # 5 frames -> 6 -> t 3
     assert images.seconds[0] == pytest.approx(2 / 2.5)
     model = AutoModelForImageTextToText.from_pretrained(folders[family], dtype=torch.float32)
@@ -213,3 +214,39 @@ def test_frame_folder_thinned_to_max_frames_and_folder_defaults(folders, tmp_pat
         {"fps": 1.0, "max_frames": 16, "size": {"shortest_edge": 3136, "longest_edge": 50176}}))
     assert defaults_of(str(model)) == {"fps": 1.0, "min_frames": 4, "max_frames": 16, "min_pixels": 3136,
                                        "max_pixels": 50176}
+
+
+def test_packed_row_with_videos_equals_its_conversations_one_per_row(folders, tmp_path):
+    """Qwen2.5-VL, train.packing=document: a row packing text, video + image and image conversations gives the loss
+    and every gradient of the same conversations one per row within 1e-5, and each conversation's 3-D positions in
+    the row (time spaced by its video's seconds per temporal patch) are exactly those it has alone."""
+    from helpers.vl_models import write_chat
+    from test_vision_language import loss_and_grads, rows_of
+
+    from harness.model import vision
+
+    data = tmp_path / "data"
+    path = write_chat(data / "video.jsonl", write_images(data / "img", 3), ["text", "video", "image", "video"],
+                      frames=write_frames(data / "clip", 5))
+    packed, lines = rows_of(folders["qwen25"], path, tmp_path / "packed", seq_len=400)
+    assert "4 conversations (3 with images, 3 images, 2 videos" in lines[0] and "into 1 rows" in lines[0], lines
+    alone, _ = rows_of(folders["qwen25"], path, tmp_path / "alone", seq_len=96, packing="concat")
+    assert len(alone) == 4 and alone.records.tolist() == packed.records.tolist() == [1, 2, 3, 4]
+    batch, single = packed.tensors(), alone.tensors()
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folders["qwen25"], dtype=torch.float32)
+    vision.install(model)
+    calls = 5  # per_call 1: video, image, image, video, image; rows alone need no more
+    loss, grads = loss_and_grads(model, batch, num_calls=calls)
+    want, want_grads = loss_and_grads(model, single, num_calls=calls)
+    worst = max([abs(float(loss - want))] + [float((grads[n] - g).abs().max()) for n, g in want_grads.items()
+                                             if g is not None])
+    assert worst <= 1e-5, worst
+    rope = vision.rope_positions(model, batch[0], batch[2], batch[3])
+    bounds = (batch[3][0] == 0).nonzero().flatten().tolist() + [batch[0].shape[1]]
+    for i in (1, 2, 3):  # the conversations with a video or an image
+        ids, _, images = alone[i:i + 1].tensors()
+        lo, n = bounds[i], bounds[i + 1] - bounds[i]
+        assert torch.equal(rope[1:, 0, lo:lo + n], vision.rope_positions(model, ids, images)[:, 0, :n]), i
+    print(f"[video] packed Qwen2.5-VL row of 4 conversations (2 videos) vs one per row: worst |diff| {worst:.1e}")

@@ -117,9 +117,10 @@ def _merge(model, embeds, input_ids, images: Images, num_calls: int, per_call: i
     return embeds if zero is None else embeds + zero.to(dtype)
 
 
-def rope_positions(model, input_ids, images: Images):
+def rope_positions(model, input_ids, images: Images, text_positions=None):
     """Qwen-VL's 3-D rotary positions from the images' and videos' grids (transformers' get_rope_index; Qwen2.5-VL
-    spaces a video's temporal positions by its seconds per temporal patch)."""
+    spaces a video's temporal positions by its seconds per temporal patch); per conversation where a packed row's
+    text positions are given (train.packing=document: harness/model/vision_positions.py)."""
     config, device = model.config, input_ids.device
     video_token = getattr(config, "video_token_id", None)
     types = (input_ids == image_token_id(config)).int()
@@ -130,23 +131,27 @@ def rope_positions(model, input_ids, images: Images):
     extra = {}
     if by_kind[VIDEO]:
         extra["second_per_grid_ts"] = torch.tensor([images.seconds[i] for i in by_kind[VIDEO]], device=device)
+    if text_positions is not None:
+        from harness.model.vision_positions import packed_rope
+
+        return packed_rope(model, input_ids, text_positions.to(device), types, grids, extra.get("second_per_grid_ts"))
     position_ids, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=grids[IMAGE],
                                                  video_grid_thw=grids[VIDEO], **extra)
     return position_ids
 
 
 def vl_forward(self, input_ids, labels=None, images: Images | None = None, num_calls: int = 1, per_call: int = 8,
-               **kwargs):
+               position_ids=None, **kwargs):
     """The forward every rank runs (module docstring): kwargs go to transformers' own forward (use_cache,
-    num_items_in_batch)."""
+    num_items_in_batch). position_ids: a packed row's text positions, restarting per conversation (train.packing
+    document): LLaVA-style families take them as they are, Qwen-VL's 3-D ones are computed per conversation."""
     images = images if images is not None else Images([], [])
     embeds = self.get_input_embeddings()(input_ids)
     embeds = _merge(self, embeds, input_ids, images, num_calls, per_call)
-    position_ids = None
     if hasattr(self.model, "rope_deltas"):  # generation state: left over, it would shift a text-only row's positions
         self.model.rope_deltas = None
-    if family_of(self.config).grid and len(images):  # 3-D rotary positions from the images' and videos' grids
-        position_ids = rope_positions(self, input_ids, images)
+    if family_of(self.config).grid and (len(images) or position_ids is not None):  # 3-D rotary positions
+        position_ids = rope_positions(self, input_ids, images, position_ids)
     return type(self).forward(self, inputs_embeds=embeds, position_ids=position_ids, labels=labels, **kwargs)
 
 
