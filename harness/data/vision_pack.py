@@ -26,13 +26,15 @@ from harness.data.rows import IGNORE_INDEX, document_positions
 from harness.errors import UsageError
 
 
-def fit(enc, seq_len: int, image_token: int, where: str):
-    """(the conversation, truncated?): cut at seq_len where no image span reaches past it, refused where one does."""
+def fit(enc, seq_len: int, image_token, where: str):
+    """(the conversation, truncated?): cut at seq_len where no image span reaches past it, refused where one does.
+    image_token: the image token, or a tuple of the placeholder tokens (image and video: a video span alike)."""
     if len(enc.ids) <= seq_len:
         return enc, False
-    marks = [i for i, t in enumerate(enc.ids) if t == image_token]
+    tokens = image_token if isinstance(image_token, tuple) else (image_token,)
+    marks = [i for i, t in enumerate(enc.ids) if t in tokens]
     if marks and marks[-1] >= seq_len:
-        first = next(i for i in range(marks[-1], -1, -1) if i == 0 or enc.ids[i - 1] != image_token)
+        first = next(i for i in range(marks[-1], -1, -1) if i == 0 or enc.ids[i - 1] not in tokens)
         raise UsageError(f"{where}: {len(enc.ids)} tokens with its image tokens, more than train.seq_len {seq_len}, "
                          f"and its image span at tokens {first}..{marks[-1]} reaches past token {seq_len - 1} (a row "
                          "never cuts an image span: its tokens would lose their features)\n    fix: raise "

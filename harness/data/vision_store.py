@@ -10,6 +10,8 @@ One folder per (data source, tokenizer + chat template, image processor, model f
     pixel_offsets.npy int64 [images + 1] element offsets into pixels.npy
     pixel_shapes.npy  int64 [images, 4]  each image's preprocessed shape (leading dim concatenated per call)
     grids.npy    int64 [images, 3]      [t, h, w] per image (Qwen-VL), zeros otherwise
+    kinds.npy    int8 [images]          1 an image, 2 a video (harness/data/video.py: frames grouped in time)
+    seconds.npy  float64 [images]       a video's seconds per temporal patch (Qwen2.5-VL's time positions), else 0
     pixels.npy   float32 [elements]     every image's pixel values back to back
     records.npy  int64 [convs]          the record each conversation came from (for messages)
     meta.json    the key and counts; written last, the folder renamed into place when complete.
@@ -24,19 +26,20 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from harness.data.rows import IGNORE_INDEX
+from harness.data.video import DEFAULTS as VIDEO_DEFAULTS
 from harness.data.vision import encode
 from harness.errors import UsageError
 
-VERSION = 2  # 2: packed rows (row_docs, doc_bounds; records per conversation)
+VERSION = 3  # 2: packed rows (row_docs, doc_bounds; records per conversation); 3: kinds and seconds (videos)
 ARRAYS = ("tokens", "mask", "row_images", "row_docs", "doc_bounds", "pixel_offsets", "pixel_shapes", "grids", "pixels",
-          "records")
+          "records", "kinds", "seconds")
 
 
 def _records(spec):
@@ -68,9 +71,10 @@ class Context:
     field: str
     base: Path
     source: str
+    video_defaults: dict = field(default_factory=lambda: dict(VIDEO_DEFAULTS))  # video.defaults_of(model folder)
 
 
-def store_key(spec, tokenizer, image_processor, config, seq_len: int) -> dict:
+def store_key(spec, tokenizer, image_processor, config, seq_len: int, video_defaults: dict | None = None) -> dict:
     from harness.data.corpus import source_fingerprint
     from harness.data.store import tokenizer_hash
     from harness.planner.vision import family_of
@@ -79,7 +83,7 @@ def store_key(spec, tokenizer, image_processor, config, seq_len: int) -> dict:
     return {"version": VERSION, "kind": "vision", "dataset": spec.dataset, "fingerprint": source_fingerprint(spec),
             "field": spec.messages_field, "tokenizer_hash": tokenizer_hash(tokenizer, True),
             "image_processor": processor, "family": family_of(config.model_type).name, "seq_len": seq_len,
-            "vision": config.vision_config.to_json_string()}
+            "vision": config.vision_config.to_json_string(), "video_defaults": video_defaults or VIDEO_DEFAULTS}
 
 
 def _write(tmp: Path, spec, ctx: Context, seq_len: int) -> dict:
@@ -88,9 +92,11 @@ def _write(tmp: Path, spec, ctx: Context, seq_len: int) -> dict:
     source, base, records = _records(spec)
     ctx.source, ctx.base = source, base
     packer, offsets, shapes, grids, pixels, numbers = Packer(seq_len, ctx.tokenizer.pad_token_id), [0], [], [], [], []
+    kinds, seconds = [], []
     truncated = with_images = 0
     for number, record in records:
-        enc, cut = fit(encode(record, number, ctx), seq_len, ctx.image_token, f"{source} record {number}")
+        spans = (ctx.image_token, getattr(ctx.config, "video_token_id", None) or ctx.image_token)  # a video's alike
+        enc, cut = fit(encode(record, number, ctx), seq_len, spans, f"{source} record {number}")
         packer.add(enc)
         numbers.append(number)
         for i, pix in enumerate(enc.pixels):
@@ -98,6 +104,8 @@ def _write(tmp: Path, spec, ctx: Context, seq_len: int) -> dict:
             offsets.append(offsets[-1] + pix.size)
             shapes.append(list(pix.shape) + [1] * (4 - pix.ndim))
             grids.append(enc.grids[i] if enc.grids else [0, 0, 0])
+            kinds.append(enc.kinds[i] if enc.kinds else 1)
+            seconds.append(enc.seconds[i] if enc.seconds else 0.0)
         truncated, with_images = truncated + cut, with_images + bool(enc.pixels)
     if not numbers:
         raise UsageError(f"{source}: no records\n    fix: point train.dataset at a file with chat records")
@@ -105,11 +113,12 @@ def _write(tmp: Path, spec, ctx: Context, seq_len: int) -> dict:
               "pixel_shapes": np.asarray(shapes, dtype=np.int64).reshape(-1, 4),
               "grids": np.asarray(grids, dtype=np.int64).reshape(-1, 3),
               "pixels": np.concatenate(pixels) if pixels else np.zeros(0, np.float32),
-              "records": np.asarray(numbers, dtype=np.int64)}
+              "records": np.asarray(numbers, dtype=np.int64), "kinds": np.asarray(kinds, dtype=np.int8),
+              "seconds": np.asarray(seconds, dtype=np.float64)}
     for name, value in arrays.items():
         np.save(tmp / f"{name}.npy", value)
     return {"rows": len(arrays["tokens"]), "conversations": len(numbers), "with_images": with_images,
-            "images": len(shapes), "truncated": truncated,
+            "images": len(shapes), "truncated": truncated, "videos": int((arrays["kinds"] == 2).sum()),
             "pixel_bytes": int(arrays["pixels"].nbytes), "seq_len": seq_len}
 
 
@@ -143,7 +152,7 @@ def prepare(spec, ctx: Context, seq_len: int, root: str | None, key: dict) -> tu
 
 def ensure(spec, ctx: Context, seq_len: int, root: str | None, local_rank: int, poll_s: float = 0.2):
     """Local rank 0 prepares the store if it is missing; the node's other ranks wait for it on the file system."""
-    key = store_key(spec, ctx.tokenizer, ctx.image_processor, ctx.config, seq_len)
+    key = store_key(spec, ctx.tokenizer, ctx.image_processor, ctx.config, seq_len, ctx.video_defaults)
     if local_rank == 0:
         return prepare(spec, ctx, seq_len, root, key)
     from harness.data.store import DEFAULT_ROOT
@@ -193,7 +202,7 @@ class VisionRows:
     def images(self):
         from harness.data.vision import Images
 
-        s, pixels, grids = self.arrays, [], []
+        s, pixels, grids, kinds, seconds = self.arrays, [], [], [], []
         for row in self.index:
             for i in range(int(s["row_images"][row]), int(s["row_images"][row + 1])):
                 lo, hi = int(s["pixel_offsets"][i]), int(s["pixel_offsets"][i + 1])
@@ -202,7 +211,9 @@ class VisionRows:
                 pixels.append(torch.from_numpy(flat.copy()).reshape(_shape(shape, hi - lo)))
                 if s["grids"][i].any():
                     grids.append(torch.from_numpy(np.asarray(s["grids"][i], dtype=np.int64).copy()))
-        return Images(pixels, grids)
+                kinds.append(int(s["kinds"][i]))
+                seconds.append(float(s["seconds"][i]))
+        return Images(pixels, grids, kinds, seconds)
 
     def tensors(self):
         ids = torch.from_numpy(np.asarray(self.arrays["tokens"][self.index], dtype=np.int64))

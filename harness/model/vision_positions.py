@@ -27,13 +27,15 @@ def _runs(kinds: list[int]) -> dict[int, int]:
 
 
 def packed_rope(model, input_ids: torch.Tensor, text_positions: torch.Tensor, kinds: torch.Tensor,
-                grids: dict[int, torch.Tensor | None]) -> torch.Tensor:
+                grids: dict[int, torch.Tensor | None], seconds: torch.Tensor | None = None) -> torch.Tensor:
     """[4, batch, seq] position ids: text positions, then get_rope_index per conversation (module docstring).
     kinds: mm_token_type_ids [batch, seq] (0 text, 1 image, 2 video); grids: each modality's [n, 3] grids in span
-    order over the whole batch (None where there are none)."""
+    order over the whole batch (None where there are none); seconds: each video's seconds per temporal patch, in the
+    same order (Qwen2.5-VL's second_per_grid_ts; None: transformers' default)."""
     device = input_ids.device  # the loop runs on host copies: one transfer each way, not a sync per conversation
     input_ids, text_positions, kinds = input_ids.cpu(), text_positions.cpu(), kinds.cpu()
     grids = {kind: None if grid is None else grid.cpu() for kind, grid in grids.items()}
+    seconds = None if seconds is None else seconds.cpu()
     batch, seq = input_ids.shape
     rope = torch.zeros(3, batch, seq, dtype=input_ids.dtype)
     used = {kind: 0 for kind in grids}
@@ -44,6 +46,8 @@ def packed_rope(model, input_ids: torch.Tensor, text_positions: torch.Tensor, ki
             args = {}
             for kind, count in _runs(kinds[b, lo:hi].tolist()).items():
                 args[names[kind]] = grids[kind][used[kind]:used[kind] + count]
+                if kind == 2 and seconds is not None:
+                    args["second_per_grid_ts"] = seconds[used[kind]:used[kind] + count]
                 used[kind] += count
             piece, _ = model.model.get_rope_index(input_ids[b:b + 1, lo:hi], mm_token_type_ids=kinds[b:b + 1, lo:hi],
                                                   **args)

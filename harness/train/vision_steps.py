@@ -40,6 +40,7 @@ def load_data(spec, dist, tokenizer):
     from harness.data.corpus import DataSpec
     from harness.data.formats import check_chat_template
     from harness.data.rows import split_rows
+    from harness.data.video import defaults_of as video_defaults
     from harness.data.vision_store import Context, VisionRows, ensure
     from harness.errors import UsageError
     from harness.model.hf import load_model_config
@@ -59,16 +60,18 @@ def load_data(spec, dist, tokenizer):
                          f"(config image_token_id {token})\n    fix: save the model's own processor/tokenizer in the "
                          "folder; a text-only tokenizer cannot mark where the images go")
     ctx = Context(tokenizer, load_image_processor(train["model"], config), config, family_of(config).grid, token,
-                  data_spec.messages_field, None, data_spec.dataset)
+                  data_spec.messages_field, None, data_spec.dataset, video_defaults(train["model"]))
     store, made = ensure(data_spec, ctx, train["seq_len"], train["store_dir"] or None, dist.local_rank)
     rows, meta = VisionRows.of(store, train["packing"]), store["meta"]
     train_rows, eval_rows = split_rows(rows, train["eval_fraction"], train["seed"])
     kept = ("attention and positions per conversation" if train["packing"] == "document" else
             "conversations attend to the ones before them in a row")
+    videos = f", {meta['videos']} videos" if meta["videos"] else ""
     lines = [f"{'prepared' if made else 'using'} vision store {store['path']}: {meta['conversations']} conversations "
-             f"({meta['with_images']} with images, {meta['images']} images, {meta['pixel_bytes'] / 2**20:.2f} MiB of "
-             f"pixels) packed whole into {meta['rows']} rows of {train['seq_len']} (train.packing={train['packing']}: "
-             f"{kept}); {meta['truncated']} truncated at seq_len; data ready in {time.perf_counter() - start:.2f}s"]
+             f"({meta['with_images']} with images, {meta['images'] - meta['videos']} images{videos}, "
+             f"{meta['pixel_bytes'] / 2**20:.2f} MiB of pixels) packed whole into {meta['rows']} rows of "
+             f"{train['seq_len']} (train.packing={train['packing']}: {kept}); {meta['truncated']} truncated at seq_len; "
+             f"data ready in {time.perf_counter() - start:.2f}s"]
     return train_rows, eval_rows, lines
 
 
@@ -78,7 +81,7 @@ def agreed_calls(engine, batches: list, per_call: int) -> list[int]:
 
     from harness.model.vision import num_chunks
 
-    need = torch.tensor([num_chunks(len(b[2]), per_call) for b in batches], dtype=torch.int64, device=engine.device)
+    need = torch.tensor([num_chunks(b[2], per_call) for b in batches], dtype=torch.int64, device=engine.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
     return need.cpu().tolist()
