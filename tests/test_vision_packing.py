@@ -43,6 +43,9 @@ def test_packed_row_equals_its_conversations_one_per_row(folders, family, tmp_pa
     batch = row.tensors()
     docs = row.records.tolist()
     assert len(docs) >= 4 and len(batch[2]) >= 3 and int((batch[3] == 0).sum()) == len(docs) + 1, docs
+    from harness.train.faults import rows_named
+
+    assert rows_named(row) == f"store rows [0], records {docs}"  # what a non-finite step names
     # the same conversations one per row (seq_len 96 holds one: each is over 48 tokens), no position ids at all
     alone, _ = rows_of(folders[family], folders["data"], tmp_path / "alone", seq_len=96, packing="concat")
     assert alone.records.tolist()[:len(docs)] == docs
