@@ -15,7 +15,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,trackers]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,trackers,video]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -21,7 +21,10 @@
 # bench/gpu_check_rl.py; needs vllm in the image): weight sync in buckets of gathered bytes, its time and memory
 # beside planner/rl.py's; OUT_DIR/grpo_vllm.
 # Also a vision-language case (bench/vlm.py: a ~0.6B Qwen2-VL, ZeRO-3, images on some rows only, the vision
-# tower trained and frozen); OUT_DIR/vlm.
+# tower trained and frozen); OUT_DIR/vlm; and vlm_video, an 8-frame video before each image (PyAV not needed: the
+# frames are a list of PNGs); OUT_DIR/vlm_video.
+# And vlm_packing (bench/vlm_packing.py on the GPU): packed vision-language rows
+# against one conversation per row, summed loss equal under flash-attention varlen / flex_attention / sdpa.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -88,7 +91,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm vlm}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm vlm vlm_video vlm_packing}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -187,6 +190,19 @@ EOF
             timeout 420 $PY "$ROOT/bench/vlm.py" --size small --ranks $n --recipe zero3 --steps 12 --records 96 \
                 --image-size 448 --keep "$OUT/vlm" || echo "[vlm]     failed (exit $?)"
             echo "[vlm]     runs: $OUT/vlm/{trained,frozen} (summary.json: memory, throughput)" ;;
+        vlm_video)  # the same with an 8-frame 448x448 video before each image (harness/data/video.py): images and
+                    # video through one tower call per micro-batch on the ranks that have them, ZeRO-3
+            n=1; (( gpus >= 2 )) && n=2
+            timeout 420 $PY "$ROOT/bench/vlm.py" --size small --ranks $n --recipe zero3 --steps 12 --records 96 \
+                --image-size 448 --video-frames 8 --keep "$OUT/vlm_video" || echo "[vlm_video] failed (exit $?)"
+            echo "[vlm_video] runs: $OUT/vlm_video/{trained,frozen} (summary.json: memory, throughput)" ;;
+        vlm_packing)  # packed VL rows (docs/vision-language.md#packing-and-document-masking) on one GPU, fp32: the
+              # summed loss of 48 conversations packed into rows of 2048 equals one per row under each attention that
+              # keeps documents apart (flash varlen where installed: micro-batch 1, as here), and conversations/s
+            for attn in sdpa flex_attention flash_attention_2; do
+                timeout 120 $PY "$ROOT/bench/vlm_packing.py" --size small --device cuda --attention $attn \
+                    --seq-len 2048 --image-size 448 --records 48 --repeats 1 || echo "[vlm_packing] $attn failed (exit $?)"
+            done ;;
         dpo)  # preference optimisation: the reference as a frozen engine (zero2) and as the base, adapters off (LoRA)
             $PY - "$OUT/dpo" <<'EOF'
 import json, random, sys, torch
@@ -302,7 +318,7 @@ print(f"[grpo]    {sys.argv[2]}: reward {rs[0]['reward']:.3f} -> {rs[-1]['reward
       f"per step " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in split.items()))
 EOF
             done ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, vlm)" >&2; exit 2 ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, vlm, vlm_video, vlm_packing)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

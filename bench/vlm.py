@@ -2,7 +2,7 @@
 trained and frozen (vision.freeze=["vision"]), side by side in one invocation.
 
     python bench/vlm.py [--size tiny|small] [--ranks 2] [--recipe zero3] [--steps 12] [--warmup-steps 2]
-                        [--records 64] [--image-size 224] [--keep DIR]
+                        [--records 64] [--image-size 224] [--video-frames 0] [--keep DIR]
 
 Per run: a Qwen2-VL folder of the chosen size (transformers' own config class, seeded random weights, the shipped
 tokenizer + the image tokens, the PIL image processor), a chat JSONL where every other record has one image of
@@ -10,7 +10,9 @@ tokenizer + the image tokens, the PIL image processor), a chat JSONL where every
 harness/run.py with vision.freeze [] and ["vision"]. Reported from the runs' own files: the peak per rank the
 profiling hook measured (GPU: max allocated; CPU ranks: RssAnon less malloc's free memory) beside the planner's
 prediction for that rank (summary.json memory.predicted...), model states per rank, and images/s over the steps after
-the warm-up (images in the step's rows / step time). Everything goes under a temporary folder deleted at the end
+the warm-up (images in the step's rows / step time). With --video-frames N, each image record also holds a video of N
+frames (a frame list, --image-size pixels; harness/data/video.py) before its image, through the same tower calls,
+and video frames/s is reported beside images/s. Everything goes under a temporary folder deleted at the end
 (unless --keep). On CPU ranks the measured peak includes each process's own heap (Python, torch: hundreds of MB), so
 the memory ratio says something only where the model dominates, or on GPUs (bench/gpu_check.sh's vlm case).
 """
@@ -64,7 +66,7 @@ def write_model(folder: Path, size: str) -> None:
     Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=1024 * 28 * 28).save_pretrained(folder)
 
 
-def write_data(folder: Path, records: int, image_size: int) -> Path:
+def write_data(folder: Path, records: int, image_size: int, video_frames: int = 0) -> Path:
     import numpy as np
     from PIL import Image
 
@@ -77,7 +79,11 @@ def write_data(folder: Path, records: int, image_size: int) -> Path:
         path = folder / "img" / f"{i}.png"
         Image.fromarray(rng.integers(0, 255, (image_size, image_size, 3), dtype=np.uint8)).save(path)
         images.append(str(path))
-    return Path(write_chat(folder / "chat.jsonl", images, ["image", "text"] * (records // 2)))
+    from helpers.vl_models import write_frames
+
+    frames = write_frames(folder / "clip", video_frames, size=(image_size, image_size)) if video_frames else None
+    kind = "video" if video_frames else "image"
+    return Path(write_chat(folder / "chat.jsonl", images, [kind, "text"] * (records // 2), frames=frames))
 
 
 def run(args, model: Path, data: Path, out: Path, frozen: bool) -> dict:
@@ -94,10 +100,15 @@ def run(args, model: Path, data: Path, out: Path, frozen: bool) -> dict:
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
     timed = train[args.warmup_steps:]
     rows_per_step = train[0]["samples_per_s"] * train[0]["step_time_s"]
-    images_per_step = rows_per_step / 2  # every other record has one image
+    store = next(m for m in map(json.loads, map(Path.read_text, (out.parent / "stores").glob("vision-*/meta.json")))
+                 if m["seq_len"] == seq)
+    videos = store.get("videos", 0)  # the store counts a video among its "images" (harness/data/vision_store.py)
+    images_per_step = rows_per_step * (store["images"] - videos) / store["rows"]  # packed rows: convs x images each
+    videos_per_step = rows_per_step * videos / store["rows"]
     seconds = sum(r["step_time_s"] for r in timed)
     memory = summary["memory"]
     return {"images_per_s": images_per_step * len(timed) / seconds, "steps_timed": len(timed),
+            "video_frames_per_s": videos_per_step * args.video_frames * len(timed) / seconds,
             "peak_per_rank": [p.get("peak_in_use_bytes") for p in memory["peak_per_rank"]],
             "predicted_peak_per_rank": memory.get("predicted_peak_total_per_rank"),
             "model_states_per_rank": memory["model_states_per_rank"][0]}
@@ -112,16 +123,18 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--records", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--video-frames", type=int, default=0, help="a video of this many frames in each image record")
     parser.add_argument("--keep", type=Path)
     args = parser.parse_args(argv)
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench_vlm_"))
     try:
         write_model(root / "model", args.size)
-        data = write_data(root / "data", args.records, args.image_size)
+        data = write_data(root / "data", args.records, args.image_size, args.video_frames)
         results = {name: run(args, root / "model", data, root / name, frozen)
                    for name, frozen in (("trained", False), ("frozen", True))}
         for name, r in results.items():
-            print(f"[vlm] {args.size} {args.recipe} x{args.ranks} vision {name}: {r['images_per_s']:.2f} images/s; "
+            video = f" + {r['video_frames_per_s']:.2f} video frames/s" if args.video_frames else ""
+            print(f"[vlm] {args.size} {args.recipe} x{args.ranks} vision {name}: {r['images_per_s']:.2f} images/s{video}; "
                   f"peak per rank {[f'{b / 2**20:.0f} MiB' for b in r['peak_per_rank'] if b]}, planner "
                   f"{r['predicted_peak_per_rank']}; model states rank 0 {r['model_states_per_rank']}")
         ratio = results["frozen"]["images_per_s"] / results["trained"]["images_per_s"]

@@ -130,6 +130,15 @@ CASES = [
          "vision.lora includes language but no module of the language model ends with adapter.target_modules ['wq']"),
     case("data:images_under_text_model", ["--dataset", f"{FIXTURE}/vl/ok.jsonl", "--set", "train.format=chat"],
          "train.dataset", "record 1 has images but train.model tiny-llama is a text-only model"),
+    case("data:vl_video_frame_missing", ["--model", f"{FIXTURE}/vl_qwen", "--dataset", f"{FIXTURE}/vl/video_gone.jsonl",
+                                         "--set", "train.format=chat"], "train.dataset",
+         f"{FIXTURE}/vl/video_gone.jsonl record 1: video frame {FIXTURE}/vl/img/gone.png does not exist"),
+    case("data:vl_video_parts_vs_placeholders", ["--model", f"{FIXTURE}/vl_qwen", "--dataset",
+                                                 f"{FIXTURE}/vl/video_extra.jsonl", "--set", "train.format=chat"],
+         "train.dataset", "record 1: 1 video parts but the rendered conversation holds 2 video placeholders"),
+    case("data:vl_video_under_image_only_family", ["--model", f"{FIXTURE}/vl_llava", "--dataset",
+                                                   f"{FIXTURE}/vl/video_ok.jsonl", "--set", "train.format=chat"],
+         "train.dataset", "record 1: a video part, but train.model"),
     case("recipe:vl_sequence_parallel", ["--recipe", "zero3", "--model", f"{FIXTURE}/vl_qwen", "--dataset",
                                          f"{FIXTURE}/vl/ok.jsonl", "--set", "train.format=chat", "--set",
                                          "parallel.sequence=2"], "parallel.sequence",
@@ -262,9 +271,10 @@ def write_fixtures(fx: Path) -> None:
 
 def _vision_fixtures(fx: Path) -> None:
     """A tiny Qwen2-VL folder, one without its image processor, and chat files with image parts."""
-    from helpers.vl_models import qwen2_vl_folder, write_images
+    from helpers.vl_models import llava_folder, qwen2_vl_folder, write_images
 
     qwen2_vl_folder(fx / "vl_qwen")
+    llava_folder(fx / "vl_llava")
     (fx / "vl_noproc").mkdir()
     for path in (fx / "vl_qwen").iterdir():
         if path.name != "preprocessor_config.json":
@@ -279,6 +289,10 @@ def _vision_fixtures(fx: Path) -> None:
     (fx / "vl" / "ok.jsonl").write_text(chat([image, {"type": "text", "text": "what?"}], "hello"))
     (fx / "vl" / "missing.jsonl").write_text(chat("hello", [{"type": "image", "image": "img/nope.png"}]))
     (fx / "vl" / "extra.jsonl").write_text(chat([image, {"type": "text", "text": "see <|image_pad|>"}]))
+    clip = {"type": "video", "video": ["img/img0.png", "img/img0.png"]}
+    (fx / "vl" / "video_ok.jsonl").write_text(chat([clip, {"type": "text", "text": "what?"}]))
+    (fx / "vl" / "video_gone.jsonl").write_text(chat([{"type": "video", "video": ["img/img0.png", "img/gone.png"]}]))
+    (fx / "vl" / "video_extra.jsonl").write_text(chat([clip, {"type": "text", "text": "see <|video_pad|>"}]))
 
 
 def _chat_fixtures(fx: Path) -> None:

@@ -28,12 +28,13 @@ def folders(tmp_path_factory):
             "gemma": gemma3_folder(root / "gemma"), "data": data, "root": root}
 
 
-def rows_of(folder: str, data: str, store: Path):
+def rows_of(folder: str, data: str, store: Path, seq_len: int = 96, packing: str = "document"):
     """The vision store's rows for a chat file, as a run prepares them (train/vision_steps.load_data)."""
     from harness.train.vision_steps import load_data
 
-    recipe = {"train": {"model": folder, "dataset": data, "format": "chat", "seq_len": 96, "store_dir": str(store),
-                        "eval_fraction": 0, "seed": 0, "messages_field": "messages"}}
+    recipe = {"train": {"model": folder, "dataset": data, "format": "chat", "seq_len": seq_len, "store_dir": str(store),
+                        "eval_fraction": 0, "seed": 0, "messages_field": "messages",
+                        "packing": packing}}
     from harness.model.hf import load_tokenizer
 
     train, _, lines = load_data(SimpleNamespace(recipe=recipe), SimpleNamespace(local_rank=0), load_tokenizer(folder))
@@ -64,9 +65,9 @@ def loss_and_grads(model, batch, num_calls: int):
     from harness.data.rows import loss_items
 
     model.zero_grad(set_to_none=True)
-    ids, labels, images = batch
+    ids, labels, images, *positions = batch  # position ids under train.packing=document
     loss = model(input_ids=ids, labels=labels, images=images, num_calls=num_calls, per_call=1, use_cache=False,
-                 num_items_in_batch=loss_items(labels)).loss
+                 position_ids=positions[0] if positions else None, num_items_in_batch=loss_items(labels)).loss
     loss.backward()
     return loss.detach(), {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
 
@@ -114,7 +115,7 @@ def test_store_keeps_image_tokens_with_their_images(folders, family, tmp_path):
     model = model_of(folders[family])
     token = vision.image_token_id(model.config)
     for i in range(len(rows)):
-        ids, labels, images = rows[i:i + 1].tensors()
+        ids, labels, images, _ = rows[i:i + 1].tensors()
         if len(images):
             with torch.no_grad():
                 feats = [vision.image_features(model, p, None if not images.grids else g.unsqueeze(0))
@@ -215,7 +216,7 @@ def test_gemma3_rows_and_forward_equal_transformers_own(folders, tmp_path):
                                   else p for p in m["content"]] if isinstance(m["content"], list) else m["content"]}
                 for m in record["messages"]]
     theirs = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
-    ids, labels, images = rows[1:2].tensors()
+    ids, labels, images = rows[1:2].tensors()[:3]
     n = theirs["input_ids"].shape[1]
     assert torch.equal(ids[0, :n], theirs["input_ids"][0]) and int((ids[0, n:] != tokenizer.pad_token_id).sum()) == 0
     assert torch.equal(images.pixels[0], theirs["pixel_values"])
@@ -323,17 +324,20 @@ def test_hf_dataset_image_column_stores_the_pixels_files_give(folders, tmp_path)
     rows, lines = rows_of(folders["qwen"], str(parquet), tmp_path / "store")
     want, _ = rows_of(folders["qwen"], str(jsonl), tmp_path / "store")
     assert "4 conversations (3 with images, 4 images" in lines[0], lines
-    for i in range(len(kinds)):
-        (ids, labels, images), (ids2, labels2, images2) = rows[i:i + 1].tensors(), want[i:i + 1].tensors()
+    assert len(rows) == len(want)  # packed alike: compare row by row
+    for i in range(len(rows)):
+        (ids, labels, images), (ids2, labels2, images2) = rows[i:i + 1].tensors()[:3], want[i:i + 1].tensors()[:3]
         assert torch.equal(ids, ids2) and torch.equal(labels, labels2) and len(images) == len(images2)
         assert all(torch.equal(a, b) for a, b in zip(images.pixels + images.grids, images2.pixels + images2.grids))
     model = model_of(folders["qwen"])
-    batch = rows[2:3].tensors()
-    loss, _ = loss_and_grads(model, batch, num_calls=2)
+    row = next(i for i in range(len(rows)) if len(rows[i:i + 1].tensors()[2]) >= 2)  # the two-image record's row
+    batch = rows[row:row + 1].tensors()[:3]
+    calls = len(batch[2])
+    loss, _ = loss_and_grads(model, batch, num_calls=calls)
     with torch.no_grad():
         for p in model.parameters():
             p -= 0.5 * p.grad if p.grad is not None else 0
-        assert float(model(input_ids=batch[0], labels=batch[1], images=batch[2], num_calls=2).loss) < float(loss)
+        assert float(model(input_ids=batch[0], labels=batch[1], images=batch[2], num_calls=calls).loss) < float(loss)
     raw = datasets.Dataset.from_parquet(str(parquet)).cast_column("images", datasets.List(
         datasets.Image(decode=False)))[0]
     assert raw["images"][0]["bytes"] and not raw["images"][0]["path"]  # the file holds the images, not paths

@@ -3,8 +3,11 @@ the data is laid out so that at every step rank 0's row is text only and rank 1'
 vision.max_images_per_call 1: two tower calls on rank 1, two placeholder calls on rank 0). ZeRO-3 (the case that
 hangs with transformers' forward), ZeRO-2, ZeRO-3 with a frozen vision tower and ZeRO-3 with LoRA on the language
 model and the projector finish, and their losses and grad norms equal a 1-rank run on the same global batch (1 micro
-x 2 accumulation steps) within 1e-5; the 2-rank ZeRO-3 checkpoint (AdamW) resumes on 1 rank exactly; its export loads
-with transformers' own class and image processor, with logits equal to the engine's (the probe) and, on an image
+x 2 accumulation steps) within 1e-5, and so does ZeRO-3 where rank 1 reads a video (5 frames) and an image at each
+step (2 tower calls: the video alone, 3 temporal patches over the cap of 1, then the image; rank 0 two placeholders),
+and ZeRO-3 on packed rows (two conversations a row, positions and attention per conversation:
+harness/data/vision_pack.py); the 2-rank ZeRO-3 checkpoint (AdamW) resumes on 1 rank exactly; its export loads with
+transformers' own class and image processor, with logits equal to the engine's (the probe) and, on an image
 conversation, transformers' own forward (pixel_values) equal to the harness's; the LoRA run's merged export loads with
 transformers' own class and equals peft's base + adapter on an image conversation. Two launches: every 2-rank case,
 then every 1-rank case and the resume."""
@@ -21,14 +24,19 @@ import torch
 
 from harness.cli import main
 from helpers.launch import launch_jobs, records
-from helpers.vl_models import llava_folder, qwen2_vl_folder, write_chat, write_images
+from helpers.vl_models import llava_folder, qwen2_vl_folder, write_chat, write_frames, write_images
 
 STEPS, ROWS, SEED, TOL = 2, 8, 1234, 1e-5
+PACKED_SEQ_LEN = 140  # two conversations a row (each is 50-70 tokens): 4 packed rows; step 1 gives rank 0 a text-only
+# row and rank 1 a row with 2 images, step 2 one image each (harness/data/vision_pack.py packs in record order)
 CASES = [("qwen_zero3", "qwen", "zero3", []), ("qwen_zero2", "qwen", "zero2", []),
          ("qwen_zero3_frozen_vision", "qwen", "zero3", ["--set", 'vision.freeze=["vision"]']),
          ("llava_zero3", "llava", "zero3", []), ("llava_zero2", "llava", "zero2", []),
          ("qwen_zero3_lora", "qwen", "zero3", ["--set", "adapter.type=lora", "--set", "adapter.r=4",
-                                               "--set", 'vision.lora=["language","projector"]'])]
+                                               "--set", 'vision.lora=["language","projector"]']),
+         ("qwen_zero3_packed", "qwen", "zero3", ["--set", f"train.seq_len={PACKED_SEQ_LEN}"]),
+         ("qwen_video_zero3", "qwen", "zero3", [])]
+DATA = {"qwen_video_zero3": "chat_video.jsonl"}  # rank 1 reads a 5-frame video + an image at each step
 # resumed on 1 rank: AdamW (DeepSpeed's universal conversion of a ZeRO-3 checkpoint reads Adam's exp_avg / exp_avg_sq;
 # plain SGD keeps no optimizer state and the conversion fails with KeyError)
 RESUMED = ("qwen_zero3_adamw", "qwen", "zero3", ["--set", "optimizer.type=adamw", "--set", "optimizer.lr=0.001"])
@@ -47,7 +55,8 @@ def split_kinds() -> list[str]:
 
 
 def argv(root: Path, name: str, family: str, recipe: str, extra: list, ranks: int) -> list[str]:
-    sets = {"train.model": root / family, "train.dataset": root / "data" / "chat.jsonl", "train.format": "chat",
+    sets = {"train.model": root / family, "train.dataset": root / "data" / DATA.get(name, "chat.jsonl"),
+            "train.format": "chat",
             "train.seq_len": 96, "train.steps": STEPS, "precision": "fp32", "batch.micro_batch_per_gpu": 1,
             "batch.grad_accum_steps": 3 - ranks, "batch.train_batch_size": '"auto"', "train.seed": SEED,
             "train.store_dir": root / "stores", "train.eval_fraction": 0, "optimizer.type": "sgd",
@@ -63,7 +72,10 @@ def argv(root: Path, name: str, family: str, recipe: str, extra: list, ranks: in
 def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl_ranks")
     qwen2_vl_folder(root / "qwen"), llava_folder(root / "llava")
-    write_chat(root / "data" / "chat.jsonl", write_images(root / "data" / "img", 5), split_kinds())
+    images = write_images(root / "data" / "img", 5)
+    write_chat(root / "data" / "chat.jsonl", images, split_kinds())
+    write_chat(root / "data" / "chat_video.jsonl", images, [k if k == "text" else "video" for k in split_kinds()],
+               frames=write_frames(root / "data" / "clip", 5))
     two = [argv(root, *case, ranks=2) for case in [*CASES, RESUMED]]
     resume = argv(root, *RESUMED, ranks=1)
     resume[resume.index("--output-dir") + 1] = str(root / "resumed")
@@ -92,6 +104,11 @@ def test_text_only_rank_and_image_rank_match_one_rank(launched):
             worst = max(worst, _close(f"{name} step {step} loss", a["loss"], b["loss"]),
                         _close(f"{name} step {step} grad_norm", a["grad_norm"], b["grad_norm"]))
         assert two[1]["loss"] != two[0]["loss"]  # the update moved the weights
+    packed = [json.loads(m.read_text()) for m in (root / "stores").glob("vision-*/meta.json")]
+    assert [(m["rows"], m["conversations"]) for m in packed if m["seq_len"] == PACKED_SEQ_LEN] == [(4, ROWS)], packed
+    videos = [m for m in packed if m.get("videos")]  # one conversation a row: rank 0 reads text only
+    want = sum(kind != "text" for kind in split_kinds())
+    assert [(m["rows"], m["conversations"], m["videos"]) for m in videos] == [(ROWS, ROWS, want)], videos
     frozen, full = records(root / "qwen_zero3_frozen_vision_r2", "train"), records(root / "qwen_zero3_r2", "train")
     assert frozen[0]["loss"] == pytest.approx(full[0]["loss"], abs=1e-6)  # same weights at step 1
     assert frozen[0]["grad_norm"] < full[0]["grad_norm"]  # the tower's gradient is not part of it

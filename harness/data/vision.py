@@ -17,12 +17,13 @@ trains, never a shape error inside the model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from harness.data import video
 from harness.errors import UsageError
 
 IMAGES_COLUMN = "images"  # TRL's: a record's images, taken in order by parts {"type": "image"} without a path
@@ -35,6 +36,8 @@ class Encoded:
     mask: list[int]  # 1 where the token is a loss target
     pixels: list[np.ndarray]  # per image: float32, leading dim concatenated per vision call
     grids: list[list[int]]  # per image [t, h, w] (grid families) or []
+    kinds: list[int] = field(default_factory=list)  # per visual: video.IMAGE or video.VIDEO ([]: all images)
+    seconds: list[float] = field(default_factory=list)  # per visual: seconds per temporal patch (videos)
 
 
 @dataclass
@@ -44,16 +47,36 @@ class Images:
 
     pixels: list[torch.Tensor]
     grids: list[torch.Tensor]  # [3] each; empty for LLaVA-style families
+    kinds: list[int] = field(default_factory=list)  # video.IMAGE / video.VIDEO per visual ([]: all images)
+    seconds: list[float] = field(default_factory=list)  # seconds per temporal patch per visual (videos)
 
     def __len__(self) -> int:
         return len(self.pixels)
 
-    def chunks(self, per_call: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        out = []
-        for i in range(0, len(self.pixels), per_call):
-            grid = torch.stack(self.grids[i:i + per_call]) if self.grids else None
-            out.append((torch.cat(self.pixels[i:i + per_call]), grid))
+    def kind(self, i: int) -> int:
+        return self.kinds[i] if self.kinds else video.IMAGE
+
+    def calls(self, per_call: int) -> list[list[int]]:
+        """The visuals of each vision-tower call, in order: at most `per_call` units a call, an image one unit and a
+        video one per temporal patch (grid t: two frames, an image's worth of patches each); a video is never split,
+        one longer than `per_call` gets a call of its own."""
+        out, used = [], per_call
+        for i in range(len(self.pixels)):
+            units = int(self.grids[i][0]) if self.kind(i) == video.VIDEO else 1
+            if used + units > per_call or not out:
+                out.append([])
+                used = 0
+            out[-1].append(i)
+            used += units
         return out
+
+    def batch(self, group: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One call's input: the group's pixels (and grids) concatenated, images and videos alike."""
+        grid = torch.stack([self.grids[i] for i in group]) if self.grids else None
+        return torch.cat([self.pixels[i] for i in group]), grid
+
+    def chunks(self, per_call: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        return [self.batch(group) for group in self.calls(per_call)]
 
 
 def image_parts(messages) -> list[dict]:
@@ -176,7 +199,8 @@ def chat_pieces(tokenizer, messages, where: str) -> list[tuple[str, int]]:
 
 
 def encode(record: dict, number: int, ctx) -> Encoded:
-    """One record -> Encoded. ctx: tokenizer, image_processor, config, grid, image_token, field, base, source."""
+    """One record -> Encoded. ctx: tokenizer, image_processor, config, grid, image_token, field, base, source,
+    video_defaults."""
     where = _where(ctx.source, number)
     messages = record.get(ctx.field)
     if not isinstance(messages, list) or not messages:
@@ -184,6 +208,7 @@ def encode(record: dict, number: int, ctx) -> Encoded:
                          "column holding the conversation")
     refs = _refs(record, messages, where)
     pixels, grids = preprocess(ctx.image_processor, [open_image(r, ctx.base, where) for r in refs], ctx.grid)
+    videos = _videos(messages, ctx, where)
     ids, mask, marker = [], [], image_marker(ctx.tokenizer, ctx.config)
     for text, loss in chat_pieces(ctx.tokenizer, messages, where):
         piece = ctx.tokenizer(text.replace(*marker) if marker else text, add_special_tokens=False)["input_ids"]
@@ -194,16 +219,38 @@ def encode(record: dict, number: int, ctx) -> Encoded:
         raise UsageError(f"{where}: {len(refs)} image parts but the rendered conversation holds {len(marks)} image "
                          f"placeholders (token {ctx.image_token})\n    fix: one image part per image, and no literal "
                          "image marker in the text; or a chat template that renders image parts")
-    out_ids, out_mask, last = [], [], 0
-    for mark, pix, grid in zip(marks, pixels, grids or [[]] * len(pixels)):
-        out_ids += ids[last:mark] + [ctx.image_token] * tokens_per_image(ctx.config, pix, grid)
-        out_mask += mask[last:mark] + [0] * tokens_per_image(ctx.config, pix, grid)
+    video_token = getattr(ctx.config, "video_token_id", None)  # a literal one without a video part is refused too
+    shown = [i for i, t in enumerate(ids) if video_token is not None and t == video_token]
+    if len(shown) != len(videos):
+        raise UsageError(f"{where}: {len(videos)} video parts but the rendered conversation holds {len(shown)} video "
+                         f"placeholders (token {video_token})\n    fix: one video part per video, and no literal "
+                         "<|video_pad|> in the text; or a chat template that renders video parts")
+    queues = {ctx.image_token: list(zip(pixels, grids or [[]] * len(pixels))),
+              video_token: [(v.pixels, v.grid, v.second_per_grid) for v in videos]}
+    out, last = Encoded([], [], [], [], [], []), 0
+    for mark in sorted(marks + shown):
+        pix, grid, *sec = queues[ids[mark]].pop(0)
+        count = tokens_per_image(ctx.config, pix, grid)
+        out.ids += ids[last:mark] + [ids[mark]] * count
+        out.mask += mask[last:mark] + [0] * count
+        out.pixels.append(pix), out.grids.append(grid), out.seconds.append(sec[0] if sec else 0.0)
+        out.kinds.append(video.VIDEO if sec else video.IMAGE)
         last = mark + 1
-    return Encoded(out_ids + ids[last:], out_mask + mask[last:], pixels, grids)
+    out.ids, out.mask, out.grids = out.ids + ids[last:], out.mask + mask[last:], out.grids if ctx.grid else []
+    return out
+
+
+def _videos(messages, ctx, where: str) -> list:
+    parts = video.video_parts(messages)
+    if parts and not video.supports_video(ctx.config):
+        raise video.unsupported(ctx.config, getattr(ctx.config, "_name_or_path", "") or "the model", where)
+    return [video.encode_video(part, ctx, where, open_image) for part in parts]
 
 
 def has_images(records: list[dict], field: str) -> bool:
-    return any(image_parts(r.get(field)) or _column(r) for r in records if isinstance(r, dict))
+    """Any image or video part (or an `image` / `images` column)."""
+    return any(image_parts(r.get(field)) or video.video_parts(r.get(field)) or _column(r)
+               for r in records if isinstance(r, dict))
 
 
 def check_text_model(spec, records_by_file) -> None:

@@ -9,7 +9,9 @@ trainer agrees on the number across ranks first: harness/train/vision_steps.py);
 tiny placeholder image, and its output enters the graph as `embeds + 0 * features.sum()`: the forward values are
 unchanged bit for bit (x + 0 == x) and the placeholder's gradient is exactly zero, while every vision parameter
 still takes part in the backward on every rank. Then the same module sequence runs everywhere: embeddings, the
-vision tower `num_calls` times, the language model, the head.
+vision tower `num_calls` times, the language model, the head. Videos (Qwen2-VL / Qwen2.5-VL: frames grouped in time,
+harness/data/video.py) go through the same calls as the images, concatenated with them (a video counts one unit of
+vision.max_images_per_call per temporal patch), and their features fill the video tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import types
 
 import torch
 
+from harness.data.video import IMAGE, VIDEO
 from harness.data.vision import Images  # noqa: F401 (what vl_forward takes)
 from harness.planner.vision import PARTS, parts_count as _parts_count, family_of as _family_of  # noqa: F401
 
@@ -103,45 +106,79 @@ def image_features(model, pixels: torch.Tensor, grid: torch.Tensor | None) -> to
     return feats.reshape(-1, feats.shape[-1])
 
 
-def num_chunks(num_images: int, per_call: int) -> int:
-    """Vision-tower calls a micro-batch with this many images needs: at least one (the placeholder)."""
-    return max(1, -(-num_images // per_call))
+def num_chunks(images: Images, per_call: int) -> int:
+    """Vision-tower calls a micro-batch with these images and videos needs (Images.calls): at least one (the
+    placeholder)."""
+    return max(1, len(images.calls(per_call)))
+
+
+def _split(model, feats: torch.Tensor, images: Images, group: list[int]) -> list[torch.Tensor]:
+    """One call's features back into one piece per visual (an image's or a video's tokens)."""
+    if not images.grids:
+        return list(feats.reshape(len(group), -1, feats.shape[-1]))
+    merge = model.config.vision_config.spatial_merge_size ** 2
+    return list(feats.split([int(images.grids[i].prod()) // merge for i in group]))
 
 
 def _merge(model, embeds, input_ids, images: Images, num_calls: int, per_call: int):
+    """The vision tower `num_calls` times: each call takes a group of images and videos together (Images.calls),
+    the rest run on the placeholder; image features go to the image tokens, video features to the video tokens."""
     device, dtype = embeds.device, embeds.dtype
-    chunks = images.chunks(per_call)
-    assert len(chunks) <= num_calls, f"{len(chunks)} vision calls needed, {num_calls} agreed"
-    real, zero = [], None
+    groups = images.calls(per_call)
+    assert len(groups) <= num_calls, f"{len(groups)} vision calls needed, {num_calls} agreed"
+    real, zero = {IMAGE: [], VIDEO: []}, None
     for i in range(num_calls):
-        pixels, grid = chunks[i] if i < len(chunks) else placeholder(model.config, dtype)
+        pixels, grid = images.batch(groups[i]) if i < len(groups) else placeholder(model.config, dtype)
         feats = image_features(model, pixels.to(device, dtype), None if grid is None else grid.to(device))
-        if i < len(chunks):
-            real.append(feats)
+        if i < len(groups):
+            for j, piece in zip(groups[i], _split(model, feats, images, groups[i])):
+                real[images.kind(j)].append(piece)
         else:  # the placeholder: in the graph, adds exactly nothing (module docstring)
             zero = feats.sum() * 0.0 if zero is None else zero + feats.sum() * 0.0
-    if real:
-        mask = (input_ids == image_token_id(model.config)).unsqueeze(-1).to(device)
-        feats = torch.cat(real).to(dtype)
-        assert int(mask.sum()) == feats.shape[0], f"{int(mask.sum())} image tokens, {feats.shape[0]} features"
-        embeds = embeds.masked_scatter(mask, feats)
+    for kind, token in ((IMAGE, image_token_id(model.config)), (VIDEO, getattr(model.config, "video_token_id", None))):
+        if real[kind]:
+            mask = (input_ids == token).unsqueeze(-1).to(device)
+            feats = torch.cat(real[kind]).to(dtype)
+            assert int(mask.sum()) == feats.shape[0], f"{int(mask.sum())} {kind} tokens, {feats.shape[0]} features"
+            embeds = embeds.masked_scatter(mask, feats)
     return embeds if zero is None else embeds + zero.to(dtype)
 
 
+def rope_positions(model, input_ids, images: Images, text_positions=None):
+    """Qwen-VL's 3-D rotary positions from the images' and videos' grids (transformers' get_rope_index; Qwen2.5-VL
+    spaces a video's temporal positions by its seconds per temporal patch); per conversation where a packed row's
+    text positions are given (train.packing=document: harness/model/vision_positions.py)."""
+    config, device = model.config, input_ids.device
+    video_token = getattr(config, "video_token_id", None)
+    types = (input_ids == image_token_id(config)).int()
+    if video_token is not None:
+        types = types + VIDEO * (input_ids == video_token).int()
+    by_kind = {k: [i for i in range(len(images)) if images.kind(i) == k] for k in (IMAGE, VIDEO)}
+    grids = {k: torch.stack([images.grids[i] for i in v]).to(device) if v else None for k, v in by_kind.items()}
+    extra = {}
+    if by_kind[VIDEO]:
+        extra["second_per_grid_ts"] = torch.tensor([images.seconds[i] for i in by_kind[VIDEO]], device=device)
+    if text_positions is not None:
+        from harness.model.vision_positions import packed_rope
+
+        return packed_rope(model, input_ids, text_positions.to(device), types, grids, extra.get("second_per_grid_ts"))
+    position_ids, _ = model.model.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=grids[IMAGE],
+                                                 video_grid_thw=grids[VIDEO], **extra)
+    return position_ids
+
+
 def vl_forward(self, input_ids, labels=None, images: Images | None = None, num_calls: int = 1, per_call: int = 8,
-               **kwargs):
+               position_ids=None, **kwargs):
     """The forward every rank runs (module docstring): kwargs go to transformers' own forward (use_cache,
-    num_items_in_batch)."""
+    num_items_in_batch). position_ids: a packed row's text positions, restarting per conversation (train.packing
+    document): LLaVA-style families take them as they are, Qwen-VL's 3-D ones are computed per conversation."""
     images = images if images is not None else Images([], [])
     embeds = self.get_input_embeddings()(input_ids)
     embeds = _merge(self, embeds, input_ids, images, num_calls, per_call)
-    position_ids = None
     if hasattr(self.model, "rope_deltas"):  # generation state: left over, it would shift a text-only row's positions
         self.model.rope_deltas = None
-    if family_of(self.config).grid and len(images):  # 3-D rotary positions from the images' grids
-        kinds = (input_ids == image_token_id(self.config)).int()
-        position_ids, _ = self.model.get_rope_index(input_ids, mm_token_type_ids=kinds,
-                                                    image_grid_thw=torch.stack(images.grids).to(input_ids.device))
+    if family_of(self.config).grid and (len(images) or position_ids is not None):  # 3-D rotary positions
+        position_ids = rope_positions(self, input_ids, images, position_ids)
     if family_of(self.config).token_types:  # Gemma 3: each image's tokens attend to each other (as its processor)
         kwargs["token_type_ids"] = (input_ids == image_token_id(self.config)).long()
     return type(self).forward(self, inputs_embeds=embeds, position_ids=position_ids, labels=labels, **kwargs)

@@ -245,6 +245,7 @@ def rows_named(rows, limit: int = 16) -> str:
 
     from harness.data.mix_rows import MixRows
     from harness.data.preference import Pairs
+    from harness.data.vision_store import VisionRows
 
     if isinstance(rows, MixRows):  # a mixture: each source's rows, named as its own store's
         ids = rows.source_ids()
@@ -253,6 +254,8 @@ def rows_named(rows, limit: int = 16) -> str:
     index = [int(i) for i in rows.index]
     if isinstance(rows, Pairs):
         return f"pairs {_few(index, limit)}, dataset records {_few(sorted({int(r) for r in rows.records}), limit)}"
+    if isinstance(rows, VisionRows):  # packed conversations: the records they came from
+        return f"store rows {_few(index, limit)}, records {_few(sorted({int(r) for r in rows.records}), limit)}"
     text = f"store rows {_few(index, limit)}"
     if rows.doc_ends is not None:
         seq = rows.tokens.shape[1]

@@ -78,7 +78,7 @@ def load_data(spec, dist, tokenizer) -> Data:
         for line in lines if dist.is_main else ():
             say("data", line)
         return Data(train=train_pairs, eval=eval_pairs)
-    if vision_steps.is_vision_run(spec):  # chat records with images: the vision store, one conversation per row
+    if vision_steps.is_vision_run(spec):  # chat records with images: the vision store, conversations packed whole
         train_rows, eval_rows, lines = vision_steps.load_data(spec, dist, tokenizer)
         for line in lines if dist.is_main else ():
             say("data", line)

@@ -64,18 +64,44 @@ def _record_problems(spec, ctx) -> list[Problem]:
                     if isinstance(ref, str) and not path.is_file():
                         raise UsageError(f"{where}: image {path} does not exist\n    fix: correct the path (relative "
                                          f"paths start at the data file's folder {base}), or remove the image part")
+                _video_problems(messages, base, where, ctx)
                 if number <= HEAD_RECORDS and isinstance(messages, list):
                     text = "".join(t for t, _ in chat_pieces(ctx.tokenizer, messages, where))
                     text = text.replace(*ctx.marker) if ctx.marker else text  # Gemma 3: <start_of_image> -> ...
-                    marks = ctx.tokenizer(text, add_special_tokens=False)["input_ids"].count(ctx.image_token)
+                    ids = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+                    marks = ids.count(ctx.image_token)
                     if marks != len(image_parts(messages)):
                         raise UsageError(f"{where}: {len(image_parts(messages))} image parts but the rendered "
                                          f"conversation holds {marks} image placeholders\n    fix: one image part per "
                                          "image and no literal image marker in the text")
+                    _video_count(messages, ids, where, ctx)
             except UsageError as e:
                 why, _, fix = str(e).partition("\n    fix: ")
                 return [Problem("train.dataset", why, fix)]
     return []
+
+
+def _video_problems(messages, base: Path, where: str, ctx) -> None:
+    """Every video part: a family that takes video, its frames or file there, PyAV for a file (harness/data/video.py)."""
+    from harness.data import video
+
+    parts = video.video_parts(messages) if isinstance(messages, list) else []
+    if parts and not video.supports_video(ctx.config):
+        raise video.unsupported(ctx.config, ctx.name, where)
+    for part in parts:
+        frames, path = video.source(part, base, where)
+        if path is not None:
+            video.need_decoder(path, where)
+
+
+def _video_count(messages, ids: list[int], where: str, ctx) -> None:
+    from harness.data.video import video_parts
+
+    parts, token = len(video_parts(messages)), getattr(ctx.config, "video_token_id", None)
+    shown = ids.count(token) if token is not None else 0
+    if shown != parts:
+        raise UsageError(f"{where}: {parts} video parts but the rendered conversation holds {shown} video "
+                         "placeholders\n    fix: one video part per video and no literal <|video_pad|> in the text")
 
 
 def _text_model_problems(spec, recipe) -> list[Problem]:
@@ -166,4 +192,5 @@ def _context(recipe, data):
                          "tokenizer in the folder (processor.save_pretrained(dir))")
     from harness.data.vision import image_marker
 
-    return SimpleNamespace(tokenizer=tokenizer, image_token=token, marker=image_marker(tokenizer, config))
+    return SimpleNamespace(tokenizer=tokenizer, image_token=token, config=config, name=name,
+                           marker=image_marker(tokenizer, config))

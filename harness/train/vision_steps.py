@@ -1,7 +1,7 @@
 """The data and the step of a vision-language run (a model with a vision_config; docs/vision-language.md).
 
-Data: chat records with images, preprocessed once into the vision store (harness/data/vision_store.py), one
-conversation per row. Step: before a step's micro-batches run, the ranks agree on how many vision-tower calls each
+Data: chat records with images, preprocessed once into the vision store (harness/data/vision_store.py), whole
+conversations packed into rows (harness/data/vision_pack.py), each row's images with it in span order. Step: before a step's micro-batches run, the ranks agree on how many vision-tower calls each
 micro-batch makes (the most any rank needs: ceil(images / vision.max_images_per_call), at least 1) in ONE small
 all-reduce; then every rank makes exactly that many calls per micro-batch (harness/model/vision.py: a rank short of
 images calls the tower on a placeholder that adds exactly zero). ZeRO-3's gathers and ZeRO-1/2's gradient
@@ -40,6 +40,7 @@ def load_data(spec, dist, tokenizer):
     from harness.data.corpus import DataSpec
     from harness.data.formats import check_chat_template
     from harness.data.rows import split_rows
+    from harness.data.video import defaults_of as video_defaults
     from harness.data.vision_store import Context, VisionRows, ensure
     from harness.errors import UsageError
     from harness.model.hf import load_model_config
@@ -59,14 +60,18 @@ def load_data(spec, dist, tokenizer):
                          f"(config image_token_id {token})\n    fix: save the model's own processor/tokenizer in the "
                          "folder; a text-only tokenizer cannot mark where the images go")
     ctx = Context(tokenizer, load_image_processor(train["model"], config), config, family_of(config).grid, token,
-                  data_spec.messages_field, None, data_spec.dataset)
+                  data_spec.messages_field, None, data_spec.dataset, video_defaults(train["model"]))
     store, made = ensure(data_spec, ctx, train["seq_len"], train["store_dir"] or None, dist.local_rank)
-    rows, meta = VisionRows.of(store), store["meta"]
+    rows, meta = VisionRows.of(store, train["packing"]), store["meta"]
     train_rows, eval_rows = split_rows(rows, train["eval_fraction"], train["seed"])
-    lines = [f"{'prepared' if made else 'using'} vision store {store['path']}: {meta['rows']} conversations "
-             f"({meta['with_images']} with images, {meta['images']} images, {meta['pixel_bytes'] / 2**20:.2f} MiB of "
-             f"pixels), one per row, not packed; {meta['truncated']} text-only truncated at seq_len; data ready in "
-             f"{time.perf_counter() - start:.2f}s"]
+    kept = ("attention and positions per conversation" if train["packing"] == "document" else
+            "conversations attend to the ones before them in a row")
+    videos = f", {meta['videos']} videos" if meta["videos"] else ""
+    lines = [f"{'prepared' if made else 'using'} vision store {store['path']}: {meta['conversations']} conversations "
+             f"({meta['with_images']} with images, {meta['images'] - meta['videos']} images{videos}, "
+             f"{meta['pixel_bytes'] / 2**20:.2f} MiB of pixels) packed whole into {meta['rows']} rows of "
+             f"{train['seq_len']} (train.packing={train['packing']}: {kept}); {meta['truncated']} truncated at seq_len; "
+             f"data ready in {time.perf_counter() - start:.2f}s"]
     return train_rows, eval_rows, lines
 
 
@@ -76,7 +81,7 @@ def agreed_calls(engine, batches: list, per_call: int) -> list[int]:
 
     from harness.model.vision import num_chunks
 
-    need = torch.tensor([num_chunks(len(b[2]), per_call) for b in batches], dtype=torch.int64, device=engine.device)
+    need = torch.tensor([num_chunks(b[2], per_call) for b in batches], dtype=torch.int64, device=engine.device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
     return need.cpu().tolist()
@@ -87,9 +92,11 @@ class VisionSteps:
         self.per_call = spec.recipe["vision"]["max_images_per_call"]
 
     def forward(self, engine, batch, calls: int):
-        input_ids, labels, images = batch
+        input_ids, labels, images, *positions = batch  # position ids under train.packing=document
+        positions = positions[0].to(engine.device) if positions else None
         return engine(input_ids=input_ids.to(engine.device), labels=labels.to(engine.device), images=images,
-                      num_calls=calls, per_call=self.per_call, use_cache=False, num_items_in_batch=loss_items(labels))
+                      num_calls=calls, per_call=self.per_call, position_ids=positions, use_cache=False,
+                      num_items_in_batch=loss_items(labels))
 
     def train(self, engine, batches: list) -> torch.Tensor:
         total = None

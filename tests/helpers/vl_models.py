@@ -12,10 +12,12 @@ LLAVA_TOKENS = ["<image>"]
 VOCAB = 520  # the shipped tokenizer's 512 + the added image tokens, rounded up
 
 _TURN = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-         "{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE{% else %}{{ p['text'] }}{% endif %}"
+         "{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE{% elif p['type'] == 'video' %}VIDEO{% else %}"
+         "{{ p['text'] }}{% endif %}"
          "{% endfor %}{% endif %}<|endoftext|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-QWEN_TEMPLATE = _TURN.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>")
-LLAVA_TEMPLATE = _TURN.replace("IMAGE", "<image>\n")
+QWEN_TEMPLATE = _TURN.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>").replace(
+    "VIDEO", "<|vision_start|><|video_pad|><|vision_end|>")
+LLAVA_TEMPLATE = _TURN.replace("IMAGE", "<image>\n").replace("VIDEO", "")
 
 
 def _tokenizer(tokens: list[str], template: str):
@@ -49,6 +51,65 @@ def qwen2_vl_folder(path, seed: int = 1234) -> str:
     tok.save_pretrained(path)
     Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, patch_size=14, merge_size=2,
                              temporal_patch_size=2).save_pretrained(path)
+    return str(path)
+
+
+def qwen2_5_vl_folder(path, seed: int = 1234) -> str:
+    """A tiny Qwen2.5-VL: 2-layer windowed vision tower (patch 14, merge 2, window 56, block 1 full attention) +
+    merger + 2-layer language model; 2 tokens per second of video in its time positions."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = _tokenizer(QWEN_TOKENS, QWEN_TEMPLATE)
+    ids = tok.convert_tokens_to_ids(QWEN_TOKENS)
+    eos = tok.eos_token_id
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rope_parameters={"rope_type": "default",
+                "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}, bos_token_id=eos, eos_token_id=eos,
+                attention_dropout=0.0)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+                  tokens_per_second=2, in_channels=3)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, vision_start_token_id=ids[0],
+                              vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3],
+                              tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(path)
+    return str(path)
+
+
+def write_frames(folder, count: int, size=(42, 56), seed: int = 11) -> list[str]:
+    """`count` RGB PNG frames of one size (seeded noise): a video as a folder / list of frames."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        path = folder / f"frame{i:03d}.png"
+        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def write_mp4(path, count: int, fps: int = 4, size=(42, 56)) -> str:
+    """A small MPEG-4 file written with PyAV: frame i a flat grey of level 30 * i."""
+    import av
+    import numpy as np
+
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.height, stream.width, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for i in range(count):
+            frame = av.VideoFrame.from_ndarray(np.full((*size, 3), 30 * i % 256, np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
     return str(path)
 
 
@@ -126,9 +187,10 @@ def write_images(folder, count: int, seed: int = 7) -> list[str]:
     return paths
 
 
-def write_chat(path, images: list[str], kinds: list[str], seed: int = 3) -> str:
+def write_chat(path, images: list[str], kinds: list[str], seed: int = 3, frames: list[str] | None = None) -> str:
     """A JSONL of chat records: kinds[i] 'text' (content strings), 'image' (one image part + text), 'two' (two
-    images); image paths relative to the file's folder where they lie under it."""
+    images), 'video' (a video part listing `frames`, then an image part); paths relative to the file's folder where
+    they lie under it."""
     import json
     import random
     from pathlib import Path
@@ -141,7 +203,8 @@ def write_chat(path, images: list[str], kinds: list[str], seed: int = 3) -> str:
         if kind == "text":
             user = {"role": "user", "content": f"record {i}: {say}"}
         else:
-            parts = []
+            rel = [str(Path(f).relative_to(Path(path).parent)) for f in frames or ()]
+            parts = [{"type": "video", "video": rel}] if kind == "video" else []
             for _ in range(2 if kind == "two" else 1):
                 ref = Path(images[k % len(images)])
                 k += 1
