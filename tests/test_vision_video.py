@@ -250,3 +250,20 @@ def test_packed_row_with_videos_equals_its_conversations_one_per_row(folders, tm
         lo, n = bounds[i], bounds[i + 1] - bounds[i]
         assert torch.equal(rope[1:, 0, lo:lo + n], vision.rope_positions(model, ids, images)[:, 0, :n]), i
     print(f"[video] packed Qwen2.5-VL row of 4 conversations (2 videos) vs one per row: worst |diff| {worst:.1e}")
+
+
+@pytest.mark.parametrize("model_type,why", [("qwen3_vl", "deepstack features and timestamped frames"),
+                                            ("llava", "takes images only")])
+def test_video_refused_under_a_family_without_a_video_path(model_type, why, tmp_path):
+    """Qwen3-VL (deepstack, timestamped frames) and image-only families refuse a video part before launch, with the
+    reason and the fix (the LLaVA folder case runs through harness/run.py in tests/test_runtime_catalogue.py)."""
+    from harness.errors import UsageError
+    from harness.train.vision_checks import _video_problems
+
+    ctx = SimpleNamespace(config=SimpleNamespace(model_type=model_type, video_token_id=7), name="/models/m")
+    messages = [{"role": "user", "content": [{"type": "video", "video": ["f0.png"]}]}]
+    with pytest.raises(UsageError) as err:
+        _video_problems(messages, tmp_path, "data.jsonl record 1", ctx)
+    said = str(err.value)
+    assert f"record 1: a video part, but train.model /models/m ({model_type}) has no video path" in said
+    assert why in said and "fix: train a Qwen2-VL or Qwen2.5-VL model for video" in said

@@ -188,7 +188,7 @@ def encode(record: dict, number: int, ctx) -> Encoded:
         raise UsageError(f"{where}: {len(refs)} image parts but the rendered conversation holds {len(marks)} image "
                          f"placeholders (token {ctx.image_token})\n    fix: one image part per image, and no literal "
                          "image marker in the text; or a chat template that renders image parts")
-    video_token = getattr(ctx.config, "video_token_id", None) if videos else None
+    video_token = getattr(ctx.config, "video_token_id", None)  # a literal one without a video part is refused too
     shown = [i for i, t in enumerate(ids) if video_token is not None and t == video_token]
     if len(shown) != len(videos):
         raise UsageError(f"{where}: {len(videos)} video parts but the rendered conversation holds {len(shown)} video "
