@@ -8,8 +8,10 @@ split 6 + 6 over ranks leaves them unchanged); LoRA with its zero-initialised ad
 The same launch runs online RL with generation in the loop:
 - the built-in toy task (harness/rl/toy.py, reply in vowels) on the built-in tiny Llama: the mean reward rises from
   the untrained ~0.23 on ZeRO-2, ZeRO-3 and LoRA (TRL's GRPOTrainer on the same task and hyperparameters: bench/rl.py);
-- a run stopped mid-generation (num_iterations 2, saved at step 3) and resumed equals the uninterrupted run: the
-  losses and rollouts.jsonl, byte for byte;
+- a run stopped mid-generation (num_iterations 2, saved at step 1) and resumed equals the uninterrupted run: the
+  losses and rollouts.jsonl, byte for byte; resumed on 1 rank instead of 2, and a 1-rank run resumed on 2 (each
+  1-rank run a launch of its own, one plain process): the weights (exported, loaded with transformers: the engine's
+  logits) and the completions equal too, the first logged loss within one float32 ulp;
 - rl.replay of the uninterrupted run's rollouts.jsonl reproduces its losses bit for bit.
 The refusals run without ranks.
 """
@@ -28,6 +30,11 @@ from helpers.launch import job_output, launch_jobs, records as metric_records
 from helpers.models import llama_folder, perturbed_folder
 
 MICRO, GAS, WORLD, STEPS, LR = 3, 2, 2, 2, 1.0
+# 2 -> 1 and 1 -> 2 ranks: the weights after the resume equal the uninterrupted run's bit for bit (each micro-batch
+# holds the same 8 rows, and its gradient's 1/2 is exact whether it is the rank average or the accumulation
+# average). The logged loss averages the same two micro-batch losses by another route on 1 rank (the accumulation
+# sum, not the ranks' all-reduce): measured 1 float32 ulp (3.7e-9) at step 2 after 2 -> 1, 0 elsewhere
+MOVED_TOL = 1e-8
 SPLIT_FREE = ("dapo", "grpo", "dr_grpo")  # unchanged by how the batch is split
 
 
@@ -73,9 +80,24 @@ def launched(tmp_path_factory):
         old = perturbed_old(model, case.old_shift, case.rl.get("temperature", 1.0)) if case.old_shift else None
         replay = write_replay(root / f"{case.name}.jsonl", STEPS, old)
         argvs.append(argv(root, model, case, replay))
+    learning = root / "learning"
+    learning.mkdir()
+    one = one_rank(learning, [learn_argv(learning / "single", "zero2", **{**SINGLE, "train.steps": 1})])
     start = time.perf_counter()
-    proc = launch_jobs(argvs + learning_cases(root / "learning"), root, ranks=WORLD, timeout_s=900)
-    return root, model, all_cases, proc, time.perf_counter() - start
+    proc = launch_jobs(argvs + learning_cases(learning), root, ranks=WORLD, timeout_s=900)
+    seconds = time.perf_counter() - start
+    one += one_rank(learning, [moved_case(learning)])
+    print(f"2-rank launch {seconds:.1f}s, the two 1-rank runs {one:.1f}s")
+    return root, model, all_cases, proc, seconds
+
+
+def one_rank(folder: Path, cases: list) -> float:
+    """Seconds of a 1-rank launch: one plain process (no DeepSpeed launcher)."""
+    import time
+
+    start = time.perf_counter()
+    launch_jobs(cases, folder, ranks=1, timeout_s=600, launcher=False)
+    return time.perf_counter() - start
 
 
 LEARN_STEPS = 15
@@ -83,6 +105,10 @@ BASE = {"train.model": "tiny-llama", "train.objective": "grpo", "precision": "fp
         "batch.grad_accum_steps": 1, "batch.train_batch_size": '"auto"', "optimizer.type": "adamw",
         "optimizer.lr": 3e-2, "optimizer.weight_decay": 0, "scheduler.type": "none", "gradient_clipping": 1.0,
         "rl.num_generations": 4, "rl.max_completion_length": 8, "train.log_every": 1, "train.save_every": 0}
+
+
+SHORT = {"train.steps": 4, "rl.num_iterations": 2, "rl.temperature": 0.9}  # the resume cases: 2 generations
+SINGLE = {**SHORT, "batch.grad_accum_steps": 2}  # on 1 rank: the same global batch 16 (micro 8 x accum 2)
 
 
 def learn_argv(out: Path, recipe: str, **sets) -> list[str]:
@@ -93,20 +119,28 @@ def learn_argv(out: Path, recipe: str, **sets) -> list[str]:
 
 
 def learning_cases(root: Path) -> list[list[str]]:
-    short = {"train.steps": 4, "rl.num_iterations": 2, "rl.temperature": 0.9}
-    cases = [learn_argv(root / "zero2", "zero2", **{"train.steps": LEARN_STEPS}),
-             learn_argv(root / "zero3", "zero3", **{"train.steps": LEARN_STEPS}),
-             # the preset's random head sits behind a frozen RMSNorm: LoRA layers alone barely move its logits
-             # (entropy stays at ln 512), so the head trains as peft's modules_to_save
-             learn_argv(root / "lora", "zero2", **{"train.steps": LEARN_STEPS, "adapter.type": "lora", "adapter.r": 16,
-                                                  "adapter.alpha": 32, "adapter.dropout": 0,
-                                                  "adapter.modules_to_save": '["lm_head"]'}),
-             learn_argv(root / "whole", "zero2", **short),
-             learn_argv(root / "stopped", "zero2", **{**short, "train.steps": 3}),
-             learn_argv(root / "stopped", "zero2", **short) + ["--resume", str(root / "stopped" / "checkpoints" /
-                                                                          "global_step3")],
-             learn_argv(root / "replayed", "zero2", **short, **{"rl.replay": root / "whole" / "rollouts.jsonl"})]
-    return cases
+    stopped = root / "stopped" / "checkpoints" / "global_step1"
+    return [learn_argv(root / "zero2", "zero2", **{"train.steps": LEARN_STEPS}),
+            learn_argv(root / "zero3", "zero3", **{"train.steps": LEARN_STEPS}),
+            # the preset's random head sits behind a frozen RMSNorm: LoRA layers alone barely move its logits
+            # (entropy stays at ln 512), so the head trains as peft's modules_to_save
+            learn_argv(root / "lora", "zero2", **{"train.steps": LEARN_STEPS, "adapter.type": "lora", "adapter.r": 16,
+                                                 "adapter.alpha": 32, "adapter.dropout": 0,
+                                                 "adapter.modules_to_save": '["lm_head"]'}),
+            learn_argv(root / "whole", "zero2", **SHORT),
+            # stopped at step 1, inside the first generation; resumed on the same 2 ranks (and on 1: moved_case)
+            learn_argv(root / "stopped", "zero2", **{**SHORT, "train.steps": 1}),
+            learn_argv(root / "stopped", "zero2", **SHORT) + ["--resume", str(stopped)],
+            learn_argv(root / "replayed", "zero2", **SHORT, **{"rl.replay": root / "whole" / "rollouts.jsonl"}),
+            # the 1-rank run stopped at step 1 (launched before this launch) resumed on 2 ranks
+            learn_argv(root / "grown", "zero2", **SHORT) + ["--resume", str(root / "single/checkpoints/global_step1")]]
+
+
+def moved_case(root: Path) -> list[str]:
+    """The 2-rank run stopped at step 1, inside its first generation (num_iterations 2), resumed on 1 rank (the
+    global batch 16 kept: micro 8 x accum 2): step 2 trains on the generation kept in the checkpoint, step 3
+    generates its 16 completions on the one rank."""
+    return learn_argv(root / "moved", "zero2", **SHORT) + ["--resume", str(root / "stopped/checkpoints/global_step1")]
 
 
 @pytest.mark.multirank
@@ -127,6 +161,45 @@ def test_a_resumed_run_equals_the_uninterrupted_one_rollouts_included(launched):
     assert (root / "stopped" / "rollouts.jsonl").read_text() == (root / "whole" / "rollouts.jsonl").read_text()
     lines = [json.loads(line) for line in (root / "whole" / "rollouts.jsonl").read_text().splitlines()]
     assert {r["step"] for r in lines} == {1, 3} and all(len(r["old_logps"]) > 0 for r in lines)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("run", ["moved", "grown"])  # 2 -> 1 rank, 1 -> 2 ranks
+def test_a_run_resumed_on_another_world_size_continues_the_uninterrupted_one(launched, run):
+    root = launched[0] / "learning"
+    whole, moved = metric_records(root / "whole", "train"), metric_records(root / run, "train")
+    assert [r["step"] for r in moved] == [2, 3, 4]
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(moved, whole[1:])]
+    print(f"{run}: resumed at step 1 on another world size: losses {[r['loss'] for r in moved]}, |diff| {diffs}")
+    assert max(diffs) <= MOVED_TOL, (moved, whole)
+    lines = [json.loads(x) for x in (root / run / "rollouts.jsonl").read_text().splitlines()]
+    want = [json.loads(x) for x in (root / "whole" / "rollouts.jsonl").read_text().splitlines()]
+    same = ("step", "group", "prompt_ids", "completion_ids", "finish", "rewards", "reward", "advantage")
+    assert len(lines) == 16 and [[r[k] for k in same] for r in lines] == \
+        [[r[k] for k in same] for r in want if r["step"] == 3]
+    old = max(abs(x - y) for a, b in zip(lines, want[16:]) for x, y in zip(a["old_logps"], b["old_logps"]))
+    print(f"{run}: step 3's 16 completions equal the 2-rank run's; old_logps |diff| {old:.3g}")
+    assert old <= 1e-6
+
+
+@pytest.mark.multirank
+def test_the_exported_policy_loads_in_transformers_and_equals_the_engine(launched, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    root, out = launched[0] / "learning", {}
+    for run in ("whole", "moved", "grown"):  # 2 ranks; resumed on 1; started on 1, resumed on 2
+        ckpt = root / run / "checkpoints" / "global_step4"
+        assert main(["export", str(ckpt), "--out", str(tmp_path / run)]) == 0
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / run).eval()
+        probe = torch.load(ckpt / "probe.pt", weights_only=True)
+        with torch.no_grad():
+            diff = (model(input_ids=probe["input_ids"]).logits - probe["logits"]).abs().max().item()
+        assert diff <= 1e-5, (run, diff)
+        out[run] = model.state_dict()
+    worst = max((out["whole"][k] - out[run][k]).abs().max().item() for run in ("moved", "grown") for k in out["whole"])
+    print(f"export: logits equal the engine's; whole vs moved and grown weights |diff| {worst:.3g}")
+    assert worst == 0
 
 
 @pytest.mark.multirank

@@ -30,19 +30,33 @@ def scaling(adapter: dict) -> float:
     return adapter["alpha"] / (math.sqrt(r) if adapter["use_rslora"] else r)
 
 
+HEADS = ("classifier", "score")  # a sequence-classification model's head: peft's SEQ_CLS task trains it in full
+
+
+def head_modules(model) -> tuple[str, ...]:
+    """The score head of a sequence-classification model (train.objective reward), which LoRA trains in full as a
+    module to save, as peft's get_peft_model(task_type="SEQ_CLS") does: a random head behind frozen layers would
+    otherwise never learn, and the export would have no trained head. () for a causal LM."""
+    if not type(model).__name__.endswith("ForSequenceClassification"):
+        return ()
+    return tuple(n for n in HEADS if isinstance(getattr(model, n, None), torch.nn.Module))
+
+
 def lora_config(adapter: dict, model_type: str, base: str = "", exclude: str | None = None,
-                targets: list[str] | None = None):
+                targets: list[str] | None = None, head: tuple = ()):
     """peft.LoraConfig for the recipe's adapter block (also what adapter_config.json holds). targets: the module
-    names that get adapters, where the harness chose them (a vision-language model's vision.lora parts)."""
+    names that get adapters, where the harness chose them (a vision-language model's vision.lora parts); head: a
+    sequence-classification model's head_modules."""
     from peft import LoraConfig
 
     to_save = list(adapter["modules_to_save"]) + (router_modules(model_type) if adapter.get("train_router") else [])
+    to_save += [n for n in head if n not in to_save]
     return LoraConfig(r=adapter["r"], lora_alpha=adapter["alpha"], lora_dropout=adapter["dropout"],
                       target_modules=list(adapter["target_modules"] if targets is None else targets),
                       target_parameters=list(adapter.get("target_parameters", [])) or None,
                       modules_to_save=to_save or None, use_rslora=adapter["use_rslora"],
                       use_dora=adapter["use_dora"], fan_in_fan_out=model_type == "gpt2",  # GPT-2's Conv1D
-                      task_type="CAUSAL_LM", base_model_name_or_path=base or None, bias="none",
+                      task_type="SEQ_CLS" if head else "CAUSAL_LM", base_model_name_or_path=base or None, bias="none",
                       exclude_modules=exclude)  # a vision-language model's tower (planner/vision.lora_exclude)
 
 
@@ -90,7 +104,8 @@ def apply(model, recipe: dict, *, seed: int | None = None, hf_model=None):
     seed = recipe["train"]["seed"] if seed is None else seed
     targets = vision.lora_targets(hf_model, adapter["target_modules"], recipe["vision"]["lora"]) \
         if vision.is_vision_language(hf_model.config) else None  # the parts vision.lora names
-    config = lora_config(adapter, hf_model.config.model_type, exclude=lora_exclude(hf_model.config), targets=targets)
+    config = lora_config(adapter, hf_model.config.model_type, exclude=lora_exclude(hf_model.config), targets=targets,
+                         head=head_modules(hf_model))
     inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     _init_peft_layers(model, seed, hf_model)
     for name, param in model.named_parameters():

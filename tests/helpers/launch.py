@@ -39,7 +39,10 @@ def launch(*args: str, ranks: int = 2, timeout_s: int = 600, check: bool = True,
            script: str = "harness/run.py") -> subprocess.CompletedProcess:
     """Run harness/run.py (or another script of the repository) on `ranks` CPU ranks through DeepSpeed's
     launcher; returns the finished process."""
-    cmd = command(*args, ranks=ranks, script=script)
+    return run_checked(command(*args, ranks=ranks, script=script), timeout_s, check)
+
+
+def run_checked(cmd: list[str], timeout_s: int, check: bool) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout_s)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
@@ -47,14 +50,17 @@ def launch(*args: str, ranks: int = 2, timeout_s: int = 600, check: bool = True,
 
 
 def launch_jobs(cases: list, folder: Path, ranks: int = 2, timeout_s: int = 900,
-                check: bool = True) -> subprocess.CompletedProcess:
+                check: bool = True, launcher: bool = True) -> subprocess.CompletedProcess:
     """Run harness/run.py argument lists one after another in ONE process group (tests/drivers/jobs.py): the
     start-up (imports, process group) is paid once instead of once per case; a resume case goes after its run.
-    A case {"argv": [...], "code": N} is a job expected to exit N."""
+    A case {"argv": [...], "code": N} is a job expected to exit N. launcher=False with ranks 1: one plain python
+    process (a world of one, as `python harness/run.py`), without the DeepSpeed launcher's own start-up."""
     path = Path(folder) / "cases.json"
     path.write_text(json.dumps([{"argv": [str(a) for a in c["argv"]], "code": c["code"]} if isinstance(c, dict)
                                 else [str(a) for a in c] for c in cases]))
-    return launch(str(path), ranks=ranks, timeout_s=timeout_s, check=check, script="tests/drivers/jobs.py")
+    if launcher or ranks != 1:
+        return launch(str(path), ranks=ranks, timeout_s=timeout_s, check=check, script="tests/drivers/jobs.py")
+    return run_checked([sys.executable, "tests/drivers/jobs.py", str(path)], timeout_s, check)
 
 
 def job_output(text: str, case: int) -> str:

@@ -64,11 +64,16 @@ def merge_tensor(hf_name: str, tensor: torch.Tensor, lora: dict, scale: float, f
     return (weight.T if fan_in_fan_out else weight).contiguous().to(tensor.dtype)
 
 
-def base_model(manifest: dict):
-    """The frozen base the run trained on, as the run built it (fp32): what the adapter folder is checked on."""
+def base_model(manifest: dict, ref):
+    """The frozen base the run trained on, as the run built it (fp32): what the adapter folder is checked on. A
+    reward model's (its hf/config.json names a *ForSequenceClassification) with its seeded score head."""
+    from transformers import AutoConfig
+
     from harness.model.hf import build_model
 
-    return build_model(manifest["model"], seed=int(manifest.get("seed", 0))).float().eval()
+    architectures = AutoConfig.from_pretrained(ref.ckpt_dir / "hf").architectures or []
+    head = "reward" if any(a.endswith("ForSequenceClassification") for a in architectures) else "causal"
+    return build_model(manifest["model"], seed=int(manifest.get("seed", 0)), head=head).float().eval()
 
 
 def merged_lazy(manifest: dict, state: dict, model) -> dict:
@@ -87,7 +92,7 @@ def merged_lazy(manifest: dict, state: dict, model) -> dict:
     on_experts = experts.split_off(lora, manifest["adapter"], model)  # LoRA on fused 3-D expert tensors
     saved = {k.replace(f".modules_to_save.{adapters.ADAPTER}", ""): v for k, v in trained.items()
              if ".modules_to_save." in k}
-    if saved and getattr(model.config, "tie_word_embeddings", False):
+    if saved and getattr(model.config, "tie_word_embeddings", False) and not adapters.head_modules(model):
         raise UsageError(f"modules_to_save {sorted(saved)} on a model with tied embeddings: the merged folder would "
                          "tie the trained copy back to the frozen embedding\n    fix: export with --adapter-only")
     source = renamed_view(open_source(manifest["model"], int(manifest.get("seed", 0))), model)  # VL folders' keys
@@ -133,13 +138,13 @@ def export_adapter(ref, manifest: dict, out: Path, dtype: torch.dtype) -> dict:
         raise UsageError(f"{ref.tag_dir}: --adapter-only needs a LoRA run (adapter.type lora); this checkpoint "
                          "trained every weight\n    fix: export without --adapter-only")
     adapter, state = manifest["adapter"], adapter_state(ref, manifest)
-    base = base_model(manifest)
+    base = base_model(manifest, ref)
     from harness.planner.vision import lora_exclude
 
     vision = lora_exclude(base.config) is not None  # a vision-language model: the modules the run adapted, by name
     config = adapters.lora_config(adapter, base.config.model_type, base=manifest["model"],
                                   exclude=lora_exclude(base.config), targets=sorted(_lora_modules(state)) if vision
-                                  else None)
+                                  else None, head=adapters.head_modules(base))
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     tensors = {adapters.peft_key(k): v.to(dtype).contiguous() for k, v in state.items()}
