@@ -24,8 +24,8 @@ STEPS, ROWS, SEED, TOL = 2, 8, 1234, 1e-5
 CASES = [("qwen_zero3", "qwen", "zero3", []), ("qwen_zero2", "qwen", "zero2", []),
          ("qwen_zero3_frozen_vision", "qwen", "zero3", ["--set", 'vision.freeze=["vision"]']),
          ("llava_zero3", "llava", "zero3", []), ("llava_zero2", "llava", "zero2", [])]
-# resumed on 1 rank: AdamW (DeepSpeed's universal conversion of a ZeRO-3 checkpoint reads Adam's exp_avg / exp_avg_sq;
-# plain SGD keeps no optimizer state and the conversion fails with KeyError)
+# resumed on 1 rank: AdamW, and plain SGD (qwen_zero3: no optimizer state, which DeepSpeed's universal conversion
+# cannot read alone; harness/checkpoint/moments.py fills in Adam's moments for it and drops them after the load)
 RESUMED = ("qwen_zero3_adamw", "qwen", "zero3", ["--set", "optimizer.type=adamw", "--set", "optimizer.lr=0.001"])
 
 
@@ -63,10 +63,13 @@ def launched(tmp_path_factory):
     resume = argv(root, *RESUMED, ranks=1)
     resume[resume.index("--output-dir") + 1] = str(root / "resumed")
     resume += ["--resume", str(root / "qwen_zero3_adamw_r2" / "checkpoints" / "global_step1")]
+    sgd = argv(root, *CASES[0], ranks=1)
+    sgd[sgd.index("--output-dir") + 1] = str(root / "resumed_sgd")
+    sgd += ["--resume", str(root / "qwen_zero3_r2" / "checkpoints" / "global_step1")]
     start = time.perf_counter()
     launch_jobs(two, root, ranks=2, timeout_s=900)
     middle = time.perf_counter()
-    launch_jobs([argv(root, *case, ranks=1) for case in CASES] + [resume], root, ranks=1, timeout_s=900)
+    launch_jobs([argv(root, *case, ranks=1) for case in CASES] + [resume, sgd], root, ranks=1, timeout_s=900)
     return root, {"2 ranks": middle - start, "1 rank": time.perf_counter() - middle}
 
 
@@ -100,6 +103,24 @@ def test_resume_on_one_rank_continues_exactly(launched):
     assert [r["step"] for r in resumed] == [2]
     _close("resumed step 2 loss", resumed[0]["loss"], two[1]["loss"])
     _close("resumed step 2 grad_norm", resumed[0]["grad_norm"], two[1]["grad_norm"])
+
+
+@pytest.mark.multirank
+def test_plain_sgd_zero3_resumes_through_the_universal_form(launched):
+    """Plain SGD keeps no state: ds_to_universal alone fails (KeyError 0 on exp_avg); the harness fills the moments
+    in for the conversion, and the resumed engine's next checkpoint holds no optimizer state again."""
+    from harness.checkpoint.moments import INJECTED
+
+    root, _ = launched
+    two, resumed = records(root / "qwen_zero3_r2", "train"), records(root / "resumed_sgd", "train")
+    assert [r["step"] for r in resumed] == [2]
+    _close("sgd resumed step 2 loss", resumed[0]["loss"], two[1]["loss"])
+    _close("sgd resumed step 2 grad_norm", resumed[0]["grad_norm"], two[1]["grad_norm"])
+    universal = root / "qwen_zero3_r2" / "checkpoints" / "universal" / "global_step1"
+    assert json.loads((universal / INJECTED).read_text()) == ["exp_avg", "exp_avg_sq", "step"]
+    saved = next((root / "resumed_sgd" / "checkpoints" / "global_step2").glob("*optim_states.pt"))
+    state = torch.load(saved, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    assert state["optimizer_state_dict"]["state"] == {}, "the filled-in moments outlived the load"
 
 
 @pytest.mark.multirank
