@@ -2,9 +2,9 @@
 classes (tests/helpers/vl_models.py), without DeepSpeed ranks: the placeholder vision call adds exactly zero to the
 loss and to every gradient, bit for bit; the store keeps each conversation's image tokens with its images; the
 planner's vision / projector / language parameter counts equal the live model's; the planner's vision activations
-equal what autograd keeps on the live model (trained, frozen tower, all frozen) and move the plan's first fit. The multi-rank cases (ZeRO-2/3 with
-a text-only rank 0 and an images-only rank 1 against one rank, frozen tower, resume 2 -> 1, export) are in
-tests/test_vision_language_ranks.py."""
+equal what autograd keeps on the live model (trained, frozen tower, all frozen) and move the plan's first fit. The
+multi-rank cases (ZeRO-2/3 with a text-only rank 0 and an images-only rank 1 against one rank, frozen tower, resume
+2 -> 1, export) are in tests/test_vision_language_ranks.py."""
 
 from __future__ import annotations
 
