@@ -6,9 +6,10 @@ optimizer file (extract_zero_shards / extract_zero_shards_stage3) and its ZeRO-3
 (KeyError 0), Lion keeps exp_avg only, Adagrad exp_avg_sq only. The state layout is the optimizer's, not the model's:
 any ZeRO save with such an optimizer fails to relayout, a vision-language model or a causal LM alike.
 
-So, before the conversion (rank 0, resume._convert), `staged` links the checkpoint into a staging folder whose
-optimizer files carry the missing moments as zeros (a stride-0 view of one zero: a few bytes on disk, whatever the
-partition's size) and a step where ZeRO-3 wants one; the conversion then runs unchanged, and `drop` takes the
+So, before the conversion (rank 0, resume._convert), `staged` links the checkpoint's other files into a staging
+folder and rewrites its optimizer files there (their fp32 partitions copied once, deleted after the conversion) with
+the missing moments as zeros (a stride-0 view of one zero: a few bytes on disk, whatever the partition's size) and a
+step where ZeRO-3 wants one; the conversion then runs unchanged, and `drop` takes the
 injected keys out of the loaded optimizer's state right after the load (checkpoint/save.load), so the resumed
 optimizer holds what a fresh one of its kind holds: nothing for plain SGD. SGD with momentum keeps a
 `momentum_buffer` that neither the converter nor the ZeRO-3 loader carries: session refuses that resume before
