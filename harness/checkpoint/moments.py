@@ -43,7 +43,7 @@ def missing(source: Path) -> list[str]:
     sd = torch.load(files[0], map_location="cpu", weights_only=False)["optimizer_state_dict"]
     state, flats = _groups(sd)
     need = [k for k in MOMENTS if any(k not in state.get(i, {}) for i in range(len(flats)))]
-    if "fp32_flat_groups" in sd and need and "step" not in state.get(0, {}):
+    if need and "step" not in state.get(0, {}):  # ZeRO-3's loader reads it; relayout.for_every_stage a step.pt
         need.append("step")
     return need
 
