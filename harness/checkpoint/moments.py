@@ -28,6 +28,17 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 INJECTED = "injected_moments.json"  # in the universal folder: the state keys `drop` removes after the load
 
 
+def _load(path: Path) -> dict:
+    """A ZeRO optimizer file, weights only: tensors, plain data and DeepSpeed's own types (ZeRO-1/2 files carry
+    fragment addresses)."""
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from harness.checkpoint.expert_layout import load_converted
+
+    with torch.serialization.safe_globals([fragment_address]):
+        return load_converted(path)
+
+
 def _groups(sd: dict) -> tuple[dict, list]:
     """(state by group index, fp32 flat partitions) of a ZeRO optimizer file's optimizer_state_dict."""
     if "fp32_flat_groups" in sd:  # ZeRO-3
@@ -40,7 +51,7 @@ def missing(source: Path) -> list[str]:
     files = sorted(source.glob("*optim_states.pt"))
     if not files:
         return []
-    sd = torch.load(files[0], map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    sd = _load(files[0])["optimizer_state_dict"]
     state, flats = _groups(sd)
     need = [k for k in MOMENTS if any(k not in state.get(i, {}) for i in range(len(flats)))]
     if need and "step" not in state.get(0, {}):  # ZeRO-3's loader reads it; relayout.for_every_stage a step.pt
@@ -58,7 +69,7 @@ def staged(source: Path, stage_dir: Path, keys: list[str]) -> Path:
         if path.is_file() and not path.name.endswith("optim_states.pt"):
             os.link(path, stage_dir / path.name)
     for path in source.glob("*optim_states.pt"):
-        whole = torch.load(path, map_location="cpu", weights_only=False)
+        whole = _load(path)
         state, flats = _groups(whole["optimizer_state_dict"])
         for index, flat in enumerate(flats):
             entry = state.setdefault(index, {})
