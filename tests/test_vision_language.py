@@ -186,8 +186,8 @@ def saved_bytes(model, images, per_call: int) -> int:
 @pytest.mark.parametrize("family", ["qwen", "llava"])
 def test_planner_vision_activations_equal_what_autograd_keeps(folders, family):
     """planner/vision.activation_bytes' saved bytes against the tensors autograd saves on the live model (fp32,
-    3 images): trained tower within 15 % (rotary tables, attention's logsumexp left out), frozen tower (the
-    projector alone) within 5 %, all frozen exactly nothing: a frozen tower keeps no activations."""
+    3 images in calls of 2): trained tower and frozen tower (the projector alone) within 5 % (rotary tables and
+    attention's logsumexp left out), all frozen exactly nothing: a frozen tower keeps no activations."""
     import json
 
     from harness.data.vision import Images
@@ -202,7 +202,7 @@ def test_planner_vision_activations_equal_what_autograd_keeps(folders, family):
                         [torch.tensor([1, side // 14, side // 14])] * 3)
     else:
         images = Images([torch.randn(1, 3, side, side) for _ in range(3)], [])
-    bounds = {(): (0.85, 1.0), ("vision",): (0.95, 1.0)}
+    bounds = {(): (0.95, 1.0), ("vision",): (0.95, 1.0)}
     for parts in ((), ("vision",), ("vision", "projector")):
         model = model_of(folders[family])
         freeze(model, parts)

@@ -127,3 +127,35 @@ def test_plain_sgd_resumes_through_the_universal_form(launched, name):
     state = torch.load(saved, map_location="cpu", weights_only=False)["optimizer_state_dict"]
     state = state["optimizer_state_dict" if "fp32_flat_groups" in state else "base_optimizer_state"]["state"]
     assert all(not entry for entry in state.values()), "the filled-in moments outlived the load"
+
+
+@pytest.mark.multirank
+def test_export_loads_with_transformers_class_and_processor(launched, tmp_path, capsys):
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    from harness.model import vision
+    from harness.data.vision import open_image
+
+    root, _ = launched
+    out = tmp_path / "export"
+    assert main(["export", str(root / "qwen_zero3_r2"), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "max |logit diff| 0.00e+00" in said and "AutoModelForImageTextToText" in said, said
+    model = Qwen2VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    processor, tokenizer = AutoImageProcessor.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    record = next(json.loads(line) for line in (root / "data" / "chat.jsonl").read_text().splitlines()
+                  if '"image"' in line)
+    text = tokenizer.apply_chat_template(record["messages"], tokenize=False)
+    image = open_image(record["messages"][0]["content"][0]["image"], root / "data", "test")
+    pixels = processor(images=[image], return_tensors="pt")
+    merge = model.config.vision_config.spatial_merge_size ** 2
+    text = text.replace("<|image_pad|>", "<|image_pad|>" * int(pixels["image_grid_thw"].prod() // merge))
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    kinds = (ids == model.config.image_token_id).int()
+    with torch.no_grad():
+        theirs = model(input_ids=ids, pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+                       mm_token_type_ids=kinds).logits
+        vision.install(model)
+        ours = model(input_ids=ids, images=vision.Images([pixels["pixel_values"]], [pixels["image_grid_thw"][0]]),
+                     num_calls=1).logits
+    assert torch.allclose(theirs, ours, atol=1e-5, rtol=0), float((theirs - ours).abs().max())

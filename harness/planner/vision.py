@@ -148,13 +148,13 @@ class VisionLoad:
     patches: int  # tokens the tower runs on per image
     tokens: int  # image tokens per image (after Qwen-VL's merge)
     width: int  # the tower's hidden size
-    inter: int  # its MLP width
+    block: int  # elements a tower block keeps per patch for backward (block_elems)
     depth: int
     pixel_elems: int  # input elements per patch (channels x temporal x patch^2)
     proj_elems: int  # elements the projector keeps for backward per image token
     out_width: int  # the language model's hidden size (the features' width)
-    all_layers: bool  # LLaVA-style: the call returns every layer's hidden states (output_hidden_states)
-    rotary: bool  # Qwen-VL: q and k rotated (two more copies per block)
+    all_layers: bool  # LLaVA-style: the call returns every layer's hidden states (output_hidden_states), and one
+    # of its `patches` is the class token (no pixels)
     trains_tower: bool
     trains_projector: bool
     per_call: int  # vision.max_images_per_call
@@ -172,9 +172,9 @@ def vision_load(cfg: dict, images: int, height: int, width: int, freeze=(), per_
         proj, pixel = 4 * merge2 * tower, channels * vision.get("temporal_patch_size", 2) * patch * patch
     else:  # linear_1 in (tower width), GELU in and linear_2 in (text width)
         proj, pixel = tower + 2 * out, channels * patch * patch
-    return VisionLoad(images, vision_patches(cfg, height, width), image_tokens(cfg, height, width), tower, inter,
-                      vision.get("depth") or vision.get("num_hidden_layers"), pixel, proj, out,
-                      not family.grid, family.grid, "vision" not in freeze, "projector" not in freeze, per_call)
+    return VisionLoad(images, vision_patches(cfg, height, width), image_tokens(cfg, height, width), tower,
+                      block_elems(cfg, tower, inter), vision.get("depth") or vision.get("num_hidden_layers"), pixel,
+                      proj, out, not family.grid, "vision" not in freeze, "projector" not in freeze, per_call)
 
 
 def run_load(cfg: dict, images: int, pixel_elems: int, freeze=(), per_call: int = 8) -> VisionLoad:
@@ -190,11 +190,18 @@ def run_load(cfg: dict, images: int, pixel_elems: int, freeze=(), per_call: int 
     return replace(load, patches=patches, tokens=patches // merge2)
 
 
-def block_elems(v: VisionLoad) -> int:
-    """Elements a vision block keeps per patch for backward: LayerNorm in and out twice, q, k, v, the attention
-    output, fc1's output and its activation (non-gated MLP; sdpa attention keeps no scores); Qwen-VL's rotated q
-    and k."""
-    return (10 if v.rotary else 8) * v.width + 2 * v.inter
+GATED_TOWERS = ("qwen2_5_vl",)  # a SiLU-gated MLP in the tower (gate, up, act(gate), act * up)
+
+
+def block_elems(cfg: dict, width: int, inter: int) -> int:
+    """Elements a vision block keeps per patch for backward (sdpa attention: no scores), measured per term with
+    autograd's saved-tensor hooks on the live towers (transformers 5.25, fp32, CPU): LayerNorm in and out twice,
+    q, k, v and the attention output in its two layouts, 9 h (CLIP) or 11 h (Qwen-VL: one qkv tensor, q and k rotated,
+    the per-image outputs concatenated); the MLP's fc1 output and its activation's, 2 i (gelu), 3 i (quick_gelu keeps
+    its sigmoid too: Qwen2-VL, CLIP) or 4 i (a gated tower)."""
+    vision = cfg["vision_config"]
+    mlp = 4 if cfg.get("model_type") in GATED_TOWERS else 3 if vision.get("hidden_act") == "quick_gelu" else 2
+    return (11 if family_of(cfg.get("model_type")).grid else 9) * width + mlp * inter
 
 
 def activation_bytes(v: VisionLoad, micro_batch: int, lp: int, checkpointing: bool = False) -> dict:
@@ -214,10 +221,10 @@ def activation_bytes(v: VisionLoad, micro_batch: int, lp: int, checkpointing: bo
     chunk = min(images, v.per_call)
     saved = 0
     if v.trains_tower:
-        per_patch = (v.width if checkpointing else block_elems(v)) * v.depth + v.pixel_elems
-        saved += images * v.patches * per_patch
+        per_patch = (v.width if checkpointing else v.block) * v.depth + v.pixel_elems
+        saved += images * (v.patches * per_patch - (v.pixel_elems if v.all_layers else 0))
     if v.trains_tower or v.trains_projector:
         saved += images * v.tokens * v.proj_elems
-    working = chunk * v.patches * (block_elems(v) + (v.width * (v.depth + 1) if v.all_layers else 0))
+    working = chunk * v.patches * (v.block + (v.width * (v.depth + 1) if v.all_layers else 0))
     transient = working + images * v.tokens * v.out_width
     return {"saved": saved * lp, "transient": transient * lp, "images": images}
