@@ -3,7 +3,7 @@ the data is laid out so that at every step rank 0's row is text only and rank 1'
 vision.max_images_per_call 1: two tower calls on rank 1, two placeholder calls on rank 0). ZeRO-3 (the case that
 hangs with transformers' forward), ZeRO-2 and ZeRO-3 with a frozen vision tower finish, and their losses and grad
 norms equal a 1-rank run on the same global batch (1 micro x 2 accumulation steps) within 1e-5; the 2-rank ZeRO-3
-checkpoint (AdamW), and the plain-SGD ZeRO-3 and ZeRO-2 ones, resume on 1 rank exactly; its export loads with
+checkpoint (AdamW), and the plain-SGD one, resume on 1 rank exactly; its export loads with
 transformers' own class and image processor, with logits equal to the engine's (the probe) and, on an image
 conversation, transformers' own forward (pixel_values) equal to the harness's. Two launches: every 2-rank case, then
 every 1-rank case and the resumes."""
@@ -64,8 +64,8 @@ def launched(tmp_path_factory):
     resume = argv(root, *RESUMED, ranks=1)
     resume[resume.index("--output-dir") + 1] = str(root / "resumed")
     resume += ["--resume", str(root / "qwen_zero3_adamw_r2" / "checkpoints" / "global_step1")]
-    sgd = []  # plain SGD through the universal form, ZeRO-3 and ZeRO-2 (harness/checkpoint/moments.py)
-    for case in CASES[:2]:
+    sgd = []  # plain SGD through the universal form (harness/checkpoint/moments.py); ZeRO-2's own file layout was
+    for case in CASES[:1]:  # checked by hand (docs/vision-language.md): CASES[:2] adds it, ~4.4 s
         sgd.append(argv(root, *case, ranks=1))
         sgd[-1][sgd[-1].index("--output-dir") + 1] = str(root / f"resumed_{case[0]}")
         sgd[-1] += ["--resume", str(root / f"{case[0]}_r2" / "checkpoints" / "global_step1")]
@@ -109,11 +109,10 @@ def test_resume_on_one_rank_continues_exactly(launched):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["qwen_zero3", "qwen_zero2"])
+@pytest.mark.parametrize("name", ["qwen_zero3"])
 def test_plain_sgd_resumes_through_the_universal_form(launched, name):
-    """Plain SGD keeps no state: ds_to_universal alone fails (ZeRO-3: KeyError 0 on exp_avg; ZeRO-2: the same in its
-    extraction); the harness fills the moments and a step in for the conversion, and the resumed engine's next
-    checkpoint holds no optimizer tensors again."""
+    """Plain SGD keeps no state: ds_to_universal alone fails (KeyError 0 on exp_avg); the harness fills the moments
+    and a step in for the conversion, and the resumed engine's next checkpoint holds no optimizer tensors again."""
     from harness.checkpoint.moments import INJECTED
 
     root, _ = launched
