@@ -202,7 +202,7 @@ def test_planner_vision_activations_equal_what_autograd_keeps(folders, family):
                         [torch.tensor([1, side // 14, side // 14])] * 3)
     else:
         images = Images([torch.randn(1, 3, side, side) for _ in range(3)], [])
-    bounds = {(): (0.95, 1.0), ("vision",): (0.95, 1.0)}
+    bounds = {(): (0.95, 1.05), ("vision",): (0.95, 1.05)}  # the kernels' own extras vary with torch's state
     for parts in ((), ("vision",), ("vision", "projector")):
         model = model_of(folders[family])
         freeze(model, parts)
