@@ -7,14 +7,16 @@ trained and frozen (vision.freeze=["vision"]), side by side in one invocation.
 Per run: a Qwen2-VL folder of the chosen size (transformers' own config class, seeded random weights, the shipped
 tokenizer + the image tokens, the PIL image processor), a chat JSONL where every other record has one image of
 --image-size pixels (the rest text only, so a rank regularly has none: the placeholder call runs), then
-harness/run.py with vision.freeze [] and ["vision"]. Reported from the runs' own files: the peak per rank the
+harness/run.py with vision.freeze [] and ["vision"], and once more with the tower trained on the same records
+without their images (every call a placeholder). Reported from the runs' own files: the peak per rank the
 profiling hook measured (GPU: max allocated; CPU ranks: RssAnon less malloc's free memory) beside the planner's
 prediction for that rank (summary.json memory.predicted...), model states per rank, and images/s over the steps after
 the warm-up (images in the step's rows / step time). With --video-frames N, each image record also holds a video of N
 frames (a frame list, --image-size pixels; harness/data/video.py) before its image, through the same tower calls,
 and video frames/s is reported beside images/s. Everything goes under a temporary folder deleted at the end
 (unless --keep). On CPU ranks the measured peak includes each process's own heap (Python, torch: hundreds of MB), so
-the memory ratio says something only where the model dominates, or on GPUs (bench/gpu_check.sh's vlm case).
+the memory ratio says something only where the model dominates, or on GPUs (bench/gpu_check.sh's vlm case); the
+differences between the runs (images vs text only, tower trained vs frozen) are set beside the predicted ones.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def write_data(folder: Path, records: int, image_size: int, video_frames: int = 
 
     frames = write_frames(folder / "clip", video_frames, size=(image_size, image_size)) if video_frames else None
     kind = "video" if video_frames else "image"
+    write_chat(folder / "text.jsonl", images, ["text"] * records)  # the same run without images (placeholder calls)
     return Path(write_chat(folder / "chat.jsonl", images, [kind, "text"] * (records // 2), frames=frames))
 
 
@@ -100,18 +103,38 @@ def run(args, model: Path, data: Path, out: Path, frozen: bool) -> dict:
     train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
     timed = train[args.warmup_steps:]
     rows_per_step = train[0]["samples_per_s"] * train[0]["step_time_s"]
-    store = next(m for m in map(json.loads, map(Path.read_text, (out.parent / "stores").glob("vision-*/meta.json")))
-                 if m["seq_len"] == seq)
-    videos = store.get("videos", 0)  # the store counts a video among its "images" (harness/data/vision_store.py)
-    images_per_step = rows_per_step * (store["images"] - videos) / store["rows"]  # packed rows: convs x images each
-    videos_per_step = rows_per_step * videos / store["rows"]
+    if data.name == "text.jsonl":  # the run without images: every tower call a placeholder
+        images_per_step = videos_per_step = 0.0
+    else:
+        store = next(m for m in map(json.loads, map(Path.read_text, (out.parent / "stores").glob("vision-*/meta.json")))
+                     if m["seq_len"] == seq and m["images"])
+        videos = store.get("videos", 0)  # the store counts a video among its "images" (harness/data/vision_store.py)
+        images_per_step = rows_per_step * (store["images"] - videos) / store["rows"]  # packed rows: convs x images each
+        videos_per_step = rows_per_step * videos / store["rows"]
     seconds = sum(r["step_time_s"] for r in timed)
     memory = summary["memory"]
     return {"images_per_s": images_per_step * len(timed) / seconds, "steps_timed": len(timed),
             "video_frames_per_s": videos_per_step * args.video_frames * len(timed) / seconds,
             "peak_per_rank": [p.get("peak_in_use_bytes") for p in memory["peak_per_rank"]],
             "predicted_peak_per_rank": memory.get("predicted_peak_total_per_rank"),
-            "model_states_per_rank": memory["model_states_per_rank"][0]}
+            "model_states_per_rank": memory["model_states_per_rank"][0],
+            "predicted_activations": {k: (memory.get("predicted") or {}).get("activations", {}).get(k)
+                                      for k in ("vision_saved", "vision_transient", "total")}}
+
+
+def deltas(results: dict) -> list[str]:
+    """Measured against predicted differences between the runs, per rank: images vs text only (the same model
+    states: the images' activations alone), trained tower vs frozen (its activations and model states). On CPU ranks
+    the absolute peaks carry each process's heap; their differences do not."""
+    out = []
+    for a, b in (("trained", "text"), ("trained", "frozen")):
+        if a in results and b in results:
+            got = [x - y for x, y in zip(results[a]["peak_per_rank"], results[b]["peak_per_rank"])]
+            want = [x - y for x, y in zip(results[a]["predicted_peak_per_rank"], results[b]["predicted_peak_per_rank"])]
+            out.append(f"[vlm] {a} - {b}: measured {[f'{g / 2**20:.1f} MiB' for g in got]}, predicted "
+                       f"{[f'{w / 2**20:.1f} MiB' for w in want]}, predicted / measured "
+                       f"{[round(w / g, 2) if g else None for w, g in zip(want, got)]}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -132,11 +155,13 @@ def main(argv=None) -> int:
         data = write_data(root / "data", args.records, args.image_size, args.video_frames)
         results = {name: run(args, root / "model", data, root / name, frozen)
                    for name, frozen in (("trained", False), ("frozen", True))}
+        results["text"] = run(args, root / "model", data.with_name("text.jsonl"), root / "text", False)
         for name, r in results.items():
             video = f" + {r['video_frames_per_s']:.2f} video frames/s" if args.video_frames else ""
             print(f"[vlm] {args.size} {args.recipe} x{args.ranks} vision {name}: {r['images_per_s']:.2f} images/s{video}; "
                   f"peak per rank {[f'{b / 2**20:.0f} MiB' for b in r['peak_per_rank'] if b]}, planner "
                   f"{r['predicted_peak_per_rank']}; model states rank 0 {r['model_states_per_rank']}")
+        print("\n".join(deltas(results)))
         ratio = results["frozen"]["images_per_s"] / results["trained"]["images_per_s"]
         print(f"[vlm] images/s frozen / trained = {ratio:.2f}")
         print(json.dumps(results, indent=2, default=str))

@@ -182,6 +182,7 @@ def shape_summary(cfg: dict) -> dict:
         "intermediate_size": cfg.get("intermediate_size", cfg.get("n_inner") or (4 * hidden if hidden else None)),
         "vocab_size": cfg.get("vocab_size"),
         "model_type": cfg.get("model_type"),
+        "vision": bool(cfg.get("vision_config")),  # a vision-language model (config/vision_rules.py)
     }
 
 

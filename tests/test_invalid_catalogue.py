@@ -45,8 +45,9 @@ def test_invalid_input_is_reported(name, capsys):
     argv = ["validate", str(CATALOGUE / name)]
     if "world_size" in case:
         argv += ["--world-size", str(case["world_size"])]
-    if "model" in case:
-        argv += ["--model", case["model"]]
+    if "model" in case:  # a preset or known name, or a config folder in the catalogue (models/NAME)
+        folder = CATALOGUE / case["model"]
+        argv += ["--model", str(folder) if folder.is_dir() else case["model"]]
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert "Traceback" not in err + out

@@ -140,3 +140,15 @@ def test_3d_to_zero2_to_3d(four_ranks):
     check_continues(r["3d"], r["zero2"], 3, {"pp": 2, "tp": 2, "zero_stage": 1},
                     {"pp": 1, "tp": 1, "dp": 4, "zero_stage": 2})
     check_continues(r["3d"], r["3d_again"], 4, {"tp": 1, "dp": 4, "zero_stage": 2}, {"pp": 2, "tp": 2, "dp": 1})
+
+
+def test_sgd_momentum_is_refused_before_a_relayout_and_plain_sgd_is_not():
+    """checkpoint/moments.refusal: a DeepSpeed dict with SGD momentum (a raw --ds-config; recipes build momentum 0)
+    names the momentum_buffer the universal form drops; plain SGD and AdamW resume through it."""
+    from harness.checkpoint.moments import refusal
+
+    why = refusal({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}})
+    assert why and "momentum 0.9" in why and "momentum_buffer" in why and "exp_avg" in why, why
+    assert refusal({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.0}}}) is None
+    assert refusal({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}) is None
+    assert refusal({}) is None

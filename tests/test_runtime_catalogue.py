@@ -142,7 +142,7 @@ CASES = [
     case("recipe:vl_sequence_parallel", ["--recipe", "zero3", "--model", f"{FIXTURE}/vl_qwen", "--dataset",
                                          f"{FIXTURE}/vl/ok.jsonl", "--set", "train.format=chat", "--set",
                                          "parallel.sequence=2"], "parallel.sequence",
-         "2 for a vision-language model: the vision tower", env={"WORLD_SIZE": "2"}),
+         "sequence parallel degree 2 for a vision-language model (qwen2_vl): Ulysses", env={"WORLD_SIZE": "2"}),
     # paths and free space
     case("path:output_in_proc", ["--output-dir", "/proc/nope"], "--output-dir", "cannot create anything in /proc"),
     case("path:output_is_a_file", ["--output-dir", f"{FIXTURE}/file.txt"], "--output-dir", "is a file"),

@@ -1,10 +1,11 @@
 """Vision-language models (issue 40) on tiny random Qwen2-VL, LLaVA and Gemma 3 folders built from transformers' own
 config classes (tests/helpers/vl_models.py), without DeepSpeed ranks: the placeholder vision call adds exactly zero to
 the loss and to every gradient, bit for bit; the store keeps each conversation's image tokens with its images; the
-planner's vision / projector / language parameter counts equal the live model's; LoRA goes on the parts vision.lora
-names; Gemma 3's rows and forward equal its own processor's and transformers' forward; an HF dataset's Image column
-stores the pixels the same images as files give. The multi-rank cases (ZeRO-2/3 with
-a text-only rank 0 and an images-only rank 1 against one rank, frozen tower, resume 2 -> 1, export) are in
+planner's vision / projector / language parameter counts equal the live model's; the planner's vision activations
+equal what autograd keeps on the live model (trained, frozen tower, all frozen) and move the plan's first fit; LoRA
+goes on the parts vision.lora names; Gemma 3's rows and forward equal its own processor's and transformers' forward;
+an HF dataset's Image column stores the pixels the same images as files give. The multi-rank cases (ZeRO-2/3 with a
+text-only rank 0 and an images-only rank 1 against one rank, frozen tower, resume 2 -> 1, export) are in
 tests/test_vision_language_ranks.py."""
 
 from __future__ import annotations
@@ -350,3 +351,86 @@ def iter_paths(message: dict, paths: list[str]):
     """Each content part's image path (the record's next one for an image part, None for text)."""
     taken = iter(paths)
     return [next(taken) if p["type"] == "image" else None for p in message["content"]]
+
+
+def saved_bytes(model, images, per_call: int) -> int:
+    """Bytes autograd keeps for backward from the vision calls of one micro-batch (distinct storages, parameters
+    left out): what a live run holds from the tower and projector until backward."""
+    from harness.model import vision
+
+    kept, weights = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # the features kept: their graphs alive
+        features = [vision.image_features(model, pixels, grid) for pixels, grid in images.chunks(per_call)]
+    assert len(features) == -(-len(images) // per_call)
+    return sum(n for ptr, n in kept.items() if ptr not in weights)
+
+
+@pytest.mark.parametrize("family", ["qwen", "llava"])
+def test_planner_vision_activations_equal_what_autograd_keeps(folders, family):
+    """planner/vision.activation_bytes' saved bytes against the tensors autograd saves on the live model (fp32,
+    3 images in calls of 2): trained tower and frozen tower (the projector alone) within 5 % (rotary tables and
+    attention's logsumexp left out), all frozen exactly nothing: a frozen tower keeps no activations."""
+    import json
+
+    from harness.data.vision import Images
+    from harness.model.vision import freeze
+    from harness.planner.vision import activation_bytes, vision_load
+
+    cfg = json.loads((Path(folders[family]) / "config.json").read_text())
+    side = 112 if family == "qwen" else 28
+    load = vision_load(cfg, 3, side, side)
+    if family == "qwen":
+        images = Images([torch.randn(load.patches, load.pixel_elems) for _ in range(3)],
+                        [torch.tensor([1, side // 14, side // 14])] * 3)
+    else:
+        images = Images([torch.randn(1, 3, side, side) for _ in range(3)], [])
+    bounds = {(): (0.95, 1.05), ("vision",): (0.95, 1.05)}  # the kernels' own extras vary with torch's state
+    for parts in ((), ("vision",), ("vision", "projector")):
+        model = model_of(folders[family])
+        freeze(model, parts)
+        got = saved_bytes(model, images, per_call=2)
+        want = activation_bytes(vision_load(cfg, 3, side, side, parts, per_call=2), 1, 4)["saved"]
+        if parts in bounds:
+            low, high = bounds[parts]
+            assert low <= want / got <= high, (family, parts, want, got)
+        else:
+            assert got == want == 0, (family, parts, got)
+
+
+def test_images_enter_every_layouts_activations_and_move_the_fit(folders):
+    """The plan's activations of every layout it walks are the language model's plus the vision term (saved +
+    the larger of the transient and the language model's), and a budget that fits ddp without images does not
+    with 8 images per sample of 448x448: the first fit moves."""
+    from harness.model_shapes import load_model_config
+    from harness.planner import plan
+    from harness.planner.inputs import Cluster, Workload
+    from harness.planner.memory import activation_bytes as lm_bytes
+    from harness.planner.params import model_shape
+    from harness.planner.vision import activation_bytes, vision_load
+
+    cfg = load_model_config(folders["qwen"])  # as `harness plan` reads it
+    load = vision_load(cfg, 8, 448, 448, per_call=2)
+    text, images = Workload(seq_len=96, precision="fp32"), Workload(seq_len=96, precision="fp32", vision=load)
+    term = activation_bytes(load, 1, 4)
+    base = lm_bytes(model_shape(cfg), text)["total"]
+    assert term["saved"] > 0 and term["transient"] > 0
+    assert lm_bytes(model_shape(cfg), images)["total"] == term["saved"] + max(base, term["transient"])
+    roomy = Cluster(1, 10**9)
+    without, with_images = plan(cfg, roomy, text), plan(cfg, roomy, images)
+    for a, b in zip(without.candidates, with_images.candidates):
+        if b.get("applicable", True) and "memory" in b:
+            grew = b["memory"]["activations"]["total"] - a["memory"]["activations"]["total"]
+            assert grew > 0, b["label"]
+    ddp = next(r for r in without.candidates if r["label"] == "ddp")["memory"]["gpu_bytes"]
+    budget = int((ddp + term["saved"] // 2) / 0.9)  # ddp fits with room for half the images' activations
+    tight = Cluster(1, budget)
+    assert plan(cfg, tight, text).recommended["label"] == "ddp"
+    moved = plan(cfg, tight, images)
+    assert moved.recommended is None or moved.recommended["label"] != "ddp"
+    ddp_images = next(r for r in moved.candidates if r["label"] == "ddp")
+    assert not ddp_images["fits"] and "activations" in ddp_images["why_not"], ddp_images["why_not"]

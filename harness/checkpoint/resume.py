@@ -251,8 +251,15 @@ def _convert(source: Path, root: Path, out: Path) -> None:
 
         zero0.to_universal(source, tmp)
     else:
+        from harness.checkpoint import moments
+
+        keys = moments.missing(source)  # plain SGD, Lion, Adagrad: filled in, converted, dropped after the load
+        if keys:
+            args.input_folder = str(moments.staged(source, tmp.with_name(tmp.name + ".staged"), keys))
         with open(tmp / "conversion.log", "w") as log, contextlib.redirect_stdout(log):
             ds_to_universal.main(args)  # in this process: worker pools would fork a rank holding a process group
+        shutil.rmtree(tmp.with_name(tmp.name + ".staged"), ignore_errors=True)
+        moments.record(tmp, keys)
     (root / "latest_universal").unlink(missing_ok=True)  # it writes one naming the hidden folder; tags are explicit
     relayout.to_hf_names(tmp / "zero", read_manifest(source))
     relayout.set_cat_dims(tmp / "zero")

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.checkpoint import adam_powers, relayout, zero0
+from harness.checkpoint import adam_powers, moments, relayout, zero0
 from harness.checkpoint.files import LATEST, MANIFEST, is_complete, prune, tag_for, write_atomic
 from harness.config.adapter_rules import lora_on
 from harness.dist import DistInfo, barrier
@@ -187,6 +187,8 @@ def load(engine, dist: DistInfo, ckpt_dir: Path, tag: str, rng_dir: Path | None 
         path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=strict)
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint {ckpt_dir / tag}")
+        if engine.load_universal_checkpoint():
+            moments.drop(engine, ckpt_dir / tag)  # what the conversion filled in for a moment-less optimizer
     adam_powers.rebuild(adam_powers.base_optimizer(engine))  # the CPU Adam kernel's beta^t: no checkpoint holds it
     client = client or {}
     rng = (rng_dir or ckpt_dir / tag) / f"rng_rank{dist.rank}.pt"

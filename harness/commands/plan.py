@@ -147,6 +147,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="images in one sample (default 1): their tokens, the vision tower's activations")
     vl.add_argument("--image-size", default="448x448", metavar="HxW",
                     help="image resolution as the processor sees it (default 448x448)")
+    vl.add_argument("--freeze", default="", metavar="PARTS",
+                    help="vision.freeze, comma-separated (vision, projector, language): a frozen tower keeps no "
+                         "activations for backward")
+    vl.add_argument("--max-images-per-call", type=int, default=recipe_default("vision.max_images_per_call"),
+                    help="vision.max_images_per_call: images per vision-tower call (bounds one call's working "
+                         "memory; default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -211,13 +217,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve_model(args.model)
     seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, cfg.get("max_position_embeddings", cfg.get("n_positions"))
                                   or DEFAULT_SEQ_LEN)
+    images = _images(args) if cfg.get("vision_config") else None
     try:
         cluster = Cluster(args.gpus, gpu_mem, args.nodes, cpu_mem, nvme)
         work = Workload(seq_len, args.micro_batch, args.precision, args.activation_checkpointing == "full",
                         args.grad_accum, args.attention, expert_imbalance=args.expert_imbalance, packing=args.packing,
                         global_batch=args.global_batch,
                         optimizer_states=optimizer_states({"optimizer": {"type": args.optimizer}}),
-                        **preference_work(args))
+                        vision=_vision_load(cfg, args, images), **preference_work(args))
         result = plan(cfg, cluster, work, model_name=args.model, count=lora_count(cfg, args.lora_r),
                       hardware_profile=profile, layout=_layout(args))
     except ValueError as e:
@@ -236,8 +243,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(f"LoRA r={args.lora_r}: {count['lora_per_layer'] * count['num_layers']:,} trainable / "
                          f"{count['total'] - count['lora_per_layer'] * count['num_layers']:,} frozen parameters "
                          "(frozen: 16-bit weights only; gradients, fp32 master and Adam for the adapters)\n")
-    if cfg.get("vision_config"):
-        _vision_lines(args, cfg, seq_len, result)
+    if images:
+        _vision_lines(args, cfg, seq_len, result, images)
     mixture = mixture_plan(args, seq_len) if args.datasets else None
     rollouts = rollout_section(args, cfg, result, gpu_mem, profile) if args.objective == "grpo" else None
     if args.json:
@@ -321,20 +328,44 @@ def render_rollouts(r: dict) -> str:
         f"  recommend        {r['recommend']}", ""])
 
 
-def _vision_lines(args: argparse.Namespace, cfg: dict, seq_len: int, result) -> None:
-    """The vision tower's and projector's parameters, the image tokens, what freezing saves (planner/vision.py)."""
-    from harness.planner import vision
+def _images(args: argparse.Namespace) -> tuple[int, int, tuple[str, ...]]:
+    """(height, width, frozen parts) of --image-size and --freeze, checked."""
+    from harness.planner.vision import PARTS
 
     try:
         height, width = (int(v) for v in args.image_size.lower().split("x"))
     except ValueError:
         raise UsageError(f"--image-size {args.image_size!r}: give HEIGHTxWIDTH in pixels, e.g. 448x448") from None
-    if min(height, width, args.images_per_sample) < 1:
-        raise UsageError("--image-size and --images-per-sample must be at least 1")
+    if min(height, width, args.images_per_sample, args.max_images_per_call) < 1:
+        raise UsageError("--image-size, --images-per-sample and --max-images-per-call must be at least 1")
+    freeze = tuple(p.strip() for p in args.freeze.split(",") if p.strip())
+    unknown = [p for p in freeze if p not in PARTS]
+    if unknown:
+        raise UsageError(f"--freeze {args.freeze!r}: {', '.join(unknown)} is not a part; parts: {', '.join(PARTS)}")
+    return height, width, freeze
+
+
+def _vision_load(cfg: dict, args: argparse.Namespace, images):
+    """The workload's vision term (planner/vision.VisionLoad): every layout's activations count it."""
+    if images is None:
+        return None
+    from harness.planner.vision import vision_load
+
+    height, width, freeze = images
+    return vision_load(cfg, args.images_per_sample, height, width, freeze, args.max_images_per_call)
+
+
+def _vision_lines(args: argparse.Namespace, cfg: dict, seq_len: int, result, images) -> None:
+    """The vision tower's and projector's parameters, the image tokens, their activations, what freezing saves
+    (planner/vision.py)."""
+    from harness.planner import vision
+
+    height, width, freeze = images
     info = vision.summary(cfg, images=args.images_per_sample, height=height, width=width, seq_len=seq_len,
                           micro_batch=args.micro_batch, optimizer_states=optimizer_states(
                               {"optimizer": {"type": args.optimizer}}), zero_shards=args.gpus * args.nodes,
-                          precision_bytes=PRECISION_BYTES[args.precision])
+                          precision_bytes=PRECISION_BYTES[args.precision], freeze=freeze,
+                          per_call=args.max_images_per_call, checkpointing=args.activation_checkpointing == "full")
     result.model["vision"] = info
     if not args.json:
         sys.stdout.write(vision.render(info, args.images_per_sample, height, width))

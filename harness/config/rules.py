@@ -14,6 +14,7 @@ from harness.model_shapes import PIPELINE_FAMILIES, tp_problems
 from harness.config.resolve import BATCH_KEYS, Context, autotp, batch_world, degrees, is_count, sequence_parallel
 from harness.config.schema import suggest
 from harness.config.adapter_rules import check_adapter
+from harness.config import vision_rules
 from harness.config.preference_rules import check_preference
 from harness.config.stream_rules import check_streaming
 from harness.config.mixture_rules import check_mixture
@@ -112,6 +113,11 @@ def check_parallel(ds: dict, ctx: Context) -> list[Problem]:
                                f"world size {world} ({world} / {pp * tp} = {world / (pp * tp):.3g} data-parallel "
                                "replicas)", f"launch a multiple of {pp * tp} ranks, or make pipeline x tensor "
                                f"divide {world}"))
+    if (ctx.model or {}).get("vision"):  # its own reasons, not the causal LM's (config/vision_rules.py)
+        found = vision_rules.layout_problems(ctx.model.get("model_type"), {
+            "tensor": (tp_path, tp), "pipeline": ("pipeline.stages", pp),
+            "sequence": ("sequence_parallel_size", sequence_parallel(ds))})
+        return out + [Problem(*p) for p in found]
     out += _pipeline_model(pp, ctx.model or {}, ctx.model_name)
     out += [Problem(tp_path, what, fix) for what, fix in tp_problems(ctx.model or {}, tp, ctx.model_name)]
     return out

@@ -175,6 +175,7 @@ class RunModel:
     pipe_partitioned: bool = True  # DeepSpeed's pipeline.pipe_partitioned: activations split over tp between stages
     preference: Preference | None = None  # None: the next-token objective (lm)
     optimizer_states: int = ADAM_STATES  # fp32 tensors the optimizer keeps per trainable element (optimizer_states)
+    vision: Any = None  # a vision-language run: planner/vision.VisionLoad of its data's worst row (vision_steps.py)
 
     @classmethod
     def from_resolved(cls, recipe: Mapping, ds: Mapping, world: int, model_config: Mapping) -> "RunModel":

@@ -3,10 +3,11 @@ runs on (Cluster). `harness plan` builds them from its flags, a run from its Run
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 
 from harness.config.defaults import TILE_TOKENS
 from harness.config.run_model import ADAM_STATES
+from harness.planner.vision import VisionLoad
 
 RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS
 
@@ -34,6 +35,8 @@ class Workload:
     reference_mode: str | None = None
     pairs: int | None = None
     steps: int | None = None
+    # a vision-language model: the images an item runs through the vision tower and projector (planner/vision.py)
+    vision: VisionLoad | None = None
 
     @property
     def rows_per_item(self) -> int:
@@ -46,7 +49,8 @@ class Workload:
 
     def to_dict(self) -> dict:
         """The plan's "workload" (fields left unset are left out)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {k: asdict(v) if is_dataclass(v) else v for k, v in out.items()}
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,10 @@ def not_applicable(c: Candidate, shape: ModelShape) -> str | None:
 
     if c.ep > 1:
         return moe.ep_problem(shape.model_type, shape.num_experts, c.ep)
+    if shape.vision:
+        from harness.config.vision_rules import layout_refusal
+
+        return layout_refusal(shape.model_type, c.tp, c.pp, c.sp)
     problems = tp_problems(shape.to_dict(), c.tp)
     if problems:
         return "; ".join(what for what, _ in problems)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from harness.config.defaults import PRECISION_BYTES, TILE_TOKENS, ZERO0_ALLREDUCE_BUCKET_ELEMS, model_sized_buckets
 from harness.config.run_model import ADAM_STATES, Zero, ZeroBuckets
 from harness.planner import activations as la
+from harness.planner import vision as vl
 from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
 
@@ -328,5 +329,10 @@ def activation_bytes(shape: ModelShape, work: Workload, *, tp: int = 1, long_con
                   else la.logits_bytes(tokens, shape, lp, tiled_loss, tile_tokens))
     mask = la.mask_bytes(attention, seq_len, sp, micro_batch, lp)
     total = stored + recompute + tile + logits + mask + 2 * block_input  # + embedding output, final norm input
+    vision = {"saved": 0, "transient": 0}
+    if work.vision is not None:  # kept through the language model's forward; one call's peak comes before it
+        vision = vl.activation_bytes(work.vision, work.micro_batch, lp, activation_checkpointing)
+        total = vision["saved"] + max(total, vision["transient"])
     return {"per_layer": per_layer, "layers": stored, "recompute": recompute, "logits": logits,
-            "mlp_tile": tile, "mask": mask, "cpu_offload": offloaded, "tokens_per_rank": tokens, "total": total}
+            "mlp_tile": tile, "mask": mask, "cpu_offload": offloaded, "tokens_per_rank": tokens,
+            "vision_saved": vision["saved"], "vision_transient": vision["transient"], "total": total}

@@ -63,7 +63,7 @@ def workload(run: RunModel) -> Workload:
     return Workload(seq.seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
                     attention=attention_kind(seq, run.degrees.sp), packing=seq.packing,
                     global_batch=b.global_batch, tile_tokens=seq.tile_tokens, optimizer_states=run.optimizer_states,
-                    **goal)
+                    vision=run.vision, **goal)
 
 
 def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> int:

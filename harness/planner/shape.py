@@ -23,6 +23,7 @@ class ModelShape:
     max_positions: int | None = None
     learned_positions: bool = False  # GPT-2's wpe: a longer sequence has no position vector
     num_experts: int = 0  # routed experts per sparse block (0: dense)
+    vision: bool = False  # a vision-language model: a vision tower and projector beside the language model
 
     def but(self, **changes) -> "ModelShape":
         return replace(self, **changes)

@@ -7,7 +7,7 @@ against the live model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 PARTS = ("vision", "projector", "language")  # vision.freeze's values
 
@@ -104,10 +104,6 @@ def image_tokens(cfg: dict, height: int, width: int) -> int:
     return side * side + (1 if cfg.get("vision_feature_select_strategy") == "full" else 0)
 
 
-ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # a transformer layer's saved activations, 16-bit (Korthikanti et al., no
-# attention scores: the flash / sdpa kernels keep none), per token and hidden unit
-
-
 def vision_patches(cfg: dict, height: int, width: int) -> int:
     """Tokens the vision tower itself runs on for one image (before Qwen-VL's merger; LLaVA: patches + CLIP's CLS;
     Gemma 3: SigLIP's patches, no CLS)."""
@@ -119,19 +115,19 @@ def vision_patches(cfg: dict, height: int, width: int) -> int:
 
 
 def summary(cfg: dict, *, images: int, height: int, width: int, seq_len: int, micro_batch: int,
-            optimizer_states: int, zero_shards: int, precision_bytes: int = 2) -> dict:
+            optimizer_states: int, zero_shards: int, precision_bytes: int = 2, freeze: tuple = (),
+            per_call: int = 8, checkpointing: bool = False) -> dict:
     """What a vision-language model adds to a plan: the parts' parameters, the image tokens of a sample, the vision
     tower's activations per micro-batch, and what freezing each part saves (its gradients, fp32 master weights and
     optimizer states: they are never allocated), whole and per rank of a ZeRO group of `zero_shards`."""
     parts = meta_parts(cfg)
-    vision = cfg["vision_config"]
-    hidden = vision.get("embed_dim") or vision.get("hidden_size")
-    depth = vision.get("depth") or vision.get("num_hidden_layers")
     per_image = image_tokens(cfg, height, width)
-    act = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * vision_patches(cfg, height, width) * hidden * depth * images * micro_batch
+    load = vision_load(cfg, images, height, width, freeze, per_call)
+    act = activation_bytes(load, micro_batch, precision_bytes, checkpointing)
     trainable_bytes = precision_bytes + 4 * (1 + optimizer_states)  # gradient + fp32 master + optimizer states
     return {"params": parts, "image_tokens_per_sample": per_image * images, "tokens_per_image": per_image,
-            "seq_len": seq_len, "vision_activation_bytes": act * precision_bytes // 2,
+            "seq_len": seq_len, "vision_activation_bytes": act["saved"], "vision_transient_bytes": act["transient"],
+            "freeze": list(freeze), "max_images_per_call": per_call,
             "freeze_saves_bytes": {p: n * trainable_bytes for p, n in parts.items()},
             "freeze_saves_bytes_per_rank": {p: n * trainable_bytes // max(1, zero_shards) for p, n in parts.items()}}
 
@@ -141,8 +137,11 @@ def render(info: dict, images: int, height: int, width: int) -> str:
     lines = [f"vision-language: vision tower {p['vision']:,} + projector {p['projector']:,} + language model "
              f"{p['language']:,} parameters (all counted in the plan below)",
              f"  {images} image(s) of {height}x{width} per sample = {info['image_tokens_per_sample']:,} image tokens "
-             f"({info['tokens_per_image']:,} each) of the {info['seq_len']:,}-token sequence; the vision tower's "
-             f"activations add ~{info['vision_activation_bytes'] / gb:.3f} GB per micro-batch"]
+             f"({info['tokens_per_image']:,} each) of the {info['seq_len']:,}-token sequence; the vision tower and "
+             f"projector keep {info['vision_activation_bytes'] / gb:.3f} GB of activations per micro-batch for "
+             f"backward{' (frozen: ' + ', '.join(info['freeze']) + ')' if info['freeze'] else ''}, and one call of "
+             f"at most {info['max_images_per_call']} image(s) peaks at {info['vision_transient_bytes'] / gb:.3f} GB "
+             "more (both in every layout's activations below)"]
     if info["image_tokens_per_sample"] > info["seq_len"]:
         lines.append("  the image tokens alone exceed --seq-len: raise it, or lower the resolution")
     saves = info["freeze_saves_bytes"]
@@ -151,3 +150,94 @@ def render(info: dict, images: int, height: int, width: int) -> str:
         f"{part} {saves[part] / gb:.3f} GB ({per_rank[part] / gb:.3f} GB per rank of a ZeRO-sharded group)"
         for part in PARTS))
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class VisionLoad:
+    """What one item (sequence) of a vision-language workload runs through the vision tower and projector, in the
+    numbers activation_bytes needs; vision_load builds it from a model config."""
+
+    images: int  # images per item
+    patches: int  # tokens the tower runs on per image
+    tokens: int  # image tokens per image (after Qwen-VL's merge)
+    width: int  # the tower's hidden size
+    block: int  # elements a tower block keeps per patch for backward (block_elems)
+    depth: int
+    pixel_elems: int  # input elements per patch (channels x temporal x patch^2)
+    proj_elems: int  # elements the projector keeps for backward per image token
+    out_width: int  # the language model's hidden size (the features' width)
+    all_layers: bool  # LLaVA-style: the call returns every layer's hidden states (output_hidden_states), and one
+    # of its `patches` is the class token (no pixels)
+    trains_tower: bool
+    trains_projector: bool
+    per_call: int  # vision.max_images_per_call
+
+
+def vision_load(cfg: dict, images: int, height: int, width: int, freeze=(), per_call: int = 8) -> VisionLoad:
+    vision, family = cfg["vision_config"], family_of(cfg.get("model_type"))
+    tower = vision.get("embed_dim") or vision.get("hidden_size")
+    inter = vision.get("intermediate_size") or tower * vision.get("mlp_ratio", 4)
+    text = cfg.get("text_config") or cfg
+    out = vision.get("out_hidden_size") or (vision.get("hidden_size") if family.grid else None) or text["hidden_size"]
+    patch, channels = vision.get("patch_size", 14), vision.get("in_channels", vision.get("num_channels", 3))
+    if family.grid:  # merger: LayerNorm in and out, fc1 out and GELU out, each merge^2 x width per image token
+        merge2 = vision.get("spatial_merge_size", 2) ** 2
+        proj, pixel = 4 * merge2 * tower, channels * vision.get("temporal_patch_size", 2) * patch * patch
+    else:  # linear_1 in (tower width), GELU in and linear_2 in (text width)
+        proj, pixel = tower + 2 * out, channels * patch * patch
+    return VisionLoad(images, vision_patches(cfg, height, width), image_tokens(cfg, height, width), tower,
+                      block_elems(cfg, tower, inter), vision.get("depth") or vision.get("num_hidden_layers"), pixel,
+                      proj, out, not family.grid, "vision" not in freeze, "projector" not in freeze, per_call)
+
+
+def run_load(cfg: dict, images: int, pixel_elems: int, freeze=(), per_call: int = 8) -> VisionLoad:
+    """A run's load from its data: the row of `images` images holding the most pixel elements (the vision store's
+    worst row; per image, its patches as the processor cut them)."""
+    load = vision_load(cfg, max(1, images), 28, 28, freeze, per_call)
+    if not family_of(cfg.get("model_type")).grid:  # a fixed grid whatever the size; text only: the placeholder,
+        return load  # a whole image (harness/model/vision.placeholder)
+    merge2 = cfg["vision_config"].get("spatial_merge_size", 2) ** 2
+    if not images:  # the placeholder: merge^2 patches, one token
+        return replace(load, patches=merge2, tokens=1)
+    patches = pixel_elems // load.pixel_elems // images
+    return replace(load, patches=patches, tokens=patches // merge2)
+
+
+GATED_TOWERS = ("qwen2_5_vl",)  # a SiLU-gated MLP in the tower (gate, up, act(gate), act * up)
+
+
+def block_elems(cfg: dict, width: int, inter: int) -> int:
+    """Elements a vision block keeps per patch for backward (sdpa attention: no scores), measured per term with
+    autograd's saved-tensor hooks on the live towers (transformers 5.25, fp32, CPU): LayerNorm in and out twice,
+    q, k, v and the attention output in its two layouts, 9 h (CLIP) or 11 h (Qwen-VL: one qkv tensor, q and k rotated,
+    the per-image outputs concatenated); the MLP's fc1 output and its activation's, 2 i (gelu), 3 i (quick_gelu keeps
+    its sigmoid too: Qwen2-VL, CLIP) or 4 i (a gated tower)."""
+    vision = cfg["vision_config"]
+    mlp = 4 if cfg.get("model_type") in GATED_TOWERS else 3 if vision.get("hidden_act") == "quick_gelu" else 2
+    return (11 if family_of(cfg.get("model_type")).grid else 9) * width + mlp * inter
+
+
+def activation_bytes(v: VisionLoad, micro_batch: int, lp: int, checkpointing: bool = False) -> dict:
+    """Per rank and micro-batch: {"saved", "transient", "images"} bytes of the vision tower and projector.
+
+    saved: kept from the vision calls until backward, for every image of the micro-batch (all calls run before
+    the language model). A frozen tower records no graph (no parameter needs a gradient, nor do the pixels: the
+    harness's forward runs it with autograd on, and autograd saves nothing there), so it keeps nothing; a trained
+    one keeps every block's tensors and its patch embedding's pixels (with activation checkpointing, transformers'
+    gradient_checkpointing_enable covers the tower's blocks too: each block's input). The projector keeps its
+    inputs whenever it trains or the tower does.
+    transient: the largest working set of one call, max_images_per_call images at most: a block's tensors being
+    computed (and recomputed in backward under checkpointing), every layer's hidden states of a LLaVA-style call,
+    and the features of all the micro-batch's images until they are merged into the embeddings. It comes and goes
+    before the language model runs (memory.activation_bytes takes the larger of it and the language model's)."""
+    images = v.images * micro_batch
+    chunk = min(images, v.per_call)
+    saved = 0
+    if v.trains_tower:
+        per_patch = (v.width if checkpointing else v.block) * v.depth + v.pixel_elems
+        saved += images * (v.patches * per_patch - (v.pixel_elems if v.all_layers else 0))
+    if v.trains_tower or v.trains_projector:
+        saved += images * v.tokens * v.proj_elems
+    working = chunk * v.patches * (v.block + (v.width * (v.depth + 1) if v.all_layers else 0))
+    transient = working + images * v.tokens * v.out_width
+    return {"saved": saved * lp, "transient": transient * lp, "images": images}

@@ -304,6 +304,8 @@ def run(spec, dist) -> int:
         trackers = start_trackers(spec, dist, run_dir)  # exit 2 on every rank when one cannot start
         tokenizer = load_tokenizer(spec.recipe["train"]["model"])
         data = load_data(spec, dist, tokenizer)
+        if vision_steps.is_vision_run(spec):  # the planner's prediction counts the data's images
+            spec = vision_steps.with_vision_load(spec, data.train)
         if objective_of(spec.recipe).data != "prompts":  # an RL step's prompts: harness/rl/prompts.py
             checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
         if is_preference(spec.recipe):  # before the policy is built: a precomputed reference runs and is freed first

@@ -155,6 +155,14 @@ def _resume_layout(ds: dict, source: str, point, world: int, pp: int, tp: int, n
     precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp16" if ds.get("fp16", {}).get("enabled") else "fp32"
     if not expert and not resumemod.needs_universal(point, world, pp, tp, stage, precision):
         return ds
+    from harness.checkpoint.moments import refusal
+
+    why = refusal(ds)
+    if why:
+        raise UsageError(f"--resume {point.folder}: saved on another layout than this launch's, so it loads through "
+                         f"DeepSpeed's universal checkpoint; {why}\n    fix: resume on the saving layout (world "
+                         f"{point.layout()[0]}, ZeRO-{point.manifest.get('zero_stage', 0)}), or train with momentum 0 "
+                         "or optimizer.type=adamw where the layout must change")
     saved = point.layout()
     notes.append(f"resume: {point.tag} was saved on world {saved[0]} (pp {saved[1]}, tp {saved[2]}, expert "
                  f"{point.manifest.get('ep', 1)}, ZeRO-{point.manifest.get('zero_stage', 0)}), this launch is world "

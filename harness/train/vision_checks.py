@@ -36,15 +36,12 @@ def _local_records(spec):
     return out
 
 
-def _layout_problems(spec) -> list[Problem]:
-    out = []
-    for key, degree in (("parallel.pipeline", spec.pp), ("parallel.tensor", spec.tp),
-                        ("parallel.sequence", spec.sp)):
-        if degree > 1:
-            out.append(Problem(key, f"{degree} for a vision-language model: the vision tower and the image tokens' "
-                               "merge are not split into pipeline stages, tensor shards or sequence slices",
-                               "train it with data parallel or ZeRO-1/2/3 (offload and LoRA work), degree 1"))
-    return out
+def _layout_problems(spec, model_type: str | None) -> list[Problem]:
+    from harness.config.vision_rules import layout_problems
+
+    return [Problem(*p) for p in layout_problems(model_type, {"pipeline": ("parallel.pipeline", spec.pp),
+                                                              "tensor": ("parallel.tensor", spec.tp),
+                                                              "sequence": ("parallel.sequence", spec.sp)})]
 
 
 def _record_problems(spec, ctx) -> list[Problem]:
@@ -130,7 +127,7 @@ def problems(spec, cfg: dict) -> list[Problem]:
     if not (cfg or {}).get("vision_config"):
         return _text_model_problems(data, recipe) if data.format == "chat" or recipe.get("vision", {}).get(
             "freeze") else []
-    out = _layout_problems(spec)
+    out = _layout_problems(spec, cfg.get("model_type"))
     if recipe["train"].get("streaming"):
         out.append(Problem("train.streaming", "true for a vision-language model: its store (tokens and preprocessed "
                            "images) is prepared whole before training", "set train.streaming=false"))

@@ -75,6 +75,25 @@ def load_data(spec, dist, tokenizer):
     return train_rows, eval_rows, lines
 
 
+def with_vision_load(spec, rows):
+    """spec with its run's vision load (planner/vision.run_load): the train rows' worst row, by pixel elements, so
+    the planner's per-rank prediction counts the vision tower's and projector's activations."""
+    import dataclasses
+
+    import numpy as np
+
+    from harness.planner.vision import run_load
+
+    store, index = rows.arrays, np.asarray(rows.index)
+    starts, offsets = np.asarray(store["row_images"]), np.asarray(store["pixel_offsets"])
+    images, pixels = starts[index + 1] - starts[index], offsets[starts[index + 1]] - offsets[starts[index]]
+    worst = int(np.argmax(pixels)) if len(index) else 0
+    vision = spec.recipe["vision"]
+    load = run_load(dict(spec.model_config), int(images[worst]) if len(index) else 0,
+                    int(pixels[worst]) if len(index) else 0, tuple(vision["freeze"]), vision["max_images_per_call"])
+    return dataclasses.replace(spec, run=dataclasses.replace(spec.run, vision=load))
+
+
 def agreed_calls(engine, batches: list, per_call: int) -> list[int]:
     """Vision-tower calls per micro-batch: the most any rank needs at that micro-batch (one all-reduce, MAX)."""
     import torch.distributed as dist

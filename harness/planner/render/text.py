@@ -71,7 +71,8 @@ def _breakdown(r: dict, cluster: Cluster) -> list[str]:
         lines.append(f"    {'reference':<18} {ref['mode'] + ': ' + REFERENCE_NOTES[ref['mode']]:<34}{gb_gib(used)}")
     acts = mem["activations"]
     lines.append(f"    {'activations':<18} {'blocks + recompute + logits':<34}{gb_gib(acts['total'])}")
-    parts = [(k, acts.get(k, 0)) for k in ("layers", "recompute", "mlp_tile", "logits", "mask")]
+    parts = [(k, acts.get(k, 0)) for k in ("layers", "recompute", "mlp_tile", "logits", "mask", "vision_saved",
+                                          "vision_transient")]
     lines.append(f"      {acts.get('tokens_per_rank', 0):,} tokens per rank: "
                  + ", ".join(f"{k.replace('_', ' ')} {gb(v)}" for k, v in parts if v))
     lines.append(f"    {'in backward':<18} {'model states + activations':<34}{gb_gib(mem['gpu_backward_bytes'])}")
