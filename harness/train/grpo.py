@@ -27,6 +27,7 @@ from harness.rl import generation_batch as gb
 from harness.rl import replay as replay_file
 from harness.rl.loss import completion_logits, per_token_loss, reduce, token_logps
 from harness.rl.rollouts import ROLLOUTS_FILE, Rollouts, lines, truncate_after
+from harness.rl.step_metrics import StepMetrics
 
 CLIENT_KEY = "rl_generation"  # the current generation's records, in the checkpoint's client state (num_iterations > 1)
 NEAR_ZERO = ("on-policy (num_iterations 1) the importance ratio is 1 and each group's advantages sum to ~0, so the "
@@ -209,7 +210,7 @@ class GrpoSteps:
 
     def _update(self, engine) -> tuple[torch.Tensor, dict]:
         rollouts, _, tokens = self.buffer
-        rl, total, sums = self.rl, None, {}
+        rl, total, metrics = self.rl, None, StepMetrics()
         for m in range(self.gas):
             t = rollouts.tensors(range(m * self.micro, (m + 1) * self.micro), self.pad_id,
                                  rl["mask_truncated_completions"])
@@ -217,28 +218,14 @@ class GrpoSteps:
             mask = t["mask"].to(logps.device)
             old = logps.detach() if t["old"] is None else t["old"].to(logps.device, logps.dtype)
             ref = None if t["ref"] is None else t["ref"].to(logps.device)
-            ptl, stats = per_token_loss(logps, old, ref, t["advantages"].to(logps.device), mask, rl)
+            ptl, stats, per_seq = per_token_loss(logps, old, ref, t["advantages"].to(logps.device), mask, rl)
             loss = reduce(ptl, mask, rl, tokens, self.dp * self.gas)
             engine.backward(loss)
             engine.step()
             stats["entropy"] = ((entropy * mask).sum(), mask.sum())
-            for k, (s, c) in stats.items():
-                a, b = sums.get(k, (0.0, 0.0))
-                sums[k] = (a + s.float().cpu(), b + c.float().cpu())
+            metrics.add(stats, per_seq)
             total = loss.detach().float() if total is None else total + loss.detach().float()
-        return total / self.gas, _global_means(sums)
-
-
-def _global_means(sums: dict) -> dict:
-    """{name: sum over ranks / count over ranks} in one all-reduce (TRL's global_masked_mean)."""
-    names = sorted(sums)
-    flat = torch.tensor([float(v) for k in names for v in sums[k]], dtype=torch.float64)
-    if tdist.is_initialized() and tdist.get_world_size() > 1:
-        nccl = tdist.get_backend() == "nccl"
-        flat = flat.to(torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
-        tdist.all_reduce(flat)
-        flat = flat.cpu()
-    return {k: (flat[2 * i] / flat[2 * i + 1].clamp(min=1)).item() for i, k in enumerate(names)}
+        return total / self.gas, metrics.reduce()
 
 
 def t_rows(m: int, micro: int) -> range:
