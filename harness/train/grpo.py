@@ -14,6 +14,8 @@ engine.backward / engine.step, then the generator's weight sync. The metrics car
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from pathlib import Path
 
@@ -35,10 +37,26 @@ NEAR_ZERO = ("on-policy (num_iterations 1) the importance ratio is 1 and each gr
 
 
 def forward_logps(engine, t: dict, temperature: float, entropy: bool):
-    """(per-token log-probs [B, C], entropy [B, C] or None) of the completions in micro-batch tensors t."""
-    logits = engine(input_ids=t["input_ids"].to(engine.device), use_cache=False).logits
-    comp = completion_logits(logits, t["prompt_len"], t["completion"].shape[1])
+    """(per-token log-probs [B, C], entropy [B, C] or None) of the completions in micro-batch tensors t. The model
+    computes logits from the first completion position of the micro-batch onward only (transformers'
+    logits_to_keep, as TRL's): the prompt positions before it would give logits nobody reads."""
+    width, total = t["completion"].shape[1], t["input_ids"].shape[1]
+    keep = total - int(t["prompt_len"].min()) + 1
+    extra = {"logits_to_keep": keep} if keeps_logits(engine.module) else {}
+    logits = engine(input_ids=t["input_ids"].to(engine.device), use_cache=False, **extra).logits
+    comp = completion_logits(logits, t["prompt_len"] - (total - logits.shape[1]), width)
     return token_logps(comp, t["completion"].to(logits.device), temperature, entropy)
+
+
+def keeps_logits(module) -> bool:
+    """Whether the model's forward takes logits_to_keep (transformers' causal LMs do; peft's wrappers pass it on)."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return _takes_logits_to_keep(type(base))
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_logits_to_keep(cls) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 def gather_all(obj) -> list:
