@@ -3,13 +3,17 @@
 same hyperparameters (dapo, beta 0, num_generations 4, 16 completions per step, max_completion_length 8, AdamW lr 1e-2,
 no weight decay, clipping 1.0, constant lr, temperature 1).
 
-    python bench/rl.py [--steps 30] [--pairs 1] [--ranks 1] [--recipe ddp]
+    python bench/rl.py [--steps 20] [--pairs 3] [--ranks 1] [--recipe ddp]      (~1 min a pair on 2 idle cores)
 
-Reported per side: the reward curve (mean of the first and last 5 steps), tokens/s (prompt + completion tokens the
-steps processed / the training loop's wall time: TRL's train_runtime, the harness's first-to-last step end plus the
-first step), and the harness's time split (generate / score / reference / train / sync, share of the step) and its
-per-rank peak memory beside the planner's prediction (the run's own start-up lines). Goal: harness / TRL tokens/s
->= 1.0. trl is not a dependency of the harness: `pip install --no-deps trl==1.16.0` (it pulls no other torch then).
+Pairs run back to back in alternating order (H T, T H, H T, ...), so drift on a shared machine hits both sides.
+Reported per pair and side: the reward curve (mean of the first and last 5 steps), tokens/s (prompt + completion
+tokens the steps processed / the training loop's wall time: around TRL's trainer.train(), the harness's first-to-last
+step end plus the first step) and the median step time (TRL's own step_time metric; the harness's step_time_s); the
+ratios harness / TRL of both, the loop's and the median step's (tokens/s of each step, the first left out: a load
+burst moves a median much less than a sum). Then the median ratio over the pairs and its spread (range; +- half the
+range over the median), the harness's time split (generate / score / reference / train / sync: median per step,
+share of the step) and its per-rank peak memory beside the planner's prediction (the run's own start-up lines).
+Goal: harness / TRL tokens/s >= 1.0. trl is not a dependency of the harness: `pip install --no-deps trl==1.16.0` (it pulls no other torch then).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +70,7 @@ began = time.perf_counter()
 trainer.train()
 logs = [h for h in trainer.state.log_history if "reward" in h]
 print(json.dumps({"rewards": [h["reward"] for h in logs], "tokens": logs[-1]["num_tokens"],
+                  "num_tokens": [h["num_tokens"] for h in logs], "step_times": [h["step_time"] for h in logs],
                   "seconds": time.perf_counter() - began}))
 """
 
@@ -76,7 +80,10 @@ def run_trl(folder: str, steps: int) -> dict:
                           capture_output=True, text=True, env=env(), timeout=3600)
     if proc.returncode:
         raise SystemExit(f"TRL exited {proc.returncode}\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = [0] + out["num_tokens"]  # cumulative prompt + completion tokens, per logged step
+    out["step_tps"] = [(b - a) / t for a, b, t in zip(seen, seen[1:], out["step_times"])]
+    return out
 
 
 def harness_argv(folder: str, out: Path, steps: int, recipe: str, ranks: int) -> list[str]:
@@ -103,11 +110,14 @@ def run_harness(folder: str, out: Path, steps: int, recipe: str, ranks: int) -> 
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     tokens = sum(len(r["prompt_ids"]) + _kept(r["completion_ids"]) for r in rollouts)
     seconds = train[-1]["time"] - train[0]["time"] + train[0]["step_time_s"]
-    split = {k: statistics.mean(r[f"time/{k}_s"] for r in train) for k in ("generate", "score", "reference", "train",
-                                                                          "sync")}
+    split = {k: statistics.median(r[f"time/{k}_s"] for r in train) for k in SPLIT}
     memory = [line for line in proc.stdout.splitlines() if line.startswith("[memory]")]
     return {"rewards": [r["reward"] for r in train], "tokens": tokens, "seconds": seconds, "split": split,
-            "memory": memory}
+            "step_s": statistics.median(r["step_time_s"] for r in train),
+            "step_tps": [r["tokens_per_s"] for r in train], "memory": memory}
+
+
+SPLIT = ("generate", "score", "reference", "train", "sync")
 
 
 def _kept(ids: list[int]) -> int:
@@ -118,30 +128,54 @@ def curve(rewards: list[float]) -> str:
     return f"{statistics.mean(rewards[:5]):.3f} -> {statistics.mean(rewards[-5:]):.3f}"
 
 
+def spread(ratios: list[float]) -> str:
+    med = statistics.median(ratios)
+    return f"median {med:.2f}, range {min(ratios):.2f}-{max(ratios):.2f} (+-{(max(ratios) - min(ratios)) / 2 / med:.0%})"
+
+
+def one_pair(pair: int, folder: str, root: Path, args) -> tuple[dict, dict]:
+    """Harness then TRL on even pairs, TRL then harness on odd ones (H T, T H, H T, ...): drift on a shared
+    machine hits both sides alike."""
+    sides = {}
+    for side in (("harness", "trl") if pair % 2 == 0 else ("trl", "harness")):
+        sides[side] = run_harness(folder, root / f"harness{pair}", args.steps, args.recipe, args.ranks) \
+            if side == "harness" else run_trl(folder, args.steps)
+    return sides["harness"], sides["trl"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--pairs", type=int, default=1, help="back-to-back (harness, TRL) pairs; ratios' median")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--pairs", type=int, default=3, help="back-to-back pairs, in the order H T, T H, H T, ...")
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--recipe", default="ddp")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench_rl_"))
     folder = model_folder(root)
-    ratios = []
+    wall, per_step, splits, trl_steps = [], [], [], []
     for pair in range(args.pairs):
-        ours = run_harness(folder, root / f"harness{pair}", args.steps, args.recipe, args.ranks)
-        theirs = run_trl(folder, args.steps)
+        ours, theirs = one_pair(pair, folder, root, args)
         ours_tps, theirs_tps = ours["tokens"] / ours["seconds"], theirs["tokens"] / theirs["seconds"]
-        ratios.append(ours_tps / theirs_tps)
-        print(f"pair {pair}: harness ({args.recipe}, {args.ranks} rank(s)) reward {curve(ours['rewards'])}, "
-              f"{ours_tps:,.0f} tok/s | TRL {trl_version()} reward {curve(theirs['rewards'])}, {theirs_tps:,.0f} "
-              f"tok/s | ratio {ratios[-1]:.2f}")
-        step = sum(ours["split"].values())
-        print("  harness time split per step: " + ", ".join(f"{k} {v * 1000:.0f} ms ({v / step:.0%})"
-                                                            for k, v in ours["split"].items()))
-        for line in ours["memory"]:
-            print(f"  {line}")
-    print(f"harness / TRL tokens/s: median {statistics.median(ratios):.2f} over {len(ratios)} pair(s) (goal >= 1.0)")
+        wall.append(ours_tps / theirs_tps)
+        # the median step's tokens/s (warm-up step left out): what a load burst on a shared machine moves least
+        per_step.append(statistics.median(ours["step_tps"][1:]) / statistics.median(theirs["step_tps"][1:]))
+        splits.append(ours["split"])
+        trl_steps.append(statistics.median(theirs["step_times"][1:]))
+        order = "H T" if pair % 2 == 0 else "T H"
+        print(f"pair {pair} ({order}): harness ({args.recipe}, {args.ranks} rank(s)) reward {curve(ours['rewards'])}, "
+              f"{ours_tps:,.0f} tok/s, median step {ours['step_s'] * 1000:.0f} ms | TRL {trl_version()} reward "
+              f"{curve(theirs['rewards'])}, {theirs_tps:,.0f} tok/s, median step {trl_steps[-1] * 1000:.0f} ms | "
+              f"ratio {wall[-1]:.2f} (loop), {per_step[-1]:.2f} (median step)")
+        if pair == 0:
+            for line in ours["memory"]:
+                print(f"  {line}")
+    split = {k: statistics.median(s[k] for s in splits) for k in SPLIT}
+    step = sum(split.values())
+    print("harness time split per step (median over steps and runs): " + ", ".join(
+        f"{k} {v * 1000:.1f} ms ({v / step:.0%})" for k, v in split.items()) +
+        f"; TRL's median step {statistics.median(trl_steps) * 1000:.0f} ms (generation, scoring and update)")
+    print(f"harness / TRL tokens/s over the training loop: {spread(wall)} over {len(wall)} pair(s) (goal >= 1.0)")
+    print(f"harness / TRL tokens/s of the median step:     {spread(per_step)}")
     return 0
 
 
@@ -152,5 +186,4 @@ def trl_version() -> str:
 
 
 if __name__ == "__main__":
-    time.sleep(0)
     sys.exit(main())

@@ -1,9 +1,11 @@
 """GRPO and its kin (issue 38) on real DeepSpeed ranks against a plain-torch GRPO written from the formulas
 (tests/helpers/grpo_ref.py). A fixed batch goes in through rl.replay: 3 prompts x 4 completions with EOS, junk after
 EOS, a truncated completion and a zero-std group; micro 3 x accum 2 x 2 ranks. Per case: the loss and the grad norm
-of step 1 within 1e-6, and step 2's (after one SGD step of lr 1, no clipping) within 1e-5, on ZeRO-0/1/2/3 and
-offload, with beta 0 and 0.04 (a reference engine, ZeRO-3-sharded on ZeRO-3), temperature 0.7, perturbed old_logps,
-GSPO and every loss_type. dapo, grpo and dr_grpo are compared with the batch as ONE micro-batch on one rank (the
+of step 1 within 1e-6, and step 2's (after one SGD step of lr 1, no clipping) within 1e-5, on ZeRO-0 (ddp: the
+harness's own norm, harness/train/zero0_step.py), ZeRO-1/2/3 and offload, with beta 0 and 0.04 (a reference engine,
+ZeRO-3-sharded on ZeRO-3), temperature 0.7, perturbed old_logps, GSPO and every loss_type; and TRL's clip metrics
+(clip_ratio/low_mean, high_mean, region_mean, low_min, high_max; cispo_clip_ratio; none for sapo) of both steps within
+1e-6, reduced over ranks and micro-batches as TRL's GRPOTrainer reduces them. dapo, grpo and dr_grpo are compared with the batch as ONE micro-batch on one rank (the
 split 6 + 6 over ranks leaves them unchanged); LoRA with its zero-initialised adapter gives the full model's values.
 The same launch runs online RL with generation in the loop:
 - the built-in toy task (harness/rl/toy.py, reply in vowels) on the built-in tiny Llama: the mean reward rises from
@@ -45,7 +47,7 @@ def cases(ref: str) -> list[Case]:
             Case("zero2_bnpo_t07_masked_batch", "zero2", {"loss_type": "bnpo", "temperature": 0.7,
                                                            "mask_truncated_completions": True, "scale_rewards": "batch"}),
             Case("zero3_dr_grpo_kl", "zero3", {"loss_type": "dr_grpo", "beta": 0.04}, reference=ref),
-            Case("offload_cispo_old", "zero2_offload", {"loss_type": "cispo", "epsilon_high": 5.0}, old_shift=0.3),
+            Case("offload_cispo_old", "zero2_offload", {"loss_type": "cispo", "epsilon_high": 1.2}, old_shift=0.3),
             Case("zero1_sapo_old", "zero1", {"loss_type": "sapo"}, old_shift=0.3),
             Case("zero2_gspo_delta_old", "zero2", {"importance_sampling_level": "sequence", "delta": 1.2},
                  old_shift=0.3),
@@ -216,30 +218,43 @@ def _close(name: str, got, want, tol: float) -> float:
     return err
 
 
+CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                "clip_ratio/high_max", "cispo_clip_ratio")
+
+
 @pytest.mark.multirank
 def test_every_loss_type_and_layout_matches_plain_torch_grpo(launched):
     root, model, all_cases, _, seconds = launched
-    worst = {}
+    worst, clipped = {}, {}
     for case in all_cases:
         old = perturbed_old(model, case.old_shift, case.rl.get("temperature", 1.0)) if case.old_shift else None
         rl = {"num_generations": 4, "max_completion_length": 6, **case.rl}
         split = rl.get("loss_type", "dapo") in SPLIT_FREE  # compared with ONE micro-batch on one rank
         micro, gas, world = (MICRO * GAS * WORLD, 1, 1) if split else (MICRO, GAS, WORLD)
-        want = expected(model, records(old), rl, micro, gas, world, LR, STEPS, case.reference)
+        want = expected(model, records(old), rl, micro, gas, world, LR, STEPS, case.reference,
+                        metric_split=(MICRO, GAS, WORLD))
         got = metric_records(root / case.name, "train")
         assert len(got) == STEPS
-        if case.lora:  # a zero-initialised adapter: the full model's loss at step 1 (only adapters train after it)
-            worst[case.name] = _close("step1.loss", got[0]["loss"], want[0]["loss"], 1e-6)
-            continue
-        errs = [_close("step1.loss", got[0]["loss"], want[0]["loss"], 1e-6),
-                _close("step2.loss", got[1]["loss"], want[1]["loss"], 1e-5)]
-        if case.recipe != "ddp":  # DeepSpeed logs no grad norm on ZeRO-0 (null)
-            errs += [_close("step1.grad_norm", got[0]["grad_norm"], want[0]["grad_norm"], 1e-6),
-                     _close("step2.grad_norm", got[1]["grad_norm"], want[1]["grad_norm"], 1e-5)]
+        steps = 1 if case.lora else STEPS  # a zero-initialised adapter: the full model's step 1 (then adapters train)
+        errs = []
+        for s in range(steps):
+            tol = 1e-6 if s == 0 else 1e-5  # step 2 follows one SGD step of lr 1
+            errs += [_close(f"step{s + 1}.{key}", got[s][key], want[s][key], tol)
+                     for key in ("loss", "grad_norm") if not (case.lora and key == "grad_norm")]
+            names = [k for k in CLIP_METRICS if k in want[s]]
+            assert names == [k for k in CLIP_METRICS if k in got[s]], (case.name, sorted(got[s]))
+            errs += [_close(f"step{s + 1}.{k}", got[s][k], want[s][k], 1e-6) for k in names]
+            clipped.update({f"{case.name}.{k}": got[s][k] for k in names if s == 0})
         worst[case.name] = max(errs)
         if rl.get("beta"):
             assert got[0]["kl"] >= 0 and got[1]["kl"] > 0, got[1]["kl"]
-    print(f"launch {seconds:.1f}s; worst absolute error per case: {worst}")
+    # the perturbed old_logps clip tokens both ways, so the ratios are compared where they are not 0
+    nonzero = ("ddp_dapo_old.clip_ratio/low_mean", "ddp_dapo_old.clip_ratio/high_mean",
+               "ddp_dapo_old.clip_ratio/high_max", "zero2_gspo_delta_old.clip_ratio/region_mean",
+               "offload_cispo_old.cispo_clip_ratio")
+    assert all(clipped[k] > 0 for k in nonzero), clipped
+    assert "zero1_sapo_old.clip_ratio/low_mean" not in clipped  # TRL logs no clip ratio for sapo
+    print(f"launch {seconds:.1f}s; worst absolute error per case: {worst}; step-1 clip metrics: {clipped}")
 
 
 def test_dapo_grpo_and_dr_grpo_are_unchanged_by_the_split_and_bnpo_is_not(tmp_path):

@@ -15,6 +15,12 @@ micro-batch loss is its token sum x (ranks x accumulation steps) / the step's to
 the sum over the step's tokens / their count, however the batch is split.
 
 The log-probs come from the logits divided by the sampling temperature, as TRL's.
+
+The clip metrics are TRL's (per micro-batch; harness/rl/step_metrics.py reduces them over ranks and micro-batches):
+grpo bnpo dr_grpo dapo log clip_ratio/low_mean, high_mean, region_mean (the fraction of the micro-batch's loss tokens
+with r < 1 - epsilon and A < 0, r > 1 + epsilon_high and A > 0, either) and clip_ratio/low_min, high_max (the least
+low / the most high clipped fraction of any one completion, over every rank's completions); cispo logs
+cispo_clip_ratio (r > epsilon_high and A > 0); sapo none. Under GSPO each completion counts once.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import torch
 
 CLIP_STATS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+CLIP_EXTREMES = ("clip_ratio/low_min", "clip_ratio/high_max")  # over completions: see step_metrics.EXTREMES
 
 
 def completion_logits(logits: torch.Tensor, prompt_len: torch.Tensor, width: int) -> torch.Tensor:
@@ -51,12 +58,13 @@ def importance(logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, level
     return torch.exp(log_ratio)
 
 
-def per_token_loss(logps, old, ref, adv, mask, rl: dict) -> tuple[torch.Tensor, dict]:
-    """([B, C] loss per token, {name: (sum, count)} of the clip ratios and the KL for the step's metrics)."""
+def per_token_loss(logps, old, ref, adv, mask, rl: dict) -> tuple[torch.Tensor, dict, dict]:
+    """([B, C] loss per token, {name: (sum, count)} of the clip ratios and the KL, {name: [B] per completion} of the
+    clip fractions whose extremes over the ranks are logged)."""
     adv = adv.to(logps.dtype).unsqueeze(1)
     coef = importance(logps, old, mask, rl["importance_sampling_level"])
     eps_low, eps_high = rl["epsilon"], rl["epsilon"] if rl["epsilon_high"] is None else rl["epsilon_high"]
-    loss_type, stats = rl["loss_type"], {}
+    loss_type, stats, per_seq = rl["loss_type"], {}, {}
     if loss_type == "cispo":
         loss = -torch.clamp(coef, max=eps_high).detach() * adv * logps
         stats["cispo_clip_ratio"] = _masked(((coef > eps_high) & (adv > 0)).float(), mask)
@@ -70,12 +78,14 @@ def per_token_loss(logps, old, ref, adv, mask, rl: dict) -> tuple[torch.Tensor, 
         low, high = (coef < 1 - eps_low) & (adv < 0), (coef > 1 + eps_high) & (adv > 0)
         for name, hit in zip(CLIP_STATS, (low, high, low | high)):
             stats[name] = _masked(hit.float(), mask)
+        for name, hit in zip(CLIP_EXTREMES, (low, high)):
+            per_seq[name] = _seq_mean(hit.float(), mask)
     if rl["beta"] != 0:
         diff = ref.to(logps.dtype) - logps
         kl = (torch.exp(diff) - diff - 1) * coef
         stats["kl"] = _masked(kl.detach(), mask)
         loss = loss + rl["beta"] * kl
-    return loss, stats
+    return loss, stats, per_seq
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +93,14 @@ def _masked(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     if x.shape[1] == 1:
         return x.sum().detach(), torch.tensor(float(x.shape[0]))
     return (x * mask).sum().detach(), mask.sum().detach().float()
+
+
+def _seq_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B]: each completion's mean over its loss tokens (NaN for one without any: TRL's nanmin / nanmax skip it), or
+    the value itself for a [B, 1] value (GSPO)."""
+    if x.shape[1] == 1:
+        return x.squeeze(1).detach()
+    return ((x * mask).sum(-1) / mask.sum(-1)).detach()
 
 
 def reduce(loss: torch.Tensor, mask: torch.Tensor, rl: dict, step_tokens: int, splits: int) -> torch.Tensor:

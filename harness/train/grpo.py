@@ -14,6 +14,8 @@ engine.backward / engine.step, then the generator's weight sync. The metrics car
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from harness.rl import generation_batch as gb
 from harness.rl import replay as replay_file
 from harness.rl.loss import completion_logits, per_token_loss, reduce, token_logps
 from harness.rl.rollouts import ROLLOUTS_FILE, Rollouts, lines, truncate_after
+from harness.rl.step_metrics import StepMetrics
 
 CLIENT_KEY = "rl_generation"  # the current generation's records, in the checkpoint's client state (num_iterations > 1)
 NEAR_ZERO = ("on-policy (num_iterations 1) the importance ratio is 1 and each group's advantages sum to ~0, so the "
@@ -34,10 +37,26 @@ NEAR_ZERO = ("on-policy (num_iterations 1) the importance ratio is 1 and each gr
 
 
 def forward_logps(engine, t: dict, temperature: float, entropy: bool):
-    """(per-token log-probs [B, C], entropy [B, C] or None) of the completions in micro-batch tensors t."""
-    logits = engine(input_ids=t["input_ids"].to(engine.device), use_cache=False).logits
-    comp = completion_logits(logits, t["prompt_len"], t["completion"].shape[1])
+    """(per-token log-probs [B, C], entropy [B, C] or None) of the completions in micro-batch tensors t. The model
+    computes logits from the first completion position of the micro-batch onward only (transformers'
+    logits_to_keep, as TRL's): the prompt positions before it would give logits nobody reads."""
+    width, total = t["completion"].shape[1], t["input_ids"].shape[1]
+    keep = total - int(t["prompt_len"].min()) + 1
+    extra = {"logits_to_keep": keep} if keeps_logits(engine.module) else {}
+    logits = engine(input_ids=t["input_ids"].to(engine.device), use_cache=False, **extra).logits
+    comp = completion_logits(logits, t["prompt_len"] - (total - logits.shape[1]), width)
     return token_logps(comp, t["completion"].to(logits.device), temperature, entropy)
+
+
+def keeps_logits(module) -> bool:
+    """Whether the model's forward takes logits_to_keep (transformers' causal LMs do; peft's wrappers pass it on)."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return _takes_logits_to_keep(type(base))
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_logits_to_keep(cls) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 def gather_all(obj) -> list:
@@ -209,7 +228,7 @@ class GrpoSteps:
 
     def _update(self, engine) -> tuple[torch.Tensor, dict]:
         rollouts, _, tokens = self.buffer
-        rl, total, sums = self.rl, None, {}
+        rl, total, metrics = self.rl, None, StepMetrics()
         for m in range(self.gas):
             t = rollouts.tensors(range(m * self.micro, (m + 1) * self.micro), self.pad_id,
                                  rl["mask_truncated_completions"])
@@ -217,28 +236,14 @@ class GrpoSteps:
             mask = t["mask"].to(logps.device)
             old = logps.detach() if t["old"] is None else t["old"].to(logps.device, logps.dtype)
             ref = None if t["ref"] is None else t["ref"].to(logps.device)
-            ptl, stats = per_token_loss(logps, old, ref, t["advantages"].to(logps.device), mask, rl)
+            ptl, stats, per_seq = per_token_loss(logps, old, ref, t["advantages"].to(logps.device), mask, rl)
             loss = reduce(ptl, mask, rl, tokens, self.dp * self.gas)
             engine.backward(loss)
             engine.step()
             stats["entropy"] = ((entropy * mask).sum(), mask.sum())
-            for k, (s, c) in stats.items():
-                a, b = sums.get(k, (0.0, 0.0))
-                sums[k] = (a + s.float().cpu(), b + c.float().cpu())
+            metrics.add(stats, per_seq)
             total = loss.detach().float() if total is None else total + loss.detach().float()
-        return total / self.gas, _global_means(sums)
-
-
-def _global_means(sums: dict) -> dict:
-    """{name: sum over ranks / count over ranks} in one all-reduce (TRL's global_masked_mean)."""
-    names = sorted(sums)
-    flat = torch.tensor([float(v) for k in names for v in sums[k]], dtype=torch.float64)
-    if tdist.is_initialized() and tdist.get_world_size() > 1:
-        nccl = tdist.get_backend() == "nccl"
-        flat = flat.to(torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
-        tdist.all_reduce(flat)
-        flat = flat.cpu()
-    return {k: (flat[2 * i] / flat[2 * i + 1].clamp(min=1)).item() for i, k in enumerate(names)}
+        return total / self.gas, metrics.reduce()
 
 
 def t_rows(m: int, micro: int) -> range:

@@ -28,7 +28,7 @@ from harness.config.preference_rules import is_preference
 from harness.data.batches import BatchPlan
 from harness.dist import DistInfo, mean_across_ranks
 from harness.log import say
-from harness.train import faults, mixture, schedule
+from harness.train import faults, mixture, schedule, zero0_step
 from harness.train.metrics import MetricsLog
 from harness.data.rows import Rows, loss_items, model_inputs
 from harness.data.stream_rows import StreamPlan, StreamRows
@@ -201,6 +201,7 @@ class Trainer:
             self.step_fn = mixture.by_source(self.step_fn, len(data.mixture.names), *((_forward, _lm_aux) if plain
                                                                                      else ()))
         self.guard = faults.Guard.of(engine, self.train_cfg, dist.rank, dist.world_size)  # None: on_nonfinite off
+        zero0_step.install(engine)  # ZeRO-0 fp32: its grad norm (after the guard: a dropped step is measured too)
         self.policy = faults.Policy(self.train_cfg)
         self.data_steps = faults.DataSteps(skipped_batches)
 

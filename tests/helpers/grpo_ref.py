@@ -130,9 +130,55 @@ def step_loss(model, ref_model, rows: list[dict], rl: dict, micro: int, gas: int
     return sum(losses) / len(losses)
 
 
+def clip_fractions(model, record: dict, adv: float, rl: dict) -> tuple[float, float, int] | None:
+    """(low-clipped, high-clipped tokens, loss tokens) of one completion (a GSPO completion counts as one token), or
+    None for cispo / sapo; for cispo the high count is cispo's (r > epsilon_high, A > 0)."""
+    kind = rl.get("loss_type", "dapo")
+    if kind == "sapo":
+        return None
+    comp = kept(record["completion_ids"])
+    masked = rl.get("mask_truncated_completions") and EOS not in record["completion_ids"]
+    with torch.no_grad():
+        logp = token_logps(model, record["prompt_ids"], comp, rl.get("temperature", 1.0))
+    old = torch.tensor(record["old_logps"]) if "old_logps" in record else logp
+    if rl.get("importance_sampling_level") == "sequence":  # masked: a log-ratio of 0 (r = 1), still one completion
+        ratios = [1.0 if masked else math.exp(float((logp - old).mean()))]
+    else:
+        ratios = [] if masked else [math.exp(float(x)) for x in logp - old]
+    eps = rl.get("epsilon", 0.2)
+    eps_high = rl.get("epsilon_high") or eps
+    if kind == "cispo":
+        return 0, sum(r > eps_high and adv > 0 for r in ratios), len(ratios)
+    return (sum(r < 1 - eps and adv < 0 for r in ratios), sum(r > 1 + eps_high and adv > 0 for r in ratios),
+            len(ratios))
+
+
+def clip_metrics(model, rows: list[dict], rl: dict, micro: int, gas: int, world: int) -> dict:
+    """TRL's clip metrics of one step: per micro-batch index m (rank r's m-th micro-batch on every rank), the token
+    fractions over every rank's tokens and the least / most clipped completion of any rank; then the mean over m."""
+    advs = advantages([r["reward"] for r in rows], rl.get("num_generations", 4), rl.get("scale_rewards", "group"))
+    per_m = []
+    for m in range(gas):
+        counts = [clip_fractions(model, rows[i], advs[i], rl)
+                  for r in range(world) for i in range(r * micro * gas + m * micro, r * micro * gas + (m + 1) * micro)]
+        if counts[0] is None:
+            return {}
+        low, high, n = (sum(c[k] for c in counts) for k in range(3))
+        if rl.get("loss_type") == "cispo":
+            per_m.append({"cispo_clip_ratio": high / max(n, 1)})
+            continue
+        lows, highs = [c[0] / c[2] for c in counts if c[2]], [c[1] / c[2] for c in counts if c[2]]
+        region = sum(c[0] + c[1] for c in counts)  # low and high never both hold for one token
+        per_m.append({"clip_ratio/low_mean": low / max(n, 1), "clip_ratio/high_mean": high / max(n, 1),
+                      "clip_ratio/region_mean": region / max(n, 1), "clip_ratio/low_min": min(lows),
+                      "clip_ratio/high_max": max(highs)})
+    return {k: sum(d[k] for d in per_m) / len(per_m) for k in per_m[0]}
+
+
 def expected(model_folder: str, rows: list[dict], rl: dict, micro: int, gas: int, world: int, lr: float,
-             steps: int = 2, reference: str | None = None) -> list[dict]:
-    """Per step: the loss and the grad norm, then one SGD step of lr (no clipping)."""
+             steps: int = 2, reference: str | None = None, metric_split: tuple[int, int, int] | None = None) -> list[dict]:
+    """Per step: the loss and the grad norm (and the clip metrics of the run split micro x gas x world as
+    metric_split, when given: they depend on the split), then one SGD step of lr (no clipping)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_folder, torch_dtype=torch.float32)
@@ -143,7 +189,8 @@ def expected(model_folder: str, rows: list[dict], rl: dict, micro: int, gas: int
         loss = step_loss(model, ref_model, rows, rl, micro, gas, world)
         loss.backward()
         norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters() if p.grad is not None))
-        out.append({"loss": float(loss.detach()), "grad_norm": norm})
+        out.append({"loss": float(loss.detach()), "grad_norm": norm,
+                    **(clip_metrics(model, rows, rl, *metric_split) if metric_split else {})})
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
