@@ -17,25 +17,27 @@ import json
 import pytest
 import torch
 
-from helpers.vl_models import llava_folder, qwen2_vl_folder, write_chat, write_images
+from helpers.vl_models import gemma3_folder, llava_folder, qwen2_vl_folder, write_chat, write_images
 from test_vision_language import loss_and_grads, model_of, rows_of
 
 KINDS = ["text", "image", "two", "text", "image", "text", "two", "image"]
 TOL = 1e-5
+TOL_OF = {"gemma": 1e-6}  # issue 40's Gemma 3 packed-mask defect: 6.9e-3 without harness/model/vision_masks.py
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlpack")
     data = write_chat(root / "data" / "chat.jsonl", write_images(root / "data" / "img", 5), KINDS)
-    return {"qwen": qwen2_vl_folder(root / "qwen"), "llava": llava_folder(root / "llava"), "data": data}
+    return {"qwen": qwen2_vl_folder(root / "qwen"), "llava": llava_folder(root / "llava"),
+            "gemma": gemma3_folder(root / "gemma"), "data": data}
 
 
 def _worst(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava"])
+@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
 def test_packed_row_equals_its_conversations_one_per_row(folders, family, tmp_path):
     packed, lines = rows_of(folders[family], folders["data"], tmp_path / "store", seq_len=400)
     assert "8 conversations (5 with images, 7 images" in lines[0] and "into 2 rows of 400" in lines[0], lines
@@ -61,7 +63,7 @@ def test_packed_row_equals_its_conversations_one_per_row(folders, family, tmp_pa
             assert grads[name] is None, name
             continue
         worst = max(worst, _worst(grads[name], grad))
-    assert worst <= TOL, f"{family}: packed vs one per row, worst relative difference {worst:.2e}"
+    assert worst <= TOL_OF.get(family, TOL), f"{family}: packed vs one per row, worst relative difference {worst:.2e}"
     crossed, _ = loss_and_grads(model, batch[:3], num_calls=calls)  # concat: attention crosses conversations
     assert abs(float(crossed - want)) > 1e-3, (float(crossed), float(want))
     print(f"[vlpack] {family}: {len(docs)} conversations, {calls} images in one row of 400; loss {float(loss):.6f} "
