@@ -63,7 +63,7 @@ def has_image_blocks(config) -> bool:
     from harness.planner.vision import family_of
 
     model_type = config.get("model_type", "") if isinstance(config, dict) else getattr(config, "model_type", "")
-    return bool(config) and family_of(model_type or "").token_types
+    return config is not None and family_of(model_type or "").token_types
 
 
 def choose(device: str, packing: str, seq_len: int, micro_batch: int = 1, installed: frozenset[str] | None = None,
