@@ -76,7 +76,8 @@ def test_packed_row_equals_its_conversations_one_per_row(folders, family, tmp_pa
 def test_gemma3_packed_masks_are_transformers_own_per_conversation(folders, tmp_path):
     """harness/model/vision_masks.py on a packed Gemma 3 row: under sdpa each conversation's diagonal block of the
     full and sliding masks equals the mask transformers builds for that conversation alone, and nothing crosses
-    conversations; under eager (an additive float mask) the packed row still gives one per row's loss and grads."""
+    conversations; under eager (an additive float mask) a micro-batch of both packed rows gives one per row's loss
+    and every gradient."""
     from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model
 
     from harness.model.vision_masks import image_blocks, packed_masks
@@ -99,13 +100,14 @@ def test_gemma3_packed_masks_are_transformers_own_per_conversation(folders, tmp_
     assert int(types[0, starts[1]:].sum()) > 0 and not bool(torch.equal(masks["full_attention"],
                                                                          masks["sliding_attention"]))
     alone, _ = rows_of(folders["gemma"], folders["data"], tmp_path / "alone", seq_len=96, packing="concat")
-    model.set_attn_implementation("eager")
-    calls = len(images)
-    loss, grads = loss_and_grads(model, (ids, labels, images, positions), num_calls=calls)
-    want, want_grads = loss_and_grads(model, alone[0:len(packed[0:1].records)].tensors(), num_calls=calls)
+    model.set_attn_implementation("eager")  # and micro-batch 2: both packed rows, every conversation
+    both = packed[0:2].tensors()
+    calls = len(both[2])
+    loss, grads = loss_and_grads(model, both, num_calls=calls)
+    want, want_grads = loss_and_grads(model, alone[0:len(packed[0:2].records)].tensors(), num_calls=calls)
     worst = max([_worst(loss, want)] + [_worst(grads[n], g) for n, g in want_grads.items() if g is not None])
     assert worst <= TOL_OF["gemma"], f"gemma eager: packed vs one per row, worst relative difference {worst:.2e}"
-    print(f"[vlpack] gemma eager: loss {float(loss):.6f} vs {float(want):.6f}; worst {worst:.2e}")
+    print(f"[vlpack] gemma eager, 2 packed rows ({len(packed[0:2].records)} conversations): loss {float(loss):.6f} vs {float(want):.6f}; worst {worst:.2e}")
 
 
 def _spans(ids: list[int], token: int) -> list[tuple[int, int]]:
