@@ -24,7 +24,8 @@
 # tower trained and frozen); OUT_DIR/vlm; and vlm_video, an 8-frame video before each image (PyAV not needed: the
 # frames are a list of PNGs); OUT_DIR/vlm_video.
 # And vlm_packing (bench/vlm_packing.py on the GPU): packed vision-language rows
-# against one conversation per row, summed loss equal under flash-attention varlen / flex_attention / sdpa.
+# against one conversation per row, summed loss equal under flash-attention varlen / flex_attention / sdpa; Gemma 3's
+# packed masks (bench/vlm_gemma_packing.py) under sdpa / eager / flex_attention, loss and every gradient.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -202,7 +203,9 @@ EOF
             for attn in sdpa flex_attention flash_attention_2; do
                 timeout 120 $PY "$ROOT/bench/vlm_packing.py" --size small --device cuda --attention $attn \
                     --seq-len 2048 --image-size 448 --records 48 --repeats 1 || echo "[vlm_packing] $attn failed (exit $?)"
-            done ;;
+            done  # and Gemma 3's packed masks (harness/model/vision_masks.py) as a BlockMask, loss + grads to 1e-6
+            timeout 120 $PY "$ROOT/bench/vlm_gemma_packing.py" --device cuda --attention sdpa eager flex_attention \
+                || echo "[vlm_gemma_packing] failed (exit $?)" ;;
         dpo)  # preference optimisation: the reference as a frozen engine (zero2) and as the base, adapters off (LoRA)
             $PY - "$OUT/dpo" <<'EOF'
 import json, random, sys, torch

@@ -68,3 +68,24 @@ def test_launch_refuses_an_s2_mask_past_the_bound_before_ranks_start(tmp_path):
     assert ("train.packing: sdpa under document packing materialises a [4100, 1, 512, 512] mask (4100 x 512^2 x 1 "
             "byte = 1074790400 bytes, 1.001 GiB), past the 1.000 GiB bound") in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_gemma3_image_blocks_never_get_flash_under_document_packing():
+    """Gemma 3's two-way image blocks (harness/model/vision_masks.py) need a mask function: under document packing
+    the default skips flash (flex on a GPU, sdpa on CPU, two masks: full and sliding layers), a requested flash is
+    refused with the reason; concat keeps flash (one conversation per row: transformers' own masks)."""
+    assert attention.has_image_blocks({"model_type": "gemma3"})
+    assert not attention.has_image_blocks({"model_type": "llava"}) and not attention.has_image_blocks({})
+    gpu = attention.choose("cuda", "document", 4096, 1, installed=FLASH, image_blocks=True)
+    assert gpu.implementation == "flex_attention" and "image blocks" in gpu.why and gpu.masks == 2
+    cpu = attention.choose("cpu", "document", 1024, 2, image_blocks=True)
+    assert cpu.implementation == "sdpa" and cpu.mask_bytes == 2 * 2 * 1024 * 1024
+    assert attention.choose("cuda", "concat", 4096, 1, installed=FLASH, image_blocks=True).implementation \
+        == "flash_attention_2"
+    asked = attention.choose("cuda", "document", 4096, 1, installed=FLASH, requested="flash_attention_2",
+                             image_blocks=True)
+    found = attention.problems(asked, "cuda", "document", 4096, 1, installed=FLASH, image_blocks=True)
+    assert len(found) == 1 and "two-way attention" in found[0].message and "flex_attention" in found[0].fix
+    assert attention.problems(asked, "cuda", "document", 4096, 1, installed=FLASH) == []  # a text model: fine
+    assert "x 2 masks (Gemma 3's full and sliding layers)" in attention.problems(
+        cpu, "cuda", "document", 1024, 2, installed=FLASH)[0].message  # the GPU warning names both masks

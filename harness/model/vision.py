@@ -181,6 +181,11 @@ def vl_forward(self, input_ids, labels=None, images: Images | None = None, num_c
         position_ids = rope_positions(self, input_ids, images, position_ids)
     if family_of(self.config).token_types:  # Gemma 3: each image's tokens attend to each other (as its processor)
         kwargs["token_type_ids"] = (input_ids == image_token_id(self.config)).long()
+        if position_ids is not None:  # a packed row: transformers would mix up the image blocks (vision_masks.py)
+            from harness.model.vision_masks import packed_masks
+
+            kwargs["attention_mask"] = packed_masks(self.config.get_text_config(), embeds, position_ids,
+                                                    kwargs["token_type_ids"])
     return type(self).forward(self, inputs_embeds=embeds, position_ids=position_ids, labels=labels, **kwargs)
 
 

@@ -71,7 +71,8 @@ def attention_problems(spec) -> list[Problem]:
     (harness/model/attention.py)."""
     from harness.model import attention
 
-    return attention.recipe_problems(spec.recipe, spec.ds_config["train_micro_batch_size_per_gpu"])
+    return attention.recipe_problems(spec.recipe, spec.ds_config["train_micro_batch_size_per_gpu"],
+                                     image_blocks=attention.has_image_blocks(spec.model_config))
 
 
 def _head_problems(train: dict, check) -> list[Problem]:
