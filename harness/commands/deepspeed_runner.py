@@ -66,7 +66,8 @@ def main(argv: list[str]) -> None:
     from harness.ops import pin_cpu_accelerator, quick_start
 
     pin_cpu_accelerator()  # as `harness launch` does; the launcher and the ranks inherit it
-    quick_start()
+    if not any(a.partition("=")[0] == "--autotuning" for a in argv):  # DeepSpeed's autotuner logs to mlflow
+        quick_start()
     if argv[:1] == [LAUNCHER]:
         sys.argv[1:] = argv[1:]
         from deepspeed.launcher import launch
