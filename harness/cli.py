@@ -7,7 +7,7 @@ import importlib
 import sys
 
 from harness.errors import ConfigError, RunComplete, UsageError, without_secrets
-from harness.ops import quick_start
+from harness.startup import quick_start
 
 COMMANDS = {
     "recipes": "list the shipped recipes",

@@ -23,9 +23,6 @@ INSTALL_COMPILER = "install a C++ compiler: apt-get install build-essential (or 
 INSTALL_NINJA = "pip install ninja (DeepSpeed JIT-compiles its ops with it)"
 STALE_LOCK_S = 20 * 60  # a JIT build takes minutes; a build lock this old was left by a compile that was killed
 # The packages behind the accelerators DeepSpeed 0.19.8 probes before it settles on the CPU (real_accelerator.py)
-# /proc/cpuinfo lines that change from one boot, core or moment to the next: not part of the CPU's identity
-CPU_INFO_CHANGING = ("processor", "cpu mhz", "bogomips", "core id", "apicid", "initial apicid", "physical id",
-                     "siblings", "cpu cores")
 OTHER_ACCELERATOR_PACKAGES = ("torch_npu", "torch_sdaa", "habana_frameworks", "torch_mlu", "torch_supa", "torch_xmlir")
 
 
@@ -50,11 +47,10 @@ def pin_cpu_accelerator(env=os.environ) -> None:
 
 def quick_start() -> None:
     """Two costs DeepSpeed pays in every rank at start-up, cut (call before DeepSpeed is imported; together ~2.5 s
-    of CPU and ~1.5 s of wall per rank, measured on the 2-core test machine):
+    of CPU per rank, measured on the 2-core test machine):
       - its CPU op builders ask py-cpuinfo twice per op they load (cpu_arch, simd_width: the shm all-reduce at
-        process-group init, then the optimizer's op), and each ask runs a fresh Python process that sleeps 1 s to
-        time the clock: asked once per process here (the machine does not change under it; the flags, so the
-        cached op build, are the same), and its answer kept on disk for the next process on this CPU (cpu_info);
+        process-group init, then the optimizer's op), and each ask runs a fresh Python process: asked once here,
+        kept for the process (the machine does not change under it; the flags, so the cached op build, are the same);
       - `import deepspeed` imports mlflow (~1.4 s) for its autotuner's optional logging, which a training rank
         never runs: that one import is answered "not installed"; mlflow imports as usual for anyone else
         (monitor.mlflow)."""
@@ -66,60 +62,9 @@ def quick_start() -> None:
         pass
     else:
         if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-            cpuinfo.get_cpu_info = functools.cache(functools.partial(cpu_info, cpuinfo.get_cpu_info))
+            cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
     if "mlflow" not in sys.modules and not any(isinstance(f, _NoMlflowForTheAutotuner) for f in sys.meta_path):
         sys.meta_path.insert(0, _NoMlflowForTheAutotuner())
-
-
-def cpu_info(ask) -> dict:
-    """py-cpuinfo's answer (`ask()`), kept in a file named by what identifies this CPU (cpu_info_file): read from
-    there when another process on the same CPU asked before; asked and written (atomically) otherwise."""
-    import json
-
-    path = cpu_info_file()
-    if path is not None:
-        try:
-            with open(path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            pass
-    info = ask()
-    if path is not None and info:  # py-cpuinfo answers {} when its process failed: nothing to keep
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(f"{path}.{os.getpid()}", "w") as f:
-                json.dump(info, f)
-            os.replace(f"{path}.{os.getpid()}", path)
-        except OSError:
-            pass
-    return info
-
-
-def cpu_info_file(proc_cpuinfo: str = "/proc/cpuinfo") -> str | None:
-    """The file that keeps py-cpuinfo's answer for this CPU: named by a hash of /proc/cpuinfo's lasting lines
-    (vendor, model, flags: what DeepSpeed's op builders read; not clock speeds or core numbering), the machine
-    and py-cpuinfo's version, so another CPU or another py-cpuinfo misses it. It sits in the torch extensions
-    folder (TORCH_EXTENSIONS_DIR, or torch's default), beside the op builds its flags decided. None where
-    /proc/cpuinfo cannot be read (not Linux): then each process asks."""
-    import hashlib
-    import platform
-
-    import cpuinfo
-
-    try:
-        with open(proc_cpuinfo) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    lasting = sorted({line.strip() for line in lines if ":" in line
-                      and line.split(":")[0].strip().lower() not in CPU_INFO_CHANGING})
-    key = "\n".join([platform.machine(), str(cpuinfo.CPUINFO_VERSION), *lasting])
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = get_default_build_root()
-    return os.path.join(root, f"dsharness-cpuinfo-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
 
 
 class _NoMlflowForTheAutotuner:

@@ -1,4 +1,4 @@
-"""harness.ops.quick_start, which every rank runs before DeepSpeed is imported (harness/run.py, tests/drivers/):
+"""harness.startup.quick_start, which every rank runs before DeepSpeed is imported (harness/run.py, tests/drivers/):
 py-cpuinfo asked once per process, mlflow not imported by DeepSpeed's autotuner but as usual by anyone else."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from helpers.launch import ROOT, env
 
 SCRIPT = """
 import sys
-from harness.ops import quick_start
+from harness.startup import quick_start
 quick_start()
 import cpuinfo
 import deepspeed
@@ -45,7 +45,7 @@ import cpuinfo
 def asked():
     raise AssertionError("py-cpuinfo asked although its answer is kept")
 cpuinfo.get_cpu_info = asked
-from harness.ops import quick_start
+from harness.startup import quick_start
 quick_start()
 print("kept:", cpuinfo.get_cpu_info()["arch"])
 """
@@ -55,8 +55,8 @@ def test_cpuinfo_answer_kept_for_the_next_process(tmp_path):
     """The first process on this CPU asks py-cpuinfo (its own process, ~1.5 s with a 1 s sleep) and keeps the
     answer in the torch extensions folder; the next one reads it and never asks (its ask raises here)."""
     run_env = {**env(), "PYTHONPATH": str(ROOT), "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    first = subprocess.run([sys.executable, "-c", "from harness.ops import quick_start; quick_start(); import cpuinfo;"
-                            "print('asked:', cpuinfo.get_cpu_info()['arch'])"], cwd=ROOT, env=run_env,
+    first = subprocess.run([sys.executable, "-c", "from harness.startup import quick_start; quick_start();"
+                            "import cpuinfo; print('asked:', cpuinfo.get_cpu_info()['arch'])"], cwd=ROOT, env=run_env,
                            capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr[-3000:]
     kept = list(tmp_path.glob("dsharness-cpuinfo-*.json"))
@@ -69,7 +69,7 @@ def test_cpuinfo_answer_kept_for_the_next_process(tmp_path):
 
 
 def test_cpuinfo_file_named_by_the_cpu_not_its_clock(tmp_path, monkeypatch):
-    from harness.ops import cpu_info_file
+    from harness.startup import cpu_info_file
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     cpu = ("processor\t: {n}\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon\ncpu MHz\t\t: {mhz}\n"

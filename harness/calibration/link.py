@@ -75,7 +75,7 @@ def _worker(index: int, node_rank: int, nnodes: int, addr: str, port: int, out_p
 
     os.environ.update({"RANK": str(node_rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(nnodes),
                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
-    from harness.ops import quick_start
+    from harness.startup import quick_start
 
     quick_start()  # a fresh (spawned) process: start as a rank does, before DeepSpeed is imported
     import deepspeed

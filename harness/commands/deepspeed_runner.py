@@ -1,5 +1,5 @@
-"""DeepSpeed's `deepspeed` command and its per-node launcher, each started the way a rank starts (harness.ops:
-the CPU accelerator pinned where it is the only one, quick_start before DeepSpeed is imported).
+"""DeepSpeed's `deepspeed` command and its per-node launcher, each started the way a rank starts (harness.ops,
+the CPU accelerator pinned where it is the only one, harness.startup.quick_start before DeepSpeed is imported).
 
     python -m harness.commands.deepspeed_runner [deepspeed options] SCRIPT ...      the `deepspeed` command
     python -u -m harness.commands.deepspeed_runner deepspeed.launcher.launch ...   its per-node launcher
@@ -63,7 +63,8 @@ class _Time:
 def main(argv: list[str]) -> None:
     """Run DeepSpeed's runner (or, named first, its launcher) with `argv`; returns as it does or raises its
     SystemExit."""
-    from harness.ops import pin_cpu_accelerator, quick_start
+    from harness.ops import pin_cpu_accelerator
+    from harness.startup import quick_start
 
     pin_cpu_accelerator()  # as `harness launch` does; the launcher and the ranks inherit it
     if not any(a.partition("=")[0] == "--autotuning" for a in argv):  # DeepSpeed's autotuner logs to mlflow

@@ -39,7 +39,8 @@ from harness.commands import deepspeed_runner
 from harness.dist import slurm_step
 from harness.errors import UsageError
 from harness.log import say
-from harness.ops import pin_cpu_accelerator, quick_start
+from harness.ops import pin_cpu_accelerator
+from harness.startup import quick_start
 from harness.train import restarts
 from harness.train.preempt import EXIT_DIR_ENV, EXIT_NUMERIC_FAULT, EXIT_PREEMPTED
 
