@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from harness.errors import ConfigError, RunComplete, UsageError, without_secrets
+from harness.startup import quick_start
 
 COMMANDS = {
     "recipes": "list the shipped recipes",
@@ -42,6 +43,7 @@ def parser_for(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quick_start()  # before any command imports DeepSpeed (calibrate, doctor, export), as a rank does
     if argv[:1] == ["launch"]:  # the rest is DeepSpeed's command line, which argparse must not read
         return _module("launch").main(argv[1:])
     try:

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None, launch=None) -> int:
 
 
 if __name__ == "__main__":
-    from harness.ops import quick_start
+    from harness.startup import quick_start
 
     quick_start()  # before DeepSpeed is imported
     from harness.dist import ONE_PROCESS, exit_now, launched

@@ -103,6 +103,9 @@ def _worker(rank: int, ranks: int, port: int, out_path: str, nbytes: int, repeat
             engine_args: dict | None = None) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
                        "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    from harness.startup import quick_start
+
+    quick_start()  # a fresh (spawned) process: start as a rank does, before DeepSpeed is imported
     import deepspeed
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator

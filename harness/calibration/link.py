@@ -75,6 +75,9 @@ def _worker(index: int, node_rank: int, nnodes: int, addr: str, port: int, out_p
 
     os.environ.update({"RANK": str(node_rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(nnodes),
                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+    from harness.startup import quick_start
+
+    quick_start()  # a fresh (spawned) process: start as a rank does, before DeepSpeed is imported
     import deepspeed
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator

@@ -3,7 +3,8 @@
 The `deepspeed` command (launcher/runner.py) has no signal handler on one node: SIGTERM ends it at once while
 its per-node launcher and the ranks go on to save, so whatever waits on it (a container runtime, a job step, a
 CI runner) tears the ranks down mid-save; as a container's PID 1 it ignores SIGTERM altogether. This wrapper:
-  - starts the runner (same arguments, same environment) in a process group of its own;
+  - starts the runner (same arguments, same environment) in a process group of its own, through
+    harness/commands/deepspeed_runner.py (the runner and its node's launcher start as ranks do: quick_start);
   - forwards SIGTERM, SIGUSR1 and SIGINT to that whole group, so every rank gets the signal at once (they
     agree on a step, save and exit 75: harness/train/preempt.py);
   - waits until every process of the tree is gone: it is a child subreaper (Linux), so the launcher and
@@ -34,13 +35,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.commands import deepspeed_runner
 from harness.dist import slurm_step
 from harness.errors import UsageError
 from harness.log import say
 from harness.ops import pin_cpu_accelerator
+from harness.startup import quick_start
 from harness.train import restarts
-from harness.train.faults import EXIT_NUMERIC_FAULT
-from harness.train.preempt import EXIT_DIR_ENV, EXIT_PREEMPTED
+from harness.train.preempt import EXIT_DIR_ENV, EXIT_NUMERIC_FAULT, EXIT_PREEMPTED
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
@@ -112,6 +114,8 @@ def parse_own(argv: list[str]) -> tuple[Options, list[str]]:
 
 def split_command(argv: list[str]) -> Command:
     """Where SCRIPT starts, by DeepSpeed's parser (its flags take values or not); restarts need harness/run.py."""
+    pin_cpu_accelerator()  # before DeepSpeed is imported, as in the runner (harness/commands/deepspeed_runner.py)
+    quick_start()
     from deepspeed.launcher.runner import parse_args
 
     parsed = parse_args(argv)  # bad DeepSpeed arguments: its usage message and SystemExit(2)
@@ -239,7 +243,6 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    pin_cpu_accelerator()  # before DeepSpeed is imported here or in the runner, its launcher and the ranks
     try:
         opts, rest = parse_own(argv)
         check_slurm_step(rest)
@@ -275,7 +278,7 @@ def main(argv: list[str]) -> int:
 def run_attempt(argv: list[str], exit_dir: Path, started: list, pending: list[int], restart_next: bool) -> tuple:
     """One `deepspeed` run, waited for whole: (the launch's code, the runner's own code)."""
     env = {**os.environ, EXIT_DIR_ENV: str(exit_dir)}
-    child = subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.runner", *argv], env=env,
+    child = subprocess.Popen([sys.executable, "-m", deepspeed_runner.MODULE, *argv], env=env,
                              start_new_session=True)
     started[:] = [child]
     for signum in pending:  # arrived while it was starting

@@ -231,7 +231,7 @@ def _prepared_now(spec: DataSpec, tokenizer, seq_len: int, truncation: str, root
 
 
 def ensure_pairs(spec: DataSpec, tokenizer, seq_len: int, truncation: str, root: str | None, local_rank: int,
-                 poll_s: float = 0.5) -> tuple[dict, bool]:
+                 poll_s: float = 0.1) -> tuple[dict, bool]:
     """At a launch, as store.ensure_store: local rank 0 prepares the store in a child process if it is missing,
     the node's other ranks wait for it on the file system."""
     key = pairs_key(spec, tokenizer, seq_len, truncation)

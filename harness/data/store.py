@@ -359,7 +359,7 @@ def prepare_in_child(spec: DataSpec, tokenizer, seq_len: int, root: str | None) 
 
 
 def ensure_store(spec: DataSpec, tokenizer, seq_len: int, root: str | None, local_rank: int,
-                 poll_s: float = 0.5) -> tuple[Store, bool]:
+                 poll_s: float = 0.1) -> tuple[Store, bool]:
     """At a launch: local rank 0 prepares the store if it is missing (all cores, in a child process: a training
     rank's memory is the same whether or not the store existed); the node's other ranks wait for it on the file
     system rather than in a collective, which would time out on a long preparation (if rank 0 fails, the

@@ -41,8 +41,8 @@ import torch
 
 from harness.errors import Problem
 from harness.train import fault_gate
+from harness.train.preempt import EXIT_NUMERIC_FAULT  # noqa: F401 (the trainer's exit code; defined there)
 
-EXIT_NUMERIC_FAULT = 3  # not restarted by `harness launch --max-restarts`: the same batch would fault again
 INJECT_ENV = "DSHARNESS_INJECT_LOSS"
 CLIENT_KEY = "skipped_batches"  # in the checkpoint's client state: data batches rollbacks stepped over
 

@@ -23,6 +23,9 @@ import signal
 from pathlib import Path
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; `--resume latest` continues it
+# a numeric fault stopped the run (train/faults.py); here, beside the other codes a rank reports, so that
+# `harness launch` reads them without importing torch. Not restarted by --max-restarts: the same batch would fault again
+EXIT_NUMERIC_FAULT = 3
 EXIT_DIR_ENV = "DSHARNESS_EXIT_DIR"  # set by `harness launch`: where each rank reports its exit code
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 KEY = "harness/preempt_at_step"

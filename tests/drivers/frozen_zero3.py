@@ -77,7 +77,7 @@ def main(out: str, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from harness.ops import quick_start
+    from harness.startup import quick_start
 
     quick_start()  # harness/run.py's start-up, before DeepSpeed is imported
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]

@@ -197,7 +197,7 @@ def main(folder: str, path: str) -> None:
 
 
 if __name__ == "__main__":
-    from harness.ops import quick_start
+    from harness.startup import quick_start
 
     quick_start()  # harness/run.py's start-up, before DeepSpeed is imported
     main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")])

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(TESTS))  # the repository (harness)
 sys.path.insert(0, TESTS)  # helpers
 
 from harness.dist import exit_now  # noqa: E402
-from harness.ops import quick_start  # noqa: E402
+from harness.startup import quick_start  # noqa: E402
 
 
 def disjoint(argv: list[str], dist, steps: int, micro: int, seq_len: int) -> dict:

@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from harness.dist import exit_now  # noqa: E402
-from harness.ops import quick_start  # noqa: E402
+from harness.startup import quick_start  # noqa: E402
 
 THRESHOLD = 256  # elements: the norms (64) stay whole, every matrix is partitioned
 FP32 = 4

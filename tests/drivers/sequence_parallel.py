@@ -18,7 +18,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from harness.dist import exit_now  # noqa: E402
-from harness.ops import quick_start  # noqa: E402
+from harness.startup import quick_start  # noqa: E402
 
 SEQ, ROWS, SEED = 32, 4, 7
 STAGES = [("zero0", {"stage": 0}), ("zero1", {"stage": 1}), ("zero2", {"stage": 2}), ("zero3", {"stage": 3}),

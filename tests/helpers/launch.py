@@ -26,7 +26,11 @@ def env() -> dict:
 
 
 def command(*args: str, ranks: int = 2, script: str = "harness/run.py") -> list[str]:
-    return [str(DEEPSPEED), "--master_port", str(free_port()), "--num_gpus", str(ranks), script, *args]
+    """DeepSpeed's `deepspeed` command as `harness launch` starts it (harness/commands/deepspeed_runner.py: the
+    runner and its node's launcher skip the ~1.4 s mlflow import each); tests/test_quick_start.py runs the bare
+    `deepspeed` command (DEEPSPEED) too."""
+    return [sys.executable, "-m", "harness.commands.deepspeed_runner", "--master_port", str(free_port()),
+            "--num_gpus", str(ranks), script, *args]
 
 
 def start(*args: str, ranks: int = 2, log: Path) -> subprocess.Popen:
