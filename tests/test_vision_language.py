@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers.vl_models import gemma3_folder, llava_folder, qwen2_vl_folder, write_chat, write_images
+from helpers.vl_models import gemma3_folder, llava_folder, qwen2_vl_folder, qwen3_vl_folder, write_chat, write_images
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,8 @@ def folders(tmp_path_factory):
     images = write_images(root / "data" / "img", 4)
     data = write_chat(root / "data" / "chat.jsonl", images, ["text", "image", "two", "image"])
     return {"qwen": qwen2_vl_folder(root / "qwen"), "llava": llava_folder(root / "llava"),
-            "gemma": gemma3_folder(root / "gemma"), "data": data, "root": root}
+            "gemma": gemma3_folder(root / "gemma"), "qwen3": qwen3_vl_folder(root / "qwen3"), "data": data,
+            "root": root}
 
 
 def rows_of(folder: str, data: str, store: Path, seq_len: int = 96, packing: str = "document"):
@@ -72,7 +73,7 @@ def loss_and_grads(model, batch, num_calls: int):
     return loss.detach(), {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
+@pytest.mark.parametrize("family", ["qwen", "qwen3", "llava", "gemma"])
 def test_placeholder_adds_exactly_zero(folders, family, tmp_path):
     """A text-only row with one placeholder call against the same row with no vision call at all, and an image
     row with its calls against the same row with two extra placeholder calls: loss and every gradient equal bit
@@ -125,7 +126,7 @@ def test_store_keeps_image_tokens_with_their_images(folders, family, tmp_path):
         assert int((labels != -100).sum()) > 0
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
+@pytest.mark.parametrize("family", ["qwen", "qwen3", "llava", "gemma"])
 def test_planner_part_counts_equal_the_live_model(folders, family):
     from harness.model_shapes import load_model_config
     from harness.planner.params import count_params
@@ -137,7 +138,9 @@ def test_planner_part_counts_equal_the_live_model(folders, family):
     assert meta_parts(cfg) == live
     assert count_params(cfg).total == sum(live.values()) == sum(p.numel() for p in model.parameters())
     assert live["vision"] > 0 and live["projector"] > 0 and live["language"] > 0
-    if family != "qwen":  # a fixed-size tower: the tokens it runs on (CLIP's CLS, SigLIP none) and those it gives
+    if family == "qwen3":  # the deepstack mergers are projectors (vision.freeze / vision.lora "projector")
+        assert live["projector"] == sum(p.numel() for n, p in model.named_parameters() if "merger" in n)
+    if not family.startswith("qwen"):  # a fixed-size tower: the tokens it runs on (CLIP's CLS, SigLIP none) and those it gives
         from harness.model import vision
 
         size = model.config.vision_config.image_size
@@ -147,6 +150,34 @@ def test_planner_part_counts_equal_the_live_model(folders, family):
             feats = vision.image_features(model, pixels, None)
         assert vision_patches(cfg, size, size) == tower.shape[1]
         assert image_tokens(cfg, size, size) == feats.shape[0]
+
+
+def test_qwen3_vl_forward_equals_transformers_own(folders, tmp_path):
+    """Qwen3-VL's deepstack features (per-layer tower features its language model adds at the image tokens after its
+    first layers) go through the harness's own forward: on a two-image row, the images in two vision calls plus
+    a placeholder call, loss and every gradient equal transformers' forward given the same pixel_values and
+    image_grid_thw in one call, within 1e-6 relative (fp32); the deepstack mergers train."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
+
+    from harness.data.rows import loss_items
+
+    rows, _ = rows_of(folders["qwen3"], folders["data"], tmp_path / "store")
+    model = model_of(folders["qwen3"])
+    ids, labels, images, *_ = rows[2:3].tensors()
+    assert len(images) == 2 and int((ids == model.config.image_token_id).sum()) > 0
+    ours, our_grads = loss_and_grads(model, (ids, labels, images), num_calls=3)
+    model.zero_grad(set_to_none=True)
+    pixels, grid = images.batch([0, 1])
+    ref = Qwen3VLForConditionalGeneration.forward(
+        model, input_ids=ids, labels=labels, pixel_values=pixels, image_grid_thw=grid, use_cache=False,
+        mm_token_type_ids=(ids == model.config.image_token_id).int(), num_items_in_batch=loss_items(labels)).loss
+    ref.backward()
+    assert abs(float(ours) - float(ref.detach())) <= 1e-6 * abs(float(ref.detach())), (float(ours), float(ref))
+    for name, param in model.named_parameters():
+        assert param.grad is not None and our_grads[name] is not None, name
+        rel = float((our_grads[name] - param.grad).norm() / param.grad.norm())
+        assert rel <= 1e-6, (name, rel)
+    assert all(torch.count_nonzero(g) for n, g in our_grads.items() if "deepstack_merger_list" in n)
 
 
 @pytest.mark.parametrize("family,parts", [("qwen", ["language"]), ("llava", ["language"]),
