@@ -1,11 +1,12 @@
-"""Vision-language models (issue 40) on tiny random Qwen2-VL, LLaVA and Gemma 3 folders built from transformers' own
-config classes (tests/helpers/vl_models.py), without DeepSpeed ranks: the placeholder vision call adds exactly zero to
-the loss and to every gradient, bit for bit; the store keeps each conversation's image tokens with its images; the
+"""Vision-language models (issue 40) on tiny random Qwen2-VL, Qwen3-VL, LLaVA and Gemma 3 folders built from
+transformers' own config classes (tests/helpers/vl_models.py), without DeepSpeed ranks: the placeholder vision call adds
+exactly zero to the loss and to every gradient, bit for bit; Qwen3-VL's loss and gradients (deepstack features
+included) equal transformers' own forward; the store keeps each conversation's image tokens with its images; the
 planner's vision / projector / language parameter counts equal the live model's; the planner's vision activations
 equal what autograd keeps on the live model (trained, frozen tower, all frozen) and move the plan's first fit; LoRA
-goes on the parts vision.lora names; Gemma 3's rows and forward equal its own processor's and transformers' forward;
-an HF dataset's Image column stores the pixels the same images as files give. The multi-rank cases (ZeRO-2/3 with a
-text-only rank 0 and an images-only rank 1 against one rank, frozen tower, resume 2 -> 1, export) are in
+goes on the parts vision.lora names; Gemma 3's rows and forward equal its own processor's and transformers' forward; an HF dataset's Image column
+stores the pixels the same images as files give. The multi-rank cases (ZeRO-2/3 with
+a text-only rank 0 and an images-only rank 1 against one rank, frozen tower, resume 2 -> 1, export) are in
 tests/test_vision_language_ranks.py."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers.vl_models import gemma3_folder, llava_folder, qwen2_vl_folder, write_chat, write_images
+from helpers.vl_models import gemma3_folder, llava_folder, qwen2_vl_folder, qwen3_vl_folder, write_chat, write_images
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,8 @@ def folders(tmp_path_factory):
     images = write_images(root / "data" / "img", 4)
     data = write_chat(root / "data" / "chat.jsonl", images, ["text", "image", "two", "image"])
     return {"qwen": qwen2_vl_folder(root / "qwen"), "llava": llava_folder(root / "llava"),
-            "gemma": gemma3_folder(root / "gemma"), "data": data, "root": root}
+            "gemma": gemma3_folder(root / "gemma"), "qwen3": qwen3_vl_folder(root / "qwen3"), "data": data,
+            "root": root}
 
 
 def rows_of(folder: str, data: str, store: Path, seq_len: int = 96, packing: str = "document"):
@@ -73,7 +75,7 @@ def loss_and_grads(model, batch, num_calls: int):
     return loss.detach(), {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
+@pytest.mark.parametrize("family", ["qwen", "qwen3", "llava", "gemma"])
 def test_placeholder_adds_exactly_zero(folders, family, tmp_path):
     """A text-only row with one placeholder call against the same row with no vision call at all, and an image
     row with its calls against the same row with two extra placeholder calls: loss and every gradient equal bit
@@ -126,7 +128,7 @@ def test_store_keeps_image_tokens_with_their_images(folders, family, tmp_path):
         assert int((labels != -100).sum()) > 0
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
+@pytest.mark.parametrize("family", ["qwen", "qwen3", "llava", "gemma"])
 def test_planner_part_counts_equal_the_live_model(folders, family):
     from harness.model_shapes import load_model_config
     from harness.planner.params import count_params
@@ -138,7 +140,9 @@ def test_planner_part_counts_equal_the_live_model(folders, family):
     assert meta_parts(cfg) == live
     assert count_params(cfg).total == sum(live.values()) == sum(p.numel() for p in model.parameters())
     assert live["vision"] > 0 and live["projector"] > 0 and live["language"] > 0
-    if family != "qwen":  # a fixed-size tower: the tokens it runs on (CLIP's CLS, SigLIP none) and those it gives
+    if family == "qwen3":  # the deepstack mergers are projectors (vision.freeze / vision.lora "projector")
+        assert live["projector"] == sum(p.numel() for n, p in model.named_parameters() if "merger" in n)
+    if not family.startswith("qwen"):  # a fixed-size tower: the tokens it runs on (CLIP's CLS, SigLIP none), it gives
         from harness.model import vision
 
         size = model.config.vision_config.image_size
@@ -150,8 +154,39 @@ def test_planner_part_counts_equal_the_live_model(folders, family):
         assert image_tokens(cfg, size, size) == feats.shape[0]
 
 
+def test_qwen3_vl_forward_equals_transformers_own(folders, tmp_path):
+    """Qwen3-VL's deepstack features (per-layer tower features its language model adds at the image tokens after its
+    first layers) go through the harness's own forward: against transformers' forward given the same pixel_values
+    and image_grid_thw in one call, a one-image row (one real and one placeholder call) gives the same loss and
+    gradients bit for bit, a two-image row (two real calls and a placeholder) the same loss and every gradient
+    within 1e-6 relative (fp32: two calls sum the tower's gradients in another order); the deepstack mergers train."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
+
+    from harness.data.rows import loss_items
+
+    rows, _ = rows_of(folders["qwen3"], folders["data"], tmp_path / "store")
+    model = model_of(folders["qwen3"])
+    for row, calls, tol in ((1, 2, 0.0), (2, 3, 1e-6)):
+        ids, labels, images, *_ = rows[row:row + 1].tensors()
+        assert len(images) == calls - 1 and int((ids == model.config.image_token_id).sum()) > 0
+        ours, our_grads = loss_and_grads(model, (ids, labels, images), num_calls=calls)
+        model.zero_grad(set_to_none=True)
+        pixels, grid = images.batch(list(range(len(images))))
+        ref = Qwen3VLForConditionalGeneration.forward(
+            model, input_ids=ids, labels=labels, pixel_values=pixels, image_grid_thw=grid, use_cache=False,
+            mm_token_type_ids=(ids == model.config.image_token_id).int(), num_items_in_batch=loss_items(labels)).loss
+        ref.backward()
+        assert abs(float(ours) - float(ref.detach())) <= tol * float(ref.detach()), (row, float(ours), float(ref))
+        for name, param in model.named_parameters():
+            assert param.grad is not None and our_grads[name] is not None, name
+            rel = float((our_grads[name] - param.grad).norm() / param.grad.norm())
+            assert rel <= tol, (row, name, rel)
+        assert all(torch.count_nonzero(g) for n, g in our_grads.items() if "deepstack_merger_list" in n)
+
+
 @pytest.mark.parametrize("family,parts", [("qwen", ["language"]), ("llava", ["language"]),
-                                          ("qwen", ["projector"]), ("llava", ["language", "projector"])])
+                                          ("qwen", ["projector"]), ("llava", ["language", "projector"]),
+                                          ("qwen3", ["language", "projector"])])
 def test_lora_goes_on_the_parts_vision_lora_names(folders, family, parts, tmp_path):
     """adapter.type=lora with vision.lora: adapters on exactly the named parts (the language model's projections,
     every Linear of the projector), never on the tower (a CLIP tower's q_proj / v_proj match the default
@@ -165,8 +200,9 @@ def test_lora_goes_on_the_parts_vision_lora_names(folders, family, parts, tmp_pa
     part = family_of(model.config.model_type).part_of
     lora = [n for n, _ in model.named_parameters() if ".lora_A." in n]
     assert lora and {part(n) for n in lora} == set(parts), lora
-    if "projector" in parts:  # every Linear of the projector: LLaVA linear_1 / linear_2, Qwen-VL's merger mlp.0 / mlp.2
-        assert len([n for n in lora if part(n) == "projector"]) == 2, lora
+    if "projector" in parts:  # every Linear of the projector: LLaVA linear_1 / linear_2, Qwen-VL's merger mlp.0 /
+        # mlp.2, Qwen3-VL's merger and its two deepstack mergers linear_fc1 / linear_fc2
+        assert len([n for n in lora if part(n) == "projector"]) == (6 if family == "qwen3" else 2), lora
     assert all(p.requires_grad == adapters.is_trainable_name(n) for n, p in model.named_parameters())
     rows, _ = rows_of(folders[family], folders["data"], tmp_path / "store")
     loss, grads = loss_and_grads(model, rows[1:2].tensors(), num_calls=1)

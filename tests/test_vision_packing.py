@@ -1,11 +1,12 @@
 """Packing for vision-language runs (issue 40, scope 2; harness/data/vision_pack.py, harness/model/vision_positions.py)
-on tiny random Qwen2-VL, LLaVA and Gemma 3 folders (tests/helpers/vl_models.py), in process, fp32:
+on tiny random Qwen2-VL, Qwen3-VL, LLaVA and Gemma 3 folders (tests/helpers/vl_models.py), in process, fp32:
 - a packed row of text-only and image conversations gives the loss and every gradient of the same conversations one
   per row (one micro-batch, the loss the mean over all their assistant tokens) within 1e-5: attention stays inside
-  each conversation and positions (Qwen2-VL's 3-D ones) restart per conversation; under train.packing=concat the
-  same row differs (the check can fail). Gemma 3 within 1e-6, under sdpa and eager: its image blocks' two-way
-  attention is rebuilt per conversation (harness/model/vision_masks.py; without it 6.9e-3), and its masks equal
-  transformers' own for each conversation alone;
+  each conversation and positions (Qwen2-VL's and Qwen3-VL's 3-D ones) restart per conversation, and Qwen3-VL's
+  deepstack features land on each conversation's image tokens; under train.packing=concat the same row differs (the
+  check can fail). Gemma 3 within 1e-6, under sdpa and eager: its image blocks' two-way attention is rebuilt per
+  conversation (harness/model/vision_masks.py; without it 6.9e-3), and its masks equal transformers' own for each
+  conversation alone;
 - at every seq_len, no image span crosses a conversation's or a row's edge, each row's images line up with its
   placeholder spans in order (span length = the tokens the image gives), and every record is in exactly one row;
 - a conversation longer than seq_len is cut where no image span reaches past seq_len and refused, with the
@@ -19,7 +20,7 @@ import json
 import pytest
 import torch
 
-from helpers.vl_models import gemma3_folder, llava_folder, qwen2_vl_folder, write_chat, write_images
+from helpers.vl_models import gemma3_folder, llava_folder, qwen2_vl_folder, qwen3_vl_folder, write_chat, write_images
 from test_vision_language import loss_and_grads, model_of, rows_of
 
 KINDS = ["text", "image", "two", "text", "image", "text", "two", "image"]
@@ -32,14 +33,14 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlpack")
     data = write_chat(root / "data" / "chat.jsonl", write_images(root / "data" / "img", 5), KINDS)
     return {"qwen": qwen2_vl_folder(root / "qwen"), "llava": llava_folder(root / "llava"),
-            "gemma": gemma3_folder(root / "gemma"), "data": data}
+            "gemma": gemma3_folder(root / "gemma"), "qwen3": qwen3_vl_folder(root / "qwen3"), "data": data}
 
 
 def _worst(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
 
 
-@pytest.mark.parametrize("family", ["qwen", "llava", "gemma"])
+@pytest.mark.parametrize("family", ["qwen", "qwen3", "llava", "gemma"])
 def test_packed_row_equals_its_conversations_one_per_row(folders, family, tmp_path):
     packed, lines = rows_of(folders[family], folders["data"], tmp_path / "store", seq_len=400)
     assert "8 conversations (5 with images, 7 images" in lines[0] and "into 2 rows of 400" in lines[0], lines

@@ -22,6 +22,7 @@ import torch
 
 from harness.data.video import IMAGE, VIDEO
 from harness.data.vision import Images  # noqa: F401 (what vl_forward takes)
+from harness.model import deepstack
 from harness.planner.vision import PARTS, parts_count as _parts_count, family_of as _family_of  # noqa: F401
 
 
@@ -89,8 +90,15 @@ def placeholder(config, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor
     return torch.zeros(1, getattr(vision, "num_channels", 3), size, size, dtype=dtype), None
 
 
-def image_features(model, pixels: torch.Tensor, grid: torch.Tensor | None) -> torch.Tensor:
-    """One call of the vision tower (+ projector) on a chunk of images: their tokens' features, concatenated."""
+def _rows(feats) -> torch.Tensor:
+    feats = torch.cat(list(feats), dim=0) if isinstance(feats, (list, tuple)) else feats
+    return feats.reshape(-1, feats.shape[-1])
+
+
+def tower(model, pixels: torch.Tensor, grid: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One call of the vision tower (+ projector) on a chunk of images: their tokens' features, concatenated, and
+    Qwen3-VL's deepstack features (one [tokens, hidden] tensor per deepstack layer, in the same token order; an
+    empty list for the other families)."""
     config = model.config
     if grid is not None:
         out = model.model.get_image_features(pixel_values=pixels, image_grid_thw=grid, return_dict=True)
@@ -101,9 +109,12 @@ def image_features(model, pixels: torch.Tensor, grid: torch.Tensor | None) -> to
                                              vision_feature_layer=config.vision_feature_layer,
                                              vision_feature_select_strategy=config.vision_feature_select_strategy,
                                              return_dict=True)
-    feats = out.pooler_output
-    feats = torch.cat(list(feats), dim=0) if isinstance(feats, (list, tuple)) else feats
-    return feats.reshape(-1, feats.shape[-1])
+    return _rows(out.pooler_output), [_rows(d) for d in getattr(out, "deepstack_features", None) or ()]
+
+
+def image_features(model, pixels: torch.Tensor, grid: torch.Tensor | None) -> torch.Tensor:
+    """One call's image-token features (tower without the deepstack features)."""
+    return tower(model, pixels, grid)[0]
 
 
 def num_chunks(images: Images, per_call: int) -> int:
@@ -122,26 +133,32 @@ def _split(model, feats: torch.Tensor, images: Images, group: list[int]) -> list
 
 def _merge(model, embeds, input_ids, images: Images, num_calls: int, per_call: int):
     """The vision tower `num_calls` times: each call takes a group of images and videos together (Images.calls),
-    the rest run on the placeholder; image features go to the image tokens, video features to the video tokens."""
+    the rest run on the placeholder; image features go to the image tokens, video features to the video tokens.
+    Returns the embeddings and Qwen3-VL's deepstack input for its language model (harness/model/deepstack.py;
+    None for the other families and for a row without images)."""
     device, dtype = embeds.device, embeds.dtype
     groups = images.calls(per_call)
     assert len(groups) <= num_calls, f"{len(groups)} vision calls needed, {num_calls} agreed"
-    real, zero = {IMAGE: [], VIDEO: []}, None
+    real, deep, zero = {IMAGE: [], VIDEO: []}, {IMAGE: [], VIDEO: []}, None
     for i in range(num_calls):
         pixels, grid = images.batch(groups[i]) if i < len(groups) else placeholder(model.config, dtype)
-        feats = image_features(model, pixels.to(device, dtype), None if grid is None else grid.to(device))
+        feats, layers = tower(model, pixels.to(device, dtype), None if grid is None else grid.to(device))
         if i < len(groups):
-            for j, piece in zip(groups[i], _split(model, feats, images, groups[i])):
-                real[images.kind(j)].append(piece)
-        else:  # the placeholder: in the graph, adds exactly nothing (module docstring)
-            zero = feats.sum() * 0.0 if zero is None else zero + feats.sum() * 0.0
+            pieces = [_split(model, f, images, groups[i]) for f in (feats, *layers)]
+            for k, j in enumerate(groups[i]):
+                real[images.kind(j)].append(pieces[0][k])
+                deep[images.kind(j)].append([p[k] for p in pieces[1:]])
+        else:  # the placeholder, deepstack layers included: in the graph, adds exactly nothing (module docstring)
+            for f in (feats, *layers):
+                zero = f.sum() * 0.0 if zero is None else zero + f.sum() * 0.0
+    masks = {}
     for kind, token in ((IMAGE, image_token_id(model.config)), (VIDEO, getattr(model.config, "video_token_id", None))):
         if real[kind]:
-            mask = (input_ids == token).unsqueeze(-1).to(device)
-            feats = torch.cat(real[kind]).to(dtype)
-            assert int(mask.sum()) == feats.shape[0], f"{int(mask.sum())} {kind} tokens, {feats.shape[0]} features"
-            embeds = embeds.masked_scatter(mask, feats)
-    return embeds if zero is None else embeds + zero.to(dtype)
+            masks[kind] = (input_ids == token).to(device)
+            feats, count = torch.cat(real[kind]).to(dtype), int(masks[kind].sum())
+            assert count == feats.shape[0], f"{count} {kind} tokens, {feats.shape[0]} features"
+            embeds = embeds.masked_scatter(masks[kind].unsqueeze(-1), feats)
+    return (embeds if zero is None else embeds + zero.to(dtype)), deepstack.joint(masks, deep, dtype)
 
 
 def rope_positions(model, input_ids, images: Images, text_positions=None):
@@ -174,7 +191,7 @@ def vl_forward(self, input_ids, labels=None, images: Images | None = None, num_c
     document): LLaVA-style families take them as they are, Qwen-VL's 3-D ones are computed per conversation."""
     images = images if images is not None else Images([], [])
     embeds = self.get_input_embeddings()(input_ids)
-    embeds = _merge(self, embeds, input_ids, images, num_calls, per_call)
+    embeds, stack = _merge(self, embeds, input_ids, images, num_calls, per_call)
     if hasattr(self.model, "rope_deltas"):  # generation state: left over, it would shift a text-only row's positions
         self.model.rope_deltas = None
     if family_of(self.config).grid and (len(images) or position_ids is not None):  # 3-D rotary positions
@@ -186,7 +203,8 @@ def vl_forward(self, input_ids, labels=None, images: Images | None = None, num_c
 
             kwargs["attention_mask"] = packed_masks(self.config.get_text_config(), embeds, position_ids,
                                                     kwargs["token_type_ids"])
-    return type(self).forward(self, inputs_embeds=embeds, position_ids=position_ids, labels=labels, **kwargs)
+    with deepstack.feeding(self, stack):  # Qwen3-VL: its deepstack features into its first language layers
+        return type(self).forward(self, inputs_embeds=embeds, position_ids=position_ids, labels=labels, **kwargs)
 
 
 def install(model, freeze_parts=()) -> str:

@@ -35,8 +35,8 @@ class Family:
         return "language"
 
 
-QWEN = Family("qwen-vl", ("model.visual.",), ("model.visual.merger.",), grid=True,
-              tower_modules=r"(.*\.)?visual\.(?!merger\.).*")
+QWEN = Family("qwen-vl", ("model.visual.",), ("model.visual.merger.", "model.visual.deepstack_merger_list."),
+              grid=True, tower_modules=r"(.*\.)?visual\.(?!merger\.|deepstack_merger_list\.).*")  # Qwen3-VL's too
 LLAVA = Family("llava", ("model.vision_tower.",), ("model.multi_modal_projector.",), grid=False,
                tower_modules=r"(.*\.)?vision_tower\..*")
 

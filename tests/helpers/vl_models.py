@@ -1,7 +1,8 @@
 """Tiny vision-language folders written with save_pretrained (seeded random weights, transformers' own config
-classes): a Qwen2-VL, a LLaVA (CLIP vision tower + projector + Llama) and a Gemma 3 (SigLIP + Gemma 3), each with the shipped tokenizer plus the
-family's image tokens, a chat template that renders image parts as the family does, and the family's image
-processor saved beside them (the PIL ones: no torchvision needed)."""
+classes): a Qwen2-VL, a Qwen2.5-VL, a Qwen3-VL (with deepstack layers), a LLaVA (CLIP vision tower + projector +
+Llama) and a Gemma 3 (SigLIP + Gemma 3), each with the shipped tokenizer plus the family's image tokens, a chat
+template that renders image parts as the family does, and the family's image processor saved beside them (the PIL
+ones: no torchvision needed)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,36 @@ def qwen2_5_vl_folder(path, seed: int = 1234) -> str:
     Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
     tok.save_pretrained(path)
     Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(path)
+    return str(path)
+
+
+def qwen3_vl_folder(path, seed: int = 1234) -> str:
+    """A tiny Qwen3-VL: 3-layer vision tower (patch 16, merge 2, learned positions resampled per grid) + merger + two
+    deepstack mergers (tower layers 0 and 1, added into the first two language layers' hidden states at the image
+    tokens; after the last layer they would reach no label) + 3-layer Qwen3 language model; Qwen2-VL's PIL image
+    processor at patch 16, as Qwen3-VL ships it (AutoImageProcessor picks it without torchvision)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = _tokenizer(QWEN_TOKENS, QWEN_TEMPLATE)
+    ids = tok.convert_tokens_to_ids(QWEN_TOKENS)
+    eos = tok.eos_token_id
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True}, bos_token_id=eos, eos_token_id=eos,
+                attention_dropout=0.0)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0, 1], in_channels=3)
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, vision_start_token_id=ids[0],
+                           vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3],
+                           tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    Qwen3VLForConditionalGeneration(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=4 * 32 * 32, max_pixels=16 * 32 * 32, patch_size=16, merge_size=2,
                              temporal_patch_size=2).save_pretrained(path)
     return str(path)
 
