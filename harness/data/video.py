@@ -46,14 +46,19 @@ class Video:
     second_per_grid: float
 
 
-def video_parts(messages) -> list[dict]:
-    """The video parts of a conversation, in order."""
+def content_parts(messages, kind: str) -> list[dict]:
+    """A conversation's content parts of one type ("image", "video"), in order (data/vision.py's image parts too)."""
     out = []
     for message in messages or ():
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            out += [p for p in content if isinstance(p, dict) and p.get("type") == "video"]
+            out += [p for p in content if isinstance(p, dict) and p.get("type") == kind]
     return out
+
+
+def video_parts(messages) -> list[dict]:
+    """The video parts of a conversation, in order."""
+    return content_parts(messages, "video")
 
 
 def supports_video(config) -> bool:

@@ -81,12 +81,7 @@ class Images:
 
 def image_parts(messages) -> list[dict]:
     """The image parts of a conversation, in order."""
-    out = []
-    for message in messages or ():
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            out += [p for p in content if isinstance(p, dict) and p.get("type") == "image"]
-    return out
+    return video.content_parts(messages, "image")
 
 
 def _where(source: str, number: int) -> str:

@@ -30,9 +30,11 @@ def _tokenizer(tokens: list[str], template: str):
     return tok
 
 
-def qwen2_vl_folder(path, seed: int = 1234) -> str:
-    """A tiny Qwen2-VL: 2-layer vision tower (patch 14, merge 2) + merger + 2-layer Qwen2 language model."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _qwen_family_folder(path, seed: int, family: str, text: dict, vision: dict, patch: int) -> str:
+    """A tiny Qwen-VL folder of transformers' `{family}Config` / `{family}ForConditionalGeneration`: the shipped
+    tokenizer + the Qwen image/video tokens and template, a 2-head language model of hidden 64 (with `text`'s
+    overrides) and `vision`, seeded random weights, Qwen2-VL's PIL image processor at `patch` (merge 2)."""
+    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = _tokenizer(QWEN_TOKENS, QWEN_TEMPLATE)
@@ -41,45 +43,32 @@ def qwen2_vl_folder(path, seed: int = 1234) -> str:
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, rope_parameters={"rope_type": "default",
                 "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}, bos_token_id=eos, eos_token_id=eos,
-                attention_dropout=0.0)
+                attention_dropout=0.0) | text
+    config = getattr(transformers, f"{family}Config")(
+        text_config=text, vision_config=vision, vision_start_token_id=ids[0], vision_end_token_id=ids[1],
+        image_token_id=ids[2], video_token_id=ids[3], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    getattr(transformers, f"{family}ForConditionalGeneration")(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=4 * (2 * patch) ** 2, max_pixels=16 * (2 * patch) ** 2, patch_size=patch,
+                             merge_size=2, temporal_patch_size=2).save_pretrained(path)
+    return str(path)
+
+
+def qwen2_vl_folder(path, seed: int = 1234) -> str:
+    """A tiny Qwen2-VL: 2-layer vision tower (patch 14, merge 2) + merger + 2-layer Qwen2 language model."""
     vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, vision_start_token_id=ids[0],
-                           vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3],
-                           tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    Qwen2VLForConditionalGeneration(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, patch_size=14, merge_size=2,
-                             temporal_patch_size=2).save_pretrained(path)
-    return str(path)
+    return _qwen_family_folder(path, seed, "Qwen2VL", {}, vision, patch=14)
 
 
 def qwen2_5_vl_folder(path, seed: int = 1234) -> str:
     """A tiny Qwen2.5-VL: 2-layer windowed vision tower (patch 14, merge 2, window 56, block 1 full attention) +
     merger + 2-layer language model; 2 tokens per second of video in its time positions."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    tok = _tokenizer(QWEN_TOKENS, QWEN_TEMPLATE)
-    ids = tok.convert_tokens_to_ids(QWEN_TOKENS)
-    eos = tok.eos_token_id
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, rope_parameters={"rope_type": "default",
-                "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}, bos_token_id=eos, eos_token_id=eos,
-                attention_dropout=0.0)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
                   tokens_per_second=2, in_channels=3)
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, vision_start_token_id=ids[0],
-                              vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3],
-                              tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, patch_size=14, merge_size=2,
-                             temporal_patch_size=2).save_pretrained(path)
-    return str(path)
+    return _qwen_family_folder(path, seed, "Qwen2_5_VL", {}, vision, patch=14)
 
 
 def qwen3_vl_folder(path, seed: int = 1234) -> str:
@@ -87,29 +76,12 @@ def qwen3_vl_folder(path, seed: int = 1234) -> str:
     deepstack mergers (tower layers 0 and 1, added into the first two language layers' hidden states at the image
     tokens; after the last layer they would reach no label) + 3-layer Qwen3 language model; Qwen2-VL's PIL image
     processor at patch 16, as Qwen3-VL ships it (AutoImageProcessor picks it without torchvision)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    tok = _tokenizer(QWEN_TOKENS, QWEN_TEMPLATE)
-    ids = tok.convert_tokens_to_ids(QWEN_TOKENS)
-    eos = tok.eos_token_id
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                 "mrope_interleaved": True}, bos_token_id=eos, eos_token_id=eos,
-                attention_dropout=0.0)
+    text = dict(num_hidden_layers=3, head_dim=16, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True})
     vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                   deepstack_visual_indexes=[0, 1], in_channels=3)
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, vision_start_token_id=ids[0],
-                           vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3],
-                           tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    Qwen3VLForConditionalGeneration(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    Qwen2VLImageProcessorPil(min_pixels=4 * 32 * 32, max_pixels=16 * 32 * 32, patch_size=16, merge_size=2,
-                             temporal_patch_size=2).save_pretrained(path)
-    return str(path)
+    return _qwen_family_folder(path, seed, "Qwen3VL", text, vision, patch=16)
 
 
 def write_frames(folder, count: int, size=(42, 56), seed: int = 11) -> list[str]:
