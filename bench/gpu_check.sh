@@ -26,6 +26,7 @@
 # And vlm_packing (bench/vlm_packing.py on the GPU): packed vision-language rows
 # against one conversation per row, summed loss equal under flash-attention varlen / flex_attention / sdpa; Gemma 3's
 # packed masks (bench/vlm_gemma_packing.py) under sdpa / eager / flex_attention, loss and every gradient.
+# ddp_fp32: ZeRO-0 fp32 on one GPU, its global grad norm reported at every step (harness/train/zero0_step.py).
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -92,7 +93,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm vlm vlm_video vlm_packing}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm vlm vlm_video vlm_packing ddp_fp32}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -321,7 +322,19 @@ print(f"[grpo]    {sys.argv[2]}: reward {rs[0]['reward']:.3f} -> {rs[-1]['reward
       f"per step " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in split.items()))
 EOF
             done ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, vlm, vlm_video, vlm_packing)" >&2; exit 2 ;;
+        ddp_fp32)  # ZeRO-0 fp32 on CUDA: the global grad norm harness/train/zero0_step.py measures (float64, fused)
+            timeout 150 $PY -m deepspeed.launcher.runner --num_gpus 1 "$ROOT/harness/run.py" --recipe ddp \
+                --set precision=fp32 --set train.steps=5 --set train.log_every=1 --set train.eval_every=0 \
+                --output-dir "$OUT/ddp_fp32" --overwrite || echo "[ddp_fp32] run failed (exit $?)"
+            $PY - "$OUT/ddp_fp32/metrics.jsonl" <<'EOF' || true
+import json, sys
+rs = [r for r in map(json.loads, open(sys.argv[1])) if r["kind"] == "train"]
+norms = [r["grad_norm"] for r in rs]
+print(f"[ddp_fp32] grad norms {norms} ({'all reported' if None not in norms else 'MISSING'}), "
+      f"loss {rs[0]['loss']:.4f} -> {rs[-1]['loss']:.4f}")
+EOF
+            ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, vlm, vlm_video, vlm_packing, ddp_fp32)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"
