@@ -194,12 +194,12 @@ def test_records_are_tokenized_as_trl_does(tmp_path):
 
     tok = load_tokenizer("tiny-llama")
     records = [{"prompt": "Question: What color is the sky?\nAnswer:", "completion": " The sky is blue."},
-               {"prompt": "Hi", "completion": " a b c d e f g h i j k l m n o p q r s t u v w x y z"}]
-    rows, counts = encode_records(records, "t", tok, 16)
+               {"prompt": "Hi", "completion": " a b c d e f g h i j k l m n o p q r s t u v w x y z" * 2}]
+    rows, counts = encode_records(records, "t", tok, 40)
     ids, labels = rows.tensors()
     p = tok(records[0]["prompt"])["input_ids"]
     pc = tok(records[0]["prompt"] + records[0]["completion"] + tok.eos_token)["input_ids"]
     assert ids[0, :len(pc)].tolist() == pc and pc[-1] == tok.eos_token_id
     assert (labels[0, :len(p)] == -100).all() and labels[0, len(p):len(pc)].tolist() == pc[len(p):]
     assert (labels[0, len(pc):] == -100).all() and counts == {"records": 2, "truncated": 1}
-    assert (labels[1] != -100).sum() == 16 - len(tok("Hi")["input_ids"])
+    assert (labels[1] != -100).sum() == 40 - len(tok("Hi")["input_ids"])
