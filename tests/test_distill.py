@@ -48,6 +48,20 @@ def argv(root: Path, case: Case) -> list[str]:
     return ["--recipe", case.recipe, "--output-dir", str(root / case.name), *set_args(sets)]
 
 
+ON_POLICY_STEPS = 6
+
+
+def on_policy_argv(root: Path, name: str, resume: str | None = None) -> list[str]:
+    """gkd with lmbda 1 (every completion the student's own) on ZeRO-2 with accumulation, Adam; saved at step 3."""
+    sets = {"precision": "fp32", "train.steps": ON_POLICY_STEPS, "train.seq_len": SEQ_LEN, "train.save_every": 3,
+            "train.eval_every": 0, "train.log_every": 1, "scheduler.type": "none", "optimizer.lr": 0.01,
+            "batch.micro_batch_per_gpu": MICRO, "batch.grad_accum_steps": 2, "batch.train_batch_size": '"auto"',
+            "train.model": root / "student", "train.dataset": root / "data.jsonl", "train.objective": "gkd",
+            "distill.lmbda": 1, "distill.max_new_tokens": 8, "distill.teacher_model_name_or_path": root / "teacher"}
+    extra = ["--resume", str(root / "on_policy" / "checkpoints" / "global_step3")] if resume else []
+    return ["--recipe", "zero2", "--output-dir", str(root / name), *set_args(sets), *extra]
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     import time
@@ -57,7 +71,9 @@ def launched(tmp_path_factory):
     sharpened_folder(llama_folder(root / "teacher_raw", seed=77, layers=3), root / "teacher")
     write_completions(root / "data.jsonl")
     start = time.perf_counter()
-    proc = launch_jobs([argv(root, c) for c in CASES], root, ranks=2, timeout_s=900)
+    jobs = [argv(root, c) for c in CASES] + [on_policy_argv(root, "on_policy"),
+                                             on_policy_argv(root, "on_policy_resumed", resume="global_step3")]
+    proc = launch_jobs(jobs, root, ranks=2, timeout_s=900)
     return root, proc, time.perf_counter() - start
 
 
@@ -133,6 +149,19 @@ def test_the_zero3_export_loads_and_gives_the_trained_students_logits(launched, 
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (got - ref).abs().max()
 
 
+@pytest.mark.multirank
+def test_on_policy_learns_from_the_teacher_and_resumes_to_the_same_completions_and_losses(launched):
+    root, _, _ = launched
+    full, resumed = records(root / "on_policy", "train"), records(root / "on_policy_resumed", "train")
+    assert [r["step"] for r in full] == list(range(1, ON_POLICY_STEPS + 1)) and [r["step"] for r in resumed] == [4, 5, 6]
+    assert all(r["completions/on_policy"] == 2 * MICRO * 2 for r in full)  # lmbda 1: every row the student's own
+    keys = ("loss", "completions/mean_length", "num_tokens", "teacher_entropy")
+    assert [[r[k] for k in keys] for r in full[3:]] == [[r[k] for k in keys] for r in resumed]
+    losses = [r["loss"] for r in full]
+    assert losses[-1] < 0.8 * losses[0], losses  # the student's divergence to the teacher on its own samples falls
+    print(f"on-policy losses {[round(x, 4) for x in losses]}")
+
+
 def _validate(tmp_path, recipe: dict, capsys, world: int = 2) -> str:
     path = tmp_path / "recipe.json"
     path.write_text(json.dumps(recipe))
@@ -141,8 +170,6 @@ def _validate(tmp_path, recipe: dict, capsys, world: int = 2) -> str:
 
 
 @pytest.mark.parametrize("objective,block,message", [
-    ("gkd", {}, "distill.lmbda: lmbda 0.5 (TRL's default, taken because distill.lmbda is null): with probability "
-                "lmbda a micro-batch's completions would be the student's own; on-policy completions"),
     ("gkd", {"lmbda": 0, "beta": 1.5}, "distill.beta: beta 1.5 is outside [0, 1]"),
     ("gkd", {"lmbda": -0.1}, "distill.lmbda: lmbda -0.1 is outside [0, 1]"),
     ("gkd", {"lmbda": 0, "seq_kd": True}, "distill.seq_kd: seq_kd true: the teacher would generate"),
