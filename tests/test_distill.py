@@ -71,8 +71,14 @@ def launched(tmp_path_factory):
     sharpened_folder(llama_folder(root / "teacher_raw", seed=77, layers=3), root / "teacher")
     write_completions(root / "data.jsonl")
     start = time.perf_counter()
+    prompts_only = ["--recipe", "ddp", "--output-dir", str(root / "distill_prompts"), *set_args({
+        "precision": "fp32", "train.steps": 2, "train.seq_len": SEQ_LEN, "train.eval_every": 2, "train.log_every": 1,
+        "batch.micro_batch_per_gpu": MICRO, "train.model": root / "student", "train.dataset": root / "data.jsonl",
+        "train.objective": "distill", "distill.max_completion_length": 6,
+        "distill.teacher_model_name_or_path": root / "teacher"})]
     jobs = [argv(root, c) for c in CASES] + [on_policy_argv(root, "on_policy"),
-                                             on_policy_argv(root, "on_policy_resumed", resume="global_step3")]
+                                             on_policy_argv(root, "on_policy_resumed", resume="global_step3"),
+                                             prompts_only]
     proc = launch_jobs(jobs, root, ranks=2, timeout_s=900)
     return root, proc, time.perf_counter() - start
 
@@ -162,6 +168,16 @@ def test_on_policy_learns_from_the_teacher_and_resumes_to_the_same_completions_a
     print(f"on-policy losses {[round(x, 4) for x in losses]}")
 
 
+@pytest.mark.multirank
+def test_objective_distill_trains_on_the_students_completions_of_prompts(launched):
+    root, proc, _ = launched
+    assert "prompts (the student generates every completion)" in job_output(proc.stdout, len(CASES) + 2)
+    steps = records(root / "distill_prompts", "train")
+    assert [r["completions/on_policy"] for r in steps] == [2 * MICRO] * 2  # every row of the step, both ranks
+    assert all(0 < r["completions/mean_length"] <= 6 and r["loss"] > 0 for r in steps)
+    assert records(root / "distill_prompts", "eval")[0]["eval_loss"] > 0  # on the student's completions too
+
+
 def _validate(tmp_path, recipe: dict, capsys, world: int = 2) -> str:
     path = tmp_path / "recipe.json"
     path.write_text(json.dumps(recipe))
@@ -173,7 +189,6 @@ def _validate(tmp_path, recipe: dict, capsys, world: int = 2) -> str:
     ("gkd", {"lmbda": 0, "beta": 1.5}, "distill.beta: beta 1.5 is outside [0, 1]"),
     ("gkd", {"lmbda": -0.1}, "distill.lmbda: lmbda -0.1 is outside [0, 1]"),
     ("gkd", {"lmbda": 0, "seq_kd": True}, "distill.seq_kd: seq_kd true: the teacher would generate"),
-    ("distill", {}, "train.objective: objective distill trains on the student's own completions"),
     ("distill", {"lmbda": 0}, "distill.lmbda: lmbda 0 with objective distill: TRL's DistillationConfig has no lmbda"),
     ("gkd", {"lmbda": 0, "teacher_mode": "adapter"}, "teacher_mode adapter without LoRA"),
     ("gkd", {"lmbda": 0, "teacher_mode": "precomputed"}, "teacher_mode precomputed is not implemented")])
@@ -223,7 +238,7 @@ def test_records_are_tokenized_as_trl_does(tmp_path):
     records = [{"prompt": "Question: What color is the sky?\nAnswer:", "completion": " The sky is blue."},
                {"prompt": "Hi", "completion": " a b c d e f g h i j k l m n o p q r s t u v w x y z" * 2}]
     rows, counts = encode_records(records, "t", tok, 40)
-    ids, labels = rows.tensors()
+    ids, labels, _ = rows.tensors()
     p = tok(records[0]["prompt"])["input_ids"]
     pc = tok(records[0]["prompt"] + records[0]["completion"] + tok.eos_token)["input_ids"]
     assert ids[0, :len(pc)].tolist() == pc and pc[-1] == tok.eos_token_id

@@ -21,7 +21,7 @@ TRL_DEFAULTS = {
     "distill": {"beta": 1.0, "lmbda": 1.0, "temperature": 1.0, "loss_temperature": None, "max_new_tokens": None,
                 "max_completion_length": 512, "disable_dropout": False},
 }
-NOT_YET = "completions generated during training by the teacher (seq_kd), or from prompts alone, are not implemented yet"
+NOT_YET = "completions generated during training by the teacher are not implemented yet"
 MODES_ELSEWHERE = ("precomputed", "served")  # the top-k teacher modes (their own module and rules)
 
 
@@ -79,16 +79,10 @@ def check_distill(ds: dict, ctx: Context) -> list[Problem]:
 
 
 def _on_policy_problems(recipe: dict, goal: str) -> list[Problem]:
-    s = settings(recipe)
-    if goal == "distill":
-        return [Problem("train.objective", f"objective distill trains on the student's own completions: {NOT_YET}",
-                        "use objective gkd with distill.lmbda=1 on prompt + completion records: every completion is the "
-                        "student's own (the dataset's completions are only replaced)")]
-    out = []
-    if s["seq_kd"]:
-        out.append(Problem("distill.seq_kd", f"seq_kd true: the teacher would generate the completions; {NOT_YET}",
-                           "set distill.seq_kd=false (distill.lmbda > 0: the student's own completions)"))
-    return out
+    if goal == "gkd" and settings(recipe)["seq_kd"]:
+        return [Problem("distill.seq_kd", f"seq_kd true: the teacher would generate the completions; {NOT_YET}",
+                        "set distill.seq_kd=false (distill.lmbda > 0: the student's own completions)")]
+    return []
 
 
 def _teacher_problems(recipe: dict) -> list[Problem]:

@@ -1,6 +1,7 @@
-"""The step of a distillation run (train.objective gkd) on ddp and ZeRO-0..3, offload and LoRA.
+"""The step of a distillation run (train.objective gkd, distill) on ddp and ZeRO-0..3, offload and LoRA.
 
-A micro-batch is B prompt-completion rows (harness/train/distill_data.py). Per optimizer step:
+A micro-batch is B prompt-completion rows (harness/train/distill_data.py); under lmbda > 0 (distill: always) rows
+get the student's own completions first (harness/train/distill_policy.py). Per optimizer step:
   1. the step's loss tokens (labels != -100 after the causal shift) are counted on the host over this rank's
      micro-batches and summed over the ranks in ONE all-reduce: N;
   2. per micro-batch: the teacher's targets at those tokens (harness/train/teacher.py), one forward of the student,
@@ -122,8 +123,11 @@ class DistillSteps:
 
     @torch.no_grad()
     def eval(self, engine, batches: list) -> tuple[torch.Tensor, dict]:
-        """This rank's loss over its eval micro-batches: the sum over their loss tokens / their count."""
+        """This rank's loss over its eval micro-batches: the sum over their loss tokens / their count; on the
+        dataset's completions (gkd, as TRL's evaluation), on the student's own (distill: it has only prompts)."""
         times, sums = {"teacher_s": 0.0}, None
+        if self.spec.recipe["train"]["objective"] == "distill":  # prompts only: the student's completions
+            batches, _ = self.completions(engine, batches, times)
         for batch in batches:
             part = torch.stack([*self.loss_sums(engine, batch, times), loss_positions(batch[1]).sum().float()
                                 .to(engine.device)])

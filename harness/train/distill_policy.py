@@ -8,7 +8,7 @@ losses are the same on any world size and accumulation, and a resumed run contin
 The expected share of on-policy completions is lmbda, as TRL's. Every rank calls the generator once per
 micro-batch (a collective under ZeRO-3), whether or not any of its rows drew on-policy.
 
-A row drawn on-policy keeps its prompt (the tokens before its first label) and gets the student's completion (at
+A row drawn on-policy keeps its prompt and gets the student's completion (at
 most distill.max_new_tokens tokens, sampled at distill.temperature, EOS included when generated), cut at
 train.seq_len; its labels are the new completion's tokens.
 """
@@ -48,7 +48,7 @@ class OnPolicy:
         """(the micro-batch with its drawn rows' completions generated, their lengths)."""
         input_ids, labels = batch[0].clone(), batch[1].clone()
         chosen = [i for i, yes in enumerate(self.draws(step, first_row, input_ids.shape[0])) if yes]
-        starts = [int((labels[i] != IGNORE_INDEX).nonzero()[0]) for i in chosen]
+        starts = [int(batch[2][i]) for i in chosen]  # the prompt lengths (harness/train/distill_data.py)
         prompts = [input_ids[i, :start].tolist() for i, start in zip(chosen, starts)]
         completions = self._generate(step, first_row, chosen, prompts)
         width = input_ids.shape[1]

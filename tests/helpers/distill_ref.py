@@ -88,7 +88,7 @@ def _models(case: Case, recipe: dict, student: str, teacher: str):
 
 
 def _sums(case, model, teacher, rows):
-    input_ids, labels = rows.tensors()
+    input_ids, labels, _ = rows.tensors()
     with torch.no_grad():
         t = teacher(input_ids=input_ids, use_cache=False).logits
     s = model(input_ids=input_ids, use_cache=False).logits
