@@ -245,3 +245,21 @@ def test_records_are_tokenized_as_trl_does(tmp_path):
     assert (labels[0, :len(p)] == -100).all() and labels[0, len(p):len(pc)].tolist() == pc[len(p):]
     assert (labels[0, len(pc):] == -100).all() and counts == {"records": 2, "truncated": 1}
     assert (labels[1] != -100).sum() == 40 - len(tok("Hi")["input_ids"])
+
+
+def test_the_ce_term_skips_the_students_own_completions():
+    """A row whose completion the student generated carries the divergence but no CE (ce_labels -1 there)."""
+    from harness.train.distill import ce_labels
+    from harness.train.distill_loss import Targets, full_vocabulary
+
+    torch.manual_seed(0)
+    labels = torch.tensor([[-100, -100, 5, 6, -100], [-100, 7, 8, 9, 1]])
+    where = labels[:, 1:] != -100
+    mine = ce_labels((labels, labels, torch.tensor([2, 1]), torch.tensor([False, True])), where)
+    assert mine.tolist() == [5, 6, -1, -1, -1, -1]
+    s, t = torch.randn(6, 11), torch.randn(6, 11)
+    cfg = {"beta": 0.5, "loss_temperature": 1.0, "ce_alpha": 0.3, "loss_chunk_tokens": 4}
+    with_ce, without = full_vocabulary(s, Targets(logits=t), labels[:, 1:][where], cfg)[0], \
+        full_vocabulary(s, Targets(logits=t), mine, cfg)[0]
+    skipped = -torch.log_softmax(s[2:], -1).gather(-1, torch.tensor([[7], [8], [9], [1]])).sum()
+    assert torch.allclose(with_ce - without, 0.3 * skipped)

@@ -38,6 +38,15 @@ def input_tokens(labels: torch.Tensor) -> torch.Tensor:
     return ((labels != IGNORE_INDEX) * where).amax(-1)
 
 
+def ce_labels(batch: tuple[torch.Tensor, ...], where: torch.Tensor) -> torch.Tensor:
+    """[N] the loss tokens' ids for the CE term; -1 in the rows whose completion the student generated (a 4th tensor
+    of the batch, harness/train/distill_policy.py): the CE is on the dataset's completions only."""
+    out = batch[1][:, 1:][where]
+    if len(batch) > 3:
+        out = out.masked_fill(batch[3][where.nonzero()[:, 0]], -1)
+    return out
+
+
 def disable_dropout(module) -> None:
     """TRL's disable_dropout_in_model: every torch.nn.Dropout's p set to 0."""
     for m in module.modules():
@@ -88,7 +97,7 @@ class DistillSteps:
         times["teacher_s"] += time.perf_counter() - began
         logits = engine(input_ids=input_ids.to(engine.device), use_cache=False).logits
         student = logits[:, :-1][where.to(logits.device)]
-        return LOSSES[targets.kind](student, targets, labels[:, 1:][where], self.cfg)
+        return LOSSES[targets.kind](student, targets, ce_labels(batch, where), self.cfg)
 
     def train(self, engine, batches: list) -> tuple[torch.Tensor, dict]:
         """One optimizer step over this rank's micro-batches: (this rank's share of the step's loss, metrics)."""

@@ -7,7 +7,7 @@ softmaxes over the vocabulary:
     beta 1      KL(p_s || p_t) = sum_v p_s (log p_s - log p_t)                        (reverse KL)
     otherwise   beta KL(p_t || m) + (1 - beta) KL(p_s || m),   m = (1 - beta) p_s + beta p_t
 plus, when distill.ce_alpha > 0, ce_alpha x the cross-entropy of the student's raw logits (T = 1) on the dataset's
-token. Every function here returns SUMS over the tokens; the step divides by the step's loss tokens over all ranks
+token (labels < 0: none, at the tokens of a completion the student generated itself). Every function here returns SUMS over the tokens; the step divides by the step's loss tokens over all ranks
 and accumulation steps (harness/train/distill.py).
 
 The teacher's answer for a micro-batch is a `Targets`: the logits over the whole vocabulary at the loss tokens
@@ -59,9 +59,9 @@ def _chunk(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, cfg: dict) ->
     temp = cfg["loss_temperature"]
     log_s, log_t = torch.log_softmax(s / temp, -1), torch.log_softmax(t / temp, -1)
     loss = divergence(log_s, log_t, cfg["beta"]).sum()
-    if cfg["ce_alpha"]:
-        ce = -torch.log_softmax(s, -1).gather(-1, labels.unsqueeze(-1)).sum()
-        loss = loss + cfg["ce_alpha"] * ce
+    if cfg["ce_alpha"]:  # labels < 0: no CE at that token (a completion the student generated)
+        picked = torch.log_softmax(s, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        loss = loss - cfg["ce_alpha"] * (picked * (labels >= 0)).sum()
     return loss, entropy(log_s.detach()).sum(), entropy(log_t).sum()
 
 
@@ -102,4 +102,4 @@ def full_vocabulary(student: torch.Tensor, targets: Targets, labels: torch.Tenso
     return _ChunkedLoss.apply(student, targets.logits.to(student.device), labels.to(student.device), cfg)
 
 
-LOSSES = {"logits": full_vocabulary}  # Targets.kind -> loss(student [N, V], targets, labels [N], cfg)
+LOSSES = {"logits": full_vocabulary}  # Targets.kind -> loss(student [N, V], targets, CE labels [N] (< 0: none), cfg)
