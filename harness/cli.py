@@ -22,6 +22,8 @@ COMMANDS = {
     "launch": "`deepspeed ...` that forwards SIGTERM/SIGUSR1 to every rank, waits for all, returns their code",
     "slurm": "write (--submit: and submit) a Slurm batch script: one harness launch per node, checkpoint and "
              "requeue before the time limit",
+    "k8s": "write Kubeflow Trainer manifests (TrainingRuntime + TrainJob): one harness launch per node, exit 75 "
+           "restarts without spending retries, a grace period that covers a step and a save",
     "doctor": "check this machine before a long job (versions, GPUs, DeepSpeed ops, paths); exit 1 if --recipe cannot run",
 }
 
