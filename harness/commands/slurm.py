@@ -98,7 +98,7 @@ def resolve(args, run_dir: Path | None):
 
     per_node = args.gpus_per_node
     launch = Launch(world_size=args.nodes * per_node, local_size=per_node)
-    resume = "latest" if run_dir is not None and (run_dir / "checkpoints" / "latest").is_file() else None
+    resume = session.auto_resume(run_dir) if run_dir is not None else None
     ns = argparse.Namespace(recipe=args.recipe, ds_config=None, output_dir=str(run_dir) if run_dir else None,
                             resume=resume, overwrite=False, overrides=_overrides(args))
     return session.resolve_spec(ns, launch), resume
