@@ -54,7 +54,7 @@ def resolve(args, run_dir: Path | None, *, check_folder: bool = True):
     per_node = args.gpus_per_node
     launch = Launch(world_size=args.nodes * per_node, local_size=per_node)
     here = run_dir if check_folder else None
-    resume = "latest" if here is not None and (here / "checkpoints" / "latest").is_file() else None
+    resume = session.auto_resume(here) if here is not None else None
     ns = argparse.Namespace(recipe=args.recipe, ds_config=None, output_dir=str(here) if here else None,
                             resume=resume, overwrite=False, overrides=overrides(args))
     return session.resolve_spec(ns, launch), resume
