@@ -66,6 +66,8 @@ def test_the_trackers_get_the_objectives_names_as_metrics_jsonl_spells_them():
                  "clip_ratio/region_mean", "entropy", "time/generate_s", "step_tokens"):
         assert got[f"train/{name}"] == GRPO_RECORD[name], name
     assert "train/kl" not in got  # None: not logged
+    # a name and a prefix over it (completions/mean_length, completions/): one key, one event for DeepSpeed's monitor
+    assert readouts.keys(all_tracked(), GRPO_RECORD).count("completions/mean_length") == 1
     dpo = trackers.step_metrics("train", {"loss": 0.7, "rewards_margin": 0.1, "rewards_accuracy": 0.5}, None)
     assert dpo == {"train/loss": 0.7, "train/rewards_margin": 0.1, "train/rewards_accuracy": 0.5}
     summary = {"readouts": {"reward": {"first": 0.2, "last": 0.6, "steps": 3}}}

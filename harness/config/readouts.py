@@ -57,13 +57,18 @@ def names(pattern: str, record: dict) -> list[str]:
     return [pattern] if record.get(pattern) is not None else []
 
 
+def keys(patterns: tuple[str, ...], record: dict) -> list[str]:
+    """The record's keys the declared names stand for, each once (a name and a prefix over it: completions/)."""
+    return list(dict.fromkeys(k for p in patterns for k in names(p, record)))
+
+
 def value_text(value: float) -> str:
     return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.4g}"
 
 
 def step_text(readout: Readout, record: dict) -> str:
     """The [step] line's metrics: "reward 0.2610 reward_std 0.1180 completions/mean_length 7.5000"."""
-    return " ".join(f"{k} {value_text(record[k])}" for p in readout.step for k in names(p, record))
+    return " ".join(f"{k} {value_text(record[k])}" for k in keys(readout.step, record))
 
 
 def ends(readout: Readout, records: list[dict]) -> dict[str, dict]:
@@ -72,10 +77,14 @@ def ends(readout: Readout, records: list[dict]) -> dict[str, dict]:
     out = {}
     for pattern in readout.done:
         for key in sorted({k for r in records for k in names(pattern, r)}):
-            values = [r[key] for r in records if r.get(key) is not None]
-            k = max(1, min(readout.window, len(values) // 2))
-            out[key] = {"first": sum(values[:k]) / k, "last": sum(values[-k:]) / k, "steps": k}
+            out[key] = end_means([r[key] for r in records if r.get(key) is not None], readout.window)
     return out
+
+
+def end_means(values: list[float], window: int) -> dict:
+    """{"first", "last", "steps"}: the means of the first and of the last `window` values (at most half each)."""
+    k = max(1, min(window, len(values) // 2))
+    return {"first": sum(values[:k]) / k, "last": sum(values[-k:]) / k, "steps": k}
 
 
 def ends_text(found: dict[str, dict]) -> str:

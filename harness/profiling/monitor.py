@@ -11,7 +11,7 @@ samples). The monitors write on rank 0 only. Needs the trainer to call on_record
 from __future__ import annotations
 
 from harness.config.objectives import all_tracked
-from harness.config.readouts import names
+from harness.config.readouts import keys
 
 EVENTS = {"train": (("loss", "train_loss"), ("tokens_per_s", "tokens_per_s")),
           "eval": (("eval_loss", "eval_loss"),)}
@@ -39,8 +39,8 @@ class MonitorHook:
         events = [(f"Train/Samples/{name}", record[field], x) for field, name in EVENTS.get(kind, ())
                   if record.get(field) is not None]
         if kind == "train":
-            events += [(f"Train/Samples/{_train_name(key)}", record[key], x) for name in WATCHED if name != "loss"
-                       for key in names(name, record)]
+            events += [(f"Train/Samples/{_train_name(key)}", record[key], x) for key in keys(WATCHED, record)
+                       if key != "loss"]
         else:  # a mixture's sources
             events += [(f"Train/Samples/{key}", value, x) for key, value in record.items()
                        if key.startswith("eval_loss/") and value is not None]

@@ -16,7 +16,7 @@ import json
 import statistics
 
 from harness.config.objectives import readout_of
-from harness.config.readouts import RL_TIMES, ends, ends_text, names, value_text
+from harness.config.readouts import RL_TIMES, end_means, ends, ends_text, keys, value_text
 from harness.report.tables import table
 
 RL_ROWS = ("reward", "reward_std", "rewards/", "frac_reward_zero_std", "completions/mean_length",
@@ -56,13 +56,10 @@ def steps_line(run) -> str:
 
 def metric_rows(run, patterns: tuple[str, ...], window: int) -> list[dict]:
     """{name, first, last, steps, min, max} per logged name (first / last: means of `window` steps at each end)."""
-    keys = list(dict.fromkeys(k for p in patterns for r in run.train for k in names(p, r)))
     rows = []
-    for key in keys:
+    for key in dict.fromkeys(k for r in run.train for k in keys(patterns, r)):
         values = [r[key] for r in run.train if r.get(key) is not None]
-        k = max(1, min(window, len(values) // 2))
-        rows.append({"name": key, "first": sum(values[:k]) / k, "last": sum(values[-k:]) / k, "steps": k,
-                     "min": min(values), "max": max(values)})
+        rows.append({"name": key, **end_means(values, window), "min": min(values), "max": max(values)})
     return rows
 
 

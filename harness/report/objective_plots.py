@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.config.readouts import RL_TIMES, names
+from harness.config.readouts import RL_TIMES, keys
 from harness.report.plots import _pyplot, _save
 
 REWARD = ("reward", "reward_std")
@@ -20,9 +20,8 @@ POLICY = ("kl", "entropy", "clip_ratio/", "cispo_clip_ratio")
 
 
 def _series(run, patterns) -> dict[str, tuple[list[int], list[float]]]:
-    keys = dict.fromkeys(k for p in patterns for r in run.train for k in names(p, r))
     out = {}
-    for key in keys:
+    for key in dict.fromkeys(k for r in run.train for k in keys(patterns, r)):
         points = [(r["step"], r[key]) for r in run.train if r.get(key) is not None]
         out[key] = ([s for s, _ in points], [v for _, v in points])
     return out

@@ -51,7 +51,7 @@ from pathlib import Path
 
 from harness.config.defaults import PREFERENCE_METRICS
 from harness.config.objectives import all_tracked
-from harness.config.readouts import names as readout_names
+from harness.config.readouts import keys as readout_keys
 from harness.config.validate import strip_annotations
 from harness.errors import ConfigError, Problem, without_secrets
 from harness.log import say
@@ -204,7 +204,7 @@ def step_metrics(kind: str, record: dict, predicted_step_s: float | None) -> dic
         return {}
     out = {TRAIN[field]: number(record.get(field)) for field in TRAIN}
     out["train/step_time_predicted_s"] = number(predicted_step_s)
-    out.update({f"train/{key}": number(record[key]) for name in WATCHED for key in readout_names(name, record)})
+    out.update({f"train/{key}": number(record[key]) for key in readout_keys(WATCHED, record)})
     per_rank = record.get("memory_per_rank") or ([record["memory"]] if record.get("memory") else [])
     for rank, memory in enumerate(per_rank):
         out.update({f"memory/rank{rank}/{key}": number(value) for key, value in (memory or {}).items()})

@@ -7,6 +7,7 @@ records, with the arithmetic written out, not with the harness's own functions."
 from __future__ import annotations
 
 import csv
+import json
 import re
 import statistics
 from pathlib import Path
@@ -48,8 +49,6 @@ def check_done_line(output: str, run_dir: Path, done: tuple[str, ...], window: i
     steps, text = found[0]
     logged = [by_step(run_dir)[s] for s in sorted(by_step(run_dir))]
     assert int(steps) == len(logged)
-    import json
-
     summary = json.loads((Path(run_dir) / "summary.json").read_text())["readouts"]
     out = {}
     for name in done:
