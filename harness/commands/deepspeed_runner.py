@@ -24,6 +24,7 @@ import time
 
 LAUNCHER = "deepspeed.launcher.launch"
 MODULE = "harness.commands.deepspeed_runner"
+PROG = "harness launch"  # what DeepSpeed's usage and errors name: the command the user typed, not this file
 POLL_S = 0.1
 
 
@@ -76,7 +77,7 @@ def main(argv: list[str]) -> None:
         launch.time = _Time()
         launch.main()
         return
-    sys.argv[1:] = argv
+    sys.argv[:] = [PROG, *argv]  # argparse names its prog after argv[0]: `harness launch: error: ...`
     from deepspeed.launcher import runner
 
     runner.subprocess = _Subprocess()
