@@ -260,7 +260,7 @@ def main(argv: list[str]) -> int:
         if opts.dry_run:
             from harness.commands import launch_check
 
-            return launch_check.main(rest)
+            return launch_check.main(split_command(rest, "--dry-run", "it makes harness/run.py's checks"))
         check_slurm_step(rest)
         command = split_command(rest) if opts.max_restarts and rest else None
     except (UsageError, ConfigError) as e:

@@ -38,14 +38,15 @@ def world_of(parsed) -> tuple[int, int]:
     return sum(slots), slots[0]
 
 
-def main(argv: list[str]) -> int:
-    """Check the launch `argv` (DeepSpeed's arguments, then harness/run.py's) without starting it."""
-    from harness.commands.launch import split_command
+def main(command) -> int:
+    """Check a launch (harness/commands/launch.py's Command: DeepSpeed's arguments, the script, harness/run.py's
+    arguments) without starting it."""
+    from deepspeed.launcher.runner import parse_args
+
     from harness.dist import Launch
     from harness.train import run_args, session
 
-    command = split_command(argv, "--dry-run", "it checks what harness/run.py checks before its ranks start")
-    parsed = _deepspeed_args(command.head + [command.script])
+    parsed = parse_args(command.head + [command.script])  # split_command had DeepSpeed's parser accept them
     world, local = world_of(parsed)
     args = run_args.parse(command.script_args)
     try:
@@ -65,9 +66,3 @@ def main(argv: list[str]) -> int:
     out = spec.output_dir or Path(spec.recipe["train"]["output_dir"]) / "<date>_<recipe>"
     say("check", f"every check before the ranks start passed; nothing started, nothing written (run folder: {out})")
     return 0
-
-
-def _deepspeed_args(head: list[str]):
-    from deepspeed.launcher.runner import parse_args
-
-    return parse_args(head)
