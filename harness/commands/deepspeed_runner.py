@@ -71,7 +71,7 @@ def main(argv: list[str]) -> None:
     if not any(a.partition("=")[0] == "--autotuning" for a in argv):  # DeepSpeed's autotuner logs to mlflow
         quick_start()
     if argv[:1] == [LAUNCHER]:
-        sys.argv[1:] = argv[1:]
+        sys.argv[:] = argv  # its usage names deepspeed.launcher.launch, as when DeepSpeed starts it
         from deepspeed.launcher import launch
 
         launch.time = _Time()
