@@ -156,9 +156,13 @@ def test_the_launch_passes_every_check_before_its_ranks_start(where, argv, capsy
 
 
 def runnable(capsys) -> list[tuple[str, list[str], int]]:
-    """The launch commands that pass their dry run on a world of at most SMALL_WORLD ranks: (where, argv, world)."""
+    """The launch commands that pass their dry run on a world of at most SMALL_WORLD ranks: (where, argv, world).
+    A page's own `harness launch --dry-run ...` only ever dry-runs."""
     out = []
     for where, argv in of_kind("launch"):
+        args = launch_args(argv)
+        if "--dry-run" in args[:script_at(args)]:
+            continue
         code, text, _ = dry_run(argv, capsys)
         world = int(re.search(r"resolved for world (\d+) ", text).group(1)) if code == 0 else None
         if world is not None and world <= SMALL_WORLD:
@@ -166,10 +170,14 @@ def runnable(capsys) -> list[tuple[str, list[str], int]]:
     return out
 
 
+def script_at(args: list[str]) -> int:
+    return next((i for i, a in enumerate(args) if a.endswith("harness/run.py")), len(args))
+
+
 def script_args(argv: list[str]) -> list[str]:
     """harness/run.py's arguments in a launch command."""
     args = launch_args(argv)
-    return args[next(i for i, a in enumerate(args) if a.endswith("harness/run.py")) + 1:]
+    return args[script_at(args) + 1:]
 
 
 @pytest.fixture(scope="module")
