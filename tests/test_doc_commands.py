@@ -249,12 +249,12 @@ def test_a_dry_run_refuses_bad_input_with_the_arithmetic_and_writes_nothing(tmp_
     assert "Traceback" not in err and not run.exists()
     code, out, err = dry_run(["harness", "launch", "--num_gpus", "4", "harness/run.py", "--recipe", "zero2",
                               "--output-dir", str(run)], capsys)
-    assert code == 0 and "world 4 (1 node(s) x 4)" in out and "4 micro x 1 accum x 4 dp = 16 per step" in out, out
+    assert code == 0 and "world 4 (1 node(s), 4 on the first)" in out and "4 micro x 1 accum x 4 dp = 16 per step" in out, out
     hostfile = tmp_path / "hostfile"  # the world DeepSpeed's runner would start: 3 hosts, the first 2, 2 slots each
     hostfile.write_text("node-a slots=8\nnode-b slots=8\nnode-c slots=8\n")
     code, out, err = dry_run(["harness", "launch", "--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "2",
                               "harness/run.py", "--recipe", "zero2", "--output-dir", str(run)], capsys)
-    assert code == 0 and "world 4 (2 node(s) x 2)" in out, (out, err)
+    assert code == 0 and "world 4 (2 node(s), 2 on the first)" in out, (out, err)
     assert not run.exists()
 
 

@@ -17,8 +17,8 @@ from harness.errors import RunComplete, UsageError
 from harness.log import say
 
 
-def world_of(parsed) -> tuple[int, int]:
-    """(ranks in all, ranks on the first node) that DeepSpeed's runner would start for its parsed arguments."""
+def world_of(parsed) -> tuple[int, int, int]:
+    """(ranks in all, ranks on the first node, nodes) that DeepSpeed's runner would start for its parsed arguments."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.launcher.runner import apply_num_nodes_and_gpus, fetch_hostfile, parse_inclusion_exclusion
 
@@ -35,7 +35,7 @@ def world_of(parsed) -> tuple[int, int]:
     active = apply_num_nodes_and_gpus(parse_inclusion_exclusion(pool, parsed.include, parsed.exclude),
                                       parsed.num_nodes, parsed.num_gpus)
     slots = [len(s) for s in active.values()]
-    return sum(slots), slots[0]
+    return sum(slots), slots[0], len(slots)
 
 
 def main(command) -> int:
@@ -47,7 +47,7 @@ def main(command) -> int:
     from harness.train import run_args, session
 
     parsed = parse_args(command.head + [command.script])  # split_command had DeepSpeed's parser accept them
-    world, local = world_of(parsed)
+    world, local, nodes = world_of(parsed)
     args = run_args.parse(command.script_args)
     try:
         spec = session.prepare(args, Launch(world_size=world, local_size=local))
@@ -55,7 +55,7 @@ def main(command) -> int:
         say("done", str(e))
         return 0
     batch = spec.run.batch
-    say("check", f"{command.script} resolved for world {world} ({world // local} node(s) x {local}): recipe "
+    say("check", f"{command.script} resolved for world {world} ({nodes} node(s), {local} on the first): recipe "
                  f"{spec.recipe_name} | objective {spec.recipe['train']['objective']} | zero {spec.zero_stage} | "
                  f"tp {spec.tp} pp {spec.pp} sp {spec.sp} dp {spec.dp} | {spec.run.precision}")
     say("check", f"{batch.micro_batch} micro x {batch.grad_accum} accum x {spec.dp} dp = {batch.global_batch} per "
@@ -63,6 +63,6 @@ def main(command) -> int:
                  f"{spec.recipe['train']['model']}, dataset {spec.recipe['train']['dataset']}")
     for w in spec.warnings:
         say("warn", w.render())
-    out = spec.output_dir or Path(spec.recipe["train"]["output_dir"]) / "<date>_<recipe>"
+    out = spec.output_dir or Path(spec.recipe["train"]["output_dir"]) / f"<date>_{spec.recipe_name}"
     say("check", f"every check before the ranks start passed; nothing started, nothing written (run folder: {out})")
     return 0
