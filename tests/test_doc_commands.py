@@ -15,6 +15,8 @@ commands; a command no rule covers fails:
   gets a free --master_port (DeepSpeed's 29500 may be another run's on a shared machine).
 - `harness report RUN` / `harness export RUN --out DIR`: run as written, on the folder of that GRPO run where the
   page's example folder (`runs/2026-11-30_zero3`) does not exist here.
+- `harness k8s|slurm ...`: run as written in an empty folder (they write a job's files there, and submit nothing
+  without `--submit`); exit 0.
 - `harness calibrate`: `--help` only (it measures this machine for minutes and writes the user's hardware profile).
 Usage errors name the command the user typed, not an internal file (`harness launch`, not `deepspeed_runner.py`).
 Measured on the shared 2-core machine under a load average of ~10 (seven other engineers' tests): the module 358 s
@@ -40,6 +42,7 @@ from helpers.launch import ROOT, env, launch_jobs, records
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN_NOW = ("plan", "recipes", "show", "validate")  # pure: no ranks, no machine measured
 ON_A_RUN = ("report", "export")
+WRITES_A_JOB = ("k8s", "slurm")  # write manifests or a batch script into the working folder
 HELP_ONLY = {"calibrate": "measures this machine for minutes and writes ~/.cache/dsharness/hardware.json"}
 LAUNCHERS = (("harness", "launch"), ("deepspeed",))
 USER_INPUTS = ("train.model", "train.dataset", "train.datasets")
@@ -83,7 +86,7 @@ def kind(argv: list[str]) -> str:
         return "launch"
     sub = argv[1] if argv[0] == "harness" and len(argv) > 1 else None
     return ("run" if sub in RUN_NOW else "on_a_run" if sub in ON_A_RUN else "help" if sub in HELP_ONLY
-            else "unclassified")
+            else "writes_a_job" if sub in WRITES_A_JOB and "--submit" not in argv else "unclassified")
 
 
 def launch_args(argv: list[str]) -> list[str]:
@@ -133,6 +136,15 @@ def test_the_command_runs(where, argv, capsys):
     out, err = capsys.readouterr()
     assert code == 0, f"{where}: {shlex.join(argv)} exited {code}\n{out[-2000:]}\n{err[-2000:]}"
     assert out.strip(), f"{where}: {shlex.join(argv)} printed nothing"
+
+
+@pytest.mark.parametrize("where,argv", of_kind("writes_a_job"), ids=ids(of_kind("writes_a_job")))
+def test_the_job_writing_command_runs_in_an_empty_folder(where, argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = main(argv[1:])
+    out, err = capsys.readouterr()
+    assert code == 0, f"{where}: {shlex.join(argv)} exited {code}\n{out[-2000:]}\n{err[-2000:]}"
+    assert "\nwrote " in f"\n{out}" and any(p.is_file() for p in tmp_path.rglob("*")), (where, out)
 
 
 @pytest.mark.parametrize("where,argv", of_kind("help"), ids=ids(of_kind("help")))
