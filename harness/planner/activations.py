@@ -84,6 +84,25 @@ def pair_logits_bytes(tokens: int, seq_len: int, shape: ModelShape, lp: int) -> 
     return int(2 * tokens * vocab * lp + 2 * seq_len * vocab * 4)
 
 
+def rollout_logits_bytes(completion_tokens: int, shape: ModelShape, lp: int) -> int:
+    """An RL step's logits (harness/train/grpo.py, rl/loss.py): the forward keeps only the completion positions
+    (logits_to_keep), gathers them per row (a second 16-bit copy), up-casts to fp32 and takes the log-softmax, both
+    kept for backward: completion tokens x vocab x (2 lp + 8)."""
+    return int(completion_tokens * shape.vocab_size * (2 * lp + 8))
+
+
+DISTILL_FP32_CHUNK_TENSORS = 4  # per chunk: the student's and the teacher's log-probs, the mixture's, the gradient
+
+
+def distill_logits_bytes(tokens: int, shape: ModelShape, lp: int, chunk_tokens: int) -> int:
+    """A distillation loss's logits: the student's 16-bit logits kept for backward and their gradient of the same
+    size, and the loss in float32 over one chunk of tokens at a time (the student's and the teacher's log-probs,
+    the mixture's and the chunk's gradient), never the whole B x L x V in float32. The teacher's own targets are
+    its mode's (planner/teacher.py)."""
+    vocab = shape.vocab_size
+    return int(2 * tokens * vocab * lp + DISTILL_FP32_CHUNK_TENSORS * min(tokens, chunk_tokens) * vocab * 4)
+
+
 def mask_bytes(attention: str, seq_len: int, sp: int, micro_batch: int, lp: int) -> int:
     """The attention mask materialised per rank and micro-batch: s^2 booleans for sdpa (at sp 1 transformers',
     under SP the harness's document_sdpa over the full sequence), (s/sp)^2 in the training dtype for eager; none for

@@ -107,19 +107,28 @@ def rl_layout(settings: dict, hw: dict, profile: dict, result) -> tuple[dict | N
 def plan_for(settings: dict, hw: dict, profile: dict):
     """The planner's answer for a completed recipe on the hardware found (detect_hardware's dict): its model,
     seq_len (a sequence one rank cannot hold gets the long-context rung: sp, tiling, activation offload),
-    micro-batch, precision, checkpointing, attention and objective (a preference run's pairs and reference)."""
+    micro-batch, precision, checkpointing, attention and objective (a preference run's pairs and reference; an RL
+    run's completions of rl.max_prompt_length + rl.max_completion_length tokens and its reference when beta > 0)."""
     from harness.planner import plan
     from harness.planner.inputs import Cluster, Workload
 
+    from harness.config.objectives import objective_of
     from harness.config.preference_rules import is_preference, objective, packing, reference_mode
+    from harness.config.rl_rules import reference_mode as rl_reference_mode
     from harness.config.run_model import optimizer_states
 
     train, micro = settings["train"], settings["batch"]["micro_batch_per_gpu"]
     # a preference run: two sequences per pair, its reference's bytes, and no tp / pp / sp (planner/reference.py)
     goal = {"objective": objective(settings), "reference_mode": reference_mode(settings)} \
         if is_preference(settings) else {}
+    seq_len = train["seq_len"]
+    if objective_of(settings).planner == "rollouts":  # an RL run: completions of the rl block's lengths, its reference
+        rl = settings["rl"]
+        seq_len = rl["max_prompt_length"] + rl["max_completion_length"]
+        goal = {"objective": objective_of(settings).name, "reference_mode": rl_reference_mode(settings),
+                "beta": rl["beta"], "prompt_len": rl["max_prompt_length"], "completion_len": rl["max_completion_length"]}
     cluster = Cluster(hw["gpus_per_node"], hw["gpu_mem_bytes"], hw["nodes"], hw["cpu_mem_bytes"], hw["nvme_bytes"])
-    work = Workload(train["seq_len"], micro if isinstance(micro, int) else 1, settings["precision"],
+    work = Workload(seq_len, micro if isinstance(micro, int) else 1, settings["precision"],
                     settings["activation_checkpointing"],
                     attention=planner_attention(train.get("attention"), hw["device"]),
                     activation_offload=hw["device"] != "cpu",  # DeepSpeed's offload does nothing on CPU: refused there

@@ -1,0 +1,145 @@
+"""The teacher of a distillation run (train.objective gkd, distill; registry planner field "distill"): what each
+teacher mode costs one rank, in bytes and time, which modes the run refuses, and the mode the planner recommends.
+
+Bytes per rank, weights (as harness/train/reference_engine.py holds a frozen model; the teacher uses that machinery):
+- engine: a frozen DeepSpeed engine of the teacher with no optimizer, in the training precision. Where the student
+  is ZeRO-3 it is partitioned like the student's parameters, with the student's ZeRO-3 keys (its persistence
+  threshold, its offload_param): lp x ceil(P_t / shards) where offload_param puts them, the tensors at or under the
+  threshold whole on every GPU (planner/reference.engine_bytes). Stages 0-2 hold whole weights: lp x P_t per GPU.
+- adapter: nothing beyond the base (under LoRA the student's own base with the adapters off: self-distillation).
+- precomputed: nothing on the GPU or in rank RAM (the store is memory-mapped). On disk:
+  loss tokens x k x (4 B id + 4 B log-prob) + loss tokens x 4 B (the tail's log-mass), loss tokens at most
+  records x completion_len.
+- served: nothing here; the endpoint holds lp x P_t (shown as the endpoint's).
+The targets one micro-batch hands the loss (on the GPU during the step): engine and adapter the teacher's logits,
+tokens x V x lp; precomputed and served the top-k, tokens x k x (8 B int64 id + 4 B float32 log-prob).
+
+Time per optimizer step: engine one teacher forward per micro-step (no backward), the student's forward time x
+P_t / P_s (the FLOPs scale with the parameters); adapter the student's forward once more; precomputed and served
+none here. precomputed runs one teacher forward over every record before training, sharded over all ranks:
+2 x P_t x records x (prompt + completion) FLOPs / (ranks x the profile's achieved FLOP/s).
+
+Refused (the run refuses them too; docs/planner.md, "Distillation"): adapter without LoRA or with another model as the
+teacher; precomputed with on-policy completions (nothing to score before training); served with beta > 0 and k > 1
+(the endpoint returns the teacher's top-k, the loss would need its values at the student's top-k).
+
+The recommendation (recommend): adapter when the teacher is the student's own base under LoRA; otherwise engine when
+its weights fit beside the student (the exact full-vocabulary loss, no pass up front); else precomputed when the
+completions are the dataset's (only a pass up front needs the teacher, not a GPU beside the student); else served.
+"""
+
+from __future__ import annotations
+
+from harness.config.defaults import PRECISION_BYTES
+from harness.planner import hardware
+from harness.planner.inputs import Cluster, TeacherLoad, Workload
+from harness.planner.reference import DEVICES, _fits, engine_bytes
+
+MODES = ("engine", "adapter", "precomputed", "served")
+ID_BYTES, LOGPROB_BYTES, TAIL_BYTES = 4, 4, 4  # the store's int32 id and float32 log-prob per entry, float32 tail
+TARGET_ID_BYTES = 8  # the top-k ids handed to the loss: int64 (torch.gather's index), float32 log-probs beside
+
+
+def teacher_load(name: str, cfg: dict, student_cfg: dict, *, is_student: bool, mode: str | None = None,
+                 top_k: int = 1, on_policy: bool = False, lmbda: float = 0.0, records: int | None = None) -> TeacherLoad:
+    """The teacher from its config dict; the tensors it keeps whole under ZeRO-3 are those at or under the
+    student's persistence threshold (the teacher engine takes the student's ZeRO-3 keys)."""
+    from harness.planner.memory import harness_buckets
+    from harness.planner.params import count_params
+
+    count = count_params(cfg)
+    threshold = harness_buckets(int(student_cfg.get("hidden_size") or student_cfg.get("n_embd"))) \
+        .param_persistence_threshold
+    return TeacherLoad(name, count.total, count.persistent_numel(threshold), count.largest_tensor or 0,
+                       int(cfg["vocab_size"]), is_student, mode, top_k, on_policy, lmbda, records)
+
+
+def refused(t: TeacherLoad, *, lora: bool, beta: float | None) -> dict[str, str | None]:
+    """Why each mode cannot teach this run (None: it can)."""
+    adapter = None
+    if not lora or not t.is_student:
+        adapter = ("the adapter teacher is the student's own base with the adapters off: it needs LoRA (--lora-r) "
+                   "and no other --teacher")
+    return {"engine": None, "adapter": adapter,
+            "precomputed": "the completions are generated during training (on-policy), so there is nothing to score "
+                           "before it" if t.on_policy else None,
+            "served": "the endpoint returns the teacher's top-k log-probs; with beta > 0 and k > 1 the loss needs its "
+                      "values at the student's top-k, which it never sees" if (beta or 0) > 0 and t.top_k > 1 else None}
+
+
+def store_bytes(t: TeacherLoad, completion_len: int) -> int | None:
+    """The precomputed store on disk: loss tokens x (k x (id + log-prob) + tail); None when records are unknown."""
+    if t.records is None:
+        return None
+    return t.records * completion_len * (t.top_k * (ID_BYTES + LOGPROB_BYTES) + TAIL_BYTES)
+
+
+def targets_bytes(mode: str, t: TeacherLoad, tokens: int, lp: int) -> int:
+    """What the teacher hands the loss for one micro-batch: its logits, or its top-k ids and log-probs."""
+    if mode in ("engine", "adapter"):
+        return tokens * t.vocab_size * lp
+    return tokens * t.top_k * (TARGET_ID_BYTES + LOGPROB_BYTES)
+
+
+def recommend(t: TeacherLoad, usable: dict[str, bool]) -> tuple[str | None, str]:
+    """(the mode to use, why) by the rule in the module doc; usable: applicable and fits, per mode."""
+    if usable["adapter"]:
+        return "adapter", "LoRA on the teacher's own weights: the base with the adapters off (no copy, no pass)"
+    if usable["engine"]:
+        return "engine", ("its weights fit beside the student: the exact full-vocabulary loss, nothing computed up "
+                          "front")
+    if usable["precomputed"]:
+        return "precomputed", ("an engine does not fit beside the student and the completions are the dataset's: "
+                               "one teacher pass before training writes the top-k store")
+    if usable["served"]:
+        return "served", ("an engine does not fit beside the student" + (" and the completions are generated in "
+                          "the loop" if t.on_policy else "") + ": serve the teacher (vLLM) on other GPUs")
+    return None, "no mode fits: a smaller teacher, more GPUs, or ZeRO-3 with offload for the student"
+
+
+def attach(result: dict, c, lora: bool, cluster: Cluster, work: Workload, swap_buffer_bytes: int) -> None:
+    """Add the teacher to one evaluated layout: every mode's bytes per rank (weights and targets), whether the layout
+    fits with it, the mode used (the teacher's own, else the recommended one), and that mode's bytes in the totals."""
+    t, mem, lp = work.teacher, result["memory"], PRECISION_BYTES[work.precision]
+    tokens = mem["activations"]["tokens_per_rank"]
+    weights = {"engine": engine_bytes(t.params, stage=c.stage, offload_param=c.offload_param,
+                                      zero_shards=result["dp"], precision=work.precision, persistent=t.persistent,
+                                      swap_buffer_bytes=swap_buffer_bytes),
+               **{m: dict.fromkeys(DEVICES, 0) for m in ("adapter", "precomputed", "served")}}
+    why_not = refused(t, lora=lora, beta=work.beta)
+    modes = {}
+    for m, w in weights.items():
+        used = {**w, "gpu": w["gpu"] + targets_bytes(m, t, tokens, lp)}
+        modes[m] = {**used, "weights_gpu": w["gpu"], "targets": targets_bytes(m, t, tokens, lp),
+                    "fits": _fits(mem, used, cluster), "applicable": why_not[m] is None, "why_not": why_not[m]}
+    modes["served"]["endpoint_bytes"] = lp * t.params
+    modes["precomputed"]["disk_bytes"] = store_bytes(t, work.completion_len or work.seq_len)
+    best, why = recommend(t, {m: v["fits"] and v["applicable"] for m, v in modes.items()})
+    mode = t.mode or best
+    used = modes.get(mode, dict.fromkeys(DEVICES, 0))
+    for key in ("gpu_bytes", "gpu_backward_bytes", "gpu_step_bytes"):
+        mem[key] += used["gpu"]
+    mem["cpu_bytes_per_rank"] += used["cpu"]
+    mem["cpu_bytes_per_node"] += cluster.gpus_per_node * used["cpu"]
+    mem["nvme_bytes_per_node"] += cluster.gpus_per_node * used["nvme"]
+    mem["teacher"] = {"objective": work.objective, "name": t.name, "params": t.params, "mode": mode,
+                      "recommended": best, "why": why, "top_k": t.top_k, "on_policy": t.on_policy, "lmbda": t.lmbda,
+                      "records": t.records, "modes": modes}
+
+
+def step_s(result: dict, micro_batches: int, forward_s: float, student_params: int) -> dict[str, float]:
+    """The teacher's seconds per optimizer step in the mode used (engine: its forward scaled by P_t / P_s)."""
+    teacher = result["memory"].get("teacher") or {}
+    if teacher.get("mode") == "engine":
+        return {"teacher_s": micro_batches * forward_s * teacher["params"] / max(student_params, 1)}
+    if teacher.get("mode") == "adapter":
+        return {"teacher_s": micro_batches * forward_s}
+    return {}
+
+
+def pass_s(work: Workload, world: int, profile: dict) -> float | None:
+    """precomputed: seconds of the teacher's one forward over every record before training, on all ranks."""
+    t = work.teacher
+    if t is None or not t.records:
+        return None
+    return 2.0 * t.params * t.records * work.seq_len / (world * hardware.achieved_flops(profile, work.precision))
