@@ -70,7 +70,7 @@ def objective_work(args: argparse.Namespace, cfg: dict, resolve) -> dict:
         if mode != "auto":
             raise UsageError(f"--reference-mode with --objective {goal}: a distillation run has a teacher, not a "
                              "reference; use --teacher-mode")
-        out.update(beta=args.beta, teacher=_teacher(args, cfg, resolve))
+        out["teacher"] = _teacher(args, cfg, resolve)
     return out
 
 
@@ -90,16 +90,29 @@ def _teacher(args: argparse.Namespace, cfg: dict, resolve):
         raise UsageError(f"--teacher {name}: its vocabulary ({teacher_cfg.get('vocab_size')}) is not the student's "
                          f"({cfg.get('vocab_size')}); cross-tokenizer distillation is not supported: choose a "
                          "teacher of the student's family and tokenizer")
-    prompts_only = OBJECTIVES[args.objective].data == "prompts"  # distill: every completion is the student's own
-    # gkd: on-policy with probability lmbda (TRL's default 0.5 is above 0)
-    lmbda = 1.0 if prompts_only else (0.5 if args.lmbda is None else args.lmbda)
+    trl = settings(args)
     load = teacher.teacher_load(name, teacher_cfg, cfg, is_student=args.teacher in (None, args.model),
+                                beta=trl["beta"], chunk_tokens=trl["loss_chunk_tokens"],
                                 mode=None if args.teacher_mode == "auto" else args.teacher_mode,
-                                top_k=args.loss_top_k, on_policy=lmbda > 0, lmbda=lmbda, records=args.records)
-    why_not = teacher.refused(load, lora=bool(args.lora_r), beta=args.beta).get(args.teacher_mode)
-    if why_not:  # beta not given: both TRL defaults (gkd 0.5, distill 1.0) are above 0
+                                top_k=args.loss_top_k, on_policy=trl["on_policy"], lmbda=trl["lmbda"],
+                                records=args.records)
+    why_not = teacher.refused(load, lora=bool(args.lora_r)).get(args.teacher_mode)
+    if why_not:
         raise UsageError(f"--teacher-mode {args.teacher_mode} with --objective {args.objective}: {why_not}")
     return load
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """The distill block a run with these flags resolves (harness/config/distill_rules.settings: a flag not given
+    takes the objective's TRL default), with on_policy: whether the student generates some completions."""
+    from harness.config.distill_rules import on_policy
+    from harness.config.distill_rules import settings as resolved
+
+    block = {key: recipe_default(f"distill.{key}") for key in ("beta", "lmbda", "seq_kd", "temperature",
+                                                               "loss_temperature", "loss_chunk_tokens")}
+    block.update({k: v for k, v in (("beta", args.beta), ("lmbda", args.lmbda)) if v is not None})
+    recipe = {"train": {"objective": args.objective}, "distill": block}
+    return {**resolved(recipe), "on_policy": on_policy(recipe)}
 
 
 def generates(args: argparse.Namespace, work) -> bool:
@@ -114,7 +127,7 @@ def rollout_section(args, cfg: dict, result, gpu_mem: int, profile: dict) -> dic
     from harness.planner.inputs import RESERVE_FRACTION
     from harness.planner.params import count_params, model_shape
 
-    layout = result.recommended or getattr(result, "evaluated", None)
+    layout = result.recommended or result.evaluated
     if not layout:
         return None
     lp = PRECISION_BYTES[args.precision]
@@ -126,8 +139,7 @@ def rollout_section(args, cfg: dict, result, gpu_mem: int, profile: dict) -> dic
     out = rl.rollout_plan(count_params(cfg), model_shape(cfg), work, stage=int(layout["zero_stage"]),
                           world=int(layout["dp"]), lp=lp, threshold=PARAM_PERSISTENCE_THRESHOLD,
                           free_bytes=free, gpu_mem_bytes=gpu_mem, profile=profile)
-    share = {} if terms(args) == "rollouts" else {"lmbda": 1.0 if args.lmbda is None and OBJECTIVES[
-        args.objective].data == "prompts" else (0.5 if args.lmbda is None else args.lmbda)}
+    share = {} if terms(args) == "rollouts" else {"lmbda": settings(args)["lmbda"]}
     return {"layout": layout["label"], "free_bytes": free, "sequences_per_rank": work.sequences,
             "num_generations": args.num_generations, **share, **out}
 
@@ -139,8 +151,9 @@ def render_rollouts(r: dict) -> str:
         f"layer groups of {g['layers_per_group']} ({g['num_groups']} per token)"
     return "\n".join([
         "", f"Rollouts on {r['layout']} ({r['sequences_per_rank']} completions per rank per step, " + (
-            f"{r['num_generations']} per prompt" if "lmbda" not in r else f"the student's, on a share "
-            f"{r['lmbda']:g} of micro-batches") + f"; {r['free_bytes'] / mib:,.0f} MiB free beside training):",
+            f"{r['num_generations']} per prompt" if "lmbda" not in r else "the student's, every micro-batch"
+            if r["lmbda"] >= 1 else f"the student's, on a share {r['lmbda']:g} of micro-batches")
+            + f"; {r['free_bytes'] / mib:,.0f} MiB free beside training):",
         f"  KV cache         {r['kv_cache_bytes'] / mib:,.1f} MiB (2 x layers x kv_heads x head_dim x tokens x "
         "sequences x bytes)",
         f"  hf gather        {how}: peak {g['peak_bytes'] / mib:,.1f} MiB held, {g['per_token_gather_bytes'] / mib:,.1f}"

@@ -17,9 +17,9 @@ RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fra
 class TeacherLoad:
     """A distillation objective's teacher (planner/teacher.py prices it): its parameters, those ZeRO-3 keeps whole
     under the student's persistence threshold, its largest tensor and vocabulary; the mode (None: the planner
-    recommends one per layout); the loss's top-k (precomputed, served); whether the completions are the student's
-    own samples (on-policy: with probability lmbda per micro-batch, always where the data is prompts); the
-    dataset's records (the precomputed store's size and its pass)."""
+    recommends one per layout); the loss's beta and chunk; its top-k (precomputed, served); whether the completions
+    are the student's own samples (on-policy: with probability lmbda per micro-batch, always where the data is
+    prompts); the dataset's records (the precomputed store's size and its pass)."""
 
     name: str
     params: int
@@ -27,6 +27,8 @@ class TeacherLoad:
     largest_tensor: int
     vocab_size: int
     is_student: bool  # the student's own model (self-distillation): the adapter mode's teacher
+    beta: float  # the generalised JSD's (the loss's float32 working set depends on it)
+    chunk_tokens: int  # distill.loss_chunk_tokens: the loss's float32 rows at a time
     mode: str | None = None
     top_k: int = 1
     on_policy: bool = False

@@ -346,5 +346,5 @@ def objective_logits(work: Workload, tokens: int, shape: ModelShape, lp: int, ti
     if work.terms == "rollouts":
         return la.rollout_logits_bytes(tokens * (work.completion_len or work.seq_len) // work.seq_len, shape, lp)
     if work.terms == "distill":
-        return la.distill_logits_bytes(tokens, shape, lp, work.tile_tokens)
+        return la.distill_logits_bytes(tokens, shape, lp, work.teacher.chunk_tokens, work.teacher.beta)
     return la.logits_bytes(tokens, shape, lp, tiled_loss, work.tile_tokens)

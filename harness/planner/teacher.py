@@ -40,8 +40,9 @@ ID_BYTES, LOGPROB_BYTES, TAIL_BYTES = 4, 4, 4  # the store's int32 id and float3
 TARGET_ID_BYTES = 8  # the top-k ids handed to the loss: int64 (torch.gather's index), float32 log-probs beside
 
 
-def teacher_load(name: str, cfg: dict, student_cfg: dict, *, is_student: bool, mode: str | None = None,
-                 top_k: int = 1, on_policy: bool = False, lmbda: float = 0.0, records: int | None = None) -> TeacherLoad:
+def teacher_load(name: str, cfg: dict, student_cfg: dict, *, is_student: bool, beta: float, chunk_tokens: int,
+                 mode: str | None = None, top_k: int = 1, on_policy: bool = False, lmbda: float = 0.0,
+                 records: int | None = None) -> TeacherLoad:
     """The teacher from its config dict; the tensors it keeps whole under ZeRO-3 are those at or under the
     student's persistence threshold (the teacher engine takes the student's ZeRO-3 keys)."""
     from harness.planner.memory import harness_buckets
@@ -51,10 +52,10 @@ def teacher_load(name: str, cfg: dict, student_cfg: dict, *, is_student: bool, m
     threshold = harness_buckets(int(student_cfg.get("hidden_size") or student_cfg.get("n_embd"))) \
         .param_persistence_threshold
     return TeacherLoad(name, count.total, count.persistent_numel(threshold), count.largest_tensor or 0,
-                       int(cfg["vocab_size"]), is_student, mode, top_k, on_policy, lmbda, records)
+                       int(cfg["vocab_size"]), is_student, beta, chunk_tokens, mode, top_k, on_policy, lmbda, records)
 
 
-def refused(t: TeacherLoad, *, lora: bool, beta: float | None) -> dict[str, str | None]:
+def refused(t: TeacherLoad, *, lora: bool) -> dict[str, str | None]:
     """Why each mode cannot teach this run (None: it can)."""
     adapter = None
     if not lora or not t.is_student:
@@ -64,7 +65,7 @@ def refused(t: TeacherLoad, *, lora: bool, beta: float | None) -> dict[str, str 
             "precomputed": "the completions are generated during training (on-policy), so there is nothing to score "
                            "before it" if t.on_policy else None,
             "served": "the endpoint returns the teacher's top-k log-probs; with beta > 0 and k > 1 the loss needs its "
-                      "values at the student's top-k, which it never sees" if (beta or 0) > 0 and t.top_k > 1 else None}
+                      "values at the student's top-k, which it never sees" if t.beta > 0 and t.top_k > 1 else None}
 
 
 def store_bytes(t: TeacherLoad, completion_len: int) -> int | None:
@@ -106,7 +107,7 @@ def attach(result: dict, c, lora: bool, cluster: Cluster, work: Workload, swap_b
                                       zero_shards=result["dp"], precision=work.precision, persistent=t.persistent,
                                       swap_buffer_bytes=swap_buffer_bytes),
                **{m: dict.fromkeys(DEVICES, 0) for m in ("adapter", "precomputed", "served")}}
-    why_not = refused(t, lora=lora, beta=work.beta)
+    why_not = refused(t, lora=lora)
     modes = {}
     for m, w in weights.items():
         used = {**w, "gpu": w["gpu"] + targets_bytes(m, t, tokens, lp)}
