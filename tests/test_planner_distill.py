@@ -180,3 +180,30 @@ def test_teacher_engine_bytes_equal_the_live_engines(tmp_path, capsys):
         assert live["after_forward"]["gathered"] == 0, live["after_forward"]
         print(f"rank {rank}: teacher engine {held} B, planner {engine['weights_gpu']} B "
               f"(threshold {live['threshold']})")
+
+
+def test_recipe_auto_plans_the_teacher_the_run_will_hold():
+    """`--recipe auto` with gkd gives the planner the run's teacher in the mode the run resolves (auto: an engine of
+    distill.teacher_model_name_or_path): a 70B teacher's whole copy fits no ZeRO-1/2 layout, so the planner goes to
+    ZeRO-3, where the teacher shards like the student; the same student alone stays below ZeRO-3."""
+    from harness.config.recipes import complete
+    from harness.planner import hardware
+    from harness.train.auto_recipe import plan_for
+
+    hw = {"gpus_per_node": 8, "nodes": 1, "gpu_mem_bytes": 80 * 10**9, "cpu_mem_bytes": 2000 * 10**9,
+          "nvme_bytes": None, "device": "cuda"}
+
+    def auto(*overrides):
+        settings = complete({"description": "auto"}, "--recipe auto",
+                            ["train.model=llama-3.2-1b", "precision=bf16", "train.seq_len=1024", *overrides])
+        return plan_for(settings, hw, hardware.load("h100-80gb-sxm"))
+
+    lm = auto()
+    gkd = auto("train.objective=gkd", "distill.teacher_model_name_or_path=llama-3.1-70b", "distill.lmbda=0")
+    t = gkd.workload.teacher
+    assert (t.name, t.mode, t.on_policy, t.beta, t.chunk_tokens) == ("llama-3.1-70b", "engine", False, 0.5, 256)
+    assert lm.recommended["zero_stage"] < 3 and gkd.recommended["zero_stage"] == 3
+    used = gkd.recommended["memory"]["teacher"]
+    assert used["mode"] == "engine" and used["modes"]["engine"]["weights_gpu"] < 2 * t.params / 7
+    assert all(r["memory"]["teacher"]["modes"]["engine"]["weights_gpu"] == 2 * t.params
+               for r in gkd.candidates if r["zero_stage"] < 3)

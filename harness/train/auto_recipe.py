@@ -108,7 +108,8 @@ def plan_for(settings: dict, hw: dict, profile: dict):
     """The planner's answer for a completed recipe on the hardware found (detect_hardware's dict): its model,
     seq_len (a sequence one rank cannot hold gets the long-context rung: sp, tiling, activation offload),
     micro-batch, precision, checkpointing, attention and objective (a preference run's pairs and reference; an RL
-    run's completions of rl.max_prompt_length + rl.max_completion_length tokens and its reference when beta > 0)."""
+    run's completions of rl.max_prompt_length + rl.max_completion_length tokens and its reference when beta > 0;
+    a distillation run's teacher in the mode the run resolves)."""
     from harness.planner import plan
     from harness.planner.inputs import Cluster, Workload
 
@@ -127,6 +128,8 @@ def plan_for(settings: dict, hw: dict, profile: dict):
         seq_len = rl["max_prompt_length"] + rl["max_completion_length"]
         goal = {"objective": objective_of(settings).name, "reference_mode": rl_reference_mode(settings),
                 "beta": rl["beta"], "prompt_len": rl["max_prompt_length"], "completion_len": rl["max_completion_length"]}
+    if objective_of(settings).planner == "distill":  # a distillation run: its rows (train.seq_len), its teacher
+        goal = {"objective": objective_of(settings).name, "teacher": run_teacher(settings)}
     cluster = Cluster(hw["gpus_per_node"], hw["gpu_mem_bytes"], hw["nodes"], hw["cpu_mem_bytes"], hw["nvme_bytes"])
     work = Workload(seq_len, micro if isinstance(micro, int) else 1, settings["precision"],
                     settings["activation_checkpointing"],
@@ -135,6 +138,19 @@ def plan_for(settings: dict, hw: dict, profile: dict):
                     packing=packing(settings),
                     optimizer_states=optimizer_states({"optimizer": {"type": settings["optimizer"]["type"]}}), **goal)
     return plan(load_model_config(train["model"]), cluster, work, model_name=train["model"], hardware_profile=profile)
+
+
+def run_teacher(settings: dict):
+    """planner/teacher.TeacherLoad of a distillation recipe: distill.teacher_model_name_or_path (null: the student),
+    the mode the run gets (config/distill_rules.teacher_mode), its beta, loss chunk and on-policy share."""
+    from harness.config.distill_rules import on_policy, settings as distill_settings, teacher_mode
+    from harness.planner.teacher import teacher_load
+
+    model, block = settings["train"]["model"], distill_settings(settings)
+    name = block["teacher_model_name_or_path"] or model
+    return teacher_load(name, load_model_config(name), load_model_config(model), is_student=name == model,
+                        beta=block["beta"], chunk_tokens=block["loss_chunk_tokens"], mode=teacher_mode(settings),
+                        top_k=block.get("loss_top_k") or 1, on_policy=on_policy(settings), lmbda=block["lmbda"])
 
 
 def planner_attention(value: str | None, device: str) -> str:
