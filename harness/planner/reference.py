@@ -107,8 +107,9 @@ def pass_s(rows_work: Workload, world: int, forward_s: float) -> float | None:
     return -(-rows_work.pairs // int(world * pairs_per_micro)) * forward_s
 
 
-def _fits(mem: dict, extra: dict[str, int], cluster: Cluster) -> bool:
-    """Whether the layout's memory with `extra` reference bytes per rank still fits the GPU, CPU and NVMe."""
+def fits_beside(mem: dict, extra: dict[str, int], cluster: Cluster) -> bool:
+    """Whether the layout's memory with `extra` bytes per rank (a reference's, a teacher's) still fits the GPU, CPU and
+    NVMe."""
     gpn = cluster.gpus_per_node
     if mem["gpu_bytes"] + extra["gpu"] > cluster.usable_gpu_bytes:
         return False
@@ -130,7 +131,7 @@ def attach(result: dict, c, count, cluster: Cluster, work: Workload, persistent:
                                     swap_buffer_bytes=swap_buffer_bytes),
              "adapter": dict.fromkeys(DEVICES, 0)}
     applicable = {"precomputed": work.terms == "pairs", "engine": True, "adapter": lora}
-    fits = {m: _fits(mem, b, cluster) and applicable[m] for m, b in modes.items()}
+    fits = {m: fits_beside(mem, b, cluster) and applicable[m] for m, b in modes.items()}
     best, why = recommend(work.objective, lora, work, fits)
     mode = work.reference_mode or best
     if best is None:  # no reference at all: reference-free, or RL with beta 0

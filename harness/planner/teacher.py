@@ -33,7 +33,7 @@ from __future__ import annotations
 from harness.config.defaults import PRECISION_BYTES
 from harness.planner import hardware
 from harness.planner.inputs import Cluster, TeacherLoad, Workload
-from harness.planner.reference import DEVICES, _fits, engine_bytes
+from harness.planner.reference import DEVICES, engine_bytes, fits_beside
 
 MODES = ("engine", "adapter", "precomputed", "served")
 ID_BYTES, LOGPROB_BYTES, TAIL_BYTES = 4, 4, 4  # the store's int32 id and float32 log-prob per entry, float32 tail
@@ -112,7 +112,7 @@ def attach(result: dict, c, lora: bool, cluster: Cluster, work: Workload, swap_b
     for m, w in weights.items():
         used = {**w, "gpu": w["gpu"] + targets_bytes(m, t, tokens, lp)}
         modes[m] = {**used, "weights_gpu": w["gpu"], "targets": targets_bytes(m, t, tokens, lp),
-                    "fits": _fits(mem, used, cluster), "applicable": why_not[m] is None, "why_not": why_not[m]}
+                    "fits": fits_beside(mem, used, cluster), "applicable": why_not[m] is None, "why_not": why_not[m]}
     modes["served"]["endpoint_bytes"] = lp * t.params
     modes["precomputed"]["disk_bytes"] = store_bytes(t, work.completion_len or work.seq_len)
     best, why = recommend(t, {m: v["fits"] and v["applicable"] for m, v in modes.items()})
