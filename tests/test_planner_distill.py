@@ -44,8 +44,10 @@ def test_teacher_bytes_per_mode_equal_the_arithmetic_of_its_shape():
     assert engine["targets"] == tokens * V * 2 and engine["gpu"] == engine["weights_gpu"] + engine["targets"]
     assert modes["adapter"]["weights_gpu"] == 0 and not modes["adapter"]["applicable"]  # no LoRA, another model
     for mode in ("precomputed", "served"):  # top-k ids (int64) and log-probs (float32), nothing else here
-        assert modes[mode]["gpu"] == modes[mode]["targets"] == tokens * 8 * (8 + 4)
-    assert modes["precomputed"]["disk_bytes"] == 10_000 * 512 * (8 * (4 + 4) + 4)  # k x (id + log-prob) + tail
+        assert modes[mode]["gpu"] == modes[mode]["targets"] == tokens * (8 * (8 + 4) + 4)  # + the actual token's
+    # k x (uint32 id + float32 log-prob) + the actual token's log-prob per loss token, uint64 row index
+    assert modes["precomputed"]["disk_bytes"] == 10_000 * 512 * (8 * (4 + 4) + 4) + 10_001 * 8
+    assert teacher.id_bytes(65_536) == 2 and teacher.id_bytes(V) == 4  # uint16 ids while the vocabulary fits
     assert modes["served"]["endpoint_bytes"] == 2 * p_t
     whole = evaluate(2, t=t)["memory"]["teacher"]["modes"]["engine"]
     assert whole["weights_gpu"] == 2 * p_t  # stages 0-2: a whole copy per rank
@@ -115,7 +117,7 @@ def test_plan_gkd_prints_the_teacher_and_the_rollouts_when_on_policy(capsys):
             "= 1,024 tokens; completions: the dataset's (off-policy)") in text
     assert "teacher   llama-3.1-8b: 8.03 B params, vocab 128256; loss top-k 4" in text
     assert "  teacher (gkd): engine: its weights fit beside the student" in text and "Rollouts" not in text
-    assert f"store {1000 * 512 * (4 * 8 + 4) / 1e6:.1f} MB on disk; one pass up front" in text
+    assert f"store {(1000 * 512 * (4 * 8 + 4) + 1001 * 8) / 1e6:.1f} MB on disk; one pass up front" in text
     assert main([*PLAN, "--objective", "gkd", "--json"]) == 0  # TRL's lmbda 0.5: on-policy half the time
     plan = json.loads(capsys.readouterr().out)
     ref = plan["recommended"]["memory"]["teacher"]

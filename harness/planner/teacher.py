@@ -7,12 +7,14 @@ Bytes per rank, weights (as harness/train/reference_engine.py holds a frozen mod
   threshold, its offload_param): lp x ceil(P_t / shards) where offload_param puts them, the tensors at or under the
   threshold whole on every GPU (planner/reference.engine_bytes). Stages 0-2 hold whole weights: lp x P_t per GPU.
 - adapter: nothing beyond the base (under LoRA the student's own base with the adapters off: self-distillation).
-- precomputed: nothing on the GPU or in rank RAM (the store is memory-mapped). On disk:
-  loss tokens x k x (4 B id + 4 B log-prob) + loss tokens x 4 B (the tail's log-mass), loss tokens at most
-  records x completion_len.
+- precomputed: nothing on the GPU or in rank RAM (the store is memory-mapped). On disk (the store's files, docs/
+  distillation.md): loss tokens x (k x (id + 4 B float32 log-prob) + 4 B, the actual token's log-prob) + 8 B per row
+  of the row index (records + 1), ids uint16 for a vocabulary of at most 65,536 tokens, else uint32; loss tokens at
+  most records x completion_len. The tail mass is derived at load, not stored.
 - served: nothing here; the endpoint holds lp x P_t (shown as the endpoint's).
 The targets one micro-batch hands the loss (on the GPU during the step): engine and adapter the teacher's logits,
-tokens x V x lp; precomputed and served the top-k, tokens x k x (8 B int64 id + 4 B float32 log-prob).
+tokens x V x lp; precomputed and served the top-k, tokens x (k x (8 B int64 id + 4 B float32 log-prob) + 4 B, the
+actual token's log-prob).
 
 Time per optimizer step: engine one teacher forward per micro-step (no backward), the student's forward time x
 P_t / P_s (the FLOPs scale with the parameters); adapter the student's forward once more; precomputed and served
@@ -36,8 +38,14 @@ from harness.planner.inputs import Cluster, TeacherLoad, Workload
 from harness.planner.reference import DEVICES, engine_bytes, fits_beside
 
 MODES = ("engine", "adapter", "precomputed", "served")
-ID_BYTES, LOGPROB_BYTES, TAIL_BYTES = 4, 4, 4  # the store's int32 id and float32 log-prob per entry, float32 tail
-TARGET_ID_BYTES = 8  # the top-k ids handed to the loss: int64 (torch.gather's index), float32 log-probs beside
+LOGPROB_BYTES = 4  # float32: each top-k entry's log-prob and the actual token's, on disk and handed to the loss
+ROW_INDEX_BYTES = 8  # uint64 per row (and one more): where each row's loss tokens start in the store
+TARGET_ID_BYTES = 8  # the top-k ids handed to the loss: int64 (torch.gather's index)
+
+
+def id_bytes(vocab_size: int) -> int:
+    """The store's id width: uint16 while the vocabulary fits it, else uint32."""
+    return 2 if vocab_size <= 1 << 16 else 4
 
 
 def teacher_load(name: str, cfg: dict, student_cfg: dict, *, is_student: bool, beta: float, chunk_tokens: int,
@@ -69,17 +77,18 @@ def refused(t: TeacherLoad, *, lora: bool) -> dict[str, str | None]:
 
 
 def store_bytes(t: TeacherLoad, completion_len: int) -> int | None:
-    """The precomputed store on disk: loss tokens x (k x (id + log-prob) + tail); None when records are unknown."""
+    """The precomputed store on disk (the module doc's formula); None when the records are unknown."""
     if t.records is None:
         return None
-    return t.records * completion_len * (t.top_k * (ID_BYTES + LOGPROB_BYTES) + TAIL_BYTES)
+    per_token = t.top_k * (id_bytes(t.vocab_size) + LOGPROB_BYTES) + LOGPROB_BYTES
+    return t.records * completion_len * per_token + (t.records + 1) * ROW_INDEX_BYTES
 
 
 def targets_bytes(mode: str, t: TeacherLoad, tokens: int, lp: int) -> int:
     """What the teacher hands the loss for one micro-batch: its logits, or its top-k ids and log-probs."""
     if mode in ("engine", "adapter"):
         return tokens * t.vocab_size * lp
-    return tokens * t.top_k * (TARGET_ID_BYTES + LOGPROB_BYTES)
+    return tokens * (t.top_k * (TARGET_ID_BYTES + LOGPROB_BYTES) + LOGPROB_BYTES)
 
 
 def recommend(t: TeacherLoad, usable: dict[str, bool]) -> tuple[str | None, str]:
