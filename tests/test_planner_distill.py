@@ -209,3 +209,35 @@ def test_recipe_auto_plans_the_teacher_the_run_will_hold():
     assert used["mode"] == "engine" and used["modes"]["engine"]["weights_gpu"] < 2 * t.params / 7
     assert all(r["memory"]["teacher"]["modes"]["engine"]["weights_gpu"] == 2 * t.params
                for r in gkd.candidates if r["zero_stage"] < 3)
+
+
+def test_a_runs_own_prediction_prices_its_completions_and_teacher():
+    """A grpo or gkd run predicts itself (planner.evaluate of its RunModel: what the report sets beside the measured
+    run) with the workload `harness plan` prices: grpo's rows of rl.max_prompt_length + rl.max_completion_length
+    tokens (not train.seq_len) and a reference only with beta > 0; gkd's teacher in the mode the run resolves."""
+    from harness.config.recipes import load_recipe
+    from harness.config.run_model import RunModel
+    from harness.config.validate import check_recipe, context, strip_annotations
+    from harness.model_shapes import PRESETS
+    from harness.planner import evaluate, hardware
+
+    def predict(*overrides):
+        recipe, source = load_recipe("zero3", ["train.model=tiny-llama", "train.seq_len=256", *overrides])
+        ds = strip_annotations(check_recipe(recipe, context(recipe, 2), source).ds_config)
+        run = RunModel.from_resolved(recipe, ds, 2, dict(PRESETS["tiny-llama"]))
+        return run, evaluate(run, Cluster(2, 8 * 10**9), hardware.load("h100-80gb-sxm"))
+
+    rl = ["train.objective=grpo", "rl.max_prompt_length=24", "rl.max_completion_length=40"]
+    run, own = predict(*rl)
+    assert (run.completions.prompt_len, run.completions.completion_len, run.completions.reference_mode) == (24, 40, None)
+    assert own.layout["memory"]["activations"]["tokens_per_rank"] == run.batch.micro_batch * 64
+    assert own.layout["memory"]["reference"]["mode"] is None
+    _, with_ref = predict(*rl, "rl.beta=0.04")
+    assert with_ref.layout["memory"]["reference"]["mode"] == "engine" and "reference_s" in with_ref.time["breakdown"]
+    run, own = predict("train.objective=gkd", "distill.lmbda=0")
+    t = own.layout["memory"]["teacher"]
+    assert run.completions.teacher == "tiny-llama" and t["mode"] == t["recommended"] == "engine"  # no LoRA: a copy
+    assert t["params"] == count_params(dict(PRESETS["tiny-llama"])).total and own.time["breakdown"]["teacher_s"] > 0
+    acts = own.layout["memory"]["activations"]
+    assert acts["logits"] == activations.distill_logits_bytes(acts["tokens_per_rank"], model_shape(
+        dict(PRESETS["tiny-llama"])), 2, run.completions.chunk_tokens, 0.5)  # gkd's beta 0.5 (TRL's), bf16

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from harness.config.run_model import RunModel, Sequence, Zero
-from harness.planner import comm, memory, moe, pipeline, reference, sequence
+from harness.config.run_model import Completions, RunModel, Sequence, Zero
+from harness.planner import comm, memory, moe, pipeline, reference, sequence, teacher
 from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
 from harness.planner.params import count_params, model_shape, with_lora
@@ -60,10 +60,25 @@ def workload(run: RunModel) -> Workload:
     """The planner's workload of this run: its batch, sequence handling and precision."""
     seq, b, pref = run.sequence, run.batch, run.preference
     goal = {"objective": pref.objective, "reference_mode": pref.reference_mode} if pref else {}
-    return Workload(seq.seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
+    seq_len = seq.seq_len
+    if run.completions is not None:
+        seq_len, goal = completions_goal(run.completions, run.model, dict(run.model_config), seq_len)
+    return Workload(seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
                     attention=attention_kind(seq, run.degrees.sp), packing=seq.packing,
                     global_batch=b.global_batch, tile_tokens=seq.tile_tokens, optimizer_states=run.optimizer_states,
                     vision=run.vision, **goal)
+
+
+def completions_goal(done: Completions, model: str, model_cfg: dict, seq_len: int) -> tuple[int, dict]:
+    """(seq_len, Workload fields) of a completions objective: grpo's rows are the rl block's prompt + completion,
+    with a reference when beta > 0; a distillation run's are its records' (seq_len), with its teacher (left out
+    when its config cannot be read here)."""
+    if done.prompt_len:
+        return done.prompt_len + done.completion_len, {
+            "objective": done.objective, "reference_mode": done.reference_mode, "beta": done.beta,
+            "prompt_len": done.prompt_len, "completion_len": done.completion_len}
+    t = teacher.of_run(done, model, model_cfg)
+    return seq_len, ({"objective": done.objective, "teacher": t} if t else {})
 
 
 def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> int:

@@ -33,6 +33,7 @@ completions are the dataset's (only a pass up front needs the teacher, not a GPU
 from __future__ import annotations
 
 from harness.config.defaults import PRECISION_BYTES
+from harness.config.run_model import Completions
 from harness.planner import hardware
 from harness.planner.inputs import Cluster, TeacherLoad, Workload
 from harness.planner.reference import DEVICES, engine_bytes, fits_beside
@@ -61,6 +62,21 @@ def teacher_load(name: str, cfg: dict, student_cfg: dict, *, is_student: bool, b
         .param_persistence_threshold
     return TeacherLoad(name, count.total, count.persistent_numel(threshold), count.largest_tensor or 0,
                        int(cfg["vocab_size"]), is_student, beta, chunk_tokens, mode, top_k, on_policy, lmbda, records)
+
+
+def of_run(c: Completions, student: str, student_cfg: dict) -> TeacherLoad | None:
+    """A distillation run's teacher (config/run_model.Completions) as the planner prices it; None when its config
+    cannot be read here (a hub id not built in: the plan then leaves the teacher out)."""
+    from harness.errors import UsageError
+    from harness.model_shapes import load_model_config
+
+    try:
+        cfg = load_model_config(c.teacher)
+    except UsageError:
+        return None
+    return teacher_load(c.teacher, cfg, student_cfg, is_student=c.teacher == student, beta=c.beta,
+                        chunk_tokens=c.chunk_tokens, mode=c.teacher_mode, top_k=c.top_k, on_policy=c.on_policy,
+                        lmbda=c.lmbda)
 
 
 def refused(t: TeacherLoad, *, lora: bool) -> dict[str, str | None]:

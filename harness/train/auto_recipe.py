@@ -113,23 +113,17 @@ def plan_for(settings: dict, hw: dict, profile: dict):
     from harness.planner import plan
     from harness.planner.inputs import Cluster, Workload
 
-    from harness.config.objectives import objective_of
     from harness.config.preference_rules import is_preference, objective, packing, reference_mode
-    from harness.config.rl_rules import reference_mode as rl_reference_mode
-    from harness.config.run_model import optimizer_states
+    from harness.config.run_model import completions, optimizer_states
+    from harness.planner.rank import completions_goal
 
     train, micro = settings["train"], settings["batch"]["micro_batch_per_gpu"]
     # a preference run: two sequences per pair, its reference's bytes, and no tp / pp / sp (planner/reference.py)
     goal = {"objective": objective(settings), "reference_mode": reference_mode(settings)} \
         if is_preference(settings) else {}
-    seq_len = train["seq_len"]
-    if objective_of(settings).planner == "rollouts":  # an RL run: completions of the rl block's lengths, its reference
-        rl = settings["rl"]
-        seq_len = rl["max_prompt_length"] + rl["max_completion_length"]
-        goal = {"objective": objective_of(settings).name, "reference_mode": rl_reference_mode(settings),
-                "beta": rl["beta"], "prompt_len": rl["max_prompt_length"], "completion_len": rl["max_completion_length"]}
-    if objective_of(settings).planner == "distill":  # a distillation run: its rows (train.seq_len), its teacher
-        goal = {"objective": objective_of(settings).name, "teacher": run_teacher(settings)}
+    seq_len, done = train["seq_len"], completions(settings)
+    if done is not None:  # grpo: completions of the rl block's lengths, its reference; gkd, distill: the teacher
+        seq_len, goal = completions_goal(done, train["model"], load_model_config(train["model"]), seq_len)
     cluster = Cluster(hw["gpus_per_node"], hw["gpu_mem_bytes"], hw["nodes"], hw["cpu_mem_bytes"], hw["nvme_bytes"])
     work = Workload(seq_len, micro if isinstance(micro, int) else 1, settings["precision"],
                     settings["activation_checkpointing"],
@@ -138,19 +132,6 @@ def plan_for(settings: dict, hw: dict, profile: dict):
                     packing=packing(settings),
                     optimizer_states=optimizer_states({"optimizer": {"type": settings["optimizer"]["type"]}}), **goal)
     return plan(load_model_config(train["model"]), cluster, work, model_name=train["model"], hardware_profile=profile)
-
-
-def run_teacher(settings: dict):
-    """planner/teacher.TeacherLoad of a distillation recipe: distill.teacher_model_name_or_path (null: the student),
-    the mode the run gets (config/distill_rules.teacher_mode), its beta, loss chunk and on-policy share."""
-    from harness.config.distill_rules import on_policy, settings as distill_settings, teacher_mode
-    from harness.planner.teacher import teacher_load
-
-    model, block = settings["train"]["model"], distill_settings(settings)
-    name = block["teacher_model_name_or_path"] or model
-    return teacher_load(name, load_model_config(name), load_model_config(model), is_student=name == model,
-                        beta=block["beta"], chunk_tokens=block["loss_chunk_tokens"], mode=teacher_mode(settings),
-                        top_k=block.get("loss_top_k") or 1, on_policy=on_policy(settings), lmbda=block["lmbda"])
 
 
 def planner_attention(value: str | None, device: str) -> str:
