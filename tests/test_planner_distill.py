@@ -241,3 +241,15 @@ def test_a_runs_own_prediction_prices_its_completions_and_teacher():
     acts = own.layout["memory"]["activations"]
     assert acts["logits"] == activations.distill_logits_bytes(acts["tokens_per_rank"], model_shape(
         dict(PRESETS["tiny-llama"])), 2, run.completions.chunk_tokens, 0.5)  # gkd's beta 0.5 (TRL's), bf16
+    # this rank's own prediction (the report's per-rank peak): the teacher engine's ZeRO-3 share, and grpo's
+    # reference engine at beta > 0, in its peak; the live facts are the student's
+    from harness.planner.rank import LiveFacts
+
+    count = count_params(dict(PRESETS["tiny-llama"]))
+    threshold = run.zero.buckets.param_persistence_threshold
+    live = LiveFacts(total=count.total, largest_layer=count.largest_layer, largest_tensor=count.largest_tensor,
+                     persistent=count.persistent_numel(threshold))
+    rank = evaluate(run, live=live).rank
+    assert rank["teacher"]["gpu"] == 2 * math.ceil(count.total / 2) + 2 * count.persistent_numel(threshold)
+    rl_run, _ = predict(*rl, "rl.beta=0.04")
+    assert evaluate(rl_run, live=live).rank["reference"]["gpu"] == rank["teacher"]["gpu"]  # the same model, frozen

@@ -141,10 +141,14 @@ def rank_prediction(run: RunModel, live: LiveFacts) -> dict:
     shape = shape_of(run)
     if shape is not None:
         _add_activations(out, run, shape, states)
-        ref = _reference_bytes(run, live) if run.preference else None
+        ref = _reference_bytes(run, live)
         if ref:  # an engine-mode reference: its frozen weights are alive through the whole step
             out["reference"] = ref
             out["peak_total_bytes"] += ref["gpu"]
+        held = _teacher_bytes(run)
+        if held:  # an engine-mode teacher: the same, with the teacher's own count
+            out["teacher"] = held
+            out["peak_total_bytes"] += held["gpu"]
     else:
         notes.append("activations not predicted: the planner cannot size this architecture")
     out["notes"] = notes
@@ -169,15 +173,32 @@ def _add_activations(out: dict, run: RunModel, shape: ModelShape, states) -> Non
 
 
 def _reference_bytes(run: RunModel, live: LiveFacts) -> dict | None:
-    """This rank's engine-mode reference weights (planner/reference.py): the base model (the live parameters less
-    any LoRA adapters), sharded over the ranks like the policy's ZeRO-3 parameters."""
-    if run.preference.reference_mode != "engine":
+    """This rank's engine-mode reference weights (planner/reference.py; a preference run's, or grpo's with beta > 0):
+    the base model (the live parameters less any LoRA adapters), sharded over the ranks like the policy's ZeRO-3
+    parameters."""
+    extra = run.preference or run.completions
+    if getattr(extra, "reference_mode", None) != "engine":
         return None
     z = run.zero
     base = live.total - (live.trainable or 0)
     return reference.engine_bytes(base, stage=z.stage, offload_param=z.offload_param,
                                   zero_shards=run.degrees.zero_shards, precision=run.precision,
                                   persistent=live.persistent if z.stage == 3 else 0)
+
+
+def _teacher_bytes(run: RunModel) -> dict | None:
+    """This rank's engine-mode teacher weights (planner/teacher.py): the teacher's count, sharded like the student's
+    ZeRO-3 parameters with the student's persistence threshold, or a whole copy in stages 0-2."""
+    done = run.completions
+    if done is None or done.teacher_mode != "engine":
+        return None
+    z = run.zero
+    t = teacher.of_run(done, run.model, dict(run.model_config), z.buckets.param_persistence_threshold)
+    if t is None:
+        return None
+    return reference.engine_bytes(t.params, stage=z.stage, offload_param=z.offload_param,
+                                  zero_shards=run.degrees.zero_shards, precision=run.precision,
+                                  persistent=t.persistent if z.stage == 3 else 0)
 
 
 def model_count(run: RunModel):

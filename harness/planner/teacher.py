@@ -51,20 +51,22 @@ def id_bytes(vocab_size: int) -> int:
 
 def teacher_load(name: str, cfg: dict, student_cfg: dict, *, is_student: bool, beta: float, chunk_tokens: int,
                  mode: str | None = None, top_k: int = 1, on_policy: bool = False, lmbda: float = 0.0,
-                 records: int | None = None) -> TeacherLoad:
+                 records: int | None = None, threshold: int | None = None) -> TeacherLoad:
     """The teacher from its config dict; the tensors it keeps whole under ZeRO-3 are those at or under the
-    student's persistence threshold (the teacher engine takes the student's ZeRO-3 keys)."""
+    student's persistence threshold (the teacher engine takes the student's ZeRO-3 keys): `threshold`, else the one
+    the harness's recipes size from the student's width."""
     from harness.planner.memory import harness_buckets
     from harness.planner.params import count_params
 
     count = count_params(cfg)
-    threshold = harness_buckets(int(student_cfg.get("hidden_size") or student_cfg.get("n_embd"))) \
-        .param_persistence_threshold
+    if threshold is None:
+        hidden = int(student_cfg.get("hidden_size") or student_cfg.get("n_embd"))
+        threshold = harness_buckets(hidden).param_persistence_threshold
     return TeacherLoad(name, count.total, count.persistent_numel(threshold), count.largest_tensor or 0,
                        int(cfg["vocab_size"]), is_student, beta, chunk_tokens, mode, top_k, on_policy, lmbda, records)
 
 
-def of_run(c: Completions, student: str, student_cfg: dict) -> TeacherLoad | None:
+def of_run(c: Completions, student: str, student_cfg: dict, threshold: int | None = None) -> TeacherLoad | None:
     """A distillation run's teacher (config/run_model.Completions) as the planner prices it; None when its config
     cannot be read here (a hub id not built in: the plan then leaves the teacher out)."""
     from harness.errors import UsageError
@@ -76,7 +78,7 @@ def of_run(c: Completions, student: str, student_cfg: dict) -> TeacherLoad | Non
         return None
     return teacher_load(c.teacher, cfg, student_cfg, is_student=c.teacher == student, beta=c.beta,
                         chunk_tokens=c.chunk_tokens, mode=c.teacher_mode, top_k=c.top_k, on_policy=c.on_policy,
-                        lmbda=c.lmbda)
+                        lmbda=c.lmbda, threshold=threshold)
 
 
 def refused(t: TeacherLoad, *, lora: bool) -> dict[str, str | None]:
