@@ -84,9 +84,14 @@ def test_the_recommendation_rule():
     big = dict(KNOWN["llama-3.1-70b"])
     mode, why = best(load(big))
     assert mode == "precomputed" and "one teacher pass before training" in why  # 141 GB whole: not beside it
-    mode, why = best(load(big, on_policy=True, lmbda=0.5))
-    assert mode == "served" and "generated in the loop" in why  # on-policy: nothing to precompute
-    assert best(load(big, on_policy=True, lmbda=0.5), stage=3)[0] == "engine"  # ZeRO-3: 17.6 GB per rank
+    on_policy = load(big, on_policy=True, lmbda=0.5)
+    mode, why = best(on_policy)
+    assert mode is None and "nothing to precompute" in why and "--teacher-mode served" in why  # never picked for you
+    whole = evaluate(2, t=on_policy)
+    assert not whole["fits"] and whole["why_not"].startswith("teacher: its engine does not fit beside the student")
+    assert best(on_policy, stage=3)[0] == "engine"  # ZeRO-3: 17.6 GB per rank
+    served = evaluate(2, t=load(big, on_policy=True, lmbda=0.5, mode="served"))
+    assert served["fits"] and served["memory"]["teacher"]["mode"] == "served"  # asked for: an endpoint's GPUs
 
 
 def test_step_time_counts_the_teacher_forward_and_the_store_pass():

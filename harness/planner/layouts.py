@@ -220,6 +220,9 @@ def evaluate(c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluste
         teacher.attach(result, c, bool(count.lora_per_layer), cluster, work,
                        _swap_bytes(c, shape, work, work.teacher.largest_tensor))
     result.update(_verdict(c, result["memory"], shape, cluster))
+    teacher_used = (result["memory"].get("teacher") or {"mode": True})["mode"]
+    if result["fits"] and not teacher_used:  # no teacher mode fits this layout (planner/teacher.recommend)
+        result.update(fits=False, why_not=f"teacher: {result['memory']['teacher']['why']}")
     if work.objective and result["applicable"] and reference.refused(c, work.objective):
         result.update(applicable=False, fits=False, why_not=reference.refused(c, work.objective))
     if result["applicable"] and work.seq_len % c.sp:

@@ -27,7 +27,9 @@ teacher; precomputed with on-policy completions (nothing to score before trainin
 
 The recommendation (recommend): adapter when the teacher is the student's own base under LoRA; otherwise engine when
 its weights fit beside the student (the exact full-vocabulary loss, no pass up front); else precomputed when the
-completions are the dataset's (only a pass up front needs the teacher, not a GPU beside the student); else served.
+completions are the dataset's (only a pass up front needs the teacher, not a GPU beside the student). served is
+never picked for the user: its endpoint needs GPUs outside the cluster planned; where nothing else fits, the layout
+does not fit, and the reason names --teacher-mode served.
 """
 
 from __future__ import annotations
@@ -119,10 +121,9 @@ def recommend(t: TeacherLoad, usable: dict[str, bool]) -> tuple[str | None, str]
     if usable["precomputed"]:
         return "precomputed", ("an engine does not fit beside the student and the completions are the dataset's: "
                                "one teacher pass before training writes the top-k store")
-    if usable["served"]:
-        return "served", ("an engine does not fit beside the student" + (" and the completions are generated in "
-                          "the loop" if t.on_policy else "") + ": serve the teacher (vLLM) on other GPUs")
-    return None, "no mode fits: a smaller teacher, more GPUs, or ZeRO-3 with offload for the student"
+    return None, ("its engine does not fit beside the student here" + (" and the completions are generated in the "
+                  "loop (nothing to precompute)" if t.on_policy else "") + ": ZeRO-3 shards it, or --teacher-mode "
+                  "served puts it on an endpoint's GPUs (vLLM)")
 
 
 def attach(result: dict, c, lora: bool, cluster: Cluster, work: Workload, swap_buffer_bytes: int) -> None:
