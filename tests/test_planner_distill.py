@@ -118,11 +118,12 @@ PLAN = ["plan", "--model", "llama-3.2-1b", "--gpus", "8", "--gpu-mem", "80GB", "
 def test_plan_gkd_prints_the_teacher_and_the_rollouts_when_on_policy(capsys):
     assert main([*PLAN, "--objective", "gkd", "--lmbda", "0", "--records", "1000", "--loss-top-k", "4"]) == 0
     text = capsys.readouterr().out
-    assert ("objective gkd: the micro batch counts completions, 1 per micro-step, each 512 prompt + 512 completion "
-            "= 1,024 tokens; completions: the dataset's (off-policy)") in text
+    # the completion: TRL GKDConfig's max_new_tokens 128 (distill_rules.settings), the prompt rl's default 512
+    assert ("objective gkd: the micro batch counts completions, 1 per micro-step, each 512 prompt + 128 completion "
+            "= 640 tokens; completions: the dataset's (off-policy)") in text
     assert "teacher   llama-3.1-8b: 8.03 B params, vocab 128256; loss top-k 4" in text
     assert "  teacher (gkd): engine: its weights fit beside the student" in text and "Rollouts" not in text
-    assert f"store {(1000 * 512 * (4 * 8 + 4) + 1001 * 8) / 1e6:.1f} MB on disk; one pass up front" in text
+    assert f"store {(1000 * 128 * (4 * 8 + 4) + 1001 * 8) / 1e6:.1f} MB on disk; one pass up front" in text
     assert main([*PLAN, "--objective", "gkd", "--json"]) == 0  # TRL's lmbda 0.5: on-policy half the time
     plan = json.loads(capsys.readouterr().out)
     ref = plan["recommended"]["memory"]["teacher"]

@@ -142,8 +142,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--store-dir", default="", help="where the token stores are (train.store_dir)")
     rl = parser.add_argument_group("online RL, --objective grpo (docs/rl.md): the generation's memory and time")
     rl.add_argument("--num-generations", type=int, default=8, help="completions per prompt (rl.num_generations)")
-    rl.add_argument("--max-completion-length", type=int, default=512, help="tokens per completion")
-    rl.add_argument("--max-prompt-length", type=int, default=512, help="tokens per prompt")
+    rl.add_argument("--max-completion-length", type=int,
+                    help="tokens per completion (default: the objective's: rl.max_completion_length for grpo, TRL's "
+                         "max_new_tokens 128 for gkd, max_completion_length 512 for distill)")
+    rl.add_argument("--max-prompt-length", type=int, help="tokens per prompt (default rl.max_prompt_length, %s)"
+                                                          % recipe_default("rl.max_prompt_length"))
     rl.add_argument("--generator", choices=("hf", "vllm"), default="hf", help="rl.generator")
     rl.add_argument("--gather-mb", type=float, help="rl.gather_mb (default: the planner chooses)")
     rl.add_argument("--sync-bucket-mb", type=float, default=256.0, help="rl.sync_bucket_mb (vllm)")

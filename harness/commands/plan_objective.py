@@ -26,11 +26,23 @@ def seq_len(args: argparse.Namespace, default: int) -> int:
     if args.seq_len is not None:
         raise UsageError(f"--seq-len {args.seq_len} with --objective {args.objective}: its rows are a prompt and a "
                          "completion; give --max-prompt-length and --max-completion-length instead")
-    for flag, value in (("--max-prompt-length", args.max_prompt_length),
-                        ("--max-completion-length", args.max_completion_length)):
+    prompt, completion = lengths(args)
+    for flag, value in (("--max-prompt-length", prompt), ("--max-completion-length", completion)):
         if value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1")
-    return args.max_prompt_length + args.max_completion_length
+    return prompt + completion
+
+
+def lengths(args: argparse.Namespace) -> tuple[int, int]:
+    """(prompt, completion) tokens of a row: the flags, else the objective's defaults (the rl block's for grpo; for
+    gkd and distill the resolved distill block's generation length: TRL's max_new_tokens, max_completion_length)."""
+    prompt = recipe_default("rl.max_prompt_length") if args.max_prompt_length is None else args.max_prompt_length
+    if args.max_completion_length is not None:
+        return prompt, args.max_completion_length
+    if terms(args) == "rollouts":
+        return prompt, recipe_default("rl.max_completion_length")
+    trl = settings(args)
+    return prompt, trl["max_new_tokens"] or trl["max_completion_length"]
 
 
 def objective_work(args: argparse.Namespace, cfg: dict, resolve) -> dict:
@@ -56,7 +68,7 @@ def objective_work(args: argparse.Namespace, cfg: dict, resolve) -> dict:
     out = {"objective": goal, "reference_mode": None if mode == "auto" else mode, "pairs": args.pairs,
            "steps": args.steps}
     if kind in GENERATED:
-        out.update(prompt_len=args.max_prompt_length, completion_len=args.max_completion_length)
+        out.update(zip(("prompt_len", "completion_len"), lengths(args)))
     if kind == "rollouts":
         beta = recipe_default("rl.beta") if args.beta is None else args.beta
         if mode == "precomputed":
@@ -132,8 +144,9 @@ def rollout_section(args, cfg: dict, result, gpu_mem: int, profile: dict) -> dic
         return None
     lp = PRECISION_BYTES[args.precision]
     free = int(gpu_mem * (1 - RESERVE_FRACTION)) - int(layout["memory"]["gpu_bytes"])
-    work = rl.RolloutWork(sequences=args.micro_batch * args.grad_accum, prompt_len=args.max_prompt_length,
-                          completion_len=args.max_completion_length, generator=args.generator,
+    prompt, completion = lengths(args)
+    work = rl.RolloutWork(sequences=args.micro_batch * args.grad_accum, prompt_len=prompt,
+                          completion_len=completion, generator=args.generator,
                           gather_bound_bytes=None if args.gather_mb is None else int(args.gather_mb * rl.MIB),
                           sync_bucket_mb=args.sync_bucket_mb)
     out = rl.rollout_plan(count_params(cfg), model_shape(cfg), work, stage=int(layout["zero_stage"]),
