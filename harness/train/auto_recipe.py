@@ -13,6 +13,7 @@ import shutil
 from harness.dist import Launch
 from harness.errors import UsageError
 from harness.model_shapes import load_model_config
+from harness.config.objectives import objective_of
 from harness.config.recipes import complete
 
 
@@ -47,7 +48,7 @@ def choose(overrides: list[str], launch: Launch) -> tuple[str, list[str], str]:
     profile, source = hardware.for_machine(hw["device"], hw["device_name"], hw["gpu_mem_bytes"])
     result = plan_for(settings, hw, profile)
     best, rollout_line = result.recommended, ""
-    if best is not None and settings["train"]["objective"] == "grpo":  # the generation must fit beside training
+    if best is not None and objective_of(settings).planner == "rollouts":  # the generation must fit beside training
         best, rollout_line = rl_layout(settings, hw, profile, result)
     if best is None:
         raise UsageError(f"--recipe auto: no strategy fits {train['model']} on {hw['nodes']} x {hw['gpus_per_node']} "
