@@ -59,12 +59,13 @@ def test_sync_buckets_count_gathered_bytes():
 
 def test_plan_objective_grpo_prints_and_returns_the_rollouts(capsys):
     code = main(["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "80GB", "--objective", "grpo",
-                 "--zero", "3", "--micro-batch", "8", "--max-completion-length", "1024", "--json"])
+                 "--zero", "3", "--micro-batch", "16", "--max-completion-length", "1024", "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)["rollouts"]
-    assert out["kv_cache_bytes"] == 2 * 28 * 4 * 128 * (512 + 1024) * 8 * 2
+    assert out["kv_cache_bytes"] == 2 * 28 * 4 * 128 * (512 + 1024) * 16 * 2
     assert not out["gather"]["whole"] and out["gather"]["layers_per_group"] >= 1
-    assert out["vllm"]["sync"]["buckets"] >= 2 and "vllm" in out["recommend"]
+    # vLLM's model and KV cache (15.9 GB) do not fit the 12.9 GB free beside training: hf in layer groups
+    assert out["vllm"]["sync"]["buckets"] >= 2 and out["recommend"].startswith("hf, layer groups of ")
     main(["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "80GB", "--objective", "grpo", "--zero", "3"])
     text = capsys.readouterr().out
     assert "Rollouts on " in text and "KV cache" in text and "recommend" in text
@@ -119,9 +120,64 @@ def auto(sets: list[str], gpu_mem: int):
 def test_recipe_auto_plans_rl_runs_with_their_generation():
     result, layout, line = auto(["rl.max_completion_length=1024", "batch.micro_batch_per_gpu=8"], 80 * 10**9)
     assert layout["label"] == result.recommended["label"] and layout["rl_overrides"] == [] and "KV cache" in line
-    # 16 x 16K-token completions per rank: the KV cache (14.4 GiB) does not fit beside the first fit's training
-    result, layout, line = auto(["rl.max_completion_length=16384", "batch.micro_batch_per_gpu=16"], 80 * 10**9)
-    assert layout["zero_stage"] == 3 and layout["label"] != result.recommended["label"]
+    # 2 x 8.7K-token completions per rank: ZeRO-3 holds the training; the whole model beside the KV cache does not
+    # fit what is left, so the generation gathers layer groups within rl.gather_mb
+    result, layout, line = auto(["rl.max_completion_length=8192", "batch.micro_batch_per_gpu=2"], 80 * 10**9)
+    assert layout["zero_stage"] == 3 and "layer groups" in line
     assert layout["rl_overrides"] and layout["rl_overrides"][0].startswith("rl.gather_mb=")
-    result, layout, _ = auto(["rl.max_completion_length=60000", "batch.micro_batch_per_gpu=64"], 40 * 10**9)
-    assert layout is None and "no layout leaves room for the generation" in result.missing[-1]
+    # 4 of them per rank: training fits (ZeRO-3 with offload), the generation beside it nowhere
+    result, layout, _ = auto(["rl.max_completion_length=8192", "batch.micro_batch_per_gpu=4"], 80 * 10**9)
+    assert result.recommended is not None and layout is None and "no layout leaves room for the generation" in result.missing[-1]
+
+
+def test_recipe_auto_plans_the_rl_workload_not_train_seq_len():
+    """`--recipe auto` for grpo gives the planner the RL rows: completions of rl.max_prompt_length +
+    rl.max_completion_length tokens (train.seq_len plays no part), one row per item, a reference engine only when
+    rl.beta > 0, and no layout the run refuses (tp, pp, sp)."""
+    lengths = ["rl.max_prompt_length=256", "rl.max_completion_length=768", "batch.micro_batch_per_gpu=4"]
+    result, _, _ = auto(lengths, 80 * 10**9)
+    work, best = result.workload, result.recommended
+    assert (work.objective, work.seq_len, work.rows_per_item, work.beta) == ("grpo", 1024, 1, 0.0)
+    assert best["memory"]["activations"]["tokens_per_rank"] == best["micro_batch"] * 1024
+    assert best["memory"]["reference"]["mode"] is None and "beta 0" in best["memory"]["reference"]["why"]
+    assert all(r["tp"] == r["pp"] == r["sp"] == 1 for r in result.candidates if r["fits"])
+    assert best["overrides"]["rl.max_completion_length"] == 768 and "train.seq_len" not in best["overrides"]
+    # the row does not change with train.seq_len; beta > 0 loads a reference engine (no LoRA), in the totals
+    with_ref, _, _ = auto([*lengths, "train.seq_len=8192", "rl.beta=0.04"], 80 * 10**9)
+    ref = with_ref.recommended["memory"]["reference"]
+    assert with_ref.workload.seq_len == 1024 and ref["mode"] == "engine"
+    assert ref["modes"]["precomputed"]["applicable"] is False
+    same = next(r for r in result.candidates if r["label"] == with_ref.recommended["label"])
+    assert with_ref.recommended["memory"]["gpu_bytes"] - same["memory"]["gpu_bytes"] == ref["modes"]["engine"]["gpu"]
+
+
+def test_the_grpo_headline_states_completions_and_prompt_plus_completion(capsys):
+    """The headline of `harness plan --objective grpo` counts completions of prompt + completion tokens (not pairs of
+    2,048-token rows), and with TRL's beta 0 shows no reference; --json carries the same workload."""
+    args = ["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "80GB", "--objective", "grpo",
+            "--max-prompt-length", "256", "--max-completion-length", "768"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert ("objective grpo: the micro batch counts completions, 1 per micro-step, each 256 prompt + 768 completion "
+            "= 1,024 tokens; generated in the loop; no reference (beta 0: TRL loads none)") in text
+    assert "pairs" not in text and "chosen and rejected" not in text and "precomputed" not in text
+    assert "micro batch 1 x 1024 tokens" in text and "global batch 8 completions x 1024 = 8,192 tokens" in text
+    assert main([*args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    work, best = plan["workload"], plan["recommended"]
+    assert (work["objective"], work["seq_len"], work["prompt_len"], work["completion_len"]) == ("grpo", 1024, 256, 768)
+    assert best["memory"]["activations"]["tokens_per_rank"] == 1024 and best["memory"]["reference"]["mode"] is None
+    assert main([*args, "--beta", "0.04", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recommended"]["memory"]["reference"]["mode"] == "engine"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--reference-mode", "precomputed", "--beta", "0.04"], "the completions are generated during training"),
+    (["--reference-mode", "engine"], "no reference is loaded when beta is 0"),
+    (["--seq-len", "4096"], "give --max-prompt-length and --max-completion-length instead"),
+    (["--pairs", "100"], "its batch items are completions, not pairs"),
+    (["--teacher", "qwen2.5-7b"], "plan a distillation run: add --objective gkd"),
+])
+def test_plan_grpo_refuses_what_an_rl_run_refuses(capsys, extra, message):
+    code = main(["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "80GB", "--objective", "grpo", *extra])
+    assert code == 2 and message in capsys.readouterr().err

@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 
 from harness.config.defaults import PRECISION_BYTES, recipe_default
+from harness.config.objectives import OBJECTIVES
 from harness.config.run_model import optimizer_states
+from harness.commands import plan_objective
 from harness.errors import UsageError
+from harness.planner import teacher
 from harness.planner.memory import OFFLOAD_DEVICES
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -117,10 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-imbalance", type=float,
                         help="MoE: tokens on the busiest expert-parallel rank over the mean (default 1.1, the router's "
                              "balancing loss on); scales the experts' compute and all-to-all of EP layouts")
-    pref = parser.add_argument_group("preference optimisation (docs/preference.md)")
-    pref.add_argument("--objective", choices=_enum("train.objective"), default=recipe_default("train.objective"),
+    pref = parser.add_argument_group("the objective (harness/config/objectives.py); preference optimisation "
+                                     "(docs/preference.md)")
+    pref.add_argument("--objective", choices=tuple(OBJECTIVES), default=recipe_default("train.objective"),
                       help="dpo / ipo / simpo / orpo: the micro-batch counts pairs (two sequences each) and the "
-                           "reference model's bytes and time are counted per mode (default lm)")
+                           "reference model's bytes and time are counted per mode; grpo, gkd, distill: it counts "
+                           "completions of --max-prompt-length + --max-completion-length tokens (default lm)")
     pref.add_argument("--reference-mode", choices=_enum("preference.reference_mode"),
                       default=recipe_default("preference.reference_mode"),
                       help="the reference to count (default auto: the planner's recommendation per layout)")
@@ -137,11 +142,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--store-dir", default="", help="where the token stores are (train.store_dir)")
     rl = parser.add_argument_group("online RL, --objective grpo (docs/rl.md): the generation's memory and time")
     rl.add_argument("--num-generations", type=int, default=8, help="completions per prompt (rl.num_generations)")
-    rl.add_argument("--max-completion-length", type=int, default=512, help="tokens per completion")
-    rl.add_argument("--max-prompt-length", type=int, default=512, help="tokens per prompt")
+    rl.add_argument("--max-completion-length", type=int,
+                    help="tokens per completion (default: the objective's: rl.max_completion_length for grpo, TRL's "
+                         "max_new_tokens 128 for gkd, max_completion_length 512 for distill)")
+    rl.add_argument("--max-prompt-length", type=int, help="tokens per prompt (default rl.max_prompt_length, %s)"
+                                                          % recipe_default("rl.max_prompt_length"))
     rl.add_argument("--generator", choices=("hf", "vllm"), default="hf", help="rl.generator")
     rl.add_argument("--gather-mb", type=float, help="rl.gather_mb (default: the planner chooses)")
     rl.add_argument("--sync-bucket-mb", type=float, default=256.0, help="rl.sync_bucket_mb (vllm)")
+    rl.add_argument("--beta", type=float, help="grpo: rl.beta (default %s: TRL loads no reference); gkd, distill: "
+                                               "the generalised JSD's beta (a served teacher refuses beta > 0 with "
+                                               "--loss-top-k > 1)" % recipe_default("rl.beta"))
+    kd = parser.add_argument_group("distillation, --objective gkd | distill (docs/planner.md): the teacher")
+    kd.add_argument("--teacher", help="the teacher model (preset, known name, local dir or config.json, hub id; "
+                                      "default: the student's own model)")
+    kd.add_argument("--teacher-mode", choices=("auto",) + teacher.MODES, default="auto",
+                    help="the teacher to count (default auto: the planner's recommendation per layout)")
+    kd.add_argument("--loss-top-k", type=int, default=1,
+                    help="top-k log-probs per token of a precomputed or served teacher (default 1, TRL's loss_top_k)")
+    kd.add_argument("--lmbda", type=float, help="gkd: the share of micro-batches the student generates (on-policy, "
+                                                "priced as grpo's generation; default: TRL's 0.5); distill is "
+                                                "always on-policy")
+    kd.add_argument("--records", type=int, help="records in the prompt-completion set (the precomputed store's "
+                                                "size and its pass up front)")
     vl = parser.add_argument_group("vision-language models (docs/vision-language.md)")
     vl.add_argument("--images-per-sample", type=int, default=1,
                     help="images in one sample (default 1): their tokens, the vision tower's activations")
@@ -160,26 +183,6 @@ def _enum(dotted: str) -> tuple[str, ...]:
     from harness.config.schema import RECIPE_SCHEMA, subschema
 
     return tuple(subschema(RECIPE_SCHEMA, dotted)["enum"])
-
-
-def preference_work(args: argparse.Namespace) -> dict:
-    """The Workload fields of --objective, --reference-mode, --pairs and --steps (none for lm), refused as a run
-    would refuse them (harness/config/preference_rules.py)."""
-    from harness.config.defaults import REFERENCE_FREE
-
-    goal, mode = args.objective, args.reference_mode
-    if goal == "lm":
-        if mode != "auto" or args.pairs is not None or (args.steps is not None and not args.datasets):
-            raise UsageError("--reference-mode, --pairs and --steps plan a preference run: add --objective dpo "
-                             "(or ipo, simpo, orpo); --steps also goes with --datasets (a mixture's epochs)")
-        return {}
-    if goal in REFERENCE_FREE and mode != "auto":
-        raise UsageError(f"--reference-mode {mode} with --objective {goal}: {goal} has no reference model")
-    if mode == "adapter" and not args.lora_r:
-        raise UsageError("--reference-mode adapter needs LoRA (--lora-r R): the reference is the base with the "
-                         "adapters switched off")
-    return {"objective": goal, "reference_mode": None if mode == "auto" else mode, "pairs": args.pairs,
-            "steps": args.steps}
 
 
 def lora_count(cfg: dict, lora_r: int | None):
@@ -215,8 +218,8 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: must be at least 1")
     cfg = resolve_model(args.model)
-    seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, cfg.get("max_position_embeddings", cfg.get("n_positions"))
-                                  or DEFAULT_SEQ_LEN)
+    seq_len = plan_objective.seq_len(args, min(DEFAULT_SEQ_LEN, cfg.get("max_position_embeddings",
+                                                                         cfg.get("n_positions")) or DEFAULT_SEQ_LEN))
     images = _images(args) if cfg.get("vision_config") else None
     try:
         cluster = Cluster(args.gpus, gpu_mem, args.nodes, cpu_mem, nvme)
@@ -224,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
                         args.grad_accum, args.attention, expert_imbalance=args.expert_imbalance, packing=args.packing,
                         global_batch=args.global_batch,
                         optimizer_states=optimizer_states({"optimizer": {"type": args.optimizer}}),
-                        vision=_vision_load(cfg, args, images), **preference_work(args))
+                        vision=_vision_load(cfg, args, images), **plan_objective.objective_work(args, cfg, resolve_model))
         result = plan(cfg, cluster, work, model_name=args.model, count=lora_count(cfg, args.lora_r),
                       hardware_profile=profile, layout=_layout(args))
     except ValueError as e:
@@ -246,13 +249,14 @@ def run(args: argparse.Namespace) -> int:
     if images:
         _vision_lines(args, cfg, seq_len, result, images)
     mixture = mixture_plan(args, seq_len) if args.datasets else None
-    rollouts = rollout_section(args, cfg, result, gpu_mem, profile) if args.objective == "grpo" else None
+    rollouts = plan_objective.rollout_section(args, cfg, result, gpu_mem, profile) \
+        if plan_objective.generates(args, work) else None
     if args.json:
         extra = {**({"data": mixture[1]} if mixture else {}), **({"rollouts": rollouts} if rollouts else {})}
         text = to_json(result)
         sys.stdout.write((json.dumps({**json.loads(text), **extra}, indent=2) if extra else text) + "\n")
     else:
-        sys.stdout.write(to_text(result) + (render_rollouts(rollouts) if rollouts else "")
+        sys.stdout.write(to_text(result) + (plan_objective.render_rollouts(rollouts) if rollouts else "")
                          + ("\n".join(mixture[0]) + "\n" if mixture else ""))
     return 0 if result.recommended or result.evaluated else 1
 
@@ -284,48 +288,6 @@ def mixture_plan(args: argparse.Namespace, seq_len: int) -> tuple[list[str], dic
     train = complete({"description": "plan"}, "harness plan --datasets", overrides)["train"]
     global_batch = args.global_batch or args.micro_batch * args.grad_accum * args.gpus * args.nodes
     return plan_lines(train, global_batch, args.steps, tokenizer_or_none(args.model))
-
-
-def rollout_section(args, cfg: dict, result, gpu_mem: int, profile: dict) -> dict | None:
-    """planner/rl.py's generation plan on the recommended (or evaluated) layout."""
-    from harness.config.defaults import PARAM_PERSISTENCE_THRESHOLD
-    from harness.planner import rl
-    from harness.planner.inputs import RESERVE_FRACTION
-    from harness.planner.params import count_params, model_shape
-
-    layout = result.recommended or getattr(result, "evaluated", None)
-    if not layout:
-        return None
-    lp = PRECISION_BYTES[args.precision]
-    free = int(gpu_mem * (1 - RESERVE_FRACTION)) - int(layout["memory"]["gpu_bytes"])
-    work = rl.RolloutWork(sequences=args.micro_batch * args.grad_accum, prompt_len=args.max_prompt_length,
-                          completion_len=args.max_completion_length, generator=args.generator,
-                          gather_bound_bytes=None if args.gather_mb is None else int(args.gather_mb * rl.MIB),
-                          sync_bucket_mb=args.sync_bucket_mb)
-    out = rl.rollout_plan(count_params(cfg), model_shape(cfg), work, stage=int(layout["zero_stage"]),
-                          world=int(layout["dp"]), lp=lp, threshold=PARAM_PERSISTENCE_THRESHOLD,
-                          free_bytes=free, gpu_mem_bytes=gpu_mem, profile=profile)
-    return {"layout": layout["label"], "free_bytes": free, "sequences_per_rank": work.sequences,
-            "num_generations": args.num_generations, **out}
-
-
-def render_rollouts(r: dict) -> str:
-    mib = 1 << 20
-    g, hf, vllm = r["gather"], r["hf"], r["vllm"]
-    how = "whole model once per call" if g["whole"] else \
-        f"layer groups of {g['layers_per_group']} ({g['num_groups']} per token)"
-    return "\n".join([
-        "", f"Rollouts on {r['layout']} ({r['sequences_per_rank']} completions per rank per step, "
-            f"{r['num_generations']} per prompt; {r['free_bytes'] / mib:,.0f} MiB free beside training):",
-        f"  KV cache         {r['kv_cache_bytes'] / mib:,.1f} MiB (2 x layers x kv_heads x head_dim x tokens x "
-        "sequences x bytes)",
-        f"  hf gather        {how}: peak {g['peak_bytes'] / mib:,.1f} MiB held, {g['per_token_gather_bytes'] / mib:,.1f}"
-        f" MiB gathered per token ({r['gather_reason']})",
-        f"  hf time          prefill {hf['prefill_s']:.3f} s, decode {hf['decode_s']:.3f} s",
-        f"  vllm             {vllm['bytes'] / mib:,.1f} MiB needed of a {vllm['budget_bytes'] / mib:,.0f} MiB share; "
-        f"decode {vllm['decode_s']:.3f} s; weight sync {vllm['sync']['bytes'] / mib:,.1f} MiB in "
-        f"{vllm['sync']['buckets']} bucket(s), {vllm['sync']['seconds']:.3f} s per step",
-        f"  recommend        {r['recommend']}", ""])
 
 
 def _images(args: argparse.Namespace) -> tuple[int, int, tuple[str, ...]]:

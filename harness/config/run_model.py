@@ -144,6 +144,25 @@ class Preference:
     reference: str | None = None  # preference.reference: a model folder or hub id; None: the policy's start
 
 
+@dataclass(frozen=True)
+class Completions:
+    """An objective whose batch items are completions (the registry's planner field rollouts or distill), as the
+    planner prices it (planner/rank.workload): grpo's rows are the rl block's prompt + completion, with a reference
+    only when beta > 0; a distillation run's rows are train.seq_len's records, its teacher priced in its mode."""
+
+    objective: str
+    prompt_len: int | None = None  # grpo: rl.max_prompt_length (None: the rows are train.seq_len's)
+    completion_len: int | None = None
+    beta: float = 0.0  # rl.beta (0: no reference), or distill's resolved beta
+    reference_mode: str | None = None  # grpo: engine | adapter, None without a reference
+    teacher: str | None = None  # distill: the teacher's model (the student's own when none is named)
+    teacher_mode: str | None = None  # distill: engine | adapter | precomputed | served
+    on_policy: bool = False
+    lmbda: float = 0.0
+    chunk_tokens: int = 0  # distill.loss_chunk_tokens
+    top_k: int = 1  # distill.loss_top_k (precomputed, served)
+
+
 # fp32 tensors an optimizer keeps per trainable element, by the DeepSpeed dict's optimizer.type (lower case).
 # The Adam family's two moments when the type is absent or unknown (the planner's assumption).
 _STATES_BY_OPTIMIZER = {"adagrad": 1, "lion": 1, "sgd": None, "musgd": None}  # None: 1 with momentum, else 0
@@ -174,6 +193,7 @@ class RunModel:
     pipeline_partition: str = "parameters"
     pipe_partitioned: bool = True  # DeepSpeed's pipeline.pipe_partitioned: activations split over tp between stages
     preference: Preference | None = None  # None: the next-token objective (lm)
+    completions: Completions | None = None  # grpo, gkd, distill: completions (None: lm or a preference objective)
     optimizer_states: int = ADAM_STATES  # fp32 tensors the optimizer keeps per trainable element (optimizer_states)
     vision: Any = None  # a vision-language run: planner/vision.VisionLoad of its data's worst row (vision_steps.py)
 
@@ -201,7 +221,28 @@ class RunModel:
                    precision=recipe["precision"], degrees=d, zero=Zero.of(ds), batch=batch, sequence=seq,
                    adapter=adapter, pipeline_partition=pipe.get("partition", recipe["parallel"]["partition_method"]),
                    pipe_partitioned=bool(pipe.get("pipe_partitioned", True)), preference=_preference(recipe),
-                   optimizer_states=optimizer_states(ds))
+                   completions=completions(recipe), optimizer_states=optimizer_states(ds))
+
+
+def completions(recipe: Mapping) -> Completions | None:
+    """The run's completions objective with its extra model resolved (config/rl_rules.py, distill_rules.py); None
+    for lm and the preference objectives."""
+    from harness.config import distill_rules, rl_rules
+    from harness.config.objectives import objective_of
+
+    goal = objective_of(recipe)
+    if goal.planner == "rollouts":
+        rl = recipe["rl"]
+        return Completions(goal.name, int(rl["max_prompt_length"]), int(rl["max_completion_length"]),
+                           float(rl["beta"]), rl_rules.reference_mode(recipe))
+    if goal.planner != "distill":
+        return None
+    block = distill_rules.settings(recipe)
+    return Completions(goal.name, beta=float(block["beta"]),
+                       teacher=block["teacher_model_name_or_path"] or recipe["train"]["model"],
+                       teacher_mode=distill_rules.teacher_mode(recipe), on_policy=distill_rules.on_policy(recipe),
+                       lmbda=float(block["lmbda"]), chunk_tokens=int(block["loss_chunk_tokens"]),
+                       top_k=int(block.get("loss_top_k") or 1))
 
 
 def _preference(recipe: Mapping) -> Preference | None:

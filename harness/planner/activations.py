@@ -84,6 +84,29 @@ def pair_logits_bytes(tokens: int, seq_len: int, shape: ModelShape, lp: int) -> 
     return int(2 * tokens * vocab * lp + 2 * seq_len * vocab * 4)
 
 
+def rollout_logits_bytes(completion_tokens: int, shape: ModelShape, lp: int) -> int:
+    """An RL step's logits (harness/train/grpo.py, rl/loss.py): the forward keeps only the completion positions
+    (logits_to_keep), gathers them per row (a second 16-bit copy), up-casts to fp32 and takes the log-softmax, both
+    kept for backward: completion tokens x vocab x (2 lp + 8)."""
+    return int(completion_tokens * shape.vocab_size * (2 * lp + 8))
+
+
+def distill_chunk_tensors(beta: float) -> int:
+    """float32 [chunk, vocab] tensors at the peak of one chunk of the distillation loss (harness/train/distill_loss.py:
+    the up-cast student and teacher rows, their log-softmaxes, the divergence's terms and autograd's saved ones),
+    measured on CPU at vocab 152,064 with ru_maxrss: 6.5 at beta 0, 7.5 at beta 1, 10.5 between (the mixture's
+    log m and both KL terms), rounded up."""
+    return 7 if beta == 0 else 8 if beta == 1 else 11
+
+
+def distill_logits_bytes(tokens: int, shape: ModelShape, lp: int, chunk_tokens: int, beta: float) -> int:
+    """A distillation loss's logits (harness/train/distill.py): the student's forward logits, their copy at the loss
+    tokens and its gradient (16-bit, at most every token each), and the loss in float32 over one chunk of tokens at
+    a time, never the whole B x L x V in float32. The teacher's own targets are its mode's (planner/teacher.py)."""
+    vocab = shape.vocab_size
+    return int(3 * tokens * vocab * lp + distill_chunk_tensors(beta) * min(tokens, chunk_tokens) * vocab * 4)
+
+
 def mask_bytes(attention: str, seq_len: int, sp: int, micro_batch: int, lp: int) -> int:
     """The attention mask materialised per rank and micro-batch: s^2 booleans for sdpa (at sp 1 transformers',
     under SP the harness's document_sdpa over the full sequence), (s/sp)^2 in the training dtype for eager; none for

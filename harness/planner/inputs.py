@@ -6,10 +6,34 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 
 from harness.config.defaults import TILE_TOKENS
+from harness.config.objectives import OBJECTIVES
 from harness.config.run_model import ADAM_STATES
 from harness.planner.vision import VisionLoad
 
 RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS
+
+
+@dataclass(frozen=True)
+class TeacherLoad:
+    """A distillation objective's teacher (planner/teacher.py prices it): its parameters, those ZeRO-3 keeps whole
+    under the student's persistence threshold, its largest tensor and vocabulary; the mode (None: the planner
+    recommends one per layout); the loss's beta and chunk; its top-k (precomputed, served); whether the completions
+    are the student's own samples (on-policy: with probability lmbda per micro-batch, always where the data is
+    prompts); the dataset's records (the precomputed store's size and its pass)."""
+
+    name: str
+    params: int
+    persistent: int
+    largest_tensor: int
+    vocab_size: int
+    is_student: bool  # the student's own model (self-distillation): the adapter mode's teacher
+    beta: float  # the generalised JSD's (the loss's float32 working set depends on it)
+    chunk_tokens: int  # distill.loss_chunk_tokens: the loss's float32 rows at a time
+    mode: str | None = None
+    top_k: int = 1
+    on_policy: bool = False
+    lmbda: float = 0.0
+    records: int | None = None
 
 
 @dataclass(frozen=True)
@@ -28,20 +52,33 @@ class Workload:
     global_batch: int | None = None  # sequences per optimizer step over all replicas (the step-time search)
     tile_tokens: int = TILE_TOKENS  # tiled MLP and loss: tokens per tile
     optimizer_states: int = ADAM_STATES  # fp32 tensors the optimizer keeps per trainable parameter (Adam's m and v)
-    # a preference objective (dpo | ipo | simpo | orpo; None: lm): micro_batch and global_batch count pairs, each two
-    # sequences (chosen, rejected); reference_mode: precomputed | engine | adapter (None: none or not chosen yet);
-    # pairs: the preference set's size (precomputed: its host table and its pass), steps: the optimizer steps trained
+    # the objective (harness/config/objectives.py; None: lm): its registry line says what a batch item is (rows) and
+    # what is priced (planner: pairs, rollouts, distill). A preference objective's micro_batch and global_batch count
+    # pairs, each two sequences (chosen, rejected); an RL or distillation objective's count completions, each one
+    # row of prompt_len + completion_len tokens (seq_len is their sum). reference_mode: precomputed | engine |
+    # adapter (None: none or not chosen yet); pairs: the preference set's size (precomputed: its host table and its
+    # pass), steps: the optimizer steps trained; beta: rl.beta (0: TRL loads no reference)
     objective: str | None = None
     reference_mode: str | None = None
     pairs: int | None = None
     steps: int | None = None
+    prompt_len: int | None = None
+    completion_len: int | None = None
+    beta: float | None = None
+    # a distillation objective's teacher (planner/teacher.py): its size, mode, top-k and whether it is on-policy
+    teacher: TeacherLoad | None = None
     # a vision-language model: the images an item runs through the vision tower and projector (planner/vision.py)
     vision: VisionLoad | None = None
 
     @property
     def rows_per_item(self) -> int:
-        """Sequences per micro-batch item: a preference pair is two (chosen and rejected), else one."""
-        return 2 if self.objective else 1
+        """Sequences per micro-batch item (the registry's rows): a preference pair is two, a completion one."""
+        return OBJECTIVES[self.objective].rows if self.objective else 1
+
+    @property
+    def terms(self) -> str:
+        """What the planner prices for the objective (the registry's planner field): rows, pairs, rollouts, distill."""
+        return OBJECTIVES[self.objective].planner if self.objective else "rows"
 
     def but(self, **changes) -> "Workload":
         """This workload with some fields changed."""

@@ -10,7 +10,7 @@ import shlex
 from dataclasses import dataclass, replace
 from functools import partial
 
-from harness.planner import comm, memory, moe, pipeline, reference, sequence
+from harness.planner import comm, memory, moe, pipeline, reference, sequence, teacher
 from harness.config.defaults import PRECISION_BYTES, TILE_TOKENS
 from harness.config.run_model import Zero
 from harness.planner.inputs import Cluster, LongContext, Workload
@@ -214,9 +214,15 @@ def evaluate(c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluste
         "comm": _comm(c, count, shape, work, share),
     }
     _add_layout_details(result, c, count, share)
-    if work.objective:
+    if work.terms in ("pairs", "rollouts"):  # the registry's planner field: a reference per mode
         _add_reference(result, c, count, shape, cluster, work, share)
+    elif work.terms == "distill":
+        teacher.attach(result, c, bool(count.lora_per_layer), cluster, work,
+                       _swap_bytes(c, shape, work, work.teacher.largest_tensor))
     result.update(_verdict(c, result["memory"], shape, cluster))
+    teacher_used = (result["memory"].get("teacher") or {"mode": True})["mode"]
+    if result["fits"] and not teacher_used:  # no teacher mode fits this layout (planner/teacher.recommend)
+        result.update(fits=False, why_not=f"teacher: {result['memory']['teacher']['why']}")
     if work.objective and result["applicable"] and reference.refused(c, work.objective):
         result.update(applicable=False, fits=False, why_not=reference.refused(c, work.objective))
     if result["applicable"] and work.seq_len % c.sp:
@@ -241,11 +247,17 @@ def _add_layout_details(result: dict, c: Candidate, count: ParamCount, share: Ra
 
 def _add_reference(result: dict, c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluster,
                    work: Workload, share: RankShare) -> None:
-    """A preference objective's reference (planner/reference.py), its engine sharded like this layout's ZeRO-3."""
+    """A preference or RL objective's reference (planner/reference.py), its engine sharded like this layout's ZeRO-3."""
+    reference.attach(result, c, count, cluster, work, share.persistent,
+                     _swap_bytes(c, shape, work, count.largest_tensor or 0))
+
+
+def _swap_bytes(c: Candidate, shape: ModelShape, work: Workload, largest_tensor: int) -> int:
+    """A frozen engine's NVMe parameter swap buffers in host RAM (offload_param nvme), with the policy's buckets."""
+    if c.offload_param != "nvme":
+        return 0
     b = memory.harness_buckets(shape.hidden_size)
-    lp = PRECISION_BYTES[work.precision]
-    swap = b.param_swap_buffer_count * lp * max(b.param_swap_buffer_elems, count.largest_tensor or 0)
-    reference.attach(result, c, count, cluster, work, share.persistent, swap if c.offload_param == "nvme" else 0)
+    return b.param_swap_buffer_count * PRECISION_BYTES[work.precision] * max(b.param_swap_buffer_elems, largest_tensor)
 
 
 def activations(c: Candidate, shape: ModelShape, work: Workload, layers: int, in_flight: int = 1) -> dict:
@@ -327,6 +339,11 @@ def overrides(c: Candidate, result: dict, work: Workload) -> dict:
     # it from micro x accum x data-parallel size for the world the launch finds.
     out = {"batch.micro_batch_per_gpu": work.micro_batch, "batch.grad_accum_steps": result["micro_batches"],
            "batch.train_batch_size": "auto", "train.seq_len": work.seq_len, "precision": work.precision}
+    if work.objective:
+        out["train.objective"] = work.objective
+    if work.terms == "rollouts":  # an RL row is the rl block's prompt + completion, not train.seq_len
+        del out["train.seq_len"]
+        out.update({"rl.max_prompt_length": work.prompt_len, "rl.max_completion_length": work.completion_len})
     if c.checkpointing(work):
         out["activation_checkpointing"] = True
     if work.packing != "document":  # the recipes' default; the plan's pipeline traffic assumed this one

@@ -295,8 +295,8 @@ def activation_bytes(shape: ModelShape, work: Workload, *, tp: int = 1, long_con
 
     With checkpointing each block keeps only its input and one block is recomputed at a time.
     `micro_batches_in_flight` is what a pipeline stage holds (1F1B: min(stages - stage_id, m)).
-    Logits: 16-bit output plus the fp32 upcast and log-softmax that HF's loss keeps (a preference objective: the
-    16-bit logits of both sequences of each pair and their gradient, one row up-cast at a time).
+    Logits: 16-bit output plus the fp32 upcast and log-softmax that HF's loss keeps; other objectives by the
+    registry's planner field (objective_logits).
     Long context (planner/activations.py, with the sources): sp divides the tokens per rank (Ulysses); tiled_mlp
     drops the MLP intermediates for one tile of tile_tokens; tiled_loss holds one tile of logits; the attention adds
     its materialised mask (sdpa, eager) and eager's scores; offload (with checkpointing) moves the block inputs to
@@ -325,8 +325,7 @@ def activation_bytes(shape: ModelShape, work: Workload, *, tp: int = 1, long_con
     tile = la.mlp_tile_bytes(shape, tokens, lp, tp, tile_tokens) if tiled_mlp else 0
     logits = 0
     if with_logits:
-        logits = (la.pair_logits_bytes(tokens, seq_len, shape, lp) if work.objective
-                  else la.logits_bytes(tokens, shape, lp, tiled_loss, tile_tokens))
+        logits = objective_logits(work, tokens, shape, lp, tiled_loss)
     mask = la.mask_bytes(attention, seq_len, sp, micro_batch, lp)
     total = stored + recompute + tile + logits + mask + 2 * block_input  # + embedding output, final norm input
     vision = {"saved": 0, "transient": 0}
@@ -336,3 +335,16 @@ def activation_bytes(shape: ModelShape, work: Workload, *, tp: int = 1, long_con
     return {"per_layer": per_layer, "layers": stored, "recompute": recompute, "logits": logits,
             "mlp_tile": tile, "mask": mask, "cpu_offload": offloaded, "tokens_per_rank": tokens,
             "vision_saved": vision["saved"], "vision_transient": vision["transient"], "total": total}
+
+
+def objective_logits(work: Workload, tokens: int, shape: ModelShape, lp: int, tiled_loss: bool) -> int:
+    """The logits term of the objective's loss (planner/activations.py): the LM's (tiled or whole), a preference
+    pair's (both rows, one up-cast at a time), an RL step's (the completion positions only), a distillation loss's
+    (the student's logits and their gradient, one fp32 chunk of tokens)."""
+    if work.terms == "pairs":
+        return la.pair_logits_bytes(tokens, work.seq_len, shape, lp)
+    if work.terms == "rollouts":
+        return la.rollout_logits_bytes(tokens * (work.completion_len or work.seq_len) // work.seq_len, shape, lp)
+    if work.terms == "distill":
+        return la.distill_logits_bytes(tokens, shape, lp, work.teacher.chunk_tokens, work.teacher.beta)
+    return la.logits_bytes(tokens, shape, lp, tiled_loss, work.tile_tokens)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from harness.config.run_model import RunModel, Sequence, Zero
-from harness.planner import comm, memory, moe, pipeline, reference, sequence
+from harness.config.run_model import Completions, RunModel, Sequence, Zero
+from harness.planner import comm, memory, moe, pipeline, reference, sequence, teacher
 from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
 from harness.planner.params import count_params, model_shape, with_lora
@@ -60,10 +60,25 @@ def workload(run: RunModel) -> Workload:
     """The planner's workload of this run: its batch, sequence handling and precision."""
     seq, b, pref = run.sequence, run.batch, run.preference
     goal = {"objective": pref.objective, "reference_mode": pref.reference_mode} if pref else {}
-    return Workload(seq.seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
+    seq_len = seq.seq_len
+    if run.completions is not None:
+        seq_len, goal = completions_goal(run.completions, run.model, dict(run.model_config), seq_len)
+    return Workload(seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
                     attention=attention_kind(seq, run.degrees.sp), packing=seq.packing,
                     global_batch=b.global_batch, tile_tokens=seq.tile_tokens, optimizer_states=run.optimizer_states,
                     vision=run.vision, **goal)
+
+
+def completions_goal(done: Completions, model: str, model_cfg: dict, seq_len: int) -> tuple[int, dict]:
+    """(seq_len, Workload fields) of a completions objective: grpo's rows are the rl block's prompt + completion,
+    with a reference when beta > 0; a distillation run's are its records' (seq_len), with its teacher (left out
+    when its config cannot be read here)."""
+    if done.prompt_len:
+        return done.prompt_len + done.completion_len, {
+            "objective": done.objective, "reference_mode": done.reference_mode, "beta": done.beta,
+            "prompt_len": done.prompt_len, "completion_len": done.completion_len}
+    t = teacher.of_run(done, model, model_cfg)
+    return seq_len, ({"objective": done.objective, "teacher": t} if t else {})
 
 
 def gathers_per_micro_step(stage: int, gathered_params: int, max_live: int) -> int:
@@ -126,10 +141,14 @@ def rank_prediction(run: RunModel, live: LiveFacts) -> dict:
     shape = shape_of(run)
     if shape is not None:
         _add_activations(out, run, shape, states)
-        ref = _reference_bytes(run, live) if run.preference else None
+        ref = _reference_bytes(run, live)
         if ref:  # an engine-mode reference: its frozen weights are alive through the whole step
             out["reference"] = ref
             out["peak_total_bytes"] += ref["gpu"]
+        held = _teacher_bytes(run)
+        if held:  # an engine-mode teacher: the same, with the teacher's own count
+            out["teacher"] = held
+            out["peak_total_bytes"] += held["gpu"]
     else:
         notes.append("activations not predicted: the planner cannot size this architecture")
     out["notes"] = notes
@@ -154,15 +173,32 @@ def _add_activations(out: dict, run: RunModel, shape: ModelShape, states) -> Non
 
 
 def _reference_bytes(run: RunModel, live: LiveFacts) -> dict | None:
-    """This rank's engine-mode reference weights (planner/reference.py): the base model (the live parameters less
-    any LoRA adapters), sharded over the ranks like the policy's ZeRO-3 parameters."""
-    if run.preference.reference_mode != "engine":
+    """This rank's engine-mode reference weights (planner/reference.py; a preference run's, or grpo's with beta > 0):
+    the base model (the live parameters less any LoRA adapters), sharded over the ranks like the policy's ZeRO-3
+    parameters."""
+    extra = run.preference or run.completions
+    if getattr(extra, "reference_mode", None) != "engine":
         return None
     z = run.zero
     base = live.total - (live.trainable or 0)
     return reference.engine_bytes(base, stage=z.stage, offload_param=z.offload_param,
                                   zero_shards=run.degrees.zero_shards, precision=run.precision,
                                   persistent=live.persistent if z.stage == 3 else 0)
+
+
+def _teacher_bytes(run: RunModel) -> dict | None:
+    """This rank's engine-mode teacher weights (planner/teacher.py): the teacher's count, sharded like the student's
+    ZeRO-3 parameters with the student's persistence threshold, or a whole copy in stages 0-2."""
+    done = run.completions
+    if done is None or done.teacher_mode != "engine":
+        return None
+    z = run.zero
+    t = teacher.of_run(done, run.model, dict(run.model_config), z.buckets.param_persistence_threshold)
+    if t is None:
+        return None
+    return reference.engine_bytes(t.params, stage=z.stage, offload_param=z.offload_param,
+                                  zero_shards=run.degrees.zero_shards, precision=run.precision,
+                                  persistent=t.persistent if z.stage == 3 else 0)
 
 
 def model_count(run: RunModel):

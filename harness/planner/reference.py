@@ -20,6 +20,10 @@ The recommendation (recommend): no reference for simpo and orpo; under LoRA with
 bytes, nothing up front); otherwise precomputed when the run trains on at least as many pairs as the set holds (the
 pass costs no more forwards than the engine would run; steps not given: assumed so) and its table fits in host
 RAM; else engine when its weights fit beside the policy; else precomputed.
+
+Online RL (train.objective grpo, planner field "rollouts"): no reference when rl.beta is 0 (TRL loads none, no KL
+term); else adapter under LoRA, an engine otherwise (harness/config/rl_rules.reference_mode); precomputed is not
+applicable (the completions are generated during training: nothing to score before it).
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ DEVICES = ("gpu", "cpu", "nvme")
 
 
 def refused(c, objective: str) -> str | None:
-    """Why a layout cannot train a preference objective (harness/config/preference_rules.py refuses it too)."""
-    why = [(c.pp > 1, "pipeline: the pair loss would have to run inside the last stage's schedule"),
+    """Why a layout cannot train an objective other than lm (preference_rules.py, rl_rules.py and the distillation
+    rules refuse it too)."""
+    why = [(c.pp > 1, "pipeline: the objective's loss would have to run inside the last stage's schedule"),
            (c.tp > 1, "tensor parallel: the head's logits are split by vocabulary"),
            (c.sp > 1, "sequence parallel: each rank holds a slice of every row"),
-           (c.tiled, "tiled loss: the pair loss computes its log-probs row by row already")]
+           (c.tiled, "tiled loss: the objective's loss computes its own log-probs (row by row or in chunks)")]
     reasons = [text for hit, text in why if hit]
     return f"objective {objective} refuses {'; '.join(reasons)}" if reasons else None
 
@@ -73,8 +78,13 @@ def recommend(objective: str, lora: bool, work: Workload, fits: dict[str, bool])
     """(the mode to use, why) by the rule in the module doc."""
     if objective in REFERENCE_FREE:
         return None, f"{objective} has no reference model"
+    if work.terms == "rollouts" and not work.beta:
+        return None, "beta 0: TRL loads none, no KL term; --beta > 0 adds one"
     if lora:
         return "adapter", "LoRA: the base with the adapters off is the reference (no bytes, nothing up front)"
+    if work.terms == "rollouts":
+        return "engine", ("the completions are generated during training, so no pass before it can score them: "
+                          "a frozen engine")
     trained = pairs_trained(work)
     once = work.pairs is None or trained is None or work.pairs <= trained
     if once and fits["precomputed"]:
@@ -97,8 +107,9 @@ def pass_s(rows_work: Workload, world: int, forward_s: float) -> float | None:
     return -(-rows_work.pairs // int(world * pairs_per_micro)) * forward_s
 
 
-def _fits(mem: dict, extra: dict[str, int], cluster: Cluster) -> bool:
-    """Whether the layout's memory with `extra` reference bytes per rank still fits the GPU, CPU and NVMe."""
+def fits_beside(mem: dict, extra: dict[str, int], cluster: Cluster) -> bool:
+    """Whether the layout's memory with `extra` bytes per rank (a reference's, a teacher's) still fits the GPU, CPU and
+    NVMe."""
     gpn = cluster.gpus_per_node
     if mem["gpu_bytes"] + extra["gpu"] > cluster.usable_gpu_bytes:
         return False
@@ -119,11 +130,11 @@ def attach(result: dict, c, count, cluster: Cluster, work: Workload, persistent:
                                     zero_shards=result["dp"], precision=work.precision, persistent=persistent,
                                     swap_buffer_bytes=swap_buffer_bytes),
              "adapter": dict.fromkeys(DEVICES, 0)}
-    fits = {m: _fits(mem, b, cluster) for m, b in modes.items()}
-    fits["adapter"] = fits["adapter"] and lora
+    applicable = {"precomputed": work.terms == "pairs", "engine": True, "adapter": lora}
+    fits = {m: fits_beside(mem, b, cluster) and applicable[m] for m, b in modes.items()}
     best, why = recommend(work.objective, lora, work, fits)
     mode = work.reference_mode or best
-    if work.objective in REFERENCE_FREE:
+    if best is None:  # no reference at all: reference-free, or RL with beta 0
         mode, modes = None, {}
     used = modes.get(mode, dict.fromkeys(DEVICES, 0))
     for key in ("gpu_bytes", "gpu_backward_bytes", "gpu_step_bytes"):
@@ -133,5 +144,5 @@ def attach(result: dict, c, count, cluster: Cluster, work: Workload, persistent:
     mem["nvme_bytes_per_node"] += gpn * used["nvme"]
     mem["reference"] = {"objective": work.objective, "mode": mode, "recommended": best, "why": why,
                         "pairs": work.pairs, "bytes_per_pair": PRECOMPUTED_BYTES_PER_PAIR, "base_params": base,
-                        "modes": {m: {**b, "fits": fits[m], "applicable": m != "adapter" or lora}
+                        "modes": {m: {**b, "fits": fits[m], "applicable": applicable[m]}
                                   for m, b in modes.items()}}

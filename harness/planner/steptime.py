@@ -73,7 +73,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.config.defaults import ALLGATHER_BUCKET_ELEMS, PRECISION_BYTES, ZERO0_ALLREDUCE_BUCKET_ELEMS
-from harness.planner import collectives, comm, hardware, memory, reference, sequence
+from harness.planner import collectives, comm, hardware, memory, reference, sequence, teacher
 from harness.planner.inputs import Cluster, Workload
 from harness.planner.shape import ModelShape
 
@@ -316,6 +316,7 @@ def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work
     ref = result["memory"].get("reference") or {}
     if ref.get("mode") in ("engine", "adapter"):  # one more forward (no backward) of the 2B rows per micro-step
         breakdown["reference_s"] = m * t_mb["forward"]
+    breakdown.update(teacher.step_s(result, m, t_mb["forward"], count.total))  # a distillation run's teacher forward
     step = sum(breakdown.values())
     per_stage = []
     if c.pp > 1:  # what each stage computes per step; the rest of the step it waits (bubble, its neighbours)
@@ -326,6 +327,8 @@ def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work
     peak = hardware.peak_flops(profile, work.precision)  # MFU on active parameters (model_flops_per_step)
     # what the precomputed pass would cost before training (shown beside every mode; in the step for none)
     extra = {"reference_pass_s": reference.pass_s(work, world, t_mb["forward"])} if ref.get("mode") else {}
+    if (result["memory"].get("teacher") or {}).get("modes"):  # the precomputed store's pass, beside every mode
+        extra["teacher_pass_s"] = teacher.pass_s(work, world, profile)
     return {**extra, "step_time_s": step, "tokens_per_s": tokens / step, "tokens_per_s_per_gpu": tokens / step / world,
             "mfu": model_flops_per_step(count, shape, work.seq_len, tokens) / (step * world * peak),
             "breakdown": breakdown, "dp_comm_total_s": dp["dp_total"], "profile": profile["name"],

@@ -13,6 +13,7 @@ import shutil
 from harness.dist import Launch
 from harness.errors import UsageError
 from harness.model_shapes import load_model_config
+from harness.config.objectives import objective_of
 from harness.config.recipes import complete
 
 
@@ -47,7 +48,7 @@ def choose(overrides: list[str], launch: Launch) -> tuple[str, list[str], str]:
     profile, source = hardware.for_machine(hw["device"], hw["device_name"], hw["gpu_mem_bytes"])
     result = plan_for(settings, hw, profile)
     best, rollout_line = result.recommended, ""
-    if best is not None and settings["train"]["objective"] == "grpo":  # the generation must fit beside training
+    if best is not None and objective_of(settings).planner == "rollouts":  # the generation must fit beside training
         best, rollout_line = rl_layout(settings, hw, profile, result)
     if best is None:
         raise UsageError(f"--recipe auto: no strategy fits {train['model']} on {hw['nodes']} x {hw['gpus_per_node']} "
@@ -107,19 +108,25 @@ def rl_layout(settings: dict, hw: dict, profile: dict, result) -> tuple[dict | N
 def plan_for(settings: dict, hw: dict, profile: dict):
     """The planner's answer for a completed recipe on the hardware found (detect_hardware's dict): its model,
     seq_len (a sequence one rank cannot hold gets the long-context rung: sp, tiling, activation offload),
-    micro-batch, precision, checkpointing, attention and objective (a preference run's pairs and reference)."""
+    micro-batch, precision, checkpointing, attention and objective (a preference run's pairs and reference; an RL
+    run's completions of rl.max_prompt_length + rl.max_completion_length tokens and its reference when beta > 0;
+    a distillation run's teacher in the mode the run resolves)."""
     from harness.planner import plan
     from harness.planner.inputs import Cluster, Workload
 
     from harness.config.preference_rules import is_preference, objective, packing, reference_mode
-    from harness.config.run_model import optimizer_states
+    from harness.config.run_model import completions, optimizer_states
+    from harness.planner.rank import completions_goal
 
     train, micro = settings["train"], settings["batch"]["micro_batch_per_gpu"]
     # a preference run: two sequences per pair, its reference's bytes, and no tp / pp / sp (planner/reference.py)
     goal = {"objective": objective(settings), "reference_mode": reference_mode(settings)} \
         if is_preference(settings) else {}
+    seq_len, done = train["seq_len"], completions(settings)
+    if done is not None:  # grpo: completions of the rl block's lengths, its reference; gkd, distill: the teacher
+        seq_len, goal = completions_goal(done, train["model"], load_model_config(train["model"]), seq_len)
     cluster = Cluster(hw["gpus_per_node"], hw["gpu_mem_bytes"], hw["nodes"], hw["cpu_mem_bytes"], hw["nvme_bytes"])
-    work = Workload(train["seq_len"], micro if isinstance(micro, int) else 1, settings["precision"],
+    work = Workload(seq_len, micro if isinstance(micro, int) else 1, settings["precision"],
                     settings["activation_checkpointing"],
                     attention=planner_attention(train.get("attention"), hw["device"]),
                     activation_offload=hw["device"] != "cpu",  # DeepSpeed's offload does nothing on CPU: refused there

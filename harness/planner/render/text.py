@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 
-from harness.config.defaults import REFERENCE_FREE
 from harness.planner.decide import Plan
 from harness.planner.inputs import Cluster
 from harness.planner.layouts import gb
 from harness.planner.memory import TERMS
+from harness.planner.render import objective
 
 GIB = 2**30
 TERM_NOTES = {
@@ -47,9 +47,7 @@ def _header(plan: Plan) -> list[str]:
         f"workload  micro batch {w.micro_batch} x {w.seq_len} tokens, {w.precision}, activation "
         f"checkpointing {'on' if w.activation_checkpointing else 'off'}, grad accum {w.grad_accum}"
         + ("" if w.optimizer_states == 2 else f", optimizer state {w.optimizer_states} x fp32 per parameter"),
-        *([f"objective {w.objective}: the micro batch counts pairs, {2 * w.micro_batch} sequences (chosen and "
-           f"rejected) per micro-step" + ("" if w.objective in REFERENCE_FREE else "; preference set "
-           f"{f'{w.pairs:,} pairs' if w.pairs else 'size not given (--pairs)'}")] if w.objective else []),
+        *objective.headline(w),
         *([f"experts   {p['num_experts']} routed per sparse block, top {p['top_k']}, {p['moe_layers']} sparse "
            f"blocks: {p['total'] / 1e9:.2f} B total, {p['active'] / 1e9:.2f} B active per token; step time and "
            "MFU on active parameters"] if p.get("num_experts") else []),
@@ -69,6 +67,7 @@ def _breakdown(r: dict, cluster: Cluster) -> list[str]:
     if ref and ref["mode"]:
         used = ref["modes"][ref["mode"]]["gpu"]
         lines.append(f"    {'reference':<18} {ref['mode'] + ': ' + REFERENCE_NOTES[ref['mode']]:<34}{gb_gib(used)}")
+    lines += objective.breakdown_line(mem, 34, gb_gib)
     acts = mem["activations"]
     lines.append(f"    {'activations':<18} {'blocks + recompute + logits':<34}{gb_gib(acts['total'])}")
     parts = [(k, acts.get(k, 0)) for k in ("layers", "recompute", "mlp_tile", "logits", "mask", "vision_saved",
@@ -91,7 +90,9 @@ def _breakdown(r: dict, cluster: Cluster) -> list[str]:
                 terms += f"{', ' if terms else ''}{ref['mode']} reference {gb(ref['modes'][ref['mode']][device])}"
             lines.append(f"  {device.upper()} per node: {gb(mem[key])} ({gb(mem[key] / cluster.gpus_per_node)}"
                          f" per rank: {terms})")
-    return lines + (_reference(ref, r, cluster) if ref else [])
+    teacher = mem.get("teacher")
+    return (lines + (_reference(ref, r, cluster) if ref else [])
+            + (objective.teacher_lines(teacher, r.get("time", {})) if teacher else []))
 
 
 def _reference(ref: dict, r: dict, cluster: Cluster) -> list[str]:

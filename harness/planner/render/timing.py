@@ -10,7 +10,8 @@ SHORT = {"forward_s": "fwd", "backward_s": "bwd", "recompute_s": "recompute", "t
          "activation_offload_s": "act-offload",
          "bubble_s": "bubble", "p2p_s": "p2p", "dp_reduce_exposed_s": "dp-reduce", "dp_gather_exposed_s": "dp-gather",
          "tied_embedding_s": "tied", "optimizer_s": "optimizer", "zero_hooks_s": "zero-hooks", "offload_pcie_s": "pcie", "nvme_s": "nvme",
-         "all_to_all_s": "all-to-all", "expert_imbalance_s": "imbalance", "reference_s": "ref-fwd"}
+         "all_to_all_s": "all-to-all", "expert_imbalance_s": "imbalance", "reference_s": "ref-fwd",
+         "teacher_s": "teacher-fwd"}
 
 
 def breakdown_text(t: dict) -> str:
@@ -43,7 +44,8 @@ def seq_text(tokens: int | None) -> str:
 
 def profile_line(plan) -> str:
     p, w = plan.profile, plan.workload
-    pairs = f" pairs x {w.rows_per_item}" if w.objective else ""  # a pair is two sequences
+    pairs = {"pairs": f" pairs x {w.rows_per_item}", "rollouts": " completions",  # a pair is two sequences
+             "distill": " completions"}.get(w.terms, "")
     return (f"time      hardware profile {p['name']} (gemm efficiency {p['gemm_efficiency']:.2f}; --hardware NAME|FILE, "
             f"`harness calibrate`); global batch {w.global_batch}{pairs} x {w.seq_len} = "
             f"{w.global_batch * w.rows_per_item * w.seq_len:,} tokens per step")
