@@ -356,7 +356,7 @@ class Trainer:
                 pending = []
                 now = time.perf_counter()  # after the all-reduce: on CUDA the queued steps have finished
                 tokens_per_s = self.tokens_per_step * (done - mark_step) / (now - mark)
-                bar.set_postfix_str(f"loss {last:.3f}, {tokens_per_s:.0f} tok/s, lr {record['lr']:.1e}")
+                bar.set_postfix_str(f"{step_text(self.readout, record)}, {tokens_per_s:.0f} tok/s, lr {record['lr']:.1e}")
                 if self.dist.is_main and log_now:
                     norm = f"{record['grad_norm']:.3f}" if record["grad_norm"] is not None else "n/a"
                     say("step", f"{done}/{total} {step_text(self.readout, record)} lr {record['lr']:.2e} "
