@@ -22,6 +22,8 @@ COMMANDS = {
     "launch": "`deepspeed ...` that forwards SIGTERM/SIGUSR1 to every rank, waits for all, returns their code",
     "slurm": "write (--submit: and submit) a Slurm batch script: one harness launch per node, checkpoint and "
              "requeue before the time limit",
+    "ray": "run harness/run.py on a Ray cluster: one harness launch per node, a lost node waited for and "
+           "resumed, preemption forwarded",
     "doctor": "check this machine before a long job (versions, GPUs, DeepSpeed ops, paths); exit 1 if --recipe cannot run",
 }
 
