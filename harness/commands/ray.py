@@ -85,7 +85,8 @@ class Plan:
     node_wait_s: float
     max_failures: int
     script: str
-    script_args: list[str]  # the first attempt's (with --resume auto unless --resume was given)
+    script_args: list[str]  # as given; a relaunch's are restarts.restart_args of these
+    first_args: list[str]  # the first attempt's: --resume auto unless the command names --resume
     run_dir: Path
     stop_after_s: float  # train.collective_timeout + STOP_MARGIN_S
 
@@ -111,17 +112,18 @@ def check(args) -> Plan:
     if not parsed.output_dir:
         raise UsageError("harness ray: harness/run.py needs --output-dir, the run folder on storage every node "
                          "shares: a relaunch (and the same command again) continues it\n" + FIX)
-    script_args = list(args.script_args) + ([] if parsed.resume else ["--resume", "auto"])
-    spec = session.resolve_spec(run_args.parse(script_args), Launch(world_size=args.nodes * args.gpus_per_node,
-                                                                    local_size=args.gpus_per_node))
+    first = list(args.script_args) + ([] if parsed.resume else ["--resume", "auto"])
+    spec = session.resolve_spec(run_args.parse(first), Launch(world_size=args.nodes * args.gpus_per_node,
+                                                              local_size=args.gpus_per_node))
     return Plan(args.address, args.nodes, min_nodes, args.gpus_per_node, args.cpu, args.node_wait, args.max_failures,
-                str(Path(args.script).resolve()), script_args, Path(parsed.output_dir).resolve(),
+                str(Path(args.script).resolve()), list(args.script_args), first, Path(parsed.output_dir).resolve(),
                 spec.recipe["train"]["collective_timeout"] * 60 + STOP_MARGIN_S)
 
 
 def import_ray():
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # never report usage (Ray's default is on)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # the nodes' log lines as they are, not "[repeated 2x]"
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # "(Agent pid=N, ip=A)" before each line, without colour codes
     try:
         import ray
     except ImportError:
@@ -170,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
 def requeue_loop(ray, plan: Plan, pending: list[int]) -> int:
     from harness.commands import ray_attempt
 
-    script_args, failures = plan.script_args, 0
+    script_args, failures = plan.first_args, 0
     while True:
         try:
             group = ray_attempt.gather(ray, plan, pending)
