@@ -67,11 +67,15 @@ def nodes_with(ray, need: dict) -> int:
 
 
 def _ready(ray, pg, timeout_s: float, pending: list[int]) -> bool:
-    deadline = time.monotonic() + timeout_s
+    deadline, ready = time.monotonic() + timeout_s, pg.ready()  # one check task, waited on in slices
     while not pending and time.monotonic() < deadline:
-        if ray.wait([pg.ready()], timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))[0]:
+        if ray.wait([ready], timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))[0]:
             return True
     return False
+
+
+class NodesMissing(Exception):
+    """Too few nodes for the run after --node-wait: the job ends with exit 1 and this message."""
 
 
 def gather(ray, plan, pending: list[int]) -> Group | None:
@@ -101,10 +105,6 @@ def gather(ray, plan, pending: list[int]) -> Group | None:
     if pending:
         return None
     raise NodesMissing(f"harness ray: the {have} node(s) seen could not be placed within {plan.node_wait_s:g} s")
-
-
-class NodesMissing(Exception):
-    """Too few nodes for the run after --node-wait: the job ends with exit 1 and this message."""
 
 
 def launch_argv(i: int, where: list[dict], plan, script_args: list[str]) -> tuple[list[str], str]:
