@@ -30,6 +30,7 @@
 # distill: train.objective=gkd (dataset completions, lmbda 0) on the built-in set, a ~0.3B bf16 Llama-shaped teacher
 # folder (random weights) as a frozen engine, ZeRO-3-sharded under zero3 and a whole copy under zero2, the tiny-llama
 # student; loss, teacher entropy, the time split and peak memory; OUT_DIR/distill.
+# ray_gpu: `harness ray` on a one-node Ray cluster holding 1-2 GPUs (needs ray); OUT_DIR/ray_gpu.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -96,7 +97,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm vlm vlm_video vlm_packing ddp_fp32 distill}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm vlm vlm_video vlm_packing ddp_fp32 distill ray_gpu}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -370,7 +371,27 @@ print(f"[distill] {sys.argv[2]}: loss {rs[0]['loss']:.4f} -> {rs[-1]['loss']:.4f
       f"peak per rank {s.get('memory', {}).get('peak_per_rank')}")
 EOF
             done ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, vlm, vlm_video, vlm_packing, ddp_fp32, distill)" >&2; exit 2 ;;
+        ray_gpu)  # harness ray on a one-node Ray cluster that holds the GPUs: a bundle of GPUs in the placement
+            # group, Ray's GPU ids handed to DeepSpeed's launcher by --include (harness/commands/ray_attempt.py);
+            # skips itself without ray (the `ray` extra; not in the GPU image unless its wheel is brought along)
+            if ! $PY -c "import ray" 2>/dev/null; then echo "[ray_gpu] skipped: ray is not installed"; continue; fi
+            n=1; (( gpus >= 2 )) && n=2
+            port=$((6379 + RANDOM % 1000)); raytmp=$(mktemp -d /tmp/dshrayXXXX)
+            RAY_USAGE_STATS_ENABLED=0 $PY -m ray.scripts.scripts start --head --port $port --node-ip-address 127.0.0.1 \
+                --num-gpus $n --num-cpus 2 --object-store-memory 200000000 --disable-usage-stats \
+                --include-dashboard=false --temp-dir "$raytmp" >/dev/null
+            timeout 300 $PY -m harness.cli ray --address 127.0.0.1:$port --nodes 1 --gpus-per-node $n \
+                harness/run.py --recipe zero3 --set train.model=tiny-llama --set train.steps=10 --set train.eval_every=0 \
+                --output-dir "$OUT/ray_gpu" --overwrite || echo "[ray_gpu] harness ray failed (exit $?)"
+            RAY_USAGE_STATS_ENABLED=0 $PY -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true  # this machine's only Ray
+            rm -rf "$raytmp"
+            $PY - "$OUT/ray_gpu/metrics.jsonl" <<'EOF' || true
+import json, sys
+train = [r for r in map(json.loads, open(sys.argv[1])) if r["kind"] == "train"]
+print(f"[ray_gpu] {len(train)} steps on the GPUs Ray gave, loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}")
+EOF
+            ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, vlm, vlm_video, vlm_packing, ddp_fp32, distill, ray_gpu)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

@@ -24,6 +24,8 @@ COMMANDS = {
              "requeue before the time limit",
     "k8s": "write Kubeflow Trainer manifests (TrainingRuntime + TrainJob): one harness launch per node, exit 75 "
            "restarts without spending retries, a grace period that covers a step and a save",
+    "ray": "run harness/run.py on a Ray cluster: one harness launch per node, a lost node waited for and "
+           "resumed, preemption forwarded",
     "doctor": "check this machine before a long job (versions, GPUs, DeepSpeed ops, paths); exit 1 if --recipe cannot run",
 }
 

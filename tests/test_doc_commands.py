@@ -17,7 +17,8 @@ commands; a command no rule covers fails:
   page's example folder (`runs/2026-11-30_zero3`) does not exist here.
 - `harness k8s|slurm ...`: run as written in an empty folder (they write a job's files there, and submit nothing
   without `--submit`); exit 0.
-- `harness calibrate`: `--help` only (it measures this machine for minutes and writes the user's hardware profile).
+- `harness calibrate`: `--help` only (it measures this machine for minutes and writes the user's hardware profile);
+  `harness ray`: `--help` only (it needs a Ray cluster; tests/test_ray.py runs it on one).
 Usage errors name the command the user typed, not an internal file (`harness launch`, not `deepspeed_runner.py`).
 Measured on the shared 2-core machine under a load average of ~10 (seven other engineers' tests): the module 358 s
 wall but 103 s of CPU (user + sys, ranks included; 64 s with the DPO and reward commands cut to one step); the GRPO
@@ -43,7 +44,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN_NOW = ("plan", "recipes", "show", "validate")  # pure: no ranks, no machine measured
 ON_A_RUN = ("report", "export")
 WRITES_A_JOB = ("k8s", "slurm")  # write manifests or a batch script into the working folder
-HELP_ONLY = {"calibrate": "measures this machine for minutes and writes ~/.cache/dsharness/hardware.json"}
+HELP_ONLY = {"calibrate": "measures this machine for minutes and writes ~/.cache/dsharness/hardware.json",
+             "ray": "needs a Ray cluster (tests/test_ray.py starts one in two network namespaces)"}
 LAUNCHERS = (("harness", "launch"), ("deepspeed",))
 USER_INPUTS = ("train.model", "train.dataset", "train.datasets")
 SMALL_WORLD = 2  # ranks this machine runs for real

@@ -266,6 +266,29 @@ def test_multi_node_launch_uses_a_hostfile():
     assert all(c["tp"] <= 8 for c in result.candidates)  # tensor parallel never crosses a node
 
 
+def test_the_plan_gives_the_same_run_under_slurm_and_on_ray():
+    """`harness plan` prints `harness slurm` and `harness ray` beside the launch line (issue 48 item 4): each
+    parses with its own command's parser into the same nodes, GPUs, recipe and overrides as the launch line."""
+    import shlex
+
+    from harness.cli import parser_for
+    from harness.train import run_args
+
+    result = plan(KNOWN["llama-2-70b"], Cluster(gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * GB), Workload(),
+                  model_name="llama-2-70b")
+    rec = result.recommended
+    launch = run_args.parse(shlex.split(rec["launch"].split(" harness/run.py ", 1)[1]))
+    slurm = parser_for(shlex.split(rec["slurm"])[1:]).parse_args(shlex.split(rec["slurm"])[1:])
+    ray = parser_for(shlex.split(rec["ray"])[1:]).parse_args(shlex.split(rec["ray"])[1:])
+    on_ray = run_args.parse(ray.script_args)
+    assert (slurm.nodes, slurm.gpus_per_node, ray.nodes, ray.gpus_per_node) == (2, 8, 2, 8)
+    assert slurm.recipe == on_ray.recipe == launch.recipe == rec["recipe"] and ray.script == "harness/run.py"
+    assert on_ray.overrides == [f"train.model={slurm.model}", *slurm.overrides]
+    assert on_ray.overrides == launch.overrides and on_ray.output_dir == slurm.output_dir == "RUN_DIR"
+    text = to_text(result)
+    assert f"  slurm:  {rec['slurm']}" in text and f"  ray:    {rec['ray']}" in text
+
+
 def test_impossible_request_says_what_is_missing():
     result = plan(KNOWN["llama-2-70b"], Cluster(gpus_per_node=8, gpu_mem_bytes=24 * GB, cpu_mem_bytes=256 * GB),
                   Workload(activation_checkpointing=True), model_name="llama-2-70b")

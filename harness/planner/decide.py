@@ -23,7 +23,7 @@ from harness.config.run_model import Zero
 from harness.planner import longest, memory
 from harness.planner.inputs import RESERVE_FRACTION, Cluster, Workload
 from harness.planner.shape import ModelShape
-from harness.planner.layouts import Candidate, candidates, evaluate, gb, launch_command, overrides
+from harness.planner.layouts import Candidate, candidates, evaluate, cluster_commands, gb, launch_command, overrides
 from harness.planner.params import ParamCount
 
 @dataclass
@@ -63,6 +63,7 @@ def evaluate_all(count: ParamCount, shape: ModelShape, cluster: Cluster, work: W
         result = longest.attach(evaluate(c, count, shape, cluster, work), count, shape, cluster, work)
         result["overrides"] = overrides(c, result, work)
         result["launch"] = launch_command(c.recipe, model_name, cluster, result["overrides"])
+        result.update(cluster_commands(c.recipe, model_name, cluster, result["overrides"]))
         out.append(result)
     return out
 

@@ -40,6 +40,7 @@ def timed(c, count, shape: ModelShape, cluster: Cluster, work: Workload, profile
     longest.attach(result, count, shape, cluster, work)
     result["overrides"] = layouts.overrides(c, result, work)
     result["launch"] = layouts.launch_command(c.recipe, model_name, cluster, result["overrides"])
+    result.update(layouts.cluster_commands(c.recipe, model_name, cluster, result["overrides"]))
     return result
 
 

@@ -1,5 +1,6 @@
-"""The report's restarts: one line in the headline and a table of what `harness launch --max-restarts` restarted
-(RUN/restarts.jsonl, harness/train/restarts.py): which attempt failed, why, the backoff and where it resumed."""
+"""The report's restarts: one line in the headline and a table of what `harness launch --max-restarts` or `harness
+ray` restarted (RUN/restarts.jsonl, harness/train/restarts.py): which attempt failed, why, the backoff and where it
+resumed."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ def restarts_line(records: list[dict]) -> list[str]:
     if not records:
         return []
     tags = ", ".join(r["resume_from"] or "the start" for r in records)
-    return [f"- restarts: {len(records)} (harness launch --max-restarts), resumed from {tags}"]
+    return [f"- restarts: {len(records)} ({_by(records)}), resumed from {tags}"]
+
+
+def _by(records: list[dict]) -> str:
+    """Who restarted: `harness ray` names itself in its records; older records are `harness launch`'s."""
+    return ", ".join(sorted({r.get("launcher", "harness launch --max-restarts") for r in records}))
 
 
 def restarts_section(records: list[dict]) -> list[str]:
@@ -22,7 +28,7 @@ def restarts_section(records: list[dict]) -> list[str]:
     def when(t: float) -> str:
         return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
-    return ["", "## Restarts (harness launch --max-restarts)", "",
+    return ["", f"## Restarts ({_by(records)})", "",
             table(["failed attempt", "time", "exit", "why", "backoff s", "resumed from"],
                   [[str(r["attempt"]), when(r["time"]), str(r["code"]), r["reason"], f"{r['backoff_s']:g}",
                     r["resume_from"] or "the start (no complete checkpoint)"] for r in records])]

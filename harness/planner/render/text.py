@@ -180,7 +180,9 @@ def to_text(plan: Plan) -> str:
         elif "time" in r:
             why += " (and within 5 % of the fastest predicted)"
         lines.append(f"recommended: {r['recipe']}{label}: {why}")
-        lines.append(f"  launch: {r['launch']}")
+        from harness.planner.render.timing import launch_lines
+
+        lines += launch_lines(r)
         lines.append("  overrides: " + ", ".join(f"{k}={v}" for k, v in r["overrides"].items()))
         lines += _breakdown(r, plan.hardware) + _comm(r)
         lines += [""] + timing.ranking(plan) if plan.ranked else []

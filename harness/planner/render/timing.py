@@ -81,4 +81,9 @@ def evaluated(plan) -> list[str]:
     verdict = "fits" if r["fits"] else f"DOES NOT FIT ({r['why_not']})"
     w = max(32, len(r["label"]) + 1)
     return [f"evaluated layout (dp {r['dp']} x tp {r['tp']} x pp {r['pp']}): {verdict}", head(w), layout_line("", r, w),
-            f"  launch: {r['launch']}"]
+            *launch_lines(r)]
+
+
+def launch_lines(r: dict) -> list[str]:
+    """The launch command, and the same run under Slurm and on Ray (docs/cluster.md)."""
+    return [f"  launch: {r['launch']}", f"  slurm:  {r['slurm']}", f"  ray:    {r['ray']}"]
