@@ -41,7 +41,7 @@ def call(url: str, payload: dict | None, *, timeout_s: float, retries: int, what
     except NoAnswer as err:
         raise TeacherServerError(
             f"distill.teacher_model_server_url: the served teacher gave no {what} after {err.attempts} attempt(s) "
-            f"({timeout_s:g} s timeout each): {url}: {err.last}\n    fix: check that the server is up and answers "
+            f"({timeout_s:g} s timeout each): {url}: {err.last}\n    fix: check that the server is up "
             f"(curl {url.rsplit('/v1/', 1)[0]}/health) and answers within {timeout_s:g} s") from None
 
 
