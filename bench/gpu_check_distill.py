@@ -4,10 +4,10 @@ harness/distill/served.py (/v1/completions with prompt_logprobs), then the serve
 
     python bench/gpu_check_distill.py --out DIR [--k 8] [--rows 64] [--seq-len 512] [--port 8011]
 
-A Qwen2-shaped teacher folder (~0.1B, seeded random weights, bf16, the shipped tokenizer) is written under DIR; the
-server is started as
+The grpo_vllm case's Qwen2-shaped folder (~0.3B, seeded random weights, bf16, the shipped tokenizer) is written
+under DIR/model; the server is started as
 
-    vllm serve DIR/teacher --port PORT --dtype bfloat16 --max-logprobs K --max-model-len SEQ_LEN
+    vllm serve DIR/model --port PORT --dtype bfloat16 --max-logprobs K --max-model-len SEQ_LEN
                --gpu-memory-utilization 0.3 --enforce-eager
 
 Temperature 1 (vLLM's prompt log-probs are the raw model's unless --logprobs-mode says otherwise). Reported in
@@ -31,22 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from distill_store import rows  # noqa: E402  the same rows as the CPU store benchmark
-
-
-def teacher_folder(path: Path) -> str:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from harness.model.hf import _shipped_eos_id, load_tokenizer
-
-    eos = _shipped_eos_id()
-    config = Qwen2Config(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    load_tokenizer("tiny-llama").save_pretrained(path)
-    return str(path)
+from gpu_check_rl import folder as teacher_folder  # noqa: E402  the grpo_vllm case's ~0.3B Qwen2 folder
 
 
 def start_vllm(folder: str, port: int, k: int, seq_len: int, log: Path) -> subprocess.Popen:
@@ -122,7 +107,7 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    folder = teacher_folder(out / "teacher")
+    folder = teacher_folder(out)
     ids, labels = rows(args.rows, args.seq_len, 512)
     server = start_vllm(folder, args.port, args.k, args.seq_len, out / "vllm.log")
     try:
