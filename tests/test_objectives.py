@@ -21,7 +21,8 @@ def test_every_step_class_imports_from_its_room_and_every_block_exists():
     blocks = json.loads(SCHEMA.read_text())["properties"]
     for objective in OBJECTIVES.values():
         assert objective.block is None or objective.block in blocks, objective
-        assert objective.family in ("lm", "preference", "rl") and objective.data in ("corpus", "pairs", "prompts")
+        assert objective.family in ("lm", "preference", "rl", "distill")
+        assert objective.data in ("corpus", "pairs", "prompts", "completions")
         if objective.steps is None:
             continue
         module, name = objective.steps.split(":")

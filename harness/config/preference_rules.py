@@ -8,7 +8,8 @@ from __future__ import annotations
 from harness.config.adapter_rules import lora_on
 from harness.config.defaults import REFERENCE_FREE
 from harness.config.objectives import family
-from harness.config.resolve import Context, degrees, sequence_parallel
+from harness.config.layout_refusals import refused_layouts
+from harness.config.resolve import Context
 from harness.errors import Problem
 
 
@@ -64,23 +65,12 @@ def check_preference(ds: dict, ctx: Context) -> list[Problem]:
 
 def _layout_problems(ds: dict, recipe: dict, goal: str) -> list[Problem]:
     """Layouts whose step does not run the pair's two rows through one forward of the whole model."""
-    pp, tp = degrees(ds, recipe)
-    sp = sequence_parallel(ds)
-    why = {"parallel.pipeline": (pp, "a pipeline's loss runs on its last stage per micro-batch of rows: a pair's "
-                                     "log-probs and the reference's would need a preference loss inside the pipe"),
-           "parallel.tensor": (tp, "the tensor-parallel head's logits are split by vocabulary; the pair log-probs "
-                                   "need the whole vocabulary's logsumexp"),
-           "parallel.sequence": (sp, "each rank holds a slice of every row: a pair's log-probs are a sum across "
-                                     "the sequence-parallel group")}
-    out = [Problem(key, f"{key.split('.')[1]} {degree} with objective {goal} is not implemented: {reason}",
-                   f"set {key}=1 (ZeRO-3 with CPU offload shards a model as far), or objective lm")
-           for key, (degree, reason) in why.items() if degree > 1]
-    train = recipe.get("train", {})
-    if train.get("tiled_loss"):
-        out.append(Problem("train.tiled_loss", f"the tiled LM loss with objective {goal}: a preference loss needs "
-                           "each row's log-probs, computed row by row already (one row's fp32 logits at a time)",
-                           "set train.tiled_loss=false"))
-    if recipe.get("moe", {}).get("aux_loss"):
-        out.append(Problem("moe.aux_loss", f"the router's balancing loss with objective {goal} is not implemented "
-                           "(the preference loss would leave it out)", "set moe.aux_loss=false"))
-    return out
+    why = {"parallel.pipeline": "a pipeline's loss runs on its last stage per micro-batch of rows: a pair's "
+                                "log-probs and the reference's would need a preference loss inside the pipe",
+           "parallel.tensor": "the tensor-parallel head's logits are split by vocabulary; the pair log-probs need "
+                              "the whole vocabulary's logsumexp",
+           "parallel.sequence": "each rank holds a slice of every row: a pair's log-probs are a sum across the "
+                                "sequence-parallel group"}
+    return refused_layouts(ds, recipe, goal, why, ", or objective lm",
+                           tiled="a preference loss needs each row's log-probs, computed row by row already (one "
+                                 "row's fp32 logits at a time)", loss_name="the preference loss")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from harness.config.adapter_rules import lora_on
 from harness.config.objectives import family
+from harness.config.layout_refusals import refused_layouts
 from harness.config.resolve import BATCH_KEYS, Context, degrees, is_count, sequence_parallel
 from harness.errors import Problem
 
@@ -92,19 +93,10 @@ def _reference_problems(recipe: dict, rl: dict) -> list[Problem]:
 
 def _layout_problems(ds: dict, recipe: dict) -> list[Problem]:
     """Layouts whose step does not run a completion through one forward of the whole model."""
-    pp, tp = degrees(ds, recipe)
-    why = {"parallel.pipeline": (pp, "generation runs the whole model per token; a pipeline holds one stage"),
-           "parallel.tensor": (tp, "the tensor-parallel head's logits are split by vocabulary; the per-token "
-                                   "log-probs and the sampling need the whole vocabulary"),
-           "parallel.sequence": (sequence_parallel(ds), "each rank holds a slice of every sequence; generation "
-                                                        "extends whole sequences token by token")}
-    out = [Problem(key, f"{key.split('.')[1]} {degree} with objective grpo is not implemented: {reason}",
-                   f"set {key}=1 (ZeRO-3 with CPU offload shards a model as far)")
-           for key, (degree, reason) in why.items() if degree > 1]
-    if recipe.get("train", {}).get("tiled_loss"):
-        out.append(Problem("train.tiled_loss", "the tiled LM loss with objective grpo: the RL loss needs each "
-                           "completion token's log-prob", "set train.tiled_loss=false"))
-    if recipe.get("moe", {}).get("aux_loss"):
-        out.append(Problem("moe.aux_loss", "the router's balancing loss with objective grpo is not implemented "
-                           "(the RL loss would leave it out)", "set moe.aux_loss=false"))
-    return out
+    why = {"parallel.pipeline": "generation runs the whole model per token; a pipeline holds one stage",
+           "parallel.tensor": "the tensor-parallel head's logits are split by vocabulary; the per-token log-probs "
+                              "and the sampling need the whole vocabulary",
+           "parallel.sequence": "each rank holds a slice of every sequence; generation extends whole sequences "
+                                "token by token"}
+    return refused_layouts(ds, recipe, "grpo", why, tiled="the RL loss needs each completion token's log-prob",
+                           loss_name="the RL loss")

@@ -15,6 +15,7 @@ from harness.config.resolve import BATCH_KEYS, Context, autotp, batch_world, deg
 from harness.config.schema import suggest
 from harness.config.adapter_rules import check_adapter
 from harness.config import vision_rules
+from harness.config.distill_rules import check_distill
 from harness.config.preference_rules import check_preference
 from harness.config.stream_rules import check_streaming
 from harness.config.mixture_rules import check_mixture
@@ -211,7 +212,8 @@ def check_comms_logger(ds: dict, ctx: Context) -> list[Problem]:
 
 
 RULES = (check_precision, check_offload, check_parallel, check_batch, check_optimizer, check_scheduler,
-         check_comms_logger, check_adapter, check_preference, check_streaming, check_mixture, check_rl)
+         check_comms_logger, check_adapter, check_preference, check_streaming, check_mixture, check_rl,
+         check_distill)
 
 
 def check(ds: dict, ctx: Context) -> list[Problem]:

@@ -18,6 +18,7 @@ BUILTIN = "builtin"
 BUILTIN_CORPUS = Path(__file__).resolve().parent.parent / "assets" / "corpus.jsonl"
 BUILTIN_PREFERENCE = BUILTIN_CORPUS.with_name("preference.jsonl")  # builtin under a preference objective
 PAIR_COLUMNS = ("chosen", "rejected")  # a preference record's two completions (TRL's column names)
+COMPLETION_COLUMN = "completion"  # a prompt-completion record's completion (TRL's column name; train.objective gkd)
 # datasets builder per file extension
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 FORMATS = ("text", "instruction", "chat", "sharegpt", "alpaca")
@@ -62,6 +63,16 @@ class DataSpec:
         return OBJECTIVES[self.objective].data == "pairs"
 
     @property
+    def completions(self) -> bool:
+        """Prompt-completion records, one per row (harness/train/distill_data.py)."""
+        return OBJECTIVES[self.objective].data == "completions"
+
+    @property
+    def builtin_pairs(self) -> bool:
+        """builtin is the embedded preference set (a gkd run reads its prompt and chosen answer as the completion)."""
+        return self.preference or self.completions
+
+    @property
     def prompts(self) -> bool:
         """An RL run's prompt set (harness/rl/prompts.py): records with a prompt column."""
         return OBJECTIVES[self.objective].data == "prompts"
@@ -70,14 +81,20 @@ class DataSpec:
         """Where a column's name comes from, for messages: the recipe key and format, or the objective."""
         if self.prompts:
             return f"train.{key}, objective {self.objective!r}: TRL's prompt column"
+        if self.completions and key == "prompt_field":
+            return f"train.{key}, objective {self.objective!r}: TRL's prompt column"
         if self.preference and key in PAIR_COLUMNS:
             return f"train.objective {self.objective!r}"
+        if key == COMPLETION_COLUMN:
+            return f"train.objective {self.objective!r}: TRL's completion column"
         return f"train.{key}, format {self.format!r}"
 
     def column_fix(self, key: str) -> str:
         if self.preference and key in PAIR_COLUMNS:
             return (f"name the column {key!r} (a preference record holds {' and '.join(PAIR_COLUMNS)}, and "
                     "train.prompt_field unless they are message lists that share the prompt)")
+        if key == COMPLETION_COLUMN:
+            return f"name the column {key!r} (a prompt-completion record holds train.prompt_field and {key!r})"
         return f"set train.{key} to the column that holds it"
 
     @property
@@ -87,6 +104,8 @@ class DataSpec:
             return {key: key for key in PAIR_COLUMNS}
         if self.prompts:
             return {"prompt_field": self.prompt_field}
+        if self.completions:
+            return {"prompt_field": self.prompt_field, COMPLETION_COLUMN: COMPLETION_COLUMN}
         if self.format == "instruction":
             return {"prompt_field": self.prompt_field, "response_field": self.response_field}
         if self.format == "chat":
@@ -171,7 +190,7 @@ def local_source(spec: str, preference: bool = False) -> tuple[str, list[str]] |
 def source_fingerprint(spec: DataSpec) -> str:
     """Identity of the source without reading it: each local file's path, size and mtime (what `datasets`
     keys its own cache on), or the hub id, config and split. Cheap, so every rank can compute it."""
-    local = local_source(spec.dataset, spec.preference)
+    local = local_source(spec.dataset, spec.builtin_pairs)
     if local is None:
         return f"hub:{spec.dataset}:{spec.config}:{spec.split}"
     stats = [f"{f}:{Path(f).stat().st_size}:{Path(f).stat().st_mtime_ns}" for f in local[1]]
@@ -201,7 +220,7 @@ def load_raw(spec: DataSpec, streaming: bool | None = None):
     streaming=None: hub datasets larger than STREAM_BYTES are streamed, everything else is loaded."""
     import datasets
 
-    local = local_source(spec.dataset, spec.preference)
+    local = local_source(spec.dataset, spec.builtin_pairs)
     if local is not None:
         builder, files = local
         split = "train"  # a file's records are all in datasets' default split

@@ -157,7 +157,7 @@ def _check_parquet(path: Path, spec: DataSpec) -> None:
 
 def check_local(spec: DataSpec) -> None:
     """Raise UsageError naming the first local file that would give `datasets` nothing to read (or fail it)."""
-    local = local_source(spec.dataset, spec.preference)
+    local = local_source(spec.dataset, spec.builtin_pairs)
     if local is None or spec.dataset == BUILTIN:
         return
     builder, files = local
@@ -176,7 +176,7 @@ def check_local(spec: DataSpec) -> None:
 def load_failure(spec: DataSpec, err: Exception) -> UsageError | None:
     """A UsageError for a local source `datasets` failed to load: the first bad JSON line past the checked
     head, or the file list and datasets' own reason. None for a hub dataset (its errors are reported as is)."""
-    local = local_source(spec.dataset, spec.preference)
+    local = local_source(spec.dataset, spec.builtin_pairs)
     if local is None:
         return None
     builder, files = local
@@ -224,7 +224,7 @@ def _head_of(path: Path, builder: str) -> tuple[list[str], list[dict]]:
 def head_records(spec: DataSpec) -> list[tuple[Path, list[str], list[dict]]]:
     """(file, where each record is, its first records) of each local file (builtin included), after check_local:
     what a check of the records' content reads before any rank trains. A hub dataset: []."""
-    local = local_source(spec.dataset, spec.preference)
+    local = local_source(spec.dataset, spec.builtin_pairs)
     if local is None:
         return []
     builder, files = local

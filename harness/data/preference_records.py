@@ -122,29 +122,34 @@ def _chat_ids(tokenizer, messages: list, generation: bool = False) -> list[int]:
     return list(out["input_ids"])
 
 
-def encode_pairs(tokenizer, pairs: list[tuple]) -> list[tuple[list[int], list[int], list[int], bool]]:
-    """(prompt ids, chosen completion ids, rejected completion ids, mismatched) per (prompt, chosen, rejected)."""
+def encode_completions(tokenizer, items: list[tuple]) -> list[tuple[list[int], list[int], bool]]:
+    """(prompt ids, completion ids, mismatched) per (prompt, completion), by TRL's rules: a text completion gets the
+    eos token's text unless it ends with it, its ids are tokenizer(prompt + completion)[len(prompt ids):]; a message
+    list's are the chat template over prompt + completion past the prompt's ids (with the generation prompt)."""
     eos = tokenizer.eos_token
-    if eos is None and any(isinstance(pair[1], str) for pair in pairs):
+    if eos is None and any(isinstance(item[1], str) for item in items):
         raise UsageError("the tokenizer has no eos token to end each text completion with (TRL's rule)\n    fix: use "
                          "a tokenizer with an eos token, or write the records as message lists (the chat template "
                          "ends each turn)")
-    texts = [(p, c if c.endswith(eos) else c + eos, r if r.endswith(eos) else r + eos)
-             for p, c, r in pairs if isinstance(c, str)]
-    flat = [t for p, c, r in texts for t in (p, p + c, p + r)]
+    flat = [t for p, c in items if isinstance(c, str) for t in (p, p + (c if c.endswith(eos) else c + eos))]
     text_ids = iter(tokenizer(flat)["input_ids"]) if flat else iter(())
     out = []
-    for prompt, chosen, rejected in pairs:
-        if isinstance(chosen, str):
-            p, pc, pr = next(text_ids), next(text_ids), next(text_ids)
+    for prompt, completion in items:
+        if isinstance(completion, str):
+            p, pc = next(text_ids), next(text_ids)
         else:
             check_pair_template(tokenizer)
-            p = _chat_ids(tokenizer, prompt, generation=True)
-            pc, pr = _chat_ids(tokenizer, prompt + chosen), _chat_ids(tokenizer, prompt + rejected)
+            p, pc = _chat_ids(tokenizer, prompt, generation=True), _chat_ids(tokenizer, prompt + completion)
         p = list(p)
-        mismatched = list(pc[:len(p)]) != p or list(pr[:len(p)]) != p
-        out.append((p, list(pc[len(p):]), list(pr[len(p):]), mismatched))
+        out.append((p, list(pc[len(p):]), list(pc[:len(p)]) != p))
     return out
+
+
+def encode_pairs(tokenizer, pairs: list[tuple]) -> list[tuple[list[int], list[int], list[int], bool]]:
+    """(prompt ids, chosen completion ids, rejected completion ids, mismatched) per (prompt, chosen, rejected)."""
+    sides = encode_completions(tokenizer, [(p, side) for p, c, r in pairs for side in (c, r)])
+    return [(chosen[0], chosen[1], rejected[1], chosen[2] or rejected[2])
+            for chosen, rejected in zip(sides[0::2], sides[1::2])]
 
 
 def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq_len: int,

@@ -25,6 +25,7 @@ from harness.errors import Problem, UsageError, raise_if_errors
 from harness.model.moe import rules as moe_rules
 from harness.rl.generation import generator_problems
 from harness.train import faults, vision_checks
+from harness.train.teacher_checks import teacher_problems
 
 
 
@@ -44,7 +45,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     problems = op_problems(spec.ds_config) + model_problems(spec.recipe["train"], cfg)
     problems += path_problems(spec, cfg) + qlora_problems(spec.recipe) + sequence_problems(spec, cfg)
     problems += attention_problems(spec) + preference_problems(spec.recipe) + reference_problems(spec.recipe, cfg)
-    problems += chat_problems(spec.recipe["train"])
+    problems += chat_problems(spec.recipe["train"]) + teacher_problems(spec.recipe, cfg, model_config)
     problems += faults.recipe_problems(spec.recipe) + mixture_problems(spec.recipe) + generator_problems(spec.recipe)  # rl.generator=vllm
     problems += vision_checks.problems(spec, cfg)  # vision-language: layouts, processor, images; images on text models
     problems += moe_rules.problems(spec.recipe, spec.world_size, cfg)  # MoE: ep, tp, pipeline, aux loss

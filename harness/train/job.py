@@ -71,6 +71,13 @@ def load_data(spec, dist, tokenizer) -> Data:
         from harness.train import grpo_start
 
         return grpo_start.load_prompts(spec, dist, tokenizer)
+    if objective_of(spec.recipe).data == "completions":  # gkd: prompt + completion, one record per row
+        from harness.train.distill_data import load_completions
+
+        train_rows, eval_rows, lines = load_completions(spec, tokenizer)
+        for line in lines if dist.is_main else ():
+            say("data", line)
+        return Data(train=train_rows, eval=eval_rows)
     if train["objective"] != "lm":  # preference pairs (harness/data/preference.py), not packed rows
         from harness.data.preference import load_pairs
 
@@ -312,6 +319,10 @@ def run(spec, dist) -> int:
             from harness.train import reference
 
             data = dataclasses.replace(data, reference=reference.start(spec, dist, data, run_dir, say))
+        elif objective_of(spec.recipe).family == "distill":  # the teacher, built before the student as a reference
+            from harness.train import teacher
+
+            data = dataclasses.replace(data, reference=teacher.start(spec, dist, say))
         startup = profiling.Startup(dist.device)
         engine, info, notes = build_engine(spec, startup)
         log = MetricsLog(run_dir, enabled=dist.is_main)

@@ -1,7 +1,8 @@
-"""The reference model as an engine: built by the policy's own path (harness/model/build.py) in the run's precision,
+"""The reference model (or a distillation run's teacher: the same machinery) as an engine: built by the policy's own path (harness/model/build.py) in the run's precision,
 inference only, wrapped by deepspeed.initialize WITHOUT any optimizer block (trl#825: a reference engine built from
 the policy's config inherits its optimizer); ZeRO-3-sharded like the policy where the policy is ZeRO-3. Used by the
-engine mode for every step and by the precomputed mode for its one pass (train/reference.py).
+engine mode for every step and by the precomputed mode for its one pass (train/reference.py), and by the teacher's
+engine mode (train/teacher.py).
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from harness.config.recipes import deep_merge
 from harness.train.objectives import label_logps
 
 
+MODEL_KEYS = {"preference": "reference", "rl": "reference", "distill": "teacher_model_name_or_path"}  # block -> key
+
+
 def reference_name(spec) -> str:
-    """The reference's model folder or hub id: preference.reference (rl.reference for an RL run), else the
-    policy's starting weights."""
+    """The extra model's folder or hub id: preference.reference (rl.reference for an RL run, distill.
+    teacher_model_name_or_path for a distillation run's teacher), else the policy's starting weights."""
     block = objective_of(spec.recipe).block or "preference"
-    return spec.recipe[block]["reference"] or spec.recipe["train"]["model"]
+    return spec.recipe[block][MODEL_KEYS[block]] or spec.recipe["train"]["model"]
 
 
 def _reference_spec(spec):

@@ -42,7 +42,7 @@ RANK_MEANS = ("lm_loss", "aux_loss", *PREFERENCE_METRICS)  # MoE with its balanc
 class Data:
     train: Rows  # .shape == (rows, seq_len); views over the memory-mapped token store (a preference run: Pairs)
     eval: Rows
-    reference: object = None  # a dpo / ipo run's reference log-probs (harness/train/reference.py)
+    reference: object = None  # a dpo / ipo run's reference (harness/train/reference.py); gkd's teacher (teacher.py)
     mixture: object = None  # train.datasets: the sources and their blend (harness/data/mixture.py); train, eval: MixRows
     steps: object = None  # an RL run's step (harness/train/grpo.py): it picks its own prompts and completions
 
@@ -130,8 +130,8 @@ def micro_eval(engine, batches: list) -> float:
 
 def strategy(spec, reference=None):
     """(train step, eval) functions: the pipeline engine runs a whole step in train_batch / eval_batch; a
-    preference objective has its own (pipeline, tensor and sequence parallel are refused with it)."""
-    if is_preference(spec.recipe):  # the objective's step class (config/objectives.py): preference or reward
+    preference or distillation objective has its own (pipeline, tensor and sequence parallel are refused with it)."""
+    if is_preference(spec.recipe) or objective_of(spec.recipe).family == "distill":  # its step class (objectives.py)
         import importlib
 
         module, name = objective_of(spec.recipe).steps.split(":")

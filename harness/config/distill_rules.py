@@ -1,0 +1,127 @@
+"""Rules for knowledge distillation (train.objective gkd, distill; the distill block): each key's value as TRL 1.16
+gives it (a null takes the objective's own default: GKDConfig's for gkd, DistillationConfig's for distill), the
+teacher mode a run gets, and what is refused before launch with the reason. Pure: the recipe and the DeepSpeed
+dict only; the teacher's vocabulary and tokenizer are compared in harness/train/checks.py (its files).
+"""
+
+from __future__ import annotations
+
+from harness.config.adapter_rules import lora_on
+from harness.config.objectives import family
+from harness.config.layout_refusals import refused_layouts
+from harness.config.resolve import Context
+from harness.errors import Problem
+
+# TRL 1.16's defaults of the keys the two configs name differently or default differently; loss_temperature None:
+# gkd's loss runs at T = 1 whatever `temperature` says (GKDTrainer.compute_loss calls generalized_jsd_loss without
+# it), distill's at `temperature` (DistillationTrainer passes it to the loss)
+TRL_DEFAULTS = {
+    "gkd": {"beta": 0.5, "lmbda": 0.5, "temperature": 0.9, "loss_temperature": 1.0, "max_new_tokens": 128,
+            "max_completion_length": None, "disable_dropout": True},
+    "distill": {"beta": 1.0, "lmbda": 1.0, "temperature": 1.0, "loss_temperature": None, "max_new_tokens": None,
+                "max_completion_length": 512, "disable_dropout": False},
+}
+NOT_YET = ("on-policy completions (generated during training by the student, or by the teacher under seq_kd) are "
+           "not implemented yet")
+MODES_ELSEWHERE = ("precomputed", "served")  # the top-k teacher modes (their own module and rules)
+
+
+def is_distill(recipe: dict) -> bool:
+    return family(recipe) == "distill"
+
+
+def settings(recipe: dict) -> dict:
+    """The distill block with every null replaced by the objective's TRL default; loss_temperature resolved (gkd:
+    1.0, TRL's quirk; distill: its temperature)."""
+    goal = recipe["train"]["objective"]
+    block = dict(recipe.get("distill", {}))
+    for key, value in TRL_DEFAULTS[goal].items():
+        if block.get(key) is None:
+            block[key] = value
+    if block["loss_temperature"] is None:
+        block["loss_temperature"] = block["temperature"]
+    return block
+
+
+def teacher_mode(recipe: dict) -> str | None:
+    """engine, adapter, precomputed or served (None: not a distillation run). auto: the adapters off under LoRA when
+    no teacher is named (self-distillation, no second copy), else a frozen engine."""
+    if not is_distill(recipe):
+        return None
+    block = recipe["distill"]
+    if block["teacher_mode"] != "auto":
+        return block["teacher_mode"]
+    return "adapter" if lora_on(recipe) and block["teacher_model_name_or_path"] is None else "engine"
+
+
+def on_policy(recipe: dict) -> bool:
+    """Whether some completions are generated during training (lmbda > 0, seq_kd, or objective distill)."""
+    s = settings(recipe)
+    return recipe["train"]["objective"] == "distill" or s["lmbda"] > 0 or bool(s["seq_kd"])
+
+
+def check_distill(ds: dict, ctx: Context) -> list[Problem]:
+    recipe = ctx.recipe
+    if not is_distill(recipe):
+        return []
+    goal, block = recipe["train"]["objective"], recipe.get("distill", {})
+    out = [Problem(f"distill.{key}", f"{key} {block[key]} is outside [0, 1]: {meaning}", f"set distill.{key} "
+                   "between 0 and 1")
+           for key, meaning in (("beta", "it weighs the two KL terms of the generalised JSD (0: forward KL, 1: "
+                                         "reverse KL)"), ("lmbda", "it is the share of on-policy micro-batches"))
+           if block.get(key) is not None and not 0 <= block[key] <= 1]
+    if goal == "distill" and block.get("lmbda") is not None:
+        out.append(Problem("distill.lmbda", f"lmbda {block['lmbda']} with objective distill: TRL's "
+                           "DistillationConfig has no lmbda, every completion is the student's own",
+                           "drop distill.lmbda, or use objective gkd (lmbda chooses per micro-batch)"))
+    if not out:
+        out += _on_policy_problems(recipe, goal)
+    return out + _teacher_problems(recipe) + _layout_problems(ds, recipe, goal)
+
+
+def _on_policy_problems(recipe: dict, goal: str) -> list[Problem]:
+    s = settings(recipe)
+    if goal == "distill":
+        return [Problem("train.objective", f"objective distill trains on the student's own completions: {NOT_YET}",
+                        "use objective gkd with distill.lmbda=0 (the dataset's prompt + completion records)")]
+    out = []
+    if s["lmbda"] > 0:
+        default = " (TRL's default, taken because distill.lmbda is null)" if recipe["distill"].get("lmbda") is None \
+            else ""
+        out.append(Problem("distill.lmbda", f"lmbda {s['lmbda']}{default}: with probability lmbda a micro-batch's "
+                           f"completions would be the student's own; {NOT_YET}",
+                           "set distill.lmbda=0 to distill on the dataset's completions"))
+    if s["seq_kd"]:
+        out.append(Problem("distill.seq_kd", f"seq_kd true: the teacher would generate the completions; {NOT_YET}",
+                           "set distill.seq_kd=false"))
+    return out
+
+
+def _teacher_problems(recipe: dict) -> list[Problem]:
+    """The teacher mode against the run. The top-k modes' own rules (precomputed with on-policy completions, served
+    with beta > 0 and k > 1) belong beside their implementation."""
+    block, out = recipe.get("distill", {}), []
+    mode, teacher = block.get("teacher_mode", "auto"), block.get("teacher_model_name_or_path")
+    if mode in MODES_ELSEWHERE:
+        out.append(Problem("distill.teacher_mode", f"teacher_mode {mode} is not implemented on this branch yet",
+                           "use teacher_mode engine (a frozen teacher engine) or adapter (under LoRA), or auto"))
+    elif mode == "adapter" and not lora_on(recipe):
+        out.append(Problem("distill.teacher_mode", "teacher_mode adapter without LoRA: the teacher is the student's "
+                           "base with the adapters switched off, and there are none",
+                           "set adapter.type=lora, or teacher_mode engine"))
+    elif mode == "adapter" and teacher is not None:
+        out.append(Problem("distill.teacher_model_name_or_path", f"teacher_mode adapter with a teacher model "
+                           f"({teacher}): the adapter mode's teacher is the student's own base",
+                           "drop distill.teacher_model_name_or_path, or use teacher_mode engine"))
+    return out
+
+
+def _layout_problems(ds: dict, recipe: dict, goal: str) -> list[Problem]:
+    """Layouts whose step does not see a completion's logits over the whole vocabulary in one forward."""
+    why = {"parallel.pipeline": "a pipeline's loss runs on its last stage per micro-batch of rows, where the "
+                                "teacher's distributions would have to meet the student's",
+           "parallel.tensor": "the tensor-parallel head's logits are split by vocabulary; the divergence needs both "
+                              "softmaxes over the whole vocabulary",
+           "parallel.sequence": "each rank holds a slice of every sequence; the teacher would need the same slices"}
+    return refused_layouts(ds, recipe, goal, why, tiled="the distillation loss is computed in token chunks of its "
+                           "own (distill.loss_chunk_tokens)", loss_name="the distillation loss")

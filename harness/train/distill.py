@@ -1,0 +1,105 @@
+"""The step of a distillation run (train.objective gkd) on ddp and ZeRO-0..3, offload and LoRA.
+
+A micro-batch is B prompt-completion rows (harness/train/distill_data.py). Per optimizer step:
+  1. the step's loss tokens (labels != -100 after the causal shift) are counted on the host over this rank's
+     micro-batches and summed over the ranks in ONE all-reduce: N;
+  2. per micro-batch: the teacher's targets at those tokens (harness/train/teacher.py), one forward of the student,
+     the loss SUM over its tokens (harness/train/distill_loss.py) times dp x gas / N, engine.backward, engine.step.
+DeepSpeed divides each micro-batch's loss by gas and averages the gradients over the dp ranks, so the update is the
+gradient of (sum over every token of the step) / N: the same on every layout and accumulation as one process over the
+same rows (TRL's num_items_in_batch, trl#4719). The logged loss is that value (the trainer averages the ranks' shares).
+
+Metrics under TRL's names: entropy (the student's, at the loss temperature, mean over the step's loss tokens),
+num_tokens (input tokens of the step, all ranks: TRL logs the running total), and teacher_entropy, time/teacher_s,
+time/train_s (this rank's seconds in the teacher's forwards, and in the rest of the step).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as tdist
+
+from harness.config.distill_rules import settings
+from harness.data.rows import IGNORE_INDEX
+from harness.train.distill_loss import LOSSES
+
+
+def loss_positions(labels: torch.Tensor) -> torch.Tensor:
+    """[B, L - 1] bool: the positions whose logits predict a target (the token at t + 1 carries loss)."""
+    return labels[:, 1:] != IGNORE_INDEX
+
+
+def input_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Each row's length up to its last target: the prompt and the completion (the completion ends the row)."""
+    where = torch.arange(1, labels.shape[1] + 1)
+    return ((labels != IGNORE_INDEX) * where).amax(-1)
+
+
+def disable_dropout(module) -> None:
+    """TRL's disable_dropout_in_model: every torch.nn.Dropout's p set to 0."""
+    for m in module.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+
+
+def _sum_over_ranks(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        tdist.all_reduce(t)
+    return t.tolist()
+
+
+class DistillSteps:
+    def __init__(self, spec, teacher):
+        self.cfg, self.teacher = settings(spec.recipe), teacher
+        self.dp, self.gas = spec.dp, spec.run.batch.grad_accum  # tp / pp / sp are refused (config/distill_rules.py)
+        self.dropout_off = not self.cfg["disable_dropout"]
+
+    def loss_sums(self, engine, batch: tuple[torch.Tensor, ...], times: dict) -> tuple[torch.Tensor, ...]:
+        """(loss sum, student entropy sum, teacher entropy sum) of one micro-batch."""
+        input_ids, labels = batch[:2]
+        where = loss_positions(labels)
+        began = time.perf_counter()
+        targets = self.teacher.targets(engine, input_ids, where)
+        times["teacher_s"] += time.perf_counter() - began
+        logits = engine(input_ids=input_ids.to(engine.device), use_cache=False).logits
+        student = logits[:, :-1][where.to(logits.device)]
+        return LOSSES[targets.kind](student, targets, labels[:, 1:][where], self.cfg)
+
+    def train(self, engine, batches: list) -> tuple[torch.Tensor, dict]:
+        """One optimizer step over this rank's micro-batches: (this rank's share of the step's loss, metrics)."""
+        began, times = time.perf_counter(), {"teacher_s": 0.0}
+        if not self.dropout_off:
+            disable_dropout(engine.module)
+            self.dropout_off = True
+        counts = [sum(int(loss_positions(b[1]).sum()) for b in batches), sum(int(input_tokens(b[1]).sum())
+                                                                              for b in batches)]
+        num_loss, num_input = _sum_over_ranks(counts, engine.device)
+        scale = self.dp * self.gas / max(num_loss, 1.0)
+        total, entropies = None, torch.zeros(2, dtype=torch.float64)
+        for batch in batches:
+            loss, ent_s, ent_t = self.loss_sums(engine, batch, times)
+            loss = loss * scale
+            engine.backward(loss)
+            engine.step()
+            total = loss.detach() if total is None else total + loss.detach()
+            entropies += torch.stack([ent_s, ent_t]).double().cpu()
+        ent_s, ent_t = _sum_over_ranks(entropies.tolist(), engine.device)
+        seconds = time.perf_counter() - began
+        return total / len(batches), {
+            "entropy": ent_s / max(num_loss, 1.0), "teacher_entropy": ent_t / max(num_loss, 1.0),
+            "num_tokens": int(num_input), "step_tokens": int(num_input), "time/teacher_s": times["teacher_s"],
+            "time/train_s": seconds - times["teacher_s"]}
+
+    @torch.no_grad()
+    def eval(self, engine, batches: list) -> tuple[torch.Tensor, dict]:
+        """This rank's loss over its eval micro-batches: the sum over their loss tokens / their count."""
+        times, sums = {"teacher_s": 0.0}, None
+        for batch in batches:
+            part = torch.stack([*self.loss_sums(engine, batch, times), loss_positions(batch[1]).sum().float()
+                                .to(engine.device)])
+            sums = part if sums is None else sums + part
+        count = sums[3].clamp(min=1)
+        return sums[0] / count, {"entropy": sums[1] / count, "teacher_entropy": sums[2] / count}
