@@ -73,38 +73,58 @@ def support(targets: TopK, actual_ids: torch.Tensor, beta: float) -> tuple[torch
     return torch.where(mask, ids, torch.zeros_like(ids)), mask, torch.stack([targets.logps[:, 0], targets.actual], 1)
 
 
-def _chunk_sum(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, teacher: torch.Tensor, beta: float,
-               temperature: float, add_tail: bool) -> torch.Tensor:
+def _entropy(logps: torch.Tensor) -> torch.Tensor:
+    return -(logps.exp() * logps).nan_to_num(nan=0.0).sum(-1)
+
+
+def _chunk_sums(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, teacher: torch.Tensor,
+                actual_ids: torch.Tensor, beta: float, temperature: float, add_tail: bool,
+                ce_alpha: float) -> tuple[torch.Tensor, ...]:
+    """(loss sum, student entropy sum, teacher entropy sum over its top-k + tail buckets) of one chunk."""
     neg_inf = torch.full((), float("-inf"), device=logits.device)
-    s = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids)
-    s, t = torch.where(mask, s, neg_inf), torch.where(mask, teacher, neg_inf)
+    full = torch.log_softmax(logits.float() / temperature, dim=-1)
+    s, t = torch.where(mask, full.gather(-1, ids), neg_inf), torch.where(mask, teacher, neg_inf)
     if add_tail:
-        s, full = _with_tail(s, mask)
+        s, bucket_mask = _with_tail(s, mask)
         t, _ = _with_tail(t, mask)
-        mask = full
     else:
-        s, t = _renormalised(s), _renormalised(t)
-    return divergence(s, t, mask, beta).sum()
+        s, t, bucket_mask = _renormalised(s), _renormalised(t), mask
+    loss = divergence(s, t, bucket_mask, beta).sum()
+    if ce_alpha:
+        loss = loss - ce_alpha * torch.log_softmax(logits.float(), -1).gather(-1, actual_ids[:, None]).sum()
+    return loss, _entropy(full.detach()).sum(), _entropy(torch.where(bucket_mask, t, neg_inf)).sum()
+
+
+def topk_rows_sum(student: torch.Tensor, actual_ids: torch.Tensor, targets: TopK, *, beta: float, temperature: float,
+                  add_tail: bool = True, chunk_tokens: int = CHUNK_TOKENS,
+                  ce_alpha: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss sum, student entropy sum, teacher entropy sum) over N loss tokens: the student's logits [N, V] at them,
+    the tokens actually there [N] and the teacher's targets. ce_alpha: plus that weight x the cross-entropy of the
+    student's raw logits (T = 1) on the actual tokens. float32 scalars; the entropies carry no gradient."""
+    check_support(beta, targets.k)
+    if student.shape[0] != len(targets):
+        raise ValueError(f"the teacher gave {len(targets)} targets for {student.shape[0]} loss tokens")
+    if beta > 0 and not bool(torch.isfinite(targets.actual).all()):
+        raise ValueError("the teacher gave no log-prob for some of the actual tokens (needed when beta > 0)")
+    device = student.device
+    actual_ids = actual_ids.to(device)
+    ids, mask, teacher = (x.to(device) for x in support(targets, actual_ids, beta))
+    sums = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(3)]
+    for start in range(0, student.shape[0], chunk_tokens):
+        sl = slice(start, start + chunk_tokens)
+        args = (student[sl], ids[sl], mask[sl], teacher[sl].float(), actual_ids[sl], beta, temperature, add_tail,
+                ce_alpha)
+        part = (checkpoint(_chunk_sums, *args, use_reentrant=False) if student.requires_grad
+                else _chunk_sums(*args))
+        sums = [a + b for a, b in zip(sums, part)]
+    return sums[0], sums[1].detach(), sums[2].detach()
 
 
 def topk_loss_sum(logits: torch.Tensor, labels: torch.Tensor, targets: TopK, *, beta: float, temperature: float,
                   add_tail: bool = True, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
     """Sum over the loss tokens of labels [B, L] of the student's divergence from the teacher's top-k targets
     (one row per loss token, in loss_positions' order); logits [B, L, V]. float32 scalar."""
-    check_support(beta, targets.k)
     rows, pos = loss_positions(labels)
-    if rows.numel() != len(targets):
-        raise ValueError(f"the teacher gave {len(targets)} targets for {rows.numel()} loss tokens")
-    if beta > 0 and not bool(torch.isfinite(targets.actual).all()):
-        raise ValueError("the teacher gave no log-prob for some of the actual tokens (needed when beta > 0)")
-    device = logits.device
-    actual_ids = labels[:, 1:].to(device)[rows, pos]
-    ids, mask, teacher = (x.to(device) for x in support(targets, actual_ids, beta))
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for start in range(0, rows.numel(), chunk_tokens):
-        sl = slice(start, start + chunk_tokens)
-        chunk = logits[rows[sl], pos[sl]]
-        args = (chunk, ids[sl], mask[sl], teacher[sl].float(), beta, temperature, add_tail)
-        total = total + (checkpoint(_chunk_sum, *args, use_reentrant=False) if chunk.requires_grad
-                         else _chunk_sum(*args))
-    return total
+    actual_ids = labels[:, 1:].to(logits.device)[rows, pos]
+    return topk_rows_sum(logits[rows, pos], actual_ids, targets, beta=beta, temperature=temperature,
+                         add_tail=add_tail, chunk_tokens=chunk_tokens)[0]
