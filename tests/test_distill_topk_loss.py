@@ -9,6 +9,7 @@ import torch
 
 from harness.distill.topk import loss_positions, teacher_topk
 from harness.distill.topk_loss import check_support, topk_loss_sum
+from tests.helpers.topk_ref import topk_reference_sum
 
 B, L, V = 3, 9, 37
 
@@ -24,34 +25,6 @@ def batch(seed: int = 0):
     return student, teacher, labels
 
 
-def reference(student, teacher, labels, k: int, beta: float, temperature: float, tail: bool) -> torch.Tensor:
-    """Sum over loss tokens, token by token, in float64, from the formulas."""
-    total = torch.zeros((), dtype=torch.float64)
-    for b in range(B):
-        for t in range(L - 1):
-            y = int(labels[b, t + 1])
-            if y == -100:
-                continue
-            s = torch.log_softmax(student[b, t].double() / temperature, -1)
-            tl = torch.log_softmax(teacher[b, t].double() / temperature, -1)
-            top = tl.topk(k).indices.tolist()
-            sup = top if beta == 0 else [y] if beta == 1 else [top[0]] + ([y] if y != top[0] else [])
-            ps, pt = s[sup].exp(), tl[sup].exp()
-            if tail:
-                ps, pt = torch.cat([ps, 1 - ps.sum(0, keepdim=True)]), torch.cat([pt, 1 - pt.sum(0, keepdim=True)])
-            else:
-                ps, pt = ps / ps.sum(), pt / pt.sum()
-            if beta == 0:
-                d = (pt * (pt.log() - ps.log())).sum()
-            elif beta == 1:
-                d = (ps * (ps.log() - pt.log())).sum()
-            else:
-                m = beta * pt + (1 - beta) * ps
-                d = beta * (pt * (pt / m).log()).sum() + (1 - beta) * (ps * (ps / m).log()).sum()
-            total = total + d
-    return total
-
-
 CASES = [(0.0, 1), (0.0, 4), (0.5, 1), (1.0, 1)]
 
 
@@ -62,7 +35,7 @@ def test_loss_and_gradient_equal_the_formula(beta, k, temperature, tail):
     student, teacher, labels = batch()
     targets = teacher_topk(teacher, labels, k, temperature, chunk_tokens=5)
     want_x = student.clone().double().requires_grad_()
-    want = reference(want_x, teacher, labels, k, beta, temperature, tail)
+    want = topk_reference_sum(want_x, teacher, labels, k, beta, temperature, tail)
     want.backward()
     for chunk in (4, 1024):  # chunked (and recomputed under checkpoint in the backward) and whole
         x = student.clone().requires_grad_()

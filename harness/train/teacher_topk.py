@@ -8,8 +8,8 @@ precomputed  the teacher's top-k for every record, written once before the stude
              tokenizer, seq_len, k, the temperature and the precision; a second run with the same key reads it and
              builds no teacher. A batch's rows are looked up by their record numbers (the batch's third tensor).
 served       distill.teacher_model_server_url asked per micro-batch (harness/distill/served.py). A rank whose request
-             fails after its retries tells the others (one all-reduce of a flag per micro-batch), so every rank ends
-             with exit 2 and the reason instead of waiting in a collective for a rank that left.
+             fails after its retries tells the others (one all-gather of the error per micro-batch), so every rank
+             ends with exit 2 and that reason instead of waiting in a collective for a rank that left.
 """
 
 from __future__ import annotations
@@ -60,28 +60,26 @@ class ServedTargets:
         self.client = client
 
     def targets(self, student, input_ids: torch.Tensor, where: torch.Tensor, ids=None) -> Targets:
-        error = None
+        answer, error = None, None
         try:
             answer = self.client(input_ids.cpu(), labels_at(input_ids.cpu(), where.cpu()))
         except TeacherServerError as err:
-            error = err
-        failed = _any_rank(error is not None, student.device)
-        if error is not None:
-            raise error
-        if failed:
-            raise TeacherServerError(f"distill.teacher_model_server_url: another rank's request to the served "
-                                     f"teacher {self.client.url} failed (its rank says why); this rank stops too")
+            error = str(err)
+        failed = _first_failure(error)
+        if failed is not None:
+            raise TeacherServerError(failed)
         return _targets(answer)
 
 
-def _any_rank(flag: bool, device) -> bool:
+def _first_failure(error: str | None) -> str | None:
+    """The first rank's error (its rank named when there are several), or None when every rank had its answer."""
     import torch.distributed as tdist
 
     if not (tdist.is_initialized() and tdist.get_world_size() > 1):
-        return flag
-    t = torch.tensor([float(flag)], device=device)
-    tdist.all_reduce(t)
-    return bool(t.item() > 0)
+        return error
+    errors = [None] * tdist.get_world_size()
+    tdist.all_gather_object(errors, error)
+    return next((f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None), None)
 
 
 def _store_key(spec, records, tokenizer) -> dict:
