@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,9 +23,9 @@ import torch
 
 from harness.cli import main
 from harness.dist import free_port
-from tests.helpers.launch import ROOT, env, job_output, launch, launch_jobs, records
+from tests.helpers.launch import job_output, launch, launch_jobs, records
 from tests.helpers.models import llama_folder
-from tests.helpers.teacher_server import serve
+from tests.helpers.teacher_server import serve, start as start_server
 from tests.helpers.topk_ref import topk_reference_sum
 
 STEPS, SEQ_LEN, LR, NUM_RECORDS = 2, 24, 1.0, 8
@@ -151,16 +149,9 @@ def test_precomputed_and_served_equal_the_top_k_formula_through_the_step(root, l
     out = proc.stdout
     assert "(written in" in job_output(out, 0) and "teacher engine of" in job_output(out, 0)
     assert "(read, no teacher built)" in job_output(out, 2)
-    assert f"served by http://127.0.0.1:" in job_output(out, 3) and "top-4 prompt log-probs" in job_output(out, 3)
-    first, again = records(root / "precomputed_zero3_k4", "train"), records(root / "precomputed_zero3_k4_again", "train")
-    assert again[0]["loss"] == first[0]["loss"]
-
-
-def start_server(teacher: Path, port: int, *flags: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.teacher_server", "--model", str(teacher),
-                             "--port", str(port), *flags], cwd=ROOT, env=env(), stdout=subprocess.PIPE, text=True)
-    assert "serving" in proc.stdout.readline()
-    return proc
+    assert "served by http://127.0.0.1:" in job_output(out, 3) and "top-4 prompt log-probs" in job_output(out, 3)
+    first = records(root / "precomputed_zero3_k4", "train")
+    assert records(root / "precomputed_zero3_k4_again", "train")[0]["loss"] == first[0]["loss"]
 
 
 @pytest.mark.multirank

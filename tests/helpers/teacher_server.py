@@ -7,7 +7,8 @@ the token actually there, each with its 1-based rank, as vLLM does.
 
 --stop-after N: the server ends after answering N completions requests (a server that dies mid-run);
 --hang-after N: it accepts later requests and never answers them (a server that hangs).
-In-process: `serve(model_dir)` returns a started server (`.server_address`, `.shutdown()`).
+In-process: `serve(model_dir)` returns a started server (`.server_address`, `.shutdown()`; not with --stop-after,
+which ends the process); `start(model_dir, port, *flags)` runs it as a process of its own.
 """
 
 from __future__ import annotations
@@ -96,6 +97,19 @@ def serve(model_dir: str, port: int = 0, stop_after: int | None = None,
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def start(model_dir, port: int, *flags: str):
+    """This server in a process of its own (for --stop-after / --hang-after), once it serves; kill it when done."""
+    import subprocess
+    import sys
+
+    from tests.helpers.launch import ROOT, env
+
+    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.teacher_server", "--model", str(model_dir),
+                             "--port", str(port), *flags], cwd=ROOT, env=env(), stdout=subprocess.PIPE, text=True)
+    assert "serving" in proc.stdout.readline()
+    return proc
 
 
 def main() -> None:
