@@ -30,6 +30,9 @@
 # distill_served (bench/gpu_check_distill.py; needs vllm in the image): a teacher behind `vllm serve` scored through
 # harness/distill/served.py against the precomputed store from transformers on the GPU (top-1 agreement, log-prob
 # gap, the top-k loss from each), then the server killed: the error and its seconds; OUT_DIR/distill_served.
+# distill: train.objective=gkd (dataset completions, lmbda 0) on the built-in set, a ~0.3B bf16 Llama-shaped teacher
+# folder (random weights) as a frozen engine, ZeRO-3-sharded under zero3 and a whole copy under zero2, the tiny-llama
+# student; loss, teacher entropy, the time split and peak memory; OUT_DIR/distill.
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -96,7 +99,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm vlm vlm_video vlm_packing ddp_fp32 distill_served}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm vlm vlm_video vlm_packing ddp_fp32 distill distill_served}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -340,7 +343,40 @@ print(f"[ddp_fp32] grad norms {norms} ({'all reported' if None not in norms else
       f"loss {rs[0]['loss']:.4f} -> {rs[-1]['loss']:.4f}")
 EOF
             ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, vlm, vlm_video, vlm_packing, ddp_fp32, distill_served)" >&2; exit 2 ;;
+        distill)  # gkd: the teacher as a frozen engine on CUDA, ZeRO-3-sharded (zero3) and a whole copy (zero2)
+            $PY - "$OUT/distill" <<'EOF'
+import sys, torch
+from pathlib import Path
+from transformers import LlamaConfig, LlamaForCausalLM
+from harness.model.hf import _shipped_eos_id, load_tokenizer
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+eos = _shipped_eos_id()
+cfg = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+                  num_attention_heads=16, num_key_value_heads=4, bos_token_id=eos, eos_token_id=eos)
+torch.manual_seed(0)
+LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out / "teacher")
+load_tokenizer("tiny-llama").save_pretrained(out / "teacher")
+EOF
+            for recipe in zero2 zero3; do
+                timeout 150 $PY -m deepspeed.launcher.runner --num_gpus 1 "$ROOT/harness/run.py" --recipe $recipe \
+                    --set train.objective=gkd --set distill.lmbda=0 --set precision=bf16 --set train.steps=10 \
+                    --set "distill.teacher_model_name_or_path=$OUT/distill/teacher" --set train.seq_len=256 \
+                    --set train.log_every=5 --set train.eval_every=0 --set train.save_every=0 \
+                    --output-dir "$OUT/distill/$recipe" --overwrite || echo "[distill] $recipe run failed (exit $?)"
+                $PY - "$OUT/distill/$recipe" "$recipe" <<'EOF' || true
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+rs = [r for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"]
+s = json.load(open(run / "summary.json"))
+teacher = sum(r["time/teacher_s"] for r in rs) / len(rs)
+train = sum(r["time/train_s"] for r in rs) / len(rs)
+print(f"[distill] {sys.argv[2]}: loss {rs[0]['loss']:.4f} -> {rs[-1]['loss']:.4f}, teacher entropy "
+      f"{rs[-1]['teacher_entropy']:.3f}, per step teacher {teacher * 1000:.0f} ms, train {train * 1000:.0f} ms; "
+      f"peak per rank {s.get('memory', {}).get('peak_per_rank')}")
+EOF
+            done ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, vlm, vlm_video, vlm_packing, ddp_fp32, distill, distill_served)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

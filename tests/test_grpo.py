@@ -28,7 +28,7 @@ import pytest
 
 from harness.cli import main
 from helpers.grpo_ref import Case, expected, perturbed_old, records, write_replay
-from helpers.launch import job_output, launch_jobs, records as metric_records
+from helpers.launch import job_output, launch_jobs, records as metric_records, set_args
 from helpers.models import llama_folder, perturbed_folder
 
 MICRO, GAS, WORLD, STEPS, LR = 3, 2, 2, 2, 1.0
@@ -64,10 +64,7 @@ def argv(root: Path, model: str, case: Case, replay: Path) -> list[str]:
         sets["rl.reference"] = case.reference
     if case.lora:
         sets.update({"adapter.type": "lora", "adapter.dropout": 0})
-    out = ["--recipe", case.recipe, "--output-dir", str(root / case.name)]
-    for key, value in sets.items():
-        out += ["--set", f"{key}={value}"]
-    return out
+    return ["--recipe", case.recipe, "--output-dir", str(root / case.name), *set_args(sets)]
 
 
 @pytest.fixture(scope="module")

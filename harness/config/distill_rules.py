@@ -22,8 +22,7 @@ TRL_DEFAULTS = {
     "distill": {"beta": 1.0, "lmbda": 1.0, "temperature": 1.0, "loss_temperature": None, "max_new_tokens": None,
                 "max_completion_length": 512, "disable_dropout": False},
 }
-NOT_YET = ("on-policy completions (generated during training by the student, or by the teacher under seq_kd) are "
-           "not implemented yet")
+NOT_YET = "completions generated during training by the teacher are not implemented yet"
 
 
 def is_distill(recipe: dict) -> bool:
@@ -83,21 +82,10 @@ def check_distill(ds: dict, ctx: Context) -> list[Problem]:
 
 
 def _on_policy_problems(recipe: dict, goal: str) -> list[Problem]:
-    s = settings(recipe)
-    if goal == "distill":
-        return [Problem("train.objective", f"objective distill trains on the student's own completions: {NOT_YET}",
-                        "use objective gkd with distill.lmbda=0 (the dataset's prompt + completion records)")]
-    out = []
-    if s["lmbda"] > 0:
-        default = " (TRL's default, taken because distill.lmbda is null)" if recipe["distill"].get("lmbda") is None \
-            else ""
-        out.append(Problem("distill.lmbda", f"lmbda {s['lmbda']}{default}: with probability lmbda a micro-batch's "
-                           f"completions would be the student's own; {NOT_YET}",
-                           "set distill.lmbda=0 to distill on the dataset's completions"))
-    if s["seq_kd"]:
-        out.append(Problem("distill.seq_kd", f"seq_kd true: the teacher would generate the completions; {NOT_YET}",
-                           "set distill.seq_kd=false"))
-    return out
+    if goal == "gkd" and settings(recipe)["seq_kd"]:
+        return [Problem("distill.seq_kd", f"seq_kd true: the teacher would generate the completions; {NOT_YET}",
+                        "set distill.seq_kd=false (distill.lmbda > 0: the student's own completions)")]
+    return []
 
 
 def _teacher_problems(recipe: dict) -> list[Problem]:

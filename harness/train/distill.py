@@ -1,6 +1,7 @@
-"""The step of a distillation run (train.objective gkd) on ddp and ZeRO-0..3, offload and LoRA.
+"""The step of a distillation run (train.objective gkd, distill) on ddp and ZeRO-0..3, offload and LoRA.
 
-A micro-batch is B prompt-completion rows (harness/train/distill_data.py). Per optimizer step:
+A micro-batch is B prompt-completion rows (harness/train/distill_data.py); under lmbda > 0 (distill: always) rows
+get the student's own completions first (harness/train/distill_policy.py). Per optimizer step:
   1. the step's loss tokens (labels != -100 after the causal shift) are counted on the host over this rank's
      micro-batches and summed over the ranks in ONE all-reduce: N;
   2. per micro-batch: the teacher's targets at those tokens (harness/train/teacher.py), one forward of the student,
@@ -53,9 +54,30 @@ def _sum_over_ranks(values: list[float], device) -> list[float]:
 
 class DistillSteps:
     def __init__(self, spec, teacher):
-        self.cfg, self.teacher = settings(spec.recipe), teacher
+        self.spec, self.cfg, self.teacher = spec, settings(spec.recipe), teacher
         self.dp, self.gas = spec.dp, spec.run.batch.grad_accum  # tp / pp / sp are refused (config/distill_rules.py)
         self.dropout_off = not self.cfg["disable_dropout"]
+        self.on_policy = None  # lmbda > 0: the student's completions (harness/train/distill_policy.py), made at step 1
+
+    def completions(self, engine, batches: list, times: dict) -> tuple[list, list[int]]:
+        """lmbda > 0: (the micro-batches with their drawn rows' completions generated, their lengths)."""
+        if self.cfg["lmbda"] == 0:
+            return batches, []
+        from harness.train.distill_policy import OnPolicy
+
+        began = time.perf_counter()
+        if self.on_policy is None:
+            self.on_policy = OnPolicy(self.spec, engine)
+        rank = tdist.get_rank() if tdist.is_initialized() else 0
+        first = rank * sum(b[0].shape[0] for b in batches)  # the rank's slice of the step's rows (BatchPlan)
+        out, lengths = [], []
+        for batch in batches:  # engine.global_steps: the optimizer steps done, restored by a resume
+            batch, made = self.on_policy.batch(engine.global_steps, first, batch)
+            out.append(batch)
+            lengths += made
+            first += batch[0].shape[0]
+        times["generate_s"] = time.perf_counter() - began
+        return out, lengths
 
     def loss_sums(self, engine, batch: tuple[torch.Tensor, ...], times: dict) -> tuple[torch.Tensor, ...]:
         """(loss sum, student entropy sum, teacher entropy sum) of one micro-batch."""
@@ -70,10 +92,11 @@ class DistillSteps:
 
     def train(self, engine, batches: list) -> tuple[torch.Tensor, dict]:
         """One optimizer step over this rank's micro-batches: (this rank's share of the step's loss, metrics)."""
-        began, times = time.perf_counter(), {"teacher_s": 0.0}
+        began, times = time.perf_counter(), {"teacher_s": 0.0, "generate_s": 0.0}
         if not self.dropout_off:
             disable_dropout(engine.module)
             self.dropout_off = True
+        batches, lengths = self.completions(engine, batches, times)
         counts = [sum(int(loss_positions(b[1]).sum()) for b in batches), sum(int(input_tokens(b[1]).sum())
                                                                               for b in batches)]
         num_loss, num_input = _sum_over_ranks(counts, engine.device)
@@ -86,17 +109,25 @@ class DistillSteps:
             engine.step()
             total = loss.detach() if total is None else total + loss.detach()
             entropies += torch.stack([ent_s, ent_t]).double().cpu()
-        ent_s, ent_t = _sum_over_ranks(entropies.tolist(), engine.device)
+        ent_s, ent_t, made, made_tokens = _sum_over_ranks([*entropies.tolist(), len(lengths), sum(lengths)],
+                                                          engine.device)
         seconds = time.perf_counter() - began
-        return total / len(batches), {
-            "entropy": ent_s / max(num_loss, 1.0), "teacher_entropy": ent_t / max(num_loss, 1.0),
-            "num_tokens": int(num_input), "step_tokens": int(num_input), "time/teacher_s": times["teacher_s"],
-            "time/train_s": seconds - times["teacher_s"]}
+        metrics = {"entropy": ent_s / max(num_loss, 1.0), "teacher_entropy": ent_t / max(num_loss, 1.0),
+                   "num_tokens": int(num_input), "step_tokens": int(num_input), "time/teacher_s": times["teacher_s"],
+                   "time/generate_s": times["generate_s"],
+                   "time/train_s": seconds - times["teacher_s"] - times["generate_s"]}
+        if self.cfg["lmbda"] > 0:  # TRL's completions/* of the student's own completions this step
+            metrics.update({"completions/on_policy": int(made),
+                            "completions/mean_length": made_tokens / made if made else 0.0})
+        return total / len(batches), metrics
 
     @torch.no_grad()
     def eval(self, engine, batches: list) -> tuple[torch.Tensor, dict]:
-        """This rank's loss over its eval micro-batches: the sum over their loss tokens / their count."""
+        """This rank's loss over its eval micro-batches: the sum over their loss tokens / their count; on the
+        dataset's completions (gkd, as TRL's evaluation), on the student's own (distill: it has only prompts)."""
         times, sums = {"teacher_s": 0.0}, None
+        if self.spec.recipe["train"]["objective"] == "distill":  # prompts only: the student's completions
+            batches, _ = self.completions(engine, batches, times)
         for batch in batches:
             part = torch.stack([*self.loss_sums(engine, batch, times), loss_positions(batch[1]).sum().float()
                                 .to(engine.device)])

@@ -1,4 +1,5 @@
-"""The records of a gkd run (train.objective gkd): TRL's prompt-completion form, one record per row.
+"""The records of a distillation run: TRL's prompt-completion form (train.objective gkd), or its prompts alone
+(distill, whose completions are all the student's own), one record per row.
 
 A record holds the prompt (train.prompt_field, TRL's "prompt") and its `completion`, both texts or both lists of
 {role, content} messages, tokenized as TRL does (harness/data/preference_records.encode_completions: the prompt's
@@ -49,17 +50,21 @@ class Completions:
             sel = sel.numpy()
         return Completions(self.tokens, self.bounds, self.index[sel])
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels) LongTensors [n, seq_len]; labels are the ids on the completion (and its eos) only."""
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, labels, prompt lengths): LongTensors [n, seq_len], [n, seq_len], [n]; labels are the ids on
+        the completion (and its eos) only (none for a prompt-only record: objective distill)."""
         ids = torch.from_numpy(self.tokens[self.index].astype(np.int64))
         bounds = torch.from_numpy(self.bounds[self.index].astype(np.int64))
         where = torch.arange(ids.shape[1])
         target = (where >= bounds[:, :1]) & (where < bounds[:, 1:])
-        return ids, ids.masked_fill(~target, IGNORE_INDEX)
+        return ids, ids.masked_fill(~target, IGNORE_INDEX), bounds[:, 0]
 
 
-def _record_pair(record, number: int, where: str, prompt_field: str, builtin: bool) -> tuple:
+def _record_pair(record, number: int, where: str, prompt_field: str, builtin: bool, prompts_only: bool) -> tuple:
     completion_field = "chosen" if builtin else COMPLETION_COLUMN
+    if prompts_only and isinstance(record, dict) and prompt_field in record:  # objective distill: TRL's prompts
+        prompt = record[prompt_field]
+        return prompt, ([] if isinstance(prompt, list) else "")
     if not isinstance(record, dict) or prompt_field not in record or completion_field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise UsageError(f"{where}: record {number} has no {prompt_field!r} and {COMPLETION_COLUMN!r} columns (it "
@@ -74,18 +79,22 @@ def _record_pair(record, number: int, where: str, prompt_field: str, builtin: bo
 
 
 def encode_records(records: list, where: str, tokenizer, seq_len: int, prompt_field: str = "prompt",
-                   builtin: bool = False) -> tuple[Completions, dict]:
-    """(every record as a row, counts {records, truncated}); a prompt that fills seq_len is refused, naming it."""
+                   builtin: bool = False, prompts_only: bool = False) -> tuple[Completions, dict]:
+    """(every record as a row, counts {records, truncated}); a prompt that fills seq_len is refused, naming it.
+    prompts_only (objective distill): the prompt alone, no labels (the student generates every completion)."""
     from harness.data.preference_records import encode_completions
+    from harness.rl.prompts import encode
 
-    items = [_record_pair(r, n, where, prompt_field, builtin) for n, r in enumerate(records, 1)]
+    items = [_record_pair(r, n, where, prompt_field, builtin, prompts_only) for n, r in enumerate(records, 1)]
     if not items:
         raise UsageError(f"{where}: no records\n    fix: a dataset of prompt-completion records")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = np.full((len(items), seq_len), pad, dtype=np.int32)
     bounds = np.zeros((len(items), 2), dtype=np.int32)
     truncated = 0
-    for n, (prompt, completion, _) in enumerate(encode_completions(tokenizer, items)):
+    encoded = [(encode(tokenizer, p, where, prompt_field), [], False) for p, _ in items] if prompts_only else \
+        encode_completions(tokenizer, items)
+    for n, (prompt, completion, _) in enumerate(encoded):
         if len(prompt) >= seq_len:
             raise UsageError(f"{where}: record {n + 1}'s prompt is {len(prompt)} tokens, train.seq_len {seq_len}: no "
                              "room for a completion token\n    fix: raise train.seq_len above the longest prompt, or "
@@ -113,9 +122,11 @@ def load_completions(spec, tokenizer) -> tuple[Completions, Completions, list[st
         where = f"the built-in set ({where}: prompt, chosen answer as the completion)"
     else:
         records, where = read_records(data_spec.dataset, data_spec.split, data_spec.config)
-    rows, counts = encode_records(records, where, tokenizer, train["seq_len"], data_spec.prompt_field, builtin)
+    prompts_only = train["objective"] == "distill"
+    rows, counts = encode_records(records, where, tokenizer, train["seq_len"], data_spec.prompt_field, builtin,
+                                  prompts_only)
     train_rows, eval_rows = split_rows(rows, train["eval_fraction"], train["seed"])
-    lines = [f"{where}: {counts['records']} prompt-completion records, one per row of train.seq_len "
-             f"{train['seq_len']} ({counts['truncated']} completions cut at its end); data ready in "
-             f"{time.perf_counter() - start:.2f}s"]
+    kind = "prompts (the student generates every completion)" if prompts_only else "prompt-completion records"
+    lines = [f"{where}: {counts['records']} {kind}, one per row of train.seq_len {train['seq_len']} "
+             f"({counts['truncated']} completions cut at its end); data ready in {time.perf_counter() - start:.2f}s"]
     return train_rows, eval_rows, lines

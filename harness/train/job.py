@@ -67,11 +67,11 @@ def load_data(spec, dist, tokenizer) -> Data:
 
     start = time.perf_counter()
     train = spec.recipe["train"]
-    if objective_of(spec.recipe).data == "prompts":  # an RL run's prompt set (harness/rl/prompts.py)
+    if objective_of(spec.recipe).family == "rl":  # an RL run's prompt set (harness/rl/prompts.py)
         from harness.train import grpo_start
 
         return grpo_start.load_prompts(spec, dist, tokenizer)
-    if objective_of(spec.recipe).data == "completions":  # gkd: prompt + completion, one record per row
+    if objective_of(spec.recipe).family == "distill":  # gkd: prompt + completion, distill: prompts; one per row
         from harness.train.distill_data import load_completions
 
         train_rows, eval_rows, lines = load_completions(spec, tokenizer)
@@ -313,7 +313,7 @@ def run(spec, dist) -> int:
         data = load_data(spec, dist, tokenizer)
         if vision_steps.is_vision_run(spec):  # the planner's prediction counts the data's images
             spec = vision_steps.with_vision_load(spec, data.train)
-        if objective_of(spec.recipe).data != "prompts":  # an RL step's prompts: harness/rl/prompts.py
+        if objective_of(spec.recipe).family != "rl":  # an RL step's prompts: harness/rl/prompts.py
             checks.data_fits(spec, data.train.shape[0], data.train.shape[1])  # same data on every rank: all exit 2
         if is_preference(spec.recipe):  # before the policy is built: a precomputed reference runs and is freed first
             from harness.train import reference

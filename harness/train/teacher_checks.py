@@ -30,15 +30,21 @@ def teacher_problems(recipe: dict, cfg: dict, model_config) -> list[Problem]:
     return _tokenizer_problems(teacher, student)
 
 
+PROBE = "Question: What is 18 + 15?\nAnswer: 33. The quick brown fox, naïve café, 東京 <|eos|>"
+
+
 def _tokenizer_problems(teacher: str, student: str) -> list[Problem]:
-    from harness.data.store import tokenizer_hash
+    """One vocabulary (token -> id), one eos id and the same ids for a probe text: the tokenizers' files may differ
+    (a class name written by another transformers version) while the ids are the same."""
     from harness.model.hf import load_tokenizer
 
     try:
         ours, theirs = load_tokenizer(student), load_tokenizer(teacher)
     except (OSError, ValueError) as e:
         return [Problem(KEY, f"the teacher's tokenizer ({teacher}) does not load: {str(e).splitlines()[0]}", FIX)]
-    if tokenizer_hash(ours, with_template=False) != tokenizer_hash(theirs, with_template=False):
+    same = (ours.get_vocab() == theirs.get_vocab() and ours.eos_token_id == theirs.eos_token_id
+            and ours(PROBE)["input_ids"] == theirs(PROBE)["input_ids"])
+    if not same:
         return [Problem(KEY, f"the teacher's tokenizer ({teacher}) is not the student's ({student}): the same "
                         "text gives other ids, so the teacher's distribution at a position is over other tokens",
                         FIX)]

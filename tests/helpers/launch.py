@@ -67,6 +67,11 @@ def launch_jobs(cases: list, folder: Path, ranks: int = 2, timeout_s: int = 900,
     return run_checked([sys.executable, "tests/drivers/jobs.py", str(path)], timeout_s, check)
 
 
+def set_args(sets: dict) -> list[str]:
+    """`--set key=value` arguments of harness/run.py, one pair per key."""
+    return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+
+
 def job_output(text: str, case: int) -> str:
     """Case `case`'s share of a launch_jobs stdout or stderr (from its mark to the next case's)."""
     parts = re.split(rf"^{re.escape(JOB_MARK)}(\d+)\n", text, flags=re.M)

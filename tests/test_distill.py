@@ -1,0 +1,247 @@
+"""Knowledge distillation (issue 45), train.objective gkd on the dataset's completions, on real DeepSpeed ranks
+against a plain-torch generalised JSD (tests/helpers/distill_ref.py, written from the issue's formulas): a 1-layer
+Llama student and a 3-layer, sharpened Llama teacher with one tokenizer, SGD lr 1, no clipping. The first step's loss, grad
+norm, entropy and teacher entropy, the SECOND step's loss (which shows the update) and the eval after it within
+1e-5, for beta 0, 0.5 and 1 at loss temperatures 1 and 0.9, on ddp, ZeRO-2 and ZeRO-3 (the teacher engine
+ZeRO-3-sharded), with accumulation, a CE term and the adapter mode under LoRA; 2 ranks whose rows hold unequal token
+counts. All cases run in ONE 2-rank launch; the ZeRO-3 case's export loads with AutoModelForCausalLM and gives the
+plain-torch student's logits. The refusals run without ranks (the teacher's checks in one plain process).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.cli import main
+from helpers.distill_ref import Case, expected, sharpened_folder, write_completions
+from helpers.launch import job_output, launch_jobs, records, run_checked, set_args
+from helpers.models import llama_folder
+
+STEPS, SEQ_LEN, MICRO, LR, EVAL_FRACTION = 2, 24, 2, 1.0, 0.25
+RTOL, ATOL = 1e-5, 1e-6  # fp32 logits and float32 chunks against float64: measured at most 1.3e-7 relative
+CASES = [Case("ddp_forward_kl", "ddp", 0.0),
+         Case("ddp_reverse_kl", "ddp", 1.0),
+         Case("zero2_jsd_t09_ga2_ce", "zero2", 0.5, 0.9, gas=2, ce_alpha=0.5),
+         Case("zero3_reverse_kl_t09", "zero3", 1.0, 0.9),
+         Case("zero3_forward_kl_t09_ga2", "zero3", 0.0, 0.9, gas=2),
+         Case("zero2_lora_adapter_jsd_ce", "zero2", 0.5, ce_alpha=1.0, lora=True)]
+
+
+def argv(root: Path, case: Case) -> list[str]:
+    sets = {"precision": "fp32", "train.steps": STEPS, "train.seq_len": SEQ_LEN, "train.save_every": STEPS,
+            "train.eval_every": STEPS, "train.log_every": 1, "scheduler.type": "none", "optimizer.type": "sgd",
+            "optimizer.lr": LR, "optimizer.weight_decay": 0, "gradient_clipping": 0,
+            "batch.micro_batch_per_gpu": MICRO, "batch.grad_accum_steps": case.gas, "batch.train_batch_size": '"auto"',
+            "train.eval_fraction": EVAL_FRACTION, "train.model": root / "student", "train.dataset": root / "data.jsonl",
+            "train.objective": "gkd", "distill.lmbda": 0, "distill.beta": case.beta, "distill.ce_alpha": case.ce_alpha,
+            "distill.loss_chunk_tokens": 7}  # several chunks per micro-batch, the last one short
+    if case.loss_temperature is not None:
+        sets["distill.loss_temperature"] = case.loss_temperature
+    if case.lora:
+        sets.update({"adapter.type": "lora", "adapter.dropout": 0})
+    else:
+        sets["distill.teacher_model_name_or_path"] = root / "teacher"
+    return ["--recipe", case.recipe, "--output-dir", str(root / case.name), *set_args(sets)]
+
+
+ON_POLICY_STEPS = 6
+
+
+def on_policy_argv(root: Path, name: str, resume: str | None = None) -> list[str]:
+    """gkd with lmbda 1 (every completion the student's own) on ZeRO-2 with accumulation, Adam; saved at step 3."""
+    sets = {"precision": "fp32", "train.steps": ON_POLICY_STEPS, "train.seq_len": SEQ_LEN, "train.save_every": 3,
+            "train.eval_every": 0, "train.log_every": 1, "scheduler.type": "none", "optimizer.lr": 0.01,
+            "batch.micro_batch_per_gpu": MICRO, "batch.grad_accum_steps": 2, "batch.train_batch_size": '"auto"',
+            "train.model": root / "student", "train.dataset": root / "data.jsonl", "train.objective": "gkd",
+            "distill.lmbda": 1, "distill.max_new_tokens": 8, "distill.teacher_model_name_or_path": root / "teacher"}
+    extra = ["--resume", str(root / "on_policy" / "checkpoints" / "global_step3")] if resume else []
+    return ["--recipe", "zero2", "--output-dir", str(root / name), *set_args(sets), *extra]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    import time
+
+    root = tmp_path_factory.mktemp("distill")
+    llama_folder(root / "student", layers=1)
+    sharpened_folder(llama_folder(root / "teacher_raw", seed=77, layers=3), root / "teacher")
+    write_completions(root / "data.jsonl")
+    start = time.perf_counter()
+    prompts_only = ["--recipe", "ddp", "--output-dir", str(root / "distill_prompts"), *set_args({
+        "precision": "fp32", "train.steps": 2, "train.seq_len": SEQ_LEN, "train.eval_every": 2, "train.log_every": 1,
+        "batch.micro_batch_per_gpu": MICRO, "train.model": root / "student", "train.dataset": root / "data.jsonl",
+        "train.objective": "distill", "distill.max_completion_length": 6,
+        "distill.teacher_model_name_or_path": root / "teacher"})]
+    jobs = [argv(root, c) for c in CASES] + [on_policy_argv(root, "on_policy"),
+                                             on_policy_argv(root, "on_policy_resumed", resume="global_step3"),
+                                             prompts_only]
+    proc = launch_jobs(jobs, root, ranks=2, timeout_s=900)
+    return root, proc, time.perf_counter() - start
+
+
+def _split(root: Path, case: Case):
+    from types import SimpleNamespace
+
+    from harness.config.recipes import load_recipe
+    from harness.model.hf import load_tokenizer
+    from harness.train.distill_data import load_completions
+
+    args = argv(root, case)
+    recipe = load_recipe(case.recipe, [args[i + 1] for i, a in enumerate(args) if a == "--set"])[0]
+    train, evals, _ = load_completions(SimpleNamespace(recipe=recipe), load_tokenizer(str(root / "student")))
+    return recipe, train, evals
+
+
+def _close(name: str, got, want) -> float:
+    assert got is not None, f"{name} not logged (want {want})"
+    assert abs(got - want) <= RTOL * abs(want) + ATOL, f"{name}: {got} vs {want}"
+    return abs(got - want) / max(abs(want), 1e-12)
+
+
+@pytest.mark.multirank
+def test_every_beta_temperature_and_layout_matches_plain_torch(launched):
+    root, _, seconds = launched
+    worst = {}
+    for case in CASES:
+        recipe, train, evals = _split(root, case)
+        want = expected(case, recipe, str(root / "student"), str(root / "teacher"), train, evals, STEPS, LR)
+        got = records(root / case.name, "train")
+        assert len(got) == STEPS and got[1]["loss"] != got[0]["loss"], got
+        errs = []
+        for step, (g, w) in enumerate(zip(got, want["train"])):
+            keys = ("loss", "entropy", "teacher_entropy") + (("grad_norm",) if g["grad_norm"] is not None else ())
+            errs += [_close(f"{case.name} step{step + 1}.{k}", g[k], w[k]) for k in keys]
+        assert case.recipe == "ddp" or got[0]["grad_norm"] is not None
+        [evaluated] = records(root / case.name, "eval")
+        errs += [_close(f"{case.name} {k}", evaluated[k], v) for k, v in want["eval"].items()]
+        worst[case.name] = f"loss {got[0]['loss']:.3g}, error {max(errs):.2g}"
+        tokens = [w["tokens"] for w in want["train"]]
+        assert len(set(tokens)) > 1 or case.gas > 1, tokens  # steps (and ranks) see unequal token counts
+    print(f"launch {seconds:.1f}s; first loss and worst relative error per case: {worst}")
+
+
+@pytest.mark.multirank
+def test_the_teacher_mode_is_named_with_its_cost(launched):
+    root, proc, _ = launched
+    out = lambda name: job_output(proc.stdout, [c.name for c in CASES].index(name))  # noqa: E731
+    assert "teacher: engine of" in out("zero3_reverse_kl_t09") and "ZeRO-3 sharded" in out("zero3_reverse_kl_t09")
+    assert "a whole copy" in out("zero2_jsd_t09_ga2_ce") and "(auto: a teacher model is named)" in out("ddp_forward_kl")
+    assert "teacher: adapter" in out("zero2_lora_adapter_jsd_ce") and "auto: LoRA and no teacher named" in \
+        out("zero2_lora_adapter_jsd_ce")
+    record = records(root / "zero2_jsd_t09_ga2_ce", "train")[0]
+    assert record["num_tokens"] > 0 and record["time/teacher_s"] > 0 and record["time/train_s"] > 0
+
+
+@pytest.mark.multirank
+def test_the_zero3_export_loads_and_gives_the_trained_students_logits(launched, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from helpers.export_checks import assert_export_equals_engine
+
+    root, _, _ = launched
+    case = CASES[3]
+    run = root / case.name
+    assert_export_equals_engine(run / "checkpoints" / f"global_step{STEPS}", tmp_path / "export")
+    recipe, train, evals = _split(root, case)
+    want = expected(case, recipe, str(root / "student"), str(root / "teacher"), train, evals, STEPS, LR)["model"]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", torch_dtype=torch.float32).eval()
+    input_ids = train[torch.arange(4)].tensors()[0]
+    with torch.no_grad():
+        got, ref = exported(input_ids=input_ids).logits, want.eval()(input_ids=input_ids).logits
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), (got - ref).abs().max()
+
+
+@pytest.mark.multirank
+def test_on_policy_learns_from_the_teacher_and_resumes_to_the_same_completions_and_losses(launched):
+    root, _, _ = launched
+    full, resumed = records(root / "on_policy", "train"), records(root / "on_policy_resumed", "train")
+    assert [r["step"] for r in full] == list(range(1, ON_POLICY_STEPS + 1)) and [r["step"] for r in resumed] == [4, 5, 6]
+    assert all(r["completions/on_policy"] == 2 * MICRO * 2 for r in full)  # lmbda 1: every row the student's own
+    keys = ("loss", "completions/mean_length", "num_tokens", "teacher_entropy")
+    assert [[r[k] for k in keys] for r in full[3:]] == [[r[k] for k in keys] for r in resumed]
+    losses = [r["loss"] for r in full]
+    assert losses[-1] < 0.8 * losses[0], losses  # the student's divergence to the teacher on its own samples falls
+    print(f"on-policy losses {[round(x, 4) for x in losses]}")
+
+
+@pytest.mark.multirank
+def test_objective_distill_trains_on_the_students_completions_of_prompts(launched):
+    root, proc, _ = launched
+    assert "prompts (the student generates every completion)" in job_output(proc.stdout, len(CASES) + 2)
+    steps = records(root / "distill_prompts", "train")
+    assert [r["completions/on_policy"] for r in steps] == [2 * MICRO] * 2  # every row of the step, both ranks
+    assert all(0 < r["completions/mean_length"] <= 6 and r["loss"] > 0 for r in steps)
+    assert records(root / "distill_prompts", "eval")[0]["eval_loss"] > 0  # on the student's completions too
+
+
+def _validate(tmp_path, recipe: dict, capsys, world: int = 2) -> str:
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(recipe))
+    assert main(["validate", str(path), "--world-size", str(world)]) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("objective,block,message", [
+    ("gkd", {"lmbda": 0, "beta": 1.5}, "distill.beta: beta 1.5 is outside [0, 1]"),
+    ("gkd", {"lmbda": -0.1}, "distill.lmbda: lmbda -0.1 is outside [0, 1]"),
+    ("gkd", {"lmbda": 0, "seq_kd": True}, "distill.seq_kd: seq_kd true: the teacher would generate"),
+    ("distill", {"lmbda": 0}, "distill.lmbda: lmbda 0 with objective distill: TRL's DistillationConfig has no lmbda"),
+    ("gkd", {"lmbda": 0, "teacher_mode": "adapter"}, "teacher_mode adapter without LoRA"),
+    ("gkd", {"lmbda": 0.5, "teacher_mode": "precomputed"}, "teacher_mode precomputed with on-policy completions")])
+def test_bad_settings_are_refused_before_launch(tmp_path, capsys, objective, block, message):
+    err = _validate(tmp_path, {"description": "kd", "train": {"objective": objective}, "distill": block}, capsys)
+    assert message in err and "fix:" in err
+
+
+@pytest.mark.parametrize("parallel,key", [({"pipeline": 2}, "parallel.pipeline"), ({"tensor": 2}, "parallel.tensor"),
+                                          ({"sequence": 2}, "parallel.sequence")])
+def test_pipeline_tensor_and_sequence_parallel_are_refused_with_the_reason(tmp_path, capsys, parallel, key):
+    recipe = {"description": "kd", "parallel": parallel, "train": {"objective": "gkd"}, "distill": {"lmbda": 0}}
+    err = _validate(tmp_path, recipe, capsys, world=4)
+    assert f"{key}: {key.split('.')[1]} 2 with objective gkd is not implemented" in err and "fix:" in err
+
+
+def test_a_teacher_of_another_vocabulary_or_tokenizer_is_refused_before_any_rank(tmp_path):
+    import sys
+
+    from harness.model.hf import load_tokenizer
+
+    student = llama_folder(tmp_path / "student", layers=1)
+    wide = Path(llama_folder(tmp_path / "wide"))
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "vocab_size": 640}))
+    other = Path(llama_folder(tmp_path / "other"))
+    tokenizer = load_tokenizer(str(other))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool>"]})
+    tokenizer.save_pretrained(other)
+    for teacher, message in ((wide, "vocab_size 640 of the teacher"), (other, "the teacher's tokenizer (")):
+        proc = run_checked([sys.executable, "harness/run.py", "--recipe", "ddp", "--output-dir", str(tmp_path / "run"),
+                            "--set", "train.objective=gkd", "--set", "distill.lmbda=0", "--set",
+                            f"train.model={student}", "--set", f"distill.teacher_model_name_or_path={teacher}"],
+                           timeout_s=300, check=False)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"distill.teacher_model_name_or_path: {message}" in proc.stderr and "fix:" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_records_are_tokenized_as_trl_does(tmp_path):
+    """Prompt ids, then tokenizer(prompt + completion) past them with the eos text appended; labels on the
+    completion only; a long completion cut at seq_len."""
+    from harness.model.hf import load_tokenizer
+    from harness.train.distill_data import encode_records
+
+    tok = load_tokenizer("tiny-llama")
+    records = [{"prompt": "Question: What color is the sky?\nAnswer:", "completion": " The sky is blue."},
+               {"prompt": "Hi", "completion": " a b c d e f g h i j k l m n o p q r s t u v w x y z" * 2}]
+    rows, counts = encode_records(records, "t", tok, 40)
+    ids, labels, _ = rows.tensors()
+    p = tok(records[0]["prompt"])["input_ids"]
+    pc = tok(records[0]["prompt"] + records[0]["completion"] + tok.eos_token)["input_ids"]
+    assert ids[0, :len(pc)].tolist() == pc and pc[-1] == tok.eos_token_id
+    assert (labels[0, :len(p)] == -100).all() and labels[0, len(p):len(pc)].tolist() == pc[len(p):]
+    assert (labels[0, len(pc):] == -100).all() and counts == {"records": 2, "truncated": 1}
+    assert (labels[1] != -100).sum() == 40 - len(tok("Hi")["input_ids"])
