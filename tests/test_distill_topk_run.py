@@ -108,7 +108,7 @@ def expected(root: Path, k: int, beta: float, temperature: float) -> list[dict]:
 
     records_ = [json.loads(line) for line in (root / "data.jsonl").read_text().splitlines()]
     rows, _ = encode_records(records_, "data", load_tokenizer(str(root / "student")), SEQ_LEN)
-    input_ids, labels = rows.tensors()
+    input_ids, labels = rows.tensors()[:2]
     student = AutoModelForCausalLM.from_pretrained(root / "student", torch_dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(root / "teacher", torch_dtype=torch.float32).eval()
     with torch.no_grad():
@@ -121,7 +121,7 @@ def expected(root: Path, k: int, beta: float, temperature: float) -> list[dict]:
                                   temperature, True) / tokens
         loss.backward()
         grads = [p.grad for p in student.parameters() if p.grad is not None]
-        out.append({"loss": float(loss), "grad_norm": float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))})
+        out.append({"loss": float(loss.detach()), "grad_norm": float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))})
         with torch.no_grad():
             for p in student.parameters():
                 p -= LR * p.grad

@@ -84,7 +84,8 @@ class DistillSteps:
         input_ids, labels = batch[:2]
         where = loss_positions(labels)
         began = time.perf_counter()
-        targets = self.teacher.targets(engine, input_ids, where, *batch[2:3])  # the record numbers: precomputed
+        # batch: input_ids, labels, prompt lengths, then the record numbers (fetch appends Completions.ids): precomputed
+        targets = self.teacher.targets(engine, input_ids, where, *batch[3:4])
         times["teacher_s"] += time.perf_counter() - began
         logits = engine(input_ids=input_ids.to(engine.device), use_cache=False).logits
         student = logits[:, :-1][where.to(logits.device)]

@@ -38,7 +38,7 @@ class Completions:
     @property
     def ids(self) -> torch.Tensor:
         """[n] int64 record numbers, the keys of the precomputed teacher store's rows (harness/distill/
-        teacher_store.py); the trainer's fetch appends them to the batch as its third tensor."""
+        teacher_store.py); the trainer's fetch appends them to the batch after tensors()' three."""
         return torch.from_numpy(self.index)
 
     def every_record(self) -> "Completions":

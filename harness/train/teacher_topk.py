@@ -6,7 +6,7 @@ precomputed  the teacher's top-k for every record, written once before the stude
              built by the reference's machinery, one micro-batch per rank, then freed: harness/distill/
              teacher_store.py) into a folder under train.store_dir keyed by the teacher, the records' tokens, the
              tokenizer, seq_len, k, the temperature and the precision; a second run with the same key reads it and
-             builds no teacher. A batch's rows are looked up by their record numbers (the batch's third tensor).
+             builds no teacher. A batch's rows are looked up by their record numbers (the batch's fourth tensor).
 served       distill.teacher_model_server_url asked per micro-batch (harness/distill/served.py). A rank whose request
              fails after its retries tells the others (one all-gather of the error per micro-batch), so every rank
              ends with exit 2 and that reason instead of waiting in a collective for a rank that left.
@@ -108,7 +108,7 @@ def precomputed(spec, records, tokenizer) -> tuple[PrecomputedTeacher, str]:
         return teacher_topk(logits, labels, cfg["loss_top_k"], cfg["loss_temperature"])
 
     def batch(row_ids):
-        return records[row_ids].tensors()
+        return records[row_ids].tensors()[:2]
 
     started = time.perf_counter()
     with torch.no_grad():
