@@ -121,7 +121,8 @@ def expected(root: Path, k: int, beta: float, temperature: float) -> list[dict]:
                                   temperature, True) / tokens
         loss.backward()
         grads = [p.grad for p in student.parameters() if p.grad is not None]
-        out.append({"loss": float(loss.detach()), "grad_norm": float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))})
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+        out.append({"loss": float(loss.detach()), "grad_norm": float(norm)})
         with torch.no_grad():
             for p in student.parameters():
                 p -= LR * p.grad
