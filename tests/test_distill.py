@@ -51,11 +51,12 @@ def argv(root: Path, case: Case) -> list[str]:
 ON_POLICY_STEPS = 6
 
 
-def on_policy_argv(root: Path, name: str, resume: str | None = None) -> list[str]:
+def on_policy_argv(root: Path, name: str, resume: str | None = None, gas: int = 2,
+                   steps: int = ON_POLICY_STEPS) -> list[str]:
     """gkd with lmbda 1 (every completion the student's own) on ZeRO-2 with accumulation, Adam; saved at step 3."""
-    sets = {"precision": "fp32", "train.steps": ON_POLICY_STEPS, "train.seq_len": SEQ_LEN, "train.save_every": 3,
+    sets = {"precision": "fp32", "train.steps": steps, "train.seq_len": SEQ_LEN, "train.save_every": 3,
             "train.eval_every": 0, "train.log_every": 1, "scheduler.type": "none", "optimizer.lr": 0.01,
-            "batch.micro_batch_per_gpu": MICRO, "batch.grad_accum_steps": 2, "batch.train_batch_size": '"auto"',
+            "batch.micro_batch_per_gpu": MICRO, "batch.grad_accum_steps": gas, "batch.train_batch_size": '"auto"',
             "train.model": root / "student", "train.dataset": root / "data.jsonl", "train.objective": "gkd",
             "distill.lmbda": 1, "distill.max_new_tokens": 8, "distill.teacher_model_name_or_path": root / "teacher"}
     extra = ["--resume", str(root / "on_policy" / "checkpoints" / "global_step3")] if resume else []
@@ -178,6 +179,18 @@ def test_objective_distill_trains_on_the_students_completions_of_prompts(launche
     assert records(root / "distill_prompts", "eval")[0]["eval_loss"] > 0  # on the student's completions too
 
 
+@pytest.mark.multirank
+def test_on_policy_completions_do_not_depend_on_the_world_size(launched):
+    """One process with twice the accumulation: the same rows per step, each drawing from its own stream."""
+    root, _, _ = launched
+    launch_jobs([on_policy_argv(root, "on_policy_one_rank", gas=4, steps=3)], root, ranks=1, launcher=False,
+                timeout_s=600)
+    two, one = records(root / "on_policy", "train")[:3], records(root / "on_policy_one_rank", "train")
+    keys = ("completions/mean_length", "num_tokens")
+    assert [[r[k] for k in keys] for r in one] == [[r[k] for k in keys] for r in two]
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]) for a, b in zip(one, two)), (one, two)
+
+
 def _validate(tmp_path, recipe: dict, capsys, world: int = 2) -> str:
     path = tmp_path / "recipe.json"
     path.write_text(json.dumps(recipe))
@@ -245,3 +258,21 @@ def test_records_are_tokenized_as_trl_does(tmp_path):
     assert (labels[0, :len(p)] == -100).all() and labels[0, len(p):len(pc)].tolist() == pc[len(p):]
     assert (labels[0, len(pc):] == -100).all() and counts == {"records": 2, "truncated": 1}
     assert (labels[1] != -100).sum() == 40 - len(tok("Hi")["input_ids"])
+
+
+def test_the_ce_term_skips_the_students_own_completions():
+    """A row whose completion the student generated carries the divergence but no CE (ce_labels -1 there)."""
+    from harness.train.distill import ce_labels
+    from harness.train.distill_loss import Targets, full_vocabulary
+
+    torch.manual_seed(0)
+    labels = torch.tensor([[-100, -100, 5, 6, -100], [-100, 7, 8, 9, 1]])
+    where = labels[:, 1:] != -100
+    mine = ce_labels((labels, labels, torch.tensor([2, 1]), torch.tensor([False, True])), where)
+    assert mine.tolist() == [5, 6, -1, -1, -1, -1]
+    s, t = torch.randn(6, 11), torch.randn(6, 11)
+    cfg = {"beta": 0.5, "loss_temperature": 1.0, "ce_alpha": 0.3, "loss_chunk_tokens": 4}
+    with_ce, without = full_vocabulary(s, Targets(logits=t), labels[:, 1:][where], cfg)[0], \
+        full_vocabulary(s, Targets(logits=t), mine, cfg)[0]
+    skipped = -torch.log_softmax(s[2:], -1).gather(-1, torch.tensor([[7], [8], [9], [1]])).sum()
+    assert torch.allclose(with_ce - without, 0.3 * skipped)

@@ -72,3 +72,21 @@ def test_mixed_or_reverse_divergence_needs_top_1():
     short = teacher_topk(teacher[:, :, :], labels[:2], 1, 1.0)
     with pytest.raises(ValueError, match="targets for"):
         topk_loss_sum(student, labels, short, beta=0.0, temperature=1.0)
+
+
+def test_the_ce_term_counts_the_tokens_it_is_given():
+    """ce_alpha x the cross-entropy of the raw logits on ce_labels, none where a label is < 0 (a completion the
+    student generated: harness/train/distill.py's ce_labels)."""
+    from harness.distill.topk_loss import topk_rows_sum
+
+    student, teacher, labels = batch(2)
+    targets = teacher_topk(teacher, labels, 2, 0.9)
+    rows, pos = loss_positions(labels)
+    actual = labels[:, 1:][rows, pos]
+    ce_labels = actual.clone()
+    ce_labels[::2] = -1
+    picked = torch.log_softmax(student[rows, pos].double(), -1).gather(-1, actual[:, None])[:, 0]
+    want = topk_reference_sum(student, teacher, labels, 2, 0.0, 0.9, True) - 0.5 * picked[1::2].sum()
+    got = topk_rows_sum(student[rows, pos], actual, targets, beta=0.0, temperature=0.9, ce_alpha=0.5,
+                        ce_labels=ce_labels, chunk_tokens=3)[0]
+    assert float(got) == pytest.approx(float(want), rel=1e-5)

@@ -22,9 +22,10 @@ def is_preference(recipe: dict) -> bool:
 
 
 def packing(recipe: dict) -> str:
-    """train.packing as the attention choice sees it: a preference row is one sequence (prompt + completion, padding
-    after it) with no position ids, which is concat (a plain causal mask; the padding is never a target)."""
-    return "concat" if is_preference(recipe) else recipe["train"]["packing"]
+    """train.packing as the attention choice sees it: a preference (or distillation) row is one sequence (prompt +
+    completion, padding after it) with no position ids, which is concat (a plain causal mask; the padding is never a
+    target)."""
+    return "concat" if family(recipe) in ("preference", "distill") else recipe["train"]["packing"]
 
 
 def reference_mode(recipe: dict) -> str | None:

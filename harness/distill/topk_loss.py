@@ -78,7 +78,7 @@ def _entropy(logps: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_sums(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, teacher: torch.Tensor,
-                actual_ids: torch.Tensor, beta: float, temperature: float, add_tail: bool,
+                ce_labels: torch.Tensor, beta: float, temperature: float, add_tail: bool,
                 ce_alpha: float) -> tuple[torch.Tensor, ...]:
     """(loss sum, student entropy sum, teacher entropy sum over its top-k + tail buckets) of one chunk."""
     neg_inf = torch.full((), float("-inf"), device=logits.device)
@@ -90,17 +90,19 @@ def _chunk_sums(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, tea
     else:
         s, t, bucket_mask = _renormalised(s), _renormalised(t), mask
     loss = divergence(s, t, bucket_mask, beta).sum()
-    if ce_alpha:
-        loss = loss - ce_alpha * torch.log_softmax(logits.float(), -1).gather(-1, actual_ids[:, None]).sum()
+    if ce_alpha:  # ce_labels < 0: no CE at that token
+        picked = torch.log_softmax(logits.float(), -1).gather(-1, ce_labels.clamp(min=0)[:, None])[:, 0]
+        loss = loss - ce_alpha * (picked * (ce_labels >= 0)).sum()
     return loss, _entropy(full.detach()).sum(), _entropy(torch.where(bucket_mask, t, neg_inf)).sum()
 
 
 def topk_rows_sum(student: torch.Tensor, actual_ids: torch.Tensor, targets: TopK, *, beta: float, temperature: float,
-                  add_tail: bool = True, chunk_tokens: int = CHUNK_TOKENS,
-                  ce_alpha: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  add_tail: bool = True, chunk_tokens: int = CHUNK_TOKENS, ce_alpha: float = 0.0,
+                  ce_labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss sum, student entropy sum, teacher entropy sum) over N loss tokens: the student's logits [N, V] at them,
     the tokens actually there [N] and the teacher's targets. ce_alpha: plus that weight x the cross-entropy of the
-    student's raw logits (T = 1) on the actual tokens. float32 scalars; the entropies carry no gradient."""
+    student's raw logits (T = 1) on ce_labels [N] (default the actual tokens; < 0: none at that token). float32
+    scalars; the entropies carry no gradient."""
     check_support(beta, targets.k)
     if student.shape[0] != len(targets):
         raise ValueError(f"the teacher gave {len(targets)} targets for {student.shape[0]} loss tokens")
@@ -108,11 +110,12 @@ def topk_rows_sum(student: torch.Tensor, actual_ids: torch.Tensor, targets: TopK
         raise ValueError("the teacher gave no log-prob for some of the actual tokens (needed when beta > 0)")
     device = student.device
     actual_ids = actual_ids.to(device)
+    ce_labels = actual_ids if ce_labels is None else ce_labels.to(device)
     ids, mask, teacher = (x.to(device) for x in support(targets, actual_ids, beta))
     sums = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(3)]
     for start in range(0, student.shape[0], chunk_tokens):
         sl = slice(start, start + chunk_tokens)
-        args = (student[sl], ids[sl], mask[sl], teacher[sl].float(), actual_ids[sl], beta, temperature, add_tail,
+        args = (student[sl], ids[sl], mask[sl], teacher[sl].float(), ce_labels[sl], beta, temperature, add_tail,
                 ce_alpha)
         part = (checkpoint(_chunk_sums, *args, use_reentrant=False) if student.requires_grad
                 else _chunk_sums(*args))

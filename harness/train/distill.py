@@ -38,6 +38,20 @@ def input_tokens(labels: torch.Tensor) -> torch.Tensor:
     return ((labels != IGNORE_INDEX) * where).amax(-1)
 
 
+# A micro-batch: input_ids, labels, prompt lengths (Completions.tensors()), the record numbers (the trainer's fetch
+# appends Completions.ids: the precomputed teacher's keys), and on-policy the rows the student completed.
+RECORDS, GENERATED = 3, 4
+
+
+def ce_labels(batch: tuple[torch.Tensor, ...], where: torch.Tensor) -> torch.Tensor:
+    """[N] the loss tokens' ids for the CE term; -1 in the rows whose completion the student generated (the batch's
+    GENERATED tensor, harness/train/distill_policy.py): the CE is on the dataset's completions only."""
+    out = batch[1][:, 1:][where]
+    if len(batch) > GENERATED:
+        out = out.masked_fill(batch[GENERATED][where.nonzero()[:, 0]], -1)
+    return out
+
+
 def disable_dropout(module) -> None:
     """TRL's disable_dropout_in_model: every torch.nn.Dropout's p set to 0."""
     for m in module.modules():
@@ -84,12 +98,11 @@ class DistillSteps:
         input_ids, labels = batch[:2]
         where = loss_positions(labels)
         began = time.perf_counter()
-        # batch: input_ids, labels, prompt lengths, then the record numbers (fetch appends Completions.ids): precomputed
-        targets = self.teacher.targets(engine, input_ids, where, *batch[3:4])
+        targets = self.teacher.targets(engine, input_ids, where, *batch[RECORDS:RECORDS + 1])
         times["teacher_s"] += time.perf_counter() - began
         logits = engine(input_ids=input_ids.to(engine.device), use_cache=False).logits
         student = logits[:, :-1][where.to(logits.device)]
-        return LOSSES[targets.kind](student, targets, labels[:, 1:][where], self.cfg)
+        return LOSSES[targets.kind](student, targets, ce_labels(batch, where), self.cfg)
 
     def train(self, engine, batches: list) -> tuple[torch.Tensor, dict]:
         """One optimizer step over this rank's micro-batches: (this rank's share of the step's loss, metrics)."""

@@ -7,7 +7,7 @@ softmaxes over the vocabulary:
     beta 1      KL(p_s || p_t) = sum_v p_s (log p_s - log p_t)                        (reverse KL)
     otherwise   beta KL(p_t || m) + (1 - beta) KL(p_s || m),   m = (1 - beta) p_s + beta p_t
 plus, when distill.ce_alpha > 0, ce_alpha x the cross-entropy of the student's raw logits (T = 1) on the dataset's
-token. Every function here returns SUMS over the tokens; the step divides by the step's loss tokens over all ranks
+token (labels < 0: none, at the tokens of a completion the student generated itself). Every function here returns SUMS over the tokens; the step divides by the step's loss tokens over all ranks
 and accumulation steps (harness/train/distill.py).
 
 The teacher's answer for a micro-batch is a `Targets`: the logits over the whole vocabulary at the loss tokens
@@ -38,6 +38,7 @@ class Targets:
     ids: torch.Tensor | None = None  # [N, k] int64: precomputed, served
     logprobs: torch.Tensor | None = None  # [N, k] float32: precomputed, served
     actual: torch.Tensor | None = None  # [N] float32, the teacher's log-prob of the token there: precomputed, served
+    tokens: torch.Tensor | None = None  # [N] int64, the tokens at the loss positions: precomputed, served
 
     @property
     def kind(self) -> str:
@@ -63,9 +64,9 @@ def _chunk(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, cfg: dict) ->
     temp = cfg["loss_temperature"]
     log_s, log_t = torch.log_softmax(s / temp, -1), torch.log_softmax(t / temp, -1)
     loss = divergence(log_s, log_t, cfg["beta"]).sum()
-    if cfg["ce_alpha"]:
-        ce = -torch.log_softmax(s, -1).gather(-1, labels.unsqueeze(-1)).sum()
-        loss = loss + cfg["ce_alpha"] * ce
+    if cfg["ce_alpha"]:  # labels < 0: no CE at that token (a completion the student generated)
+        picked = torch.log_softmax(s, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        loss = loss - cfg["ce_alpha"] * (picked * (labels >= 0)).sum()
     return loss, entropy(log_s.detach()).sum(), entropy(log_t).sum()
 
 
@@ -108,11 +109,13 @@ def full_vocabulary(student: torch.Tensor, targets: Targets, labels: torch.Tenso
 
 def top_k(student: torch.Tensor, targets: Targets, labels: torch.Tensor, cfg: dict):
     """The loss over the teacher's top-k (+ tail) as TRL's server distillation computes it (harness/distill/
-    topk_loss.py): (loss sum, student entropy sum, teacher entropy sum over its k + tail buckets)."""
+    topk_loss.py): (loss sum, student entropy sum, teacher entropy sum over its k + tail buckets). labels: the CE
+    term's (< 0: none at that token)."""
     answer = TopK(targets.ids, targets.logprobs, targets.actual)
-    return topk_rows_sum(student, labels, answer, beta=cfg["beta"], temperature=cfg["loss_temperature"],
+    return topk_rows_sum(student, targets.tokens, answer, beta=cfg["beta"], temperature=cfg["loss_temperature"],
                          add_tail=cfg["loss_add_tail"], chunk_tokens=cfg["loss_chunk_tokens"],
-                         ce_alpha=cfg["ce_alpha"])
+                         ce_alpha=cfg["ce_alpha"], ce_labels=labels)
 
 
-LOSSES = {"logits": full_vocabulary, "topk": top_k}  # Targets.kind -> loss(student [N, V], targets, labels [N], cfg)
+LOSSES = {"logits": full_vocabulary, "topk": top_k}  # Targets.kind -> loss(student [N, V], targets, CE labels [N]
+# (< 0: none), cfg)

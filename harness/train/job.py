@@ -218,6 +218,7 @@ def announce(spec, dist, run_dir: Path, info, data: Data, notes: list[str]) -> N
                   f" ({info.train_dtype} weights, checkpoint {info.checkpoint_dtype or 'dtype unknown'})")
     rows = batch.micro_batch * batch.grad_accum * spec.dp
     unit, per_step = ("pairs", f"{rows} pairs = {2 * rows} sequences") if spec.run.preference else \
+        ("records", f"{rows} sequences") if objective_of(spec.recipe).family == "distill" else \
         ("blocks", f"{rows} sequences")
     if objective_of(spec.recipe).family == "rl":  # completions of prompts (harness/train/grpo.py says the rest)
         g = spec.recipe["rl"]["num_generations"]

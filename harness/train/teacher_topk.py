@@ -6,7 +6,7 @@ precomputed  the teacher's top-k for every record, written once before the stude
              built by the reference's machinery, one micro-batch per rank, then freed: harness/distill/
              teacher_store.py) into a folder under train.store_dir keyed by the teacher, the records' tokens, the
              tokenizer, seq_len, k, the temperature and the precision; a second run with the same key reads it and
-             builds no teacher. A batch's rows are looked up by their record numbers (the batch's fourth tensor).
+             builds no teacher. A batch's rows are looked up by their record numbers (the batch's fourth tensor: harness/train/distill.py).
 served       distill.teacher_model_server_url asked per micro-batch (harness/distill/served.py). A rank whose request
              fails after its retries tells the others (one all-gather of the error per micro-batch), so every rank
              ends with exit 2 and that reason instead of waiting in a collective for a rank that left.
@@ -32,8 +32,9 @@ from harness.train.reference_cache import weights_fingerprint
 from harness.train.reference_engine import build_engine, reference_name
 
 
-def _targets(answer: TopK) -> Targets:
-    return Targets(ids=answer.ids, logprobs=answer.logps, actual=answer.actual)
+def _targets(answer: TopK, input_ids: torch.Tensor, where: torch.Tensor) -> Targets:
+    return Targets(ids=answer.ids, logprobs=answer.logps, actual=answer.actual,
+                   tokens=input_ids[:, 1:][where.to(input_ids.device)].cpu())
 
 
 def labels_at(input_ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
@@ -50,7 +51,7 @@ class PrecomputedTeacher:
         self.store = store
 
     def targets(self, student, input_ids: torch.Tensor, where: torch.Tensor, ids: torch.Tensor) -> Targets:
-        return _targets(self.store.rows(ids.numpy()))
+        return _targets(self.store.rows(ids.numpy()), input_ids, where)
 
 
 class ServedTargets:
@@ -68,7 +69,7 @@ class ServedTargets:
         failed = _first_failure(error)
         if failed is not None:
             raise TeacherServerError(failed)
-        return _targets(answer)
+        return _targets(answer, input_ids, where)
 
 
 def _first_failure(error: str | None) -> str | None:
