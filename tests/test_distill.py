@@ -268,7 +268,8 @@ def test_the_ce_term_skips_the_students_own_completions():
     torch.manual_seed(0)
     labels = torch.tensor([[-100, -100, 5, 6, -100], [-100, 7, 8, 9, 1]])
     where = labels[:, 1:] != -100
-    mine = ce_labels((labels, labels, torch.tensor([2, 1]), torch.tensor([False, True])), where)
+    # the batch: input_ids, labels, prompt lengths, record numbers, the rows the student completed
+    mine = ce_labels((labels, labels, torch.tensor([2, 1]), torch.tensor([0, 1]), torch.tensor([False, True])), where)
     assert mine.tolist() == [5, 6, -1, -1, -1, -1]
     s, t = torch.randn(6, 11), torch.randn(6, 11)
     cfg = {"beta": 0.5, "loss_temperature": 1.0, "ce_alpha": 0.3, "loss_chunk_tokens": 4}
