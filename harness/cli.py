@@ -22,6 +22,8 @@ COMMANDS = {
     "launch": "`deepspeed ...` that forwards SIGTERM/SIGUSR1 to every rank, waits for all, returns their code",
     "slurm": "write (--submit: and submit) a Slurm batch script: one harness launch per node, checkpoint and "
              "requeue before the time limit",
+    "k8s": "write Kubeflow Trainer manifests (TrainingRuntime + TrainJob): one harness launch per node, exit 75 "
+           "restarts without spending retries, a grace period that covers a step and a save",
     "doctor": "check this machine before a long job (versions, GPUs, DeepSpeed ops, paths); exit 1 if --recipe cannot run",
 }
 
@@ -41,13 +43,30 @@ def parser_for(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command given (`harness data prepare`), whose usage an error should show."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return innermost(action.choices[getattr(args, action.dest)], args)
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """argparse reports an unknown flag with the top parser's usage (`harness: error`); name the command typed."""
+    parser = parser_for(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quick_start()  # before any command imports DeepSpeed (calibrate, doctor, export), as a rank does
     if argv[:1] == ["launch"]:  # the rest is DeepSpeed's command line, which argparse must not read
         return _module("launch").main(argv[1:])
     try:
-        args = parser_for(argv).parse_args(argv)
+        args = parse(argv)
         return _module(args.command).run(args)
     except (ConfigError, UsageError) as e:
         print(f"error: {without_secrets(str(e))}", file=sys.stderr)

@@ -106,6 +106,7 @@ BASE = {"train.model": "tiny-llama", "train.objective": "grpo", "precision": "fp
         "rl.num_generations": 4, "rl.max_completion_length": 8, "train.log_every": 1, "train.save_every": 0}
 
 
+TRACKED = {"monitor.csv": "true", "monitor.mlflow.enabled": "true"}  # the readouts' names (test_the_step_and_done...)
 SHORT = {"train.steps": 4, "rl.num_iterations": 2, "rl.temperature": 0.9}  # the resume cases: 2 generations
 SINGLE = {**SHORT, "batch.grad_accum_steps": 2}  # on 1 rank: the same global batch 16 (micro 8 x accum 2)
 
@@ -119,7 +120,7 @@ def learn_argv(out: Path, recipe: str, **sets) -> list[str]:
 
 def learning_cases(root: Path) -> list[list[str]]:
     stopped = root / "stopped" / "checkpoints" / "global_step1"
-    return [learn_argv(root / "zero2", "zero2", **{"train.steps": LEARN_STEPS}),
+    return [learn_argv(root / "zero2", "zero2", **{"train.steps": LEARN_STEPS, **TRACKED}),
             learn_argv(root / "zero3", "zero3", **{"train.steps": LEARN_STEPS}),
             # the preset's random head sits behind a frozen RMSNorm: LoRA layers alone barely move its logits
             # (entropy stays at ln 512), so the head trains as peft's modules_to_save
@@ -274,6 +275,60 @@ def test_start_up_lines_name_the_reference_and_why_the_loss_sits_near_0(launched
     assert "reference: adapter" in out["zero3_lora_dapo_kl_adapter"]
     lines = (root / "ddp_dapo_old" / "rollouts.jsonl").read_text().splitlines()
     assert len(lines) == STEPS * 12 and json.loads(lines[0])["group"] == 0 and json.loads(lines[11])["group"] == 2
+
+
+@pytest.mark.multirank
+def test_the_step_and_done_lines_the_report_and_the_trackers_show_reward_and_lengths(launched):
+    """The learning run (zero2, 15 steps, trackers on): the [step] lines name reward, reward_std and
+    completions/mean_length with metrics.jsonl's values and no loss; [done] and summary.json the reward and length,
+    means of the first and last 3 steps; KL only where beta > 0, the clip ratio as the loss type logs it. The
+    report's RL section, headline lengths and plots hold the same numbers; MLflow and the CSV monitor get them under
+    the same names."""
+    from harness.report.objective_plots import rl_series
+    from harness.report import load_run
+    from helpers.readouts import check_done_line, check_report, check_step_lines, csv_monitor, time_split_rows
+    from helpers.tracker_files import mlflow_client
+
+    root, _, all_cases, proc, _ = launched
+    out = {c.name: job_output(proc.stdout, i) for i, c in enumerate(all_cases)}
+    run = root / "learning" / "zero2"
+    learning = job_output(proc.stdout, len(all_cases))
+    watched = ("reward", "reward_std", "completions/mean_length", "clip_ratio/region_mean")
+    assert check_step_lines(learning, run, watched, hidden=("loss", "kl", "cispo_clip_ratio")) == LEARN_STEPS
+    ends = check_done_line(learning, run, ("reward", "completions/mean_length"), window=3)
+    check_step_lines(out["zero1_grpo_kl_t07"], root / "zero1_grpo_kl_t07", (*watched, "kl"), hidden=("loss",))
+    check_step_lines(out["offload_cispo_old"], root / "offload_cispo_old", ("reward", "cispo_clip_ratio"),
+                     hidden=("clip_ratio/region_mean", "kl"))
+    check_step_lines(out["zero1_sapo_old"], root / "zero1_sapo_old", ("reward",),
+                     hidden=("clip_ratio/region_mean", "cispo_clip_ratio"))
+
+    rows = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "entropy",
+            "clip_ratio/region_mean")
+    report = check_report(run, rows, 3, {"rl_reward.png": ("reward (mean)", "reward +- reward_std",
+                                                           "completions/mean_length", "frac_reward_zero_std"),
+                                         "rl_policy.png": ("entropy", "clip_ratio/region_mean"),
+                                         "rl_time.png": ("time/generate_s", "time/train_s")})
+    (first, last), (len_first, len_last) = ends["reward"], ends["completions/mean_length"]
+    assert (f"- {LEARN_STEPS} steps logged: reward {first:.4f} -> {last:.4f}, completions/mean_length "
+            f"{len_first:.4f} -> {len_last:.4f} (means of the first and last 3 steps)") in report
+    assert "prompts of at most 512 tokens (measured mean" in report and "completions of at most 8" in report
+    assert "seq_len" not in report.split("## Flags")[0] and "loss" not in report.split("## Flags")[0]
+    assert not (run / "loss.png").exists()
+    for line in time_split_rows(run, ("generate_s", "score_s", "reference_s", "train_s", "sync_s")):
+        assert line in report, line
+    logged = metric_records(run, "train")
+    drawn = rl_series(load_run(run))
+    assert drawn["rl_reward.png"]["reward"] == ([r["step"] for r in logged], [r["reward"] for r in logged])
+    assert drawn["rl_time.png"]["time/generate_s"][1] == [r["time/generate_s"] for r in logged]
+
+    client, tracked = mlflow_client(run)
+    for name in ("reward", "reward_std", "completions/mean_length", "frac_reward_zero_std", "entropy",
+                 "clip_ratio/region_mean", "time/generate_s", "rewards/vowels/mean"):
+        history = {m.step: m.value for m in client.get_metric_history(tracked.info.run_id, f"train/{name}")}
+        assert history == {r["step"]: r[name] for r in logged}, name
+    assert tracked.data.metrics["summary/reward/first"] == first and tracked.data.metrics["summary/reward/last"] == last
+    assert csv_monitor(run, "reward") == [r["reward"] for r in logged]
+    assert csv_monitor(run, "completions/mean_length") == [r["completions/mean_length"] for r in logged]
 
 
 def _validate(tmp_path, recipe: dict, capsys, world: int = 2) -> str:

@@ -152,6 +152,30 @@ def test_report_plots_margin_and_accuracy(launched):
     assert "preference.png" in report and "reward margin (chosen - rejected)" in report
 
 
+@pytest.mark.multirank
+def test_the_step_and_done_lines_and_the_report_show_margins_and_accuracies(launched):
+    """Every case's [step] lines name loss, rewards_margin and rewards_accuracy with metrics.jsonl's values; [done],
+    summary.json and the report's headline their first -> last; the report's preference section the same numbers
+    (first, last, min, max) beside the last evaluation's, and preference.png."""
+    from helpers.readouts import check_done_line, check_report, check_step_lines
+
+    root, _, all_cases, proc, _ = launched
+    watched = ("loss", "rewards_margin", "rewards_accuracy")
+    for i, case in enumerate(all_cases):
+        output = job_output(proc.stdout, i)
+        assert check_step_lines(output, root / case.name, watched) == STEPS, case.name
+        check_done_line(output, root / case.name, watched, window=1)
+    run = root / all_cases[0].name
+    report = check_report(run, (*watched, "rewards_chosen", "rewards_rejected", "logps_chosen", "logps_rejected"), 1,
+                          {"preference.png": ("reward margin (chosen - rejected)", "reward accuracy")})
+    ends = check_done_line(job_output(proc.stdout, 0), run, watched, window=1)
+    assert (f"- {STEPS} steps logged: " + ", ".join(f"{k} {a:.4f} -> {b:.4f}" for k, (a, b) in ends.items())) in report
+    evals = records(run, "eval")[-1]
+    assert (f"Last evaluation (step {STEPS}): eval_loss {evals['eval_loss']:.4f}, eval_rewards_margin "
+            f"{evals['eval_rewards_margin']:.4f}, eval_rewards_accuracy {evals['eval_rewards_accuracy']:.4f}") in report
+    assert f"## Preference: margins and accuracies ({all_cases[0].objective})" in report
+
+
 def test_label_logps_equal_log_softmax_in_value_and_gradient():
     import torch
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from tests.helpers.launch import ROOT, launch_jobs, records
+from tests.helpers.launch import ROOT, job_output, launch_jobs, records
 
 # 32 pairs at lr 1e-2: 12 epochs in 24 steps. Measured: loss 0.69 -> ~0.1, accuracy from the untrained model's
 # ~0.72 on these pairs to ~1.0 (all 200 pairs at lr 3e-3 needed 80 steps for ~0.63: one token decides a pair).
@@ -22,7 +22,8 @@ PAIRS = [json.loads(line) for line in (ROOT / "harness/assets/preference.jsonl")
 # LoRA learns slower (at 24 steps accuracy ~0.83; at lr 2e-2 it diverged, loss back to ln 2): 36 steps. On ZeRO-3,
 # where peft's copy of the score head (modules_to_save) is built from a partitioned module and exported from its shards
 LORA = {"adapter.type": "lora", "adapter.r": 16, "adapter.alpha": 32, "adapter.dropout": 0, "train.steps": 36}
-CASES = {"zero2": ("zero2", {}), "zero3": ("zero3", {}), "lora": ("zero3", LORA)}
+TRACKED = {"monitor.wandb.enabled": "true", "monitor.csv": "true"}  # offline W&B and DeepSpeed's CSV monitor
+CASES = {"zero2": ("zero2", TRACKED), "zero3": ("zero3", {}), "lora": ("zero3", LORA)}
 
 
 def steps(name: str) -> int:
@@ -47,8 +48,12 @@ def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("reward")
     pairs = folder / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
-    launch_jobs([argv(folder, name, pairs) for name in CASES], folder, timeout_s=600)
-    out = {}
+    with pytest.MonkeyPatch.context() as mp:  # W&B's settings in the test's folder, offline whatever the shell says
+        mp.setenv("WANDB_CONFIG_DIR", str(folder / "wandb_config"))
+        for name in ("WANDB_MODE", "WANDB_BASE_URL", "WANDB_DIR"):
+            mp.delenv(name, raising=False)
+        proc = launch_jobs([argv(folder, name, pairs) for name in CASES], folder, timeout_s=600)
+    out = {"output": [job_output(proc.stdout, i) for i in range(len(CASES))]}
     for name in CASES:
         ckpt = folder / name / "checkpoints" / f"global_step{steps(name)}"
         assert main(["export", str(ckpt), "--out", str(folder / f"{name}_export")]) == 0
@@ -93,6 +98,31 @@ def test_the_loss_falls_and_the_accuracy_rises_on_the_builtin_pairs(runs, name):
     print(f"{name}: accuracy {acc[0]:.3f} -> {acc[1]:.3f}, loss {loss[0]:.3f} -> {loss[1]:.3f}")
     assert acc[1] >= 0.85 and acc[1] >= acc[0] + 0.15, (name, acc)
     assert loss[1] < 0.5 * loss[0], (name, loss)
+
+
+@pytest.mark.multirank
+def test_the_step_and_done_lines_the_report_and_the_trackers_show_accuracy_and_margin(runs):
+    """Each case's [step] lines name loss, rewards_accuracy and rewards_margin with metrics.jsonl's values; [done]
+    and summary.json their first -> last; the zero2 run's report section holds the same numbers and preference.png;
+    offline W&B and DeepSpeed's CSV monitor got them under the same names."""
+    from helpers.readouts import check_done_line, check_report, check_step_lines, csv_monitor
+    from helpers.tracker_files import wandb_run
+
+    watched = ("loss", "rewards_accuracy", "rewards_margin")
+    for name, output in zip(CASES, runs["output"]):
+        assert check_step_lines(output, runs[name][0], watched) == steps(name), name
+        check_done_line(output, runs[name][0], watched, window=1)
+    run = runs["zero2"][0]
+    report = check_report(run, (*watched, "rewards_chosen", "rewards_rejected"), 1,
+                          {"preference.png": ("reward margin (chosen - rejected)", "reward accuracy")})
+    assert "## Preference: margins and accuracies (reward)" in report
+    train = records(run, "train")
+    got = wandb_run(run)
+    for name in (*watched, "rewards_chosen"):
+        assert {s: row[f"train/{name}"] for s, row in got["history"].items() if s} == {
+            r["step"]: r[name] for r in train}, name
+        assert csv_monitor(run, name if name != "loss" else "train_loss") == [r[name] for r in train], name
+    assert got["summary"]["summary/rewards_accuracy/last"] == train[-1]["rewards_accuracy"]
 
 
 @pytest.mark.multirank

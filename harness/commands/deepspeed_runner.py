@@ -24,6 +24,7 @@ import time
 
 LAUNCHER = "deepspeed.launcher.launch"
 MODULE = "harness.commands.deepspeed_runner"
+PROG = "harness launch"  # what DeepSpeed's usage and errors name: the command the user typed, not this file
 POLL_S = 0.1
 
 
@@ -70,13 +71,13 @@ def main(argv: list[str]) -> None:
     if not any(a.partition("=")[0] == "--autotuning" for a in argv):  # DeepSpeed's autotuner logs to mlflow
         quick_start()
     if argv[:1] == [LAUNCHER]:
-        sys.argv[1:] = argv[1:]
+        sys.argv[:] = argv  # its usage names deepspeed.launcher.launch, as when DeepSpeed starts it
         from deepspeed.launcher import launch
 
         launch.time = _Time()
         launch.main()
         return
-    sys.argv[1:] = argv
+    sys.argv[:] = [PROG, *argv]  # argparse names its prog after argv[0]: `harness launch: error: ...`
     from deepspeed.launcher import runner
 
     runner.subprocess = _Subprocess()

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from harness.commands import deepspeed_runner
 from harness.dist import slurm_step
-from harness.errors import UsageError
+from harness.errors import ConfigError, UsageError, without_secrets
 from harness.log import say
 from harness.ops import pin_cpu_accelerator
 from harness.startup import quick_start
@@ -50,7 +50,8 @@ EXIT_BAD_INPUT = 2
 NOT_RESTARTED = (0, EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_NUMERIC_FAULT)  # a fault: the same batch again
 BACKOFF_CAP_S = 60.0
 STOP_GRACE_S = 30.0  # what DeepSpeed's launcher gives each rank's tree between SIGTERM and SIGKILL
-USAGE = ("usage: harness launch [--max-restarts N] [--restart-backoff S] [deepspeed options] SCRIPT [script args]\n"
+USAGE = ("usage: harness launch [--max-restarts N] [--restart-backoff S] [--dry-run] [deepspeed options] SCRIPT "
+         "[script args]\n"
          "  e.g. harness launch --max-restarts 3 --num_gpus 8 harness/run.py --recipe zero3\n"
          "The arguments after harness's own are DeepSpeed's `deepspeed` command's (deepspeed --help);\n"
          "SIGTERM/SIGUSR1/SIGINT to this process reach every rank, it returns once every process is gone, with the\n"
@@ -59,14 +60,18 @@ USAGE = ("usage: harness launch [--max-restarts N] [--restart-backoff S] [deepsp
          "                       preempted), stop every rank and start harness/run.py again in the same run folder\n"
          "                       from its latest checkpoint, up to N times (default 0); logged in RUN/restarts.jsonl\n"
          f"  --restart-backoff S  seconds before the first restart, doubled for each next one up to "
-         f"{BACKOFF_CAP_S:.0f} (default 1)")
-OWN_FLAGS = ("--max-restarts", "--restart-backoff")
+         f"{BACKOFF_CAP_S:.0f} (default 1)\n"
+         "  --dry-run            check harness/run.py's arguments as its ranks would, for the world the launch would\n"
+         "                       start (recipe, overrides, batch, model, data, this machine), and start nothing\n"
+         "                       (harness/commands/launch_check.py)")
+OWN_FLAGS = ("--max-restarts", "--restart-backoff", "--dry-run")
 
 
 @dataclass
 class Options:
     max_restarts: int = 0
     backoff_s: float = 1.0
+    dry_run: bool = False
 
 
 @dataclass
@@ -95,6 +100,9 @@ def parse_own(argv: list[str]) -> tuple[Options, list[str]]:
     opts, i = Options(), 0
     while i < len(argv) and argv[i].partition("=")[0] in OWN_FLAGS:
         name, eq, text = argv[i].partition("=")
+        if name == "--dry-run":
+            opts.dry_run, i = True, i + 1
+            continue
         if not eq:
             if i + 1 == len(argv):
                 raise UsageError(f"harness launch {name}: needs a value\n    fix: e.g. {name} 3")
@@ -112,19 +120,23 @@ def parse_own(argv: list[str]) -> tuple[Options, list[str]]:
     return opts, rest
 
 
-def split_command(argv: list[str]) -> Command:
+def split_command(argv: list[str], flag: str = "--max-restarts",
+                  why: str = "a restart continues harness/run.py from its latest checkpoint") -> Command:
     """Where SCRIPT starts, by DeepSpeed's parser (its flags take values or not); restarts need harness/run.py."""
     pin_cpu_accelerator()  # before DeepSpeed is imported, as in the runner (harness/commands/deepspeed_runner.py)
     quick_start()
     from deepspeed.launcher.runner import parse_args
 
-    parsed = parse_args(argv)  # bad DeepSpeed arguments: its usage message and SystemExit(2)
+    argv0, sys.argv[0] = sys.argv[0], deepspeed_runner.PROG  # its usage names `harness launch`, not `harness`
+    try:
+        parsed = parse_args(argv)  # bad DeepSpeed arguments: its usage message and SystemExit(2)
+    finally:
+        sys.argv[0] = argv0
     cut = len(argv) - len(parsed.user_args) - 1
     script = argv[cut]
     if not ((parsed.module and script == "harness.run") or Path(script).parts[-2:] == ("harness", "run.py")):
-        raise UsageError(f"harness launch --max-restarts: {script} is not harness/run.py; a restart continues "
-                         "harness/run.py from its latest checkpoint\n    fix: launch harness/run.py, or drop "
-                         "--max-restarts")
+        raise UsageError(f"harness launch {flag}: {script} is not harness/run.py; {why}\n"
+                         f"    fix: launch harness/run.py, or drop {flag}")
     return Command(argv[:cut], script, argv[cut + 1:])
 
 
@@ -245,10 +257,14 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     try:
         opts, rest = parse_own(argv)
+        if opts.dry_run:
+            from harness.commands import launch_check
+
+            return launch_check.main(split_command(rest, "--dry-run", "it makes harness/run.py's checks"))
         check_slurm_step(rest)
         command = split_command(rest) if opts.max_restarts and rest else None
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (UsageError, ConfigError) as e:
+        print(f"error: {without_secrets(str(e))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except SystemExit as e:  # DeepSpeed's parser printed its usage
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT

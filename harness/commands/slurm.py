@@ -20,6 +20,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from harness.commands import job_args
 from harness.errors import UsageError
 
 TEMPLATE = "slurm.sbatch"  # in harness/assets/
@@ -31,16 +32,8 @@ TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")  # Slurm's --time
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script", nargs="?", help="where to write the batch script (default: RUN_DIR/slurm/job.sbatch)")
-    parser.add_argument("--recipe", required=True, help="the recipe harness/run.py trains")
-    parser.add_argument("--model", help="harness/run.py --model")
-    parser.add_argument("--dataset", help="harness/run.py --dataset")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="harness/run.py --set (repeatable)")
-    parser.add_argument("--output-dir", help="the run folder, on storage every node shares; a requeued job resumes "
-                                             "it (default: <train.output_dir>/<job name>)")
-    parser.add_argument("--nodes", type=_count, default=1, help="nodes (default 1)")
-    parser.add_argument("--gpus-per-node", type=_count, required=True, help="GPUs, one rank each, per node")
-    parser.add_argument("--cpu", action="store_true", help="CPU ranks (no GPU request; --gpus-per-node counts ranks)")
+    job_args.add_run_arguments(parser, "the run folder, on storage every node shares; a requeued job resumes it "
+                                       "(default: <train.output_dir>/<job name>)")
     parser.add_argument("--time", default="24:00:00", help="time limit, Slurm's forms (default 24:00:00)")
     parser.add_argument("--signal-lead", type=int, default=SIGNAL_LEAD_S, metavar="S",
                         help=f"SIGUSR1 this many seconds before the limit: the time to reach a step boundary "
@@ -49,12 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--account", help="#SBATCH --account")
     parser.add_argument("--job-name", help="#SBATCH --job-name (default dsharness-RECIPE)")
     parser.add_argument("--submit", action="store_true", help="run sbatch and print the job id")
-
-
-def _count(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
-    return int(text)
 
 
 def time_limit_s(text: str) -> int:
@@ -81,34 +68,6 @@ def check_timing(args) -> None:
                          f"--signal-lead {min(SIGNAL_LEAD_S, max(1, limit // 10))}")
 
 
-def run_arguments(args, run_dir: Path) -> list[str]:
-    """harness/run.py's arguments in the script (absolute run folder: the job runs from --chdir)."""
-    out = ["--recipe", args.recipe]
-    out += ["--model", args.model] if args.model else []
-    out += ["--dataset", args.dataset] if args.dataset else []
-    for item in args.overrides:
-        out += ["--set", item]
-    return out + ["--output-dir", str(run_dir)]
-
-
-def resolve(args, run_dir: Path | None):
-    """The recipe resolved for nodes x gpus ranks (exit 2 with the arithmetic when it does not fit)."""
-    from harness.dist import Launch
-    from harness.train import session
-
-    per_node = args.gpus_per_node
-    launch = Launch(world_size=args.nodes * per_node, local_size=per_node)
-    resume = "latest" if run_dir is not None and (run_dir / "checkpoints" / "latest").is_file() else None
-    ns = argparse.Namespace(recipe=args.recipe, ds_config=None, output_dir=str(run_dir) if run_dir else None,
-                            resume=resume, overwrite=False, overrides=_overrides(args))
-    return session.resolve_spec(ns, launch), resume
-
-
-def _overrides(args) -> list[str]:
-    extra = [f"train.model={args.model}"] if args.model else []
-    return list(args.overrides) + extra + ([f"train.dataset={args.dataset}"] if args.dataset else [])
-
-
 def render(fields: dict[str, str]) -> str:
     text = resources.files("harness").joinpath("assets", TEMPLATE).read_text()
     missing = sorted(set(FIELD.findall(text)) - set(fields))
@@ -130,7 +89,7 @@ def script_fields(args, run_dir: Path, script: Path, world: int) -> dict[str, st
             "root": str(Path.cwd()), "extra": "\n".join(extra), "per_node": str(per_node),
             "run_dir": shlex.quote(str(run_dir)), "harness": shlex.quote(harness_bin),
             "run_py": shlex.quote(str(Path(str(resources.files("harness") / "run.py")).resolve())),
-            "run_args": " ".join(shlex.quote(a) for a in run_arguments(args, run_dir))}
+            "run_args": " ".join(shlex.quote(a) for a in job_args.run_arguments(args, run_dir))}
 
 
 def _job_name(args) -> str:
@@ -153,10 +112,10 @@ def submit(script: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     check_timing(args)
     run_dir = Path(args.output_dir).resolve() if args.output_dir else None
-    spec, resume = resolve(args, run_dir)
+    spec, resume = job_args.resolve(args, run_dir)
     if run_dir is None:
         run_dir = (Path(spec.recipe["train"]["output_dir"]) / _job_name(args)).resolve()
-        spec, resume = resolve(args, run_dir)  # the default folder may hold an earlier run: the same checks
+        spec, resume = job_args.resolve(args, run_dir)  # the default folder may hold an earlier run: the same checks
     world = args.nodes * args.gpus_per_node
     script = Path(args.script).resolve() if args.script else run_dir / "slurm" / "job.sbatch"
     (run_dir / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch needs the log's folder to exist

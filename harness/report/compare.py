@@ -19,6 +19,7 @@ from pathlib import Path
 from harness.errors import UsageError
 from harness.report.experts import experts_section
 from harness.report.mixture import sources_section
+from harness.report.objective import lengths, objective_section, section_tables, steps_line
 from harness.report.faults import faults_line, faults_section
 from harness.report.tables import fmt_bytes, fmt_ratio, ratio, table
 from harness.report.pipeline import pipeline_flags, pipeline_rows, pipeline_section
@@ -265,11 +266,9 @@ def headline(run: Run) -> list[str]:
     train = run.recipe.get("train", {})
     lines = [f"- recipe **{s.get('recipe', '?')}**, world size {s.get('world_size', '?')}, ZeRO stage "
              f"{zero.get('stage', 0)}, {run.recipe.get('precision', '?')}, model {train.get('model', '?')}, "
-             f"seq_len {train.get('seq_len', '?')}"]
+             f"{lengths(run)}"]
     if run.train:
-        first, last = run.train[0], run.train[-1]
-        lines.append(f"- {len(run.train)} steps logged: loss {first['loss']:.4f} -> {last['loss']:.4f}"
-                     + (f", eval loss {run.eval[-1]['eval_loss']:.4f}" if run.eval else ""))
+        lines.append(steps_line(run))
     if t:
         mfu = f"{100 * t['mfu']:.1f}%" if t.get("mfu") is not None else f"n/a ({t.get('mfu_note', 'no peak')})"
         tflops = f"{t['tflops_per_gpu']:.4g}" if t.get("tflops_per_gpu") is not None else "n/a"
@@ -324,6 +323,7 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
     out += pipeline_section(run, tables.get("pipeline", []))
     out += experts_section(run)
     out += sources_section(run)
+    out += objective_section(run, tables.get("objective", {}))
     timers = run.summary.get("throughput", {}).get("timers_ms_median", {})
     if timers:
         out += ["", "## Step time breakdown (DeepSpeed timers, median ms, rank 0)", "",
@@ -339,10 +339,11 @@ def render(run: Run, tables: dict, flags: list[str], plots: dict[str, list[str]]
 def write_report(run_dir, others: list | None = None) -> Path:
     """Write report.md, report.json and the plots into run_dir; return the report path."""
     from harness.report import plots as report_plots
+    from harness.report.objective_plots import write_rl
 
     run = load_run(run_dir)
     tables = {"states": state_rows(run), "comm": comm_rows(run), "peak": peak_rows(run),
-              "pipeline": pipeline_rows(run), "startup": startup_rows(run)}
+              "pipeline": pipeline_rows(run), "startup": startup_rows(run), "objective": section_tables(run)}
     flags = [f"model states, {r['term']}: {r['flag']}" for r in tables["states"] if r["flag"]]
     flags += pipeline_flags(run)
     flags += [f"comm, {r['collective']}: {r['flag']}" for r in tables["comm"] if r["flag"]]
@@ -353,6 +354,7 @@ def write_report(run_dir, others: list | None = None) -> Path:
         flags += [f for f in compare_flags([run, *(load_run(o) for o in others)]) if run.label in f]
     try:
         plots = report_plots.write_all(run, tables, run.path)
+        plots.update(write_rl(run, run.path))
     except ImportError:  # a bare GPU image without matplotlib still gets the tables
         plots = {}
         run.notes.append("matplotlib is not installed: no plots (pip install matplotlib)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.config.objectives import readout_of
+
 TERM_COLORS = {"params": "#4c72b0", "grads": "#dd8452", "fp32_grads": "#c44e52", "fp32_master": "#55a868",
                "optimizer_moments": "#8172b3", "reduce_buckets": "#937860", "gathered_params": "#da8bc3",
                "offload_buffers": "#8c8c8c", "other": "#ccb974"}
@@ -34,7 +36,8 @@ def _save(fig, path: Path, ax_list) -> list[str]:
 
 
 def plot_loss(run, path: Path) -> list[str]:
-    if not run.train:
+    """Not for an RL run: its loss sits near 0 while its gradient does not (rl_reward.png is its curve)."""
+    if not run.train or "loss" not in readout_of(run.recipe).step:
         return []
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))

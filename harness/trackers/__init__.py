@@ -26,13 +26,17 @@ What is logged, x axis = the step as in metrics.jsonl (1-based), the same names 
   train/loss, train/lr, train/grad_norm, train/tokens_per_s, train/samples_per_s, train/step_time_s (measured),
   train/step_time_predicted_s (planner, for this machine), train/tflops_per_gpu, train/mfu (only where the device
   has a known peak: null on CPU is not logged), timers/{fwd,bwd,bwd_inner,bwd_allreduce,step}_ms (profile window)
-  train/{rewards_chosen,rewards_rejected,rewards_margin,rewards_accuracy,logps_chosen,logps_rejected}  (preference)
+  train/<name> for every name an objective watches (harness/config/readouts.py), as metrics.jsonl spells it:
+    preference train/{rewards_chosen,rewards_rejected,rewards_margin,rewards_accuracy,logps_chosen,logps_rejected};
+    GRPO train/{reward,reward_std,rewards/<fn>/mean,frac_reward_zero_std,completions/mean_length,kl,entropy,
+    clip_ratio/region_mean,time/generate_s,...} (TRL's own W&B names: its Trainer prefixes train/ too)
   eval/loss (+ eval/{the six above} of a preference run)  at each evaluation
   train/loss/<name>, train/rows/<name>, eval/loss/<name>  (a mixture's sources, train.datasets)
   memory/rank{R}/{field}_bytes               rank 0 every step; every rank on the profiled steps
                                              (profiling/memory.py gathers them there only: no collective on other steps)
   at the end (wandb: run summary; MLflow: metrics at the last step): summary/{first_loss, last_loss, eval_loss,
-  tokens_per_s_median, tflops_per_gpu, mfu}, step_time/predicted_s, step_time/measured_median_s/rank{R},
+  tokens_per_s_median, tflops_per_gpu, mfu}, summary/<name>/{first,last} of the objective's [done] line (summary.json
+  "readouts": summary/reward/first, summary/rewards_accuracy/last ...), step_time/predicted_s, step_time/measured_median_s/rank{R},
   step_time/ratio, memory/peak/rank{R}/{field}_bytes, memory/predicted_peak_total_bytes/rank{R}
 Parameters: {"recipe": the resolved recipe, "ds_config": what deepspeed.initialize got, "run": world size,
 degrees, run folder} (wandb: the run config as nested blocks; MLflow: flattened, "recipe.train.steps" = "8",
@@ -46,6 +50,8 @@ import math
 from pathlib import Path
 
 from harness.config.defaults import PREFERENCE_METRICS
+from harness.config.objectives import all_tracked
+from harness.config.readouts import keys as readout_keys
 from harness.config.validate import strip_annotations
 from harness.errors import ConfigError, Problem, without_secrets
 from harness.log import say
@@ -55,8 +61,8 @@ from harness.trackers.backends import BACKENDS, shown
 TRAIN = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "train/tokens_per_s",
          "samples_per_s": "train/samples_per_s", "step_time_s": "train/step_time_s",
          "tflops_per_gpu": "train/tflops_per_gpu", "mfu": "train/mfu",
-         **{f"{name}_ms": f"timers/{name}_ms" for name in TIMERS},
-         **{name: f"train/{name}" for name in PREFERENCE_METRICS}}  # a preference run's (train/objectives.py)
+         **{f"{name}_ms": f"timers/{name}_ms" for name in TIMERS}}
+WATCHED = all_tracked()  # what some objective's user watches: train/<name> (mixture's loss/<source> included)
 PREEMPTED = 75
 
 
@@ -183,7 +189,6 @@ def start(spec, dist, run_dir: Path) -> Trackers:
     return trackers
 
 
-SOURCE_KEYS = ("loss/", "rows/")  # a mixture's per-source values (harness/train/mixture.py): train/loss/<name>
 SOURCE_EVAL = "eval_loss/"  # eval/loss/<name>
 
 
@@ -199,7 +204,7 @@ def step_metrics(kind: str, record: dict, predicted_step_s: float | None) -> dic
         return {}
     out = {TRAIN[field]: number(record.get(field)) for field in TRAIN}
     out["train/step_time_predicted_s"] = number(predicted_step_s)
-    out.update({f"train/{key}": number(v) for key, v in record.items() if key.startswith(SOURCE_KEYS)})  # mixture
+    out.update({f"train/{key}": number(record[key]) for key in readout_keys(WATCHED, record)})
     per_rank = record.get("memory_per_rank") or ([record["memory"]] if record.get("memory") else [])
     for rank, memory in enumerate(per_rank):
         out.update({f"memory/rank{rank}/{key}": number(value) for key, value in (memory or {}).items()})
@@ -213,6 +218,8 @@ def summary_metrics(summary: dict) -> dict[str, float]:
     memory = summary.get("memory") or {}
     out = {f"summary/{k}": number(summary.get(k)) for k in ("first_loss", "last_loss", "eval_loss")}
     out.update({f"summary/{k}": number(throughput.get(k)) for k in ("tokens_per_s_median", "tflops_per_gpu", "mfu")})
+    for name, ends in (summary.get("readouts") or {}).items():  # the [done] line's first -> last
+        out.update({f"summary/{name}/{end}": number(ends.get(end)) for end in ("first", "last")})
     out["step_time/predicted_s"] = number(step_time.get("step_time_s"))
     out["step_time/ratio"] = number(step_time.get("ratio"))
     for rank, seconds in enumerate(step_time.get("measured_median_s_per_rank") or []):

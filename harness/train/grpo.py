@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
+from harness.config.readouts import RL_TIMES
 from harness.data.batches import BatchPlan
 from harness.errors import UsageError
 from harness.log import say
@@ -209,7 +210,7 @@ class GrpoSteps:
 
     # --- the step ---
     def train(self, engine, step: int) -> tuple[torch.Tensor, dict]:
-        times = dict.fromkeys(("generate_s", "score_s", "reference_s", "train_s", "sync_s"), 0.0)
+        times = dict.fromkeys(RL_TIMES, 0.0)
         metrics = {}
         if step % self.mu == 0 or self.buffer is None:
             metrics = self.generation(engine, step, times)

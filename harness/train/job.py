@@ -14,7 +14,8 @@ from harness.checkpoint import files as ckpt_files
 from harness.checkpoint import relayout, resume
 from harness.checkpoint import save as checkpoint
 from harness.config.jsonio import dump_json
-from harness.config.objectives import objective_of
+from harness.config import readouts
+from harness.config.objectives import objective_of, readout_of
 from harness.config.preference_rules import is_preference
 from harness.config.recipes import deep_merge
 from harness.config.resolve import render_provenance
@@ -26,7 +27,7 @@ from harness.model.lora_attach import attach
 from harness.model.moe.wiring import prepare_model as prepare_moe
 from harness.trackers import start as start_trackers, summary_metrics
 from harness.train import checks, faults, preempt, restarts, schedule, vision_steps
-from harness.train.metrics import MetricsLog
+from harness.train.metrics import MetricsLog, read_metrics
 from harness.train.trainer import Boundaries, Data, Trainer
 
 
@@ -263,12 +264,15 @@ def mixture_from(spec, dist, data: Data, step0: int, client: dict, log: MetricsL
 
 
 def write_summary(spec, run_dir: Path, step0: int, result: dict) -> dict:
+    """summary.json, and the [done] line: this launch's first -> last of what the objective's user watches
+    (harness/config/readouts.py), from the train records metrics.jsonl holds."""
+    records = {r["step"]: r for r in read_metrics(run_dir) if r.get("kind") == "train" and r["step"] > step0}
+    found = readouts.ends(readout_of(spec.recipe), [records[s] for s in sorted(records)])
     summary = {"run_dir": str(run_dir), "recipe": spec.recipe_name, "world_size": spec.world_size,
-               "steps": result.get("preempted_at", spec.recipe["train"]["steps"]), "start_step": step0, **result}
+               "steps": result.get("preempted_at", spec.recipe["train"]["steps"]), "start_step": step0, **result,
+               "readouts": found}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    first, last = result["first_loss"], result["last_loss"]
-    losses = "no step ran" if first is None else f"loss {first:.3f} -> {last:.3f}"
-    say("done", f"{summary['steps']} steps, {losses}; outputs in {run_dir}")
+    say("done", f"{summary['steps']} steps, {readouts.ends_text(found)}; outputs in {run_dir}")
     return summary
 
 

@@ -18,8 +18,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="preset, local HF model dir, or hub id (= --set train.model=...)")
     p.add_argument("--dataset", default=None, help="builtin, local file/folder, or hub id (= --set train.dataset=...)")
     p.add_argument("--output-dir", default=None, help="run folder (default: <train.output_dir>/<date>_<recipe>)")
-    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|PATH",
-                   help="continue from the latest checkpoint of --output-dir, or from a checkpoint PATH")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="latest|auto|PATH",
+                   help="continue from the latest checkpoint of --output-dir, or from a checkpoint PATH; auto: "
+                        "continue if --output-dir holds a complete checkpoint, else start fresh (a rerun of the same "
+                        "command: a restarted pod, harness ray's relaunch)")
     p.add_argument("--overwrite", action="store_true", help="replace checkpoints/outputs already in --output-dir")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="typed recipe override, e.g. --set train.steps=20 (see `harness recipes --keys`)")

@@ -7,6 +7,7 @@ process group exists.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -170,6 +171,24 @@ def _resume_layout(ds: dict, source: str, point, world: int, pp: int, tp: int, n
     return {**ds, "checkpoint": {**ds.get("checkpoint", {}), "load_universal": True}}
 
 
+def auto_resume(output_dir: Path) -> str | None:
+    """--resume auto: "latest" when output_dir holds a complete checkpoint, else None (start fresh). A restarted
+    pod or a requeued job reruns the same command, which then continues the run or begins it."""
+    from harness.train.restarts import newest_complete
+
+    return "latest" if newest_complete(output_dir) else None
+
+
+def _resolve_auto(args):
+    """args with --resume auto decided against --output-dir (a copy; other values unchanged)."""
+    if args.resume != "auto":
+        return args
+    if not args.output_dir:
+        raise UsageError("--resume auto needs --output-dir: the run folder whose latest checkpoint a rerun of the "
+                         "same command continues\n    fix: --output-dir RUN_DIR --resume auto")
+    return argparse.Namespace(**{**vars(args), "resume": auto_resume(Path(args.output_dir))})
+
+
 def _output_dir(args, world: int) -> Path | None:
     output_dir = Path(args.output_dir) if args.output_dir else None
     if args.resume and args.resume != "latest" and output_dir is None:
@@ -200,6 +219,7 @@ def moe_blocks(asked: Resolved) -> dict:
 def resolve_spec(args, launch: Launch) -> Resolved:
     """The recipe and DeepSpeed dict for `launch`'s world, checked as config (exit 2 on a bad one)."""
     world = launch.world_size
+    args = _resolve_auto(args)
     output_dir = _output_dir(args, world)  # cheapest check first: never touch an earlier run
     point = _resume_point(output_dir, args.resume)
     name, overrides, notes = args.recipe or DEFAULT_RECIPE, list(args.overrides), []

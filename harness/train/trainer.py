@@ -23,7 +23,8 @@ import torch
 from harness.checkpoint import files as ckpt_files
 from harness.checkpoint import save as checkpoint
 from harness.config.defaults import PREFERENCE_METRICS
-from harness.config.objectives import objective_of
+from harness.config.objectives import objective_of, readout_of
+from harness.config.readouts import step_text
 from harness.config.preference_rules import is_preference
 from harness.data.batches import BatchPlan
 from harness.dist import DistInfo, mean_across_ranks
@@ -193,6 +194,7 @@ class Trainer:
         self.preempt = boundaries.preempt  # asked at every step boundary
         self.plan = data.steps.plan if data.steps is not None else batch_plan(spec, dist, data)
         self.train_cfg = spec.recipe["train"]
+        self.readout = readout_of(spec.recipe)  # the [step] line's metrics (harness/config/readouts.py)
         rows_per_sample = 2 if is_preference(spec.recipe) else 1  # a pair is two rows
         self.tokens_per_step = self.plan.global_batch * data.train.shape[1] * rows_per_sample
         self.step_fn = strategy(spec, data.reference)[0] if data.steps is None else None
@@ -357,8 +359,8 @@ class Trainer:
                 bar.set_postfix_str(f"loss {last:.3f}, {tokens_per_s:.0f} tok/s, lr {record['lr']:.1e}")
                 if self.dist.is_main and log_now:
                     norm = f"{record['grad_norm']:.3f}" if record["grad_norm"] is not None else "n/a"
-                    say("step", f"{done}/{total} loss {last:.4f} lr {record['lr']:.2e} grad_norm {norm} "
-                                f"{tokens_per_s:.0f} tok/s")
+                    say("step", f"{done}/{total} {step_text(self.readout, record)} lr {record['lr']:.2e} "
+                                f"grad_norm {norm} {tokens_per_s:.0f} tok/s")
             if eval_now:
                 evals = evaluate(self.engine, self.spec, self.dist, self.data)
                 if self.data.mixture is not None:
