@@ -27,6 +27,9 @@
 # against one conversation per row, summed loss equal under flash-attention varlen / flex_attention / sdpa; Gemma 3's
 # packed masks (bench/vlm_gemma_packing.py) under sdpa / eager / flex_attention, loss and every gradient.
 # ddp_fp32: ZeRO-0 fp32 on one GPU, its global grad norm reported at every step (harness/train/zero0_step.py).
+# distill_served (bench/gpu_check_distill.py; needs vllm in the image): a teacher behind `vllm serve` scored through
+# harness/distill/served.py against the precomputed store from transformers on the GPU (top-1 agreement, log-prob
+# gap, the top-k loss from each), then the server killed: the error and its seconds; OUT_DIR/distill_served.
 # distill: train.objective=gkd (dataset completions, lmbda 0) on the built-in set, a ~0.3B bf16 Llama-shaped teacher
 # folder (random weights) as a frozen engine, ZeRO-3-sharded under zero3 and a whole copy under zero2, the tiny-llama
 # student; loss, teacher entropy, the time split and peak memory; OUT_DIR/distill.
@@ -97,7 +100,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm vlm vlm_video vlm_packing ddp_fp32 distill ray_gpu}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm vlm vlm_video vlm_packing ddp_fp32 distill distill_served ray_gpu}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -106,6 +109,9 @@ for case in $CASES; do
         continue
     fi
     case $case in
+        distill_served)  # a vLLM-served teacher against the precomputed store; skips itself without vllm
+            timeout 400 $PY "$ROOT/bench/gpu_check_distill.py" --out "$OUT/distill_served" \
+                || echo "[distill_served] failed (exit $?)" ;;
         grpo_vllm)  # GRPO generation with a colocated vLLM on ZeRO-3: weight-sync time, bytes, buckets and memory
             n=1; (( gpus >= 2 )) && n=2  # against planner/rl.py (bench/gpu_check_rl.py); skips itself without vllm
             timeout 400 $PY -m deepspeed.launcher.runner --num_gpus $n "$ROOT/bench/gpu_check_rl.py" \
@@ -391,7 +397,7 @@ train = [r for r in map(json.loads, open(sys.argv[1])) if r["kind"] == "train"]
 print(f"[ray_gpu] {len(train)} steps on the GPUs Ray gave, loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}")
 EOF
             ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, vlm, vlm_video, vlm_packing, ddp_fp32, distill, ray_gpu)" >&2; exit 2 ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, vlm, vlm_video, vlm_packing, ddp_fp32, distill, distill_served, ray_gpu)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

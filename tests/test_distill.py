@@ -204,7 +204,7 @@ def _validate(tmp_path, recipe: dict, capsys, world: int = 2) -> str:
     ("gkd", {"lmbda": 0, "seq_kd": True}, "distill.seq_kd: seq_kd true: the teacher would generate"),
     ("distill", {"lmbda": 0}, "distill.lmbda: lmbda 0 with objective distill: TRL's DistillationConfig has no lmbda"),
     ("gkd", {"lmbda": 0, "teacher_mode": "adapter"}, "teacher_mode adapter without LoRA"),
-    ("gkd", {"lmbda": 0, "teacher_mode": "precomputed"}, "teacher_mode precomputed is not implemented")])
+    ("gkd", {"lmbda": 0.5, "teacher_mode": "precomputed"}, "teacher_mode precomputed with on-policy completions")])
 def test_bad_settings_are_refused_before_launch(tmp_path, capsys, objective, block, message):
     err = _validate(tmp_path, {"description": "kd", "train": {"objective": objective}, "distill": block}, capsys)
     assert message in err and "fix:" in err
@@ -268,7 +268,8 @@ def test_the_ce_term_skips_the_students_own_completions():
     torch.manual_seed(0)
     labels = torch.tensor([[-100, -100, 5, 6, -100], [-100, 7, 8, 9, 1]])
     where = labels[:, 1:] != -100
-    mine = ce_labels((labels, labels, torch.tensor([2, 1]), torch.tensor([False, True])), where)
+    # the batch: input_ids, labels, prompt lengths, record numbers, the rows the student completed
+    mine = ce_labels((labels, labels, torch.tensor([2, 1]), torch.tensor([0, 1]), torch.tensor([False, True])), where)
     assert mine.tolist() == [5, 6, -1, -1, -1, -1]
     s, t = torch.randn(6, 11), torch.randn(6, 11)
     cfg = {"beta": 0.5, "loss_temperature": 1.0, "ce_alpha": 0.3, "loss_chunk_tokens": 4}

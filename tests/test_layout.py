@@ -15,9 +15,10 @@ from harness.config import recipes_doc
 
 PKG = Path(__file__).resolve().parents[1] / "harness"
 # The rooms, lowest first. A module may import from its own room or any room before it, never after it.
-GROUND = ("errors", "log", "dist", "ops", "startup", "model_shapes")  # top-level modules every room may use
-ROOMS = ("ground", "config", "planner", "data", "model", "checkpoint", "profiling", "calibration", "trackers", "rl", "train",
-         "report", "commands", "entry")
+# top-level modules every room may use
+GROUND = ("errors", "log", "dist", "ops", "startup", "model_shapes", "http_json")
+ROOMS = ("ground", "config", "planner", "data", "model", "checkpoint", "profiling", "calibration", "trackers", "rl",
+         "distill", "train", "report", "commands", "entry")
 ENTRY = ("run", "cli", "__init__")  # harness/run.py, harness/cli.py, harness/__init__.py
 PURE = ("config", "planner")
 ENGINE_SIDE = tuple(f"harness.{r}" for r in ROOMS[3:-1]) + ("harness.dist", "harness.run", "harness.cli",

@@ -7,6 +7,7 @@ dict only; the teacher's vocabulary and tokenizer are compared in harness/train/
 from __future__ import annotations
 
 from harness.config.adapter_rules import lora_on
+from harness.config.distill_topk_rules import topk_problems
 from harness.config.objectives import family
 from harness.config.layout_refusals import refused_layouts
 from harness.config.resolve import Context
@@ -22,7 +23,6 @@ TRL_DEFAULTS = {
                 "max_completion_length": 512, "disable_dropout": False},
 }
 NOT_YET = "completions generated during training by the teacher are not implemented yet"
-MODES_ELSEWHERE = ("precomputed", "served")  # the top-k teacher modes (their own module and rules)
 
 
 def is_distill(recipe: dict) -> bool:
@@ -43,13 +43,16 @@ def settings(recipe: dict) -> dict:
 
 
 def teacher_mode(recipe: dict) -> str | None:
-    """engine, adapter, precomputed or served (None: not a distillation run). auto: the adapters off under LoRA when
-    no teacher is named (self-distillation, no second copy), else a frozen engine."""
+    """engine, adapter, precomputed or served (None: not a distillation run). auto: served when a teacher server is
+    named, the adapters off under LoRA when no teacher is named (self-distillation, no second copy), else a frozen
+    engine."""
     if not is_distill(recipe):
         return None
     block = recipe["distill"]
     if block["teacher_mode"] != "auto":
         return block["teacher_mode"]
+    if block.get("teacher_model_server_url"):
+        return "served"
     return "adapter" if lora_on(recipe) and block["teacher_model_name_or_path"] is None else "engine"
 
 
@@ -86,14 +89,11 @@ def _on_policy_problems(recipe: dict, goal: str) -> list[Problem]:
 
 
 def _teacher_problems(recipe: dict) -> list[Problem]:
-    """The teacher mode against the run. The top-k modes' own rules (precomputed with on-policy completions, served
-    with beta > 0 and k > 1) belong beside their implementation."""
-    block, out = recipe.get("distill", {}), []
+    """The teacher mode against the run; the top-k modes' own rules are in config/distill_topk_rules.py."""
+    block = recipe.get("distill", {})
     mode, teacher = block.get("teacher_mode", "auto"), block.get("teacher_model_name_or_path")
-    if mode in MODES_ELSEWHERE:
-        out.append(Problem("distill.teacher_mode", f"teacher_mode {mode} is not implemented on this branch yet",
-                           "use teacher_mode engine (a frozen teacher engine) or adapter (under LoRA), or auto"))
-    elif mode == "adapter" and not lora_on(recipe):
+    out = topk_problems(recipe, teacher_mode(recipe), settings(recipe), on_policy(recipe))
+    if mode == "adapter" and not lora_on(recipe):
         out.append(Problem("distill.teacher_mode", "teacher_mode adapter without LoRA: the teacher is the student's "
                            "base with the adapters switched off, and there are none",
                            "set adapter.type=lora, or teacher_mode engine"))

@@ -38,12 +38,17 @@ def input_tokens(labels: torch.Tensor) -> torch.Tensor:
     return ((labels != IGNORE_INDEX) * where).amax(-1)
 
 
+# A micro-batch: input_ids, labels, prompt lengths (Completions.tensors()), the record numbers (the trainer's fetch
+# appends Completions.ids: the precomputed teacher's keys), and on-policy the rows the student completed.
+RECORDS, GENERATED = 3, 4
+
+
 def ce_labels(batch: tuple[torch.Tensor, ...], where: torch.Tensor) -> torch.Tensor:
-    """[N] the loss tokens' ids for the CE term; -1 in the rows whose completion the student generated (a 4th tensor
-    of the batch, harness/train/distill_policy.py): the CE is on the dataset's completions only."""
+    """[N] the loss tokens' ids for the CE term; -1 in the rows whose completion the student generated (the batch's
+    GENERATED tensor, harness/train/distill_policy.py): the CE is on the dataset's completions only."""
     out = batch[1][:, 1:][where]
-    if len(batch) > 3:
-        out = out.masked_fill(batch[3][where.nonzero()[:, 0]], -1)
+    if len(batch) > GENERATED:
+        out = out.masked_fill(batch[GENERATED][where.nonzero()[:, 0]], -1)
     return out
 
 
@@ -93,7 +98,7 @@ class DistillSteps:
         input_ids, labels = batch[:2]
         where = loss_positions(labels)
         began = time.perf_counter()
-        targets = self.teacher.targets(engine, input_ids, where)
+        targets = self.teacher.targets(engine, input_ids, where, *batch[RECORDS:RECORDS + 1])
         times["teacher_s"] += time.perf_counter() - began
         logits = engine(input_ids=input_ids.to(engine.device), use_cache=False).logits
         student = logits[:, :-1][where.to(logits.device)]

@@ -35,6 +35,16 @@ class Completions:
     def __len__(self) -> int:
         return len(self.index)
 
+    @property
+    def ids(self) -> torch.Tensor:
+        """[n] int64 record numbers, the keys of the precomputed teacher store's rows (harness/distill/
+        teacher_store.py); the trainer's fetch appends them to the batch after tensors()' three."""
+        return torch.from_numpy(self.index)
+
+    def every_record(self) -> "Completions":
+        """Every record of the set (the train and eval splits together), in record order."""
+        return Completions(self.tokens, self.bounds, np.arange(len(self.tokens), dtype=np.int64))
+
     def __getitem__(self, sel) -> "Completions":
         if torch.is_tensor(sel):
             sel = sel.numpy()

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.distill.topk import TopK
+from harness.distill.topk_loss import topk_rows_sum
+
 
 @dataclass
 class Targets:
@@ -34,6 +37,8 @@ class Targets:
     logits: torch.Tensor | None = None  # [N, V]: engine, adapter
     ids: torch.Tensor | None = None  # [N, k] int64: precomputed, served
     logprobs: torch.Tensor | None = None  # [N, k] float32: precomputed, served
+    actual: torch.Tensor | None = None  # [N] float32, the teacher's log-prob of the token there: precomputed, served
+    tokens: torch.Tensor | None = None  # [N] int64, the tokens at the loss positions: precomputed, served
 
     @property
     def kind(self) -> str:
@@ -102,4 +107,15 @@ def full_vocabulary(student: torch.Tensor, targets: Targets, labels: torch.Tenso
     return _ChunkedLoss.apply(student, targets.logits.to(student.device), labels.to(student.device), cfg)
 
 
-LOSSES = {"logits": full_vocabulary}  # Targets.kind -> loss(student [N, V], targets, CE labels [N] (< 0: none), cfg)
+def top_k(student: torch.Tensor, targets: Targets, labels: torch.Tensor, cfg: dict):
+    """The loss over the teacher's top-k (+ tail) as TRL's server distillation computes it (harness/distill/
+    topk_loss.py): (loss sum, student entropy sum, teacher entropy sum over its k + tail buckets). labels: the CE
+    term's (< 0: none at that token)."""
+    answer = TopK(targets.ids, targets.logprobs, targets.actual)
+    return topk_rows_sum(student, targets.tokens, answer, beta=cfg["beta"], temperature=cfg["loss_temperature"],
+                         add_tail=cfg["loss_add_tail"], chunk_tokens=cfg["loss_chunk_tokens"],
+                         ce_alpha=cfg["ce_alpha"], ce_labels=labels)
+
+
+LOSSES = {"logits": full_vocabulary, "topk": top_k}  # Targets.kind -> loss(student [N, V], targets, CE labels [N]
+# (< 0: none), cfg)

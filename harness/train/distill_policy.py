@@ -45,8 +45,9 @@ class OnPolicy:
 
     def batch(self, step: int, first_row: int, batch: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...],
                                                                                        list[int]]:
-        """(the micro-batch with its drawn rows' completions generated and a 4th tensor: [B] bool, the row's completion
-        is the student's; their lengths)."""
+        """(the micro-batch with its drawn rows' completions generated and a 5th tensor: [B] bool, the row's completion
+        is the student's (after the prompt lengths and the record numbers: harness/train/distill.py); their
+        lengths)."""
         input_ids, labels = batch[0].clone(), batch[1].clone()
         chosen = [i for i, yes in enumerate(self.draws(step, first_row, input_ids.shape[0])) if yes]
         starts = [int(batch[2][i]) for i in chosen]  # the prompt lengths (harness/train/distill_data.py)
@@ -61,7 +62,7 @@ class OnPolicy:
             labels[i, start:len(row)] = input_ids[i, start:len(row)]
         generated = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         generated[chosen] = True
-        return (input_ids, labels, batch[2], generated), [len(c) for c in completions]
+        return (input_ids, labels, *batch[2:4], generated), [len(c) for c in completions]
 
     def _generate(self, step: int, first_row: int, chosen: list[int], prompts: list) -> list[list[int]]:
         """One generate call per micro-batch (collective), every row drawing from (step seed, its position): the

@@ -327,7 +327,7 @@ def run(spec, dist) -> int:
         elif objective_of(spec.recipe).family == "distill":  # the teacher, built before the student as a reference
             from harness.train import teacher
 
-            data = dataclasses.replace(data, reference=teacher.start(spec, dist, say))
+            data = dataclasses.replace(data, reference=teacher.start(spec, dist, say, data, tokenizer))
         startup = profiling.Startup(dist.device)
         engine, info, notes = build_engine(spec, startup)
         log = MetricsLog(run_dir, enabled=dist.is_main)

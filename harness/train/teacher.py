@@ -6,6 +6,8 @@ engine   a frozen DeepSpeed engine of distill.teacher_model_name_or_path (null: 
          (its offload_param too), else a whole copy in the run's precision; a no_grad forward per micro-batch
 adapter  under LoRA the student's own base with the adapters switched off (self-distillation; no second copy), a
          no_grad forward through the student's engine (train/reference.adapters_off)
+precomputed, served   the teacher's top-k: a store written once before training, or a vLLM-API server asked per
+         micro-batch (train/teacher_topk.py, harness/distill/)
 
 The seam: `Teacher.targets(student_engine, input_ids, where)` -> harness/train/distill_loss.Targets at the loss
 tokens `where` ([B, L - 1] bool, labels[:, 1:] != -100): the logits over the whole vocabulary here; a top-k teacher
@@ -21,6 +23,7 @@ import torch
 
 from harness.config.defaults import PRECISION_BYTES
 from harness.config.distill_rules import teacher_mode
+from harness.train import teacher_topk
 from harness.train.distill_loss import Targets
 from harness.train.reference import adapters_off
 from harness.train.reference_engine import build_engine, reference_name
@@ -32,7 +35,7 @@ class Teacher:
     engine: object = None  # engine mode: the frozen teacher engine
 
     @torch.no_grad()
-    def targets(self, student, input_ids: torch.Tensor, where: torch.Tensor) -> Targets:
+    def targets(self, student, input_ids: torch.Tensor, where: torch.Tensor, ids=None) -> Targets:
         if self.mode == "engine":
             logits = self.engine(input_ids=input_ids.to(self.engine.device), use_cache=False).logits
         else:
@@ -46,17 +49,24 @@ def why_mode(spec) -> str:
     block = spec.recipe["distill"]
     if block["teacher_mode"] != "auto":
         return f"distill.teacher_mode {block['teacher_mode']}"
+    if teacher_mode(spec.recipe) == "served":
+        return "auto: a teacher server is named"
     if teacher_mode(spec.recipe) == "adapter":
         return "auto: LoRA and no teacher named, so the student's own base is the teacher"
     return "auto: " + ("a teacher model is named" if block["teacher_model_name_or_path"] else
                        "no LoRA, so the student's starting weights are copied")
 
 
-def start(spec, dist, say) -> Teacher:
+def start(spec, dist, say, data=None, tokenizer=None):
     """The run's teacher, announced on rank 0 with what it costs and why this mode; built before the student (an
-    engine's ZeRO-3 partitioning runs on every rank alike)."""
+    engine's ZeRO-3 partitioning runs on every rank alike). data, tokenizer: the run's records and tokenizer (the
+    precomputed store's rows and key)."""
     mode = teacher_mode(spec.recipe)
-    if mode == "adapter":
+    if mode == "precomputed":
+        teacher, line = teacher_topk.precomputed(spec, data.train.every_record(), tokenizer)
+    elif mode == "served":
+        teacher, line = teacher_topk.served(spec)
+    elif mode == "adapter":
         teacher = Teacher(mode)
         line = ("teacher: adapter (the student's base with the LoRA adapters off): no second copy, one more forward "
                 "per micro-batch")

@@ -6,23 +6,15 @@ requests are in flight."""
 
 from __future__ import annotations
 
-import json
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+
+from harness.http_json import NoAnswer, call_json
 
 BACKOFF_S = 0.2
 
 
 class VerifierError(Exception):
     """The verifier did not give rewards for a batch (after its retries)."""
-
-
-def _post(url: str, body: bytes, timeout_s: float) -> object:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-        return json.loads(answer.read().decode())
 
 
 def _rewards(reply, n: int, url: str) -> list:
@@ -35,22 +27,11 @@ def _rewards(reply, n: int, url: str) -> list:
 
 def ask(url: str, batch: dict, n: int, *, timeout_s: float, retries: int) -> list:
     """One batch's rewards, with retries."""
-    body = json.dumps(batch).encode()
-    last = ""
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(BACKOFF_S * 2 ** (attempt - 1))
-        try:
-            return _rewards(_post(url, body, timeout_s), n, url)
-        except urllib.error.HTTPError as err:
-            last = f"HTTP {err.code} {err.reason}"
-            if err.code < 500:
-                break
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
-            last = f"{type(err).__name__}: {getattr(err, 'reason', err)}"
-        except json.JSONDecodeError as err:
-            last = f"not JSON ({err})"
-    raise VerifierError(f"{url} gave no rewards after {attempt + 1} attempt(s): {last}")
+    try:
+        reply = call_json(url, batch, timeout_s=timeout_s, retries=retries, backoff_s=BACKOFF_S)
+    except NoAnswer as err:
+        raise VerifierError(f"{url} gave no rewards after {err.attempts} attempt(s): {err.last}") from None
+    return _rewards(reply, n, url)
 
 
 def verifier(entry: dict):
