@@ -26,7 +26,11 @@ def load_prompts(spec, dist, tokenizer):
         prompts = Prompts([list(p) for p in seen], tokenizer.pad_token_id or 0)
         note = f"replay {rl['replay']}: {sum(map(len, steps.values()))} completions of {len(seen)} prompts"
     else:
-        prompts = load(train, rl, tokenizer)
+        from pathlib import Path
+
+        from harness.rl.tools import load_toolbox
+
+        prompts = load(train, rl, tokenizer, toolbox=load_toolbox(rl, Path.cwd()))
         note = (f"{train['dataset']}: {prompts.shape[0]} prompts of at most {prompts.shape[1]} tokens"
                 + (f", {prompts.dropped} over rl.max_prompt_length {rl['max_prompt_length']} dropped"
                    if prompts.dropped else "") + f"; columns for the rewards: {', '.join(prompts.columns) or 'none'}")
