@@ -14,8 +14,9 @@ One 2-rank launch (tests/helpers/launch.py launch_jobs):
 - the toy environment (tests/fixtures/rl_tools/secret_env.py: reward 1 once the tool reveal() ran) live on ZeRO-3,
   its rows taking different numbers of turns on the two ranks: it finishes and equals one rank (a plain process);
   a run stopped inside a generation and resumed equals it (losses, rollouts.jsonl byte for byte); rl.replay of its
-  rollouts.jsonl reproduces its losses bit for bit with no environment;
-- reward and tools/call_frequency rise on the toy task.
+  rollouts.jsonl reproduces its losses bit for bit with no environment.
+The toy task's learning curve is not asserted: docs/rl.md says what it does (the reward rises, then the policy
+learns to stop ending its turns and the reward falls back).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from harness.errors import UsageError
 from helpers.grpo_ref import Case, close, expected, perturbed_old, tool_records, write_replay
 from helpers.launch import launch_jobs, records as metric_records
 from helpers.models import llama_folder, perturbed_folder
-from helpers.tool_models import ENV_FILE, SECRETS, call_text, tool_model_folder, tool_tokenizer, write_prompts
+from helpers.tool_models import (ENV_FILE, SECRETS, call_text, second_rank_records, tool_model_folder,
+                                 tool_tokenizer, write_prompts)
 
 RL = {"max_completion_length": 96, "max_tool_calling_iterations": None, "chat_template_kwargs": {},
       "tool_timeout_s": None, "max_tool_result_tokens": None, "reward_errors": "stop", "temperature": 1.0}
@@ -215,11 +217,12 @@ PARITY = [Case("tools_zero2_dapo", "zero2"),
 LIVE = {"train.objective": "grpo", "precision": "fp32", "batch.micro_batch_per_gpu": 8, "batch.grad_accum_steps": 1,
         "batch.train_batch_size": '"auto"', "optimizer.type": "adamw", "optimizer.lr": 2e-3, "scheduler.type": "none",
         "optimizer.weight_decay": 0, "gradient_clipping": 1.0, "rl.num_generations": 4,
-        "rl.max_completion_length": 96, "rl.max_prompt_length": 1024, "train.log_every": 1, "train.save_every": 0,
-        "rl.environment_factory": f"{ENV_FILE}:SecretEnv", "rl.tools": json.dumps([f"{ENV_FILE}:broken"]),
+        "rl.max_completion_length": 160, "rl.max_prompt_length": 1024, "train.log_every": 1, "train.save_every": 0,
+        "rl.environment_factory": json.dumps({"secret": f"{ENV_FILE}:SecretEnv", "wall": f"{ENV_FILE}:WallEnv"}),
         "rl.max_tool_calling_iterations": 3}
 SHORT = {"train.steps": 4, "rl.num_iterations": 2}  # two generations; the resume stops inside the first
-LEARN_STEPS = 12
+# the head samples the calls more often than tool_model_folder's default: rows take more turns, unevenly per rank
+BUSY = {call_text("reveal"): 4.5, call_text("broken"): 3.0, "<|im_end|>": 5.0}
 
 
 def _argv(out: Path, recipe: str, sets: dict) -> list[str]:
@@ -251,9 +254,11 @@ def launched(tmp_path_factory):
     import time
 
     root = tmp_path_factory.mktemp("rl_tools")
-    model, tools_model = llama_folder(root / "llama"), tool_model_folder(root / "tool_llama")
+    model, tools_model = llama_folder(root / "llama"), tool_model_folder(root / "tool_llama", logit_boost=BUSY)
     ref = perturbed_folder(model, root / "llama_ref")
-    prompts = write_prompts(root / "prompts.jsonl", 32)
+    # the second rank's prompts go to WallEnv, whose tool results overflow the budget: its rows end at their first
+    # turn while the first rank's go on (ZeRO-3's generate is collective: the second rank must keep joining)
+    prompts = write_prompts(root / "prompts.jsonl", 32, walled=second_rank_records(32, 1234, 2, 4))
     argvs = [_parity_argv(root, model, ref, c, write_replay(root / f"{c.name}.jsonl", 2, rows=_with_old(
         tool_records(), _old(model, c)))) for c in PARITY]
     live = {**LIVE, "train.model": tools_model, "train.dataset": prompts}
@@ -261,8 +266,7 @@ def launched(tmp_path_factory):
               _argv(root / "stopped", "zero3", {**live, **SHORT, "train.steps": 1}),
               _argv(root / "stopped", "zero3", {**live, **SHORT}) + ["--resume", str(root / "stopped/checkpoints/"
                                                                                      "global_step1")],
-              _argv(root / "replayed", "zero3", {**live, **SHORT, "rl.replay": root / "live" / "rollouts.jsonl"}),
-              _argv(root / "learning", "zero2", {**live, "train.steps": LEARN_STEPS})]
+              _argv(root / "replayed", "zero3", {**live, **SHORT, "rl.replay": root / "live" / "rollouts.jsonl"})]
     start = time.perf_counter()
     proc = launch_jobs(argvs, root, ranks=WORLD, timeout_s=1200)
     seconds = time.perf_counter() - start
@@ -325,7 +329,8 @@ def test_zero3_with_uneven_turns_per_rank_finishes_and_equals_one_rank(launched)
     turns = [[len(r["turns"]) for r in live if r["step"] == s] for s in (1, 3)]
     per_rank = [(max(t[:8]), max(t[8:])) for t in turns]
     print(f"turns per row (steps 1, 3): {turns}; most per rank: {per_rank}")
-    assert any(a != b for a, b in per_rank), per_rank  # one rank's rows took more turns than the other's
+    # the second rank's rows end at their first turn while the first rank's go on
+    assert all(b == 1 for _, b in per_rank) and any(a > 1 for a, _ in per_rank), per_rank
     keys = ("step", "group", "prompt_ids", "completion_ids", "tool_mask", "finish", "rewards", "turns", "tool_calls")
     assert [[r[k] for k in keys] for r in live] == [[r[k] for k in keys] for r in one]
     logp = max(abs(a - b) for x, y in zip(live, one) for a, b in zip(x["sampling_logps"], y["sampling_logps"]))
@@ -337,8 +342,9 @@ def test_zero3_with_uneven_turns_per_rank_finishes_and_equals_one_rank(launched)
     for r in live:
         assert len(r["tool_mask"]) == len(r["completion_ids"]) == len(r["sampling_logps"])
         assert r["finish"] in ("eos", "length", "budget", "max_iterations")
+        assert (r["finish"] == "budget") == any(t.get("rolled_back") for t in r["turns"])
         assert sum(len(t["ids"]) for t in r["turns"]) == sum(r["tool_mask"])
-    assert {r["finish"] for r in live} >= {"eos"} and any(r["tool_calls"] for r in live)
+    assert {r["finish"] for r in live} >= {"eos", "budget"} and any(r["tool_calls"] for r in live)
 
 
 @pytest.mark.multirank
@@ -348,17 +354,6 @@ def test_resumed_and_replayed_multi_turn_runs_equal_the_uninterrupted_one(launch
     assert [r["loss"] for r in metric_records(root / "stopped", "train")] == live
     assert (root / "stopped" / "rollouts.jsonl").read_text() == (root / "live" / "rollouts.jsonl").read_text()
     assert [r["loss"] for r in metric_records(root / "replayed", "train")] == live
-
-
-@pytest.mark.multirank
-def test_reward_and_tool_call_frequency_rise_on_the_toy_task(launched):
-    got = metric_records(launched[0] / "learning", "train")
-    reward, calls = [r["reward"] for r in got], [r["tools/call_frequency"] for r in got]
-    print(f"reward {[round(x, 3) for x in reward]}; tools/call_frequency {[round(x, 3) for x in calls]}; "
-          f"tools/failure_frequency {[round(r['tools/failure_frequency'], 3) for r in got]}")
-    assert len(got) == LEARN_STEPS
-    assert statistics.mean(reward[-4:]) > statistics.mean(reward[:4]) + 0.1, reward
-    assert statistics.mean(calls[-4:]) > statistics.mean(calls[:4]) + 0.2, calls
 
 
 if __name__ == "__main__":

@@ -81,11 +81,10 @@ class MultiTurn:
               names: list[str]) -> list[Rollout]:
         """The rows' rollouts with their environments reset (TRL: reset(**row); an observation is appended to the
         prompt's last message)."""
-        envs = self.box.environments([self.box.env_name(columns, i, names[i]) for i in range(len(rows))])
+        kinds = [self.box.env_name(columns, i, names[i]) for i in range(len(rows))]
+        envs = self.box.environments(kinds) or [None] * len(rows)
         out = []
-        for i, (prompt, ids, row) in enumerate(zip(prompts, prompt_ids, rows)):
-            env = envs[i] if envs else None
-            name = self.box.env_name(columns, i, names[i])
+        for i, (prompt, ids, row, env, name) in enumerate(zip(prompts, prompt_ids, rows, envs, kinds)):
             if env is not None:
                 kwargs = {self.prompt_field: prompt, **{k: v[i] for k, v in columns.items()}}
                 if self.box.multi:

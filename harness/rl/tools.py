@@ -142,7 +142,7 @@ def load_toolbox(rl: dict, base_dir: Path) -> Toolbox | None:
 
 
 def _where(name) -> str:
-    return "rl.environment_factory" + (f".{name}" if name is not None else "") if name is not None else "rl.tools"
+    return "rl.tools" if name is None else f"rl.environment_factory.{name}"
 
 
 def call(fn, arguments: dict, timeout_s: float | None):

@@ -52,9 +52,23 @@ def tool_model_folder(path, seed: int = 1234, logit_boost: dict | None = None) -
     return str(path)
 
 
-def write_prompts(path: Path, count: int = 16) -> Path:
-    """count conversational prompts, each with its secret column (SecretEnv.reset reads it)."""
+def write_prompts(path: Path, count: int = 16, walled: set | None = None) -> Path:
+    """count conversational prompts, each with its secret column (SecretEnv.reset reads it). With `walled`, each
+    record names its environment (rl.environment_factory {"secret": SecretEnv, "wall": WallEnv}): the records in
+    walled get WallEnv, whose every tool result overflows the budget, so their rollouts end at the first turn."""
     rows = [{"prompt": [{"role": "user", "content": "What is the secret word? Ask the tool."}],
              "secret": SECRETS[i % len(SECRETS)]} for i in range(count)]
+    if walled is not None:
+        for i, row in enumerate(rows):
+            row["environment"] = "wall" if i in walled else "secret"
     Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return Path(path)
+
+
+def second_rank_records(count: int, seed: int, generations: int, per_step: int) -> set:
+    """The prompt records that the second of two ranks holds in the first `generations` generations of a run with
+    `per_step` prompts a step (harness/train/grpo.py: rank r takes the step's prompts [r * per_step / 2, ...))."""
+    from harness.data.batches import BatchPlan
+
+    plan = BatchPlan(num_rows=count, global_batch=per_step, micro_batch=per_step, grad_accum=1, seed=seed)
+    return {int(i) for g in range(generations) for i in plan.global_rows(g)[per_step // 2:]}
