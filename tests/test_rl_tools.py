@@ -207,6 +207,31 @@ def test_bad_tools_and_environments_are_refused_with_the_fix(tmp_path):
     assert "need a conversation" in str(err.value)
 
 
+def test_a_run_with_a_history_rewriting_template_exits_2_before_any_rank_trains(tmp_path):
+    """The launch path (harness/train/checks.py tool_problems): Qwen3's template drops earlier <think> blocks."""
+    import os
+    import subprocess
+
+    from helpers.chat_templates import template_tokenizer
+    from helpers.launch import ROOT
+
+    model = Path(tool_model_folder(tmp_path / "model"))
+    tok = template_tokenizer("qwen3")
+    tok.add_tokens([call_text(n) for n in ("reveal", "broken")])
+    tok.save_pretrained(model)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+    env.update(WORLD_SIZE="1", PYTHONPATH=str(ROOT))
+    argv = ["--recipe", "zero2", "--output-dir", str(tmp_path / "run"), "--set", f"train.model={model}",
+            "--set", f"train.dataset={write_prompts(tmp_path / 'p.jsonl', 8)}", "--set", "train.objective=grpo",
+            "--set", "rl.num_generations=4", "--set", "batch.micro_batch_per_gpu=4",
+            "--set", f"rl.environment_factory={ENV_FILE}:SecretEnv"]
+    proc = subprocess.run([sys.executable, "harness/run.py", *argv], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "rl.tools: the chat template is not prefix-preserving" in proc.stderr and "fix:" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
 # --- one 2-rank launch ---
 MICRO, GAS, WORLD, LR = 3, 2, 2, 1.0
 PARITY = [Case("tools_zero2_dapo", "zero2"),
