@@ -207,6 +207,17 @@ def test_bad_tools_and_environments_are_refused_with_the_fix(tmp_path):
     assert "need a conversation" in str(err.value)
 
 
+def test_a_replay_line_with_a_bad_tool_mask_is_refused_naming_the_line(tmp_path):
+    from harness.rl import replay
+
+    good = tool_records()[0]
+    path = write_replay(tmp_path / "r.jsonl", 1, rows=[good, {**good, "tool_mask": good["tool_mask"][:-1]}])
+    with pytest.raises(UsageError) as err:
+        replay.read(path, (0,))
+    assert f"rl.replay {path}:2: tool_mask is not one 0 or 1 per completion token (8)" in str(err.value)
+    assert len(replay.read(write_replay(tmp_path / "ok.jsonl", 1, rows=tool_records()), (0,))[1]) == 12
+
+
 def test_a_run_with_a_history_rewriting_template_exits_2_before_any_rank_trains(tmp_path):
     """The launch path (harness/train/checks.py tool_problems): Qwen3's template drops earlier <think> blocks."""
     import os

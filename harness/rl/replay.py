@@ -45,8 +45,8 @@ def _check_line(path: Path, number: int, record, eos_ids: tuple[int, ...]) -> No
     mask = record.get("tool_mask")
     if mask is not None and (not isinstance(mask, list) or len(mask) != len(record["completion_ids"]) or
                              any(m not in (0, 1) or isinstance(m, bool) for m in mask)):
-        raise _problem(path, number, f"tool_mask is not one 0 or 1 per completion token ({len(record['completion_ids'])}"
-                                     f"): {str(mask)[:80]}")
+        count = len(record["completion_ids"])
+        raise _problem(path, number, f"tool_mask is not one 0 or 1 per completion token ({count}): {str(mask)[:80]}")
     old = record.get("old_logps")
     if old is not None:
         kept = len(kept_ids(record["completion_ids"], eos_ids, mask))
