@@ -4,7 +4,8 @@ Without ranks: the tool loop (harness/rl/multiturn.py) driven by a scripted gene
 generator contract of harness/rl/generation) on the built-in byte-level BPE tokenizer under Qwen2.5's template: the
 ids trained are the ids sampled plus the template's tool suffix ids, on a tokenizer where re-tokenizing the text
 changes them; each finish reason (eos, length, budget with the tool results rolled back, max_iterations, error);
-TRL's error texts; the refusals before launch.
+TRL's error texts; get_reward and environments=; an environment served over HTTP on 127.0.0.1; the refusals
+before launch (one through harness/run.py: exit 2).
 
 One 2-rank launch (tests/helpers/launch.py launch_jobs):
 - the fixed multi-turn batch of tests/helpers/grpo_ref.py (turns, tool suffixes, truncated rollouts) replayed on
@@ -152,6 +153,44 @@ def test_an_unknown_tool_and_a_timeout_under_each_rl_reward_errors_rule(tmp_path
         loop.run(rows, seed=1)
         assert rows[0].turns[0]["tool_results"] == [str({"error": "Tool nope not found."})] and rows[0].failures == 1
         assert rows[1].finish == "error" and rows[1].failures == 1
+
+
+def test_an_environment_served_over_http_on_localhost_works_through_the_same_class(tmp_path):
+    """OpenEnv's pattern: the class's methods are clients of a server on 127.0.0.1 (here http.server)."""
+    import http.server
+    import threading
+
+    from harness.rl.multiturn import MultiTurn
+    from harness.rl.tools import load_toolbox
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = f"secret of {self.path.strip('/')}".encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env_file = tmp_path / "http_env.py"
+    env_file.write_text(
+        "import urllib.request\n\n\nclass HttpEnv:\n    def reset(self, **row):\n        self.url = row['url']\n\n"
+        "    def reveal(self) -> str:\n        \"\"\"Ask the server.\n\n        Returns:\n            Its answer.\n"
+        "        \"\"\"\n        with urllib.request.urlopen(self.url, timeout=5) as r:\n            return r.read().decode()\n")
+    try:
+        tok = tool_tokenizer()
+        rl = {**RL, "tools": [], "environment_factory": f"{env_file}:HttpEnv"}
+        reveal, eos = tok.convert_tokens_to_ids(call_text("reveal")), tok.eos_token_id
+        loop = MultiTurn(rl, tok, load_toolbox(rl, tmp_path), Scripted([[[reveal, eos], [eos]]]))
+        url = f"http://127.0.0.1:{server.server_address[1]}/row7"
+        rows = loop.start([PROMPT], [[1, 2]], {"url": [url]}, [0], ["row 0"])
+        loop.run(rows, seed=1)
+    finally:
+        server.shutdown()
+    assert rows[0].turns[0]["tool_results"] == ["secret of row7"] and rows[0].finish == "eos"
 
 
 def test_get_reward_is_a_reward_named_after_the_class_and_rewards_get_environments(tmp_path):
