@@ -33,25 +33,12 @@ from harness.errors import UsageError
 from helpers.grpo_ref import Case, close, expected, perturbed_old, tool_records, write_replay
 from helpers.launch import launch_jobs, records as metric_records
 from helpers.models import llama_folder, perturbed_folder
-from helpers.tool_models import (ENV_FILE, SECRETS, call_text, second_rank_records, tool_model_folder,
-                                 tool_tokenizer, write_prompts)
+from helpers.tool_models import (ENV_FILE, SECRETS, Scripted, call_text, pieces as _ids, second_rank_records,
+                                 tool_model_folder, tool_tokenizer, write_prompts)
 
 RL = {"max_completion_length": 96, "max_tool_calling_iterations": None, "chat_template_kwargs": {},
       "tool_timeout_s": None, "max_tool_result_tokens": None, "reward_errors": "stop", "temperature": 1.0}
 PROMPT = [{"role": "user", "content": "What is the secret word? Ask the tool."}]
-
-
-class Scripted:
-    """A generator of fixed turns (harness/rl/generation's contract): turn t of row r is script[r][t]."""
-
-    def __init__(self, script: list[list[list[int]]]):
-        self.script, self.calls, self.last_logps = script, [], []
-
-    def generate(self, prompt_ids, *, seed, first_row=0, row_ids=None, max_new=None):
-        self.calls.append((list(row_ids), max_new))
-        out = [self.script[r][sum(r in ids for ids, _ in self.calls[:-1])][:max_new] for r in row_ids]
-        self.last_logps = [[-0.5] * len(o) for o in out]
-        return out
 
 
 def _loop(script, rl=None, tools=(f"{ENV_FILE}:broken",), env=f"{ENV_FILE}:SecretEnv"):
@@ -69,12 +56,6 @@ def _loop(script, rl=None, tools=(f"{ENV_FILE}:broken",), env=f"{ENV_FILE}:Secre
     loop.run(rows, seed=1)
     _loop.box = box  # the classes the rows' environments are instances of
     return tok, rows, gen
-
-
-def _ids(tok, text: str) -> list[int]:
-    """Byte-level BPE pieces of `text` one character at a time: ids a sampler may draw that re-tokenizing the
-    decoded text would merge."""
-    return [i for ch in text for i in tok(ch, add_special_tokens=False)["input_ids"]]
 
 
 def test_trained_ids_are_the_sampled_ones_plus_the_templates_tool_suffix(tmp_path):

@@ -72,3 +72,22 @@ def second_rank_records(count: int, seed: int, generations: int, per_step: int) 
 
     plan = BatchPlan(num_rows=count, global_batch=per_step, micro_batch=per_step, grad_accum=1, seed=seed)
     return {int(i) for g in range(generations) for i in plan.global_rows(g)[per_step // 2:]}
+
+
+class Scripted:
+    """A generator of fixed turns (harness/rl/generation's contract): turn t of row r is script[r][t]."""
+
+    def __init__(self, script: list[list[list[int]]]):
+        self.script, self.calls, self.last_logps = script, [], []
+
+    def generate(self, prompt_ids, *, seed, first_row=0, row_ids=None, max_new=None):
+        self.calls.append((list(row_ids), max_new))
+        out = [self.script[r][sum(r in ids for ids, _ in self.calls[:-1])][:max_new] for r in row_ids]
+        self.last_logps = [[-0.5] * len(o) for o in out]
+        return out
+
+
+def pieces(tok, text: str) -> list[int]:
+    """Byte-level BPE pieces of `text` one character at a time: ids a sampler may draw that re-tokenizing the
+    decoded text would merge."""
+    return [i for ch in text for i in tok(ch, add_special_tokens=False)["input_ids"]]
