@@ -142,6 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rl.add_argument("--generator", choices=("hf", "vllm"), default="hf", help="rl.generator")
     rl.add_argument("--gather-mb", type=float, help="rl.gather_mb (default: the planner chooses)")
     rl.add_argument("--sync-bucket-mb", type=float, default=256.0, help="rl.sync_bucket_mb (vllm)")
+    rl.add_argument("--max-tool-calling-iterations", type=int, default=0, help="multi-turn rollouts: rounds of "
+                    "tool calls (rl.max_tool_calling_iterations); each is one more generate call re-prefilling the "
+                    "prompt and the turns so far (default 0: single-turn)")
     vl = parser.add_argument_group("vision-language models (docs/vision-language.md)")
     vl.add_argument("--images-per-sample", type=int, default=1,
                     help="images in one sample (default 1): their tokens, the vision tower's activations")
@@ -301,7 +304,7 @@ def rollout_section(args, cfg: dict, result, gpu_mem: int, profile: dict) -> dic
     work = rl.RolloutWork(sequences=args.micro_batch * args.grad_accum, prompt_len=args.max_prompt_length,
                           completion_len=args.max_completion_length, generator=args.generator,
                           gather_bound_bytes=None if args.gather_mb is None else int(args.gather_mb * rl.MIB),
-                          sync_bucket_mb=args.sync_bucket_mb)
+                          sync_bucket_mb=args.sync_bucket_mb, turns=max(args.max_tool_calling_iterations, 0) + 1)
     out = rl.rollout_plan(count_params(cfg), model_shape(cfg), work, stage=int(layout["zero_stage"]),
                           world=int(layout["dp"]), lp=lp, threshold=PARAM_PERSISTENCE_THRESHOLD,
                           free_bytes=free, gpu_mem_bytes=gpu_mem, profile=profile)
@@ -321,7 +324,8 @@ def render_rollouts(r: dict) -> str:
         "sequences x bytes)",
         f"  hf gather        {how}: peak {g['peak_bytes'] / mib:,.1f} MiB held, {g['per_token_gather_bytes'] / mib:,.1f}"
         f" MiB gathered per token ({r['gather_reason']})",
-        f"  hf time          prefill {hf['prefill_s']:.3f} s, decode {hf['decode_s']:.3f} s",
+        f"  hf time          prefill {hf['prefill_s']:.3f} s ({r['prefill_tokens']:,} tokens per sequence over "
+        f"{r['turns']} turn(s)), decode {hf['decode_s']:.3f} s",
         f"  vllm             {vllm['bytes'] / mib:,.1f} MiB needed of a {vllm['budget_bytes'] / mib:,.0f} MiB share; "
         f"decode {vllm['decode_s']:.3f} s; weight sync {vllm['sync']['bytes'] / mib:,.1f} MiB in "
         f"{vllm['sync']['buckets']} bucket(s), {vllm['sync']['seconds']:.3f} s per step",
