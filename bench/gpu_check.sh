@@ -19,7 +19,10 @@
 # GRPO (one GPU): the built-in toy task with hf generation in the loop, bf16, beta 0.04 (a reference engine),
 # ZeRO-2 and ZeRO-3; OUT_DIR/grpo (reward, time split). Also a GRPO case with a colocated vLLM (grpo_vllm,
 # bench/gpu_check_rl.py; needs vllm in the image): weight sync in buckets of gathered bytes, its time and memory
-# beside planner/rl.py's; OUT_DIR/grpo_vllm.
+# beside planner/rl.py's; OUT_DIR/grpo_vllm; its multi-turn generate (row streams, vLLM's sampled log-probs) too.
+# grpo_tools: multi-turn rollouts with a tool and an environment (tests/fixtures/rl_tools/secret_env.py) on ZeRO-3
+# over nccl, bf16, 2 GPUs when there are: the turns in lockstep (an all-reduce per turn), tools/call_frequency,
+# the finish reasons; OUT_DIR/grpo_tools.
 # Also a vision-language case (bench/vlm.py: a ~0.6B Qwen2-VL, ZeRO-3, images on some rows only, the vision
 # tower trained and frozen); OUT_DIR/vlm; and vlm_video, an 8-frame video before each image (PyAV not needed: the
 # frames are a list of PNGs); OUT_DIR/vlm_video.
@@ -100,7 +103,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm vlm vlm_video vlm_packing ddp_fp32 distill distill_served ray_gpu}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm grpo_tools vlm vlm_video vlm_packing ddp_fp32 distill distill_served ray_gpu}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -112,6 +115,27 @@ for case in $CASES; do
         distill_served)  # a vLLM-served teacher against the precomputed store; skips itself without vllm
             timeout 400 $PY "$ROOT/bench/gpu_check_distill.py" --out "$OUT/distill_served" \
                 || echo "[distill_served] failed (exit $?)" ;;
+        grpo_tools)  # multi-turn rollouts with tools on ZeRO-3 over nccl: lockstep turns, bf16 (tests/test_rl_tools.py)
+            n=1; (( gpus >= 2 )) && n=2
+            $PY -c "import sys; sys.path.insert(0, '$ROOT/tests'); from pathlib import Path
+from helpers.tool_models import tool_model_folder, write_prompts
+tool_model_folder('$OUT/grpo_tools/model'); write_prompts(Path('$OUT/grpo_tools/prompts.jsonl'), 64)" \
+                && timeout 300 $PY -m deepspeed.launcher.runner --num_gpus $n "$ROOT/harness/run.py" --recipe zero3 \
+                --set train.objective=grpo --set precision=bf16 --set train.model="$OUT/grpo_tools/model" \
+                --set train.dataset="$OUT/grpo_tools/prompts.jsonl" --set train.steps=8 --set train.log_every=1 \
+                --set batch.micro_batch_per_gpu=8 --set rl.num_generations=4 --set rl.max_completion_length=96 \
+                --set rl.max_prompt_length=1024 --set rl.max_tool_calling_iterations=3 --set optimizer.lr=2e-3 \
+                --set scheduler.type=none --set rl.environment_factory="$ROOT/tests/fixtures/rl_tools/secret_env.py:SecretEnv" \
+                --output-dir "$OUT/grpo_tools/run" --overwrite || echo "[grpo_tools] failed (exit $?)"
+            $PY - "$OUT/grpo_tools/run" <<'EOF' || true
+import collections, json, sys
+rs = [r for r in map(json.loads, open(sys.argv[1] + "/metrics.jsonl")) if r["kind"] == "train"]
+lines = [json.loads(x) for x in open(sys.argv[1] + "/rollouts.jsonl")]
+print(f"[grpo_tools] reward {rs[0]['reward']:.3f} -> {rs[-1]['reward']:.3f}, tools/call_frequency "
+      f"{rs[0]['tools/call_frequency']:.2f} -> {rs[-1]['tools/call_frequency']:.2f}, finish "
+      f"{dict(collections.Counter(r['finish'] for r in lines))}, most turns {max(len(r['turns']) for r in lines)}")
+EOF
+            ;;
         grpo_vllm)  # GRPO generation with a colocated vLLM on ZeRO-3: weight-sync time, bytes, buckets and memory
             n=1; (( gpus >= 2 )) && n=2  # against planner/rl.py (bench/gpu_check_rl.py); skips itself without vllm
             timeout 400 $PY -m deepspeed.launcher.runner --num_gpus $n "$ROOT/bench/gpu_check_rl.py" \
@@ -397,7 +421,7 @@ train = [r for r in map(json.loads, open(sys.argv[1])) if r["kind"] == "train"]
 print(f"[ray_gpu] {len(train)} steps on the GPUs Ray gave, loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}")
 EOF
             ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, vlm, vlm_video, vlm_packing, ddp_fp32, distill, distill_served, ray_gpu)" >&2; exit 2 ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, grpo_tools, vlm, vlm_video, vlm_packing, ddp_fp32, distill, distill_served, ray_gpu)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

@@ -94,12 +94,17 @@ def main(argv=None) -> int:
             engine.backward(loss)
             engine.step()
             gen.after_step()
+    # a multi-turn turn (harness/rl/multiturn.py): rows by their global ids, vLLM's log-prob of each sampled token
+    turn = gen.generate(prompts[:4], seed=2, row_ids=[10, 11, 12, 13], max_new=16)
+    logps_ok = [len(lp) == len(ids) for lp, ids in zip(gen.last_logps, turn)]
+    alone = gen.generate(prompts[1:2], seed=2, row_ids=[11], max_new=16)
     hf = HFGenerator(rl, engine, tok, bound_bytes=None).generate(prompts, seed=1)
     same = sum(a == b for x, y in zip(got, hf) for a, b in zip(x, y)) / max(1, sum(map(len, hf)))
     total = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     predicted = plan.sync_plan(total_params=total, lp=2, bucket_mb=BUCKET_MB, world=world, link_gbps=400,
                                hbm_gbps=4000)
     summary = {"rank": rank, "world": world, "params": total, "runs": rows, "greedy_token_agreement": same,
+               "multi_turn": {"logps_per_token": all(logps_ok), "row_stream_independent": alone[0] == turn[1]},
                "planner_sync": predicted}
     (out / f"summary_rank{rank}.json").write_text(json.dumps(summary, indent=1))
     if rank == 0:

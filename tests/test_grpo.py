@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
-from helpers.grpo_ref import Case, expected, perturbed_old, records, write_replay
+from helpers.grpo_ref import Case, close, expected, perturbed_old, records, write_replay
 from helpers.launch import job_output, launch_jobs, records as metric_records, set_args
 from helpers.models import llama_folder, perturbed_folder
 
@@ -209,13 +209,6 @@ def test_replaying_the_rollouts_reproduces_the_losses_bit_for_bit(launched):
         [r["loss"] for r in metric_records(root / "whole", "train")]
 
 
-def _close(name: str, got, want, tol: float) -> float:
-    assert got is not None, f"{name} not logged (want {want})"
-    err = abs(got - want)
-    assert err <= tol * max(1.0, abs(want)), f"{name}: {got} vs {want} (error {err:.2g})"
-    return err
-
-
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
                 "clip_ratio/high_max", "cispo_clip_ratio")
 
@@ -237,11 +230,11 @@ def test_every_loss_type_and_layout_matches_plain_torch_grpo(launched):
         errs = []
         for s in range(steps):
             tol = 1e-6 if s == 0 else 1e-5  # step 2 follows one SGD step of lr 1
-            errs += [_close(f"step{s + 1}.{key}", got[s][key], want[s][key], tol)
+            errs += [close(f"step{s + 1}.{key}", got[s][key], want[s][key], tol)
                      for key in ("loss", "grad_norm") if not (case.lora and key == "grad_norm")]
             names = [k for k in CLIP_METRICS if k in want[s]]
             assert names == [k for k in CLIP_METRICS if k in got[s]], (case.name, sorted(got[s]))
-            errs += [_close(f"step{s + 1}.{k}", got[s][k], want[s][k], 1e-6) for k in names]
+            errs += [close(f"step{s + 1}.{k}", got[s][k], want[s][k], 1e-6) for k in names]
             clipped.update({f"{case.name}.{k}": got[s][k] for k in names if s == 0})
         worst[case.name] = max(errs)
         if rl.get("beta"):

@@ -69,6 +69,21 @@ def test_plan_objective_grpo_prints_and_returns_the_rollouts(capsys):
     main(["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "80GB", "--objective", "grpo", "--zero", "3"])
     text = capsys.readouterr().out
     assert "Rollouts on " in text and "KV cache" in text and "recommend" in text
+    assert out["turns"] == 1 and out["prefill_tokens"] == 512
+
+
+def test_multi_turn_rollouts_prefill_the_prompt_and_the_turns_so_far_once_per_turn(capsys):
+    """rl.max_tool_calling_iterations 3: 4 generate calls; the KV cache is the single turn's (max_completion_length
+    counts the tool tokens), the prefill 4 x prompt + 3/2 x completion tokens per sequence."""
+    args = ["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "80GB", "--objective", "grpo", "--zero", "3",
+            "--micro-batch", "8", "--max-completion-length", "1024", "--json"]
+    main(args)
+    one = json.loads(capsys.readouterr().out)["rollouts"]
+    main(args + ["--max-tool-calling-iterations", "3"])
+    four = json.loads(capsys.readouterr().out)["rollouts"]
+    assert four["turns"] == 4 and four["prefill_tokens"] == 4 * 512 + 3 * 1024 // 2
+    assert four["kv_cache_bytes"] == one["kv_cache_bytes"]
+    assert four["hf"]["prefill_s"] == pytest.approx(one["hf"]["prefill_s"] * (4 * 512 + 1536) / 512)
 
 
 def test_vllm_is_refused_before_launch_without_cuda():

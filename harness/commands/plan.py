@@ -153,6 +153,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rl.add_argument("--beta", type=float, help="grpo: rl.beta (default %s: TRL loads no reference); gkd, distill: "
                                                "the generalised JSD's beta (a served teacher refuses beta > 0 with "
                                                "--loss-top-k > 1)" % recipe_default("rl.beta"))
+    rl.add_argument("--max-tool-calling-iterations", type=int, default=0, help="multi-turn rollouts: rounds of "
+                    "tool calls (rl.max_tool_calling_iterations); each is one more generate call re-prefilling the "
+                    "prompt and the turns so far (default 0: single-turn)")
     kd = parser.add_argument_group("distillation, --objective gkd | distill (docs/planner.md): the teacher")
     kd.add_argument("--teacher", help="the teacher model (preset, known name, local dir or config.json, hub id; "
                                       "default: the student's own model)")

@@ -65,7 +65,8 @@ def check_rl(ds: dict, ctx: Context) -> list[Problem]:
                            f"({epsilon_high(rl)}{source}): "
                            "every weight would be at most that, scaling every update down (TRL does this silently)",
                            "set rl.epsilon_high >= 1 (MiniMax-M1 uses 5.0)"))
-    if not rl.get("rewards") and not rl.get("replay") and recipe.get("train", {}).get("dataset") != "builtin":
+    if not rl.get("rewards") and not rl.get("replay") and not rl.get("environment_factory") and \
+            recipe.get("train", {}).get("dataset") != "builtin":
         out.append(Problem("rl.rewards", "no reward: rl.rewards is empty and the prompts are not the built-in toy task "
                            "(whose reward is the default)", "add entries, e.g. rl.rewards=[\"my_rewards.py:accuracy\"] "
                            "(TRL's reward signature), or set rl.replay to a rollouts file"))

@@ -111,6 +111,13 @@ def prefill_s(*, params: int, prompt_tokens: int, sequences: int, flops: float) 
     return 2.0 * params * prompt_tokens * sequences / flops
 
 
+def prefill_tokens(*, prompt_len: int, completion_len: int, turns: int) -> int:
+    """Tokens prefilled per sequence: each turn of a multi-turn rollout (harness/rl/multiturn.py) is a new generate
+    call over the prompt and everything after it so far (no cache kept across turns): turns x prompt + the
+    completion budget (tool tokens included) spread evenly over the turns, (turns - 1) / 2 x completion."""
+    return turns * prompt_len + (turns - 1) * completion_len // 2
+
+
 def sync_plan(*, total_params: int, lp: int, bucket_mb: float, world: int, link_gbps: float,
               hbm_gbps: float) -> dict:
     """The weight sync after each optimizer step: bytes, buckets, the most one rank holds, seconds."""
@@ -132,6 +139,7 @@ class RolloutWork:
     gather_bound_bytes: int | None = None  # None: the planner chooses (choose_gather)
     sync_bucket_mb: float = 256.0
     vllm_memory_fraction: float = 0.3
+    turns: int = 1  # generate calls per rollout: rl.max_tool_calling_iterations + 1 (multi-turn), else 1
 
 
 def rollout_plan(count: ParamCount, shape: ModelShape, work: RolloutWork, *, stage: int, world: int, lp: int,
@@ -155,12 +163,14 @@ def rollout_plan(count: ParamCount, shape: ModelShape, work: RolloutWork, *, sta
                          hbm_gbps=hbm, gather_bytes_per_token=gather.per_token_gather_bytes, link_gbps=link,
                          world=world)
     whole_gather_s = model_bytes * (world - 1) / world / (link * GB) if stage == 3 and gather.whole else 0.0
-    prefill = prefill_s(params=count.total, prompt_tokens=work.prompt_len, sequences=work.sequences, flops=flops)
+    prefilled = prefill_tokens(prompt_len=work.prompt_len, completion_len=work.completion_len, turns=work.turns)
+    prefill = prefill_s(params=count.total, prompt_tokens=prefilled, sequences=work.sequences, flops=flops)
     sync = sync_plan(total_params=count.total, lp=lp, bucket_mb=work.sync_bucket_mb, world=world if stage == 3
                      else 1, link_gbps=link, hbm_gbps=hbm)
     vllm_bytes = int(work.vllm_memory_fraction * gpu_mem_bytes)  # vLLM's gpu_memory_utilization: of the whole GPU
     hf_peak = (gather.peak_bytes - (gather.persistent_bytes if stage == 3 else model_bytes)) + kv
-    return {"kv_cache_bytes": kv, "gather": gather.to_dict(), "gather_reason": reason if stage == 3 else
+    return {"kv_cache_bytes": kv, "turns": work.turns, "prefill_tokens": prefilled, "gather": gather.to_dict(),
+            "gather_reason": reason if stage == 3 else
             "stages 0-2 hold whole weights: nothing is gathered",
             "hf": {"extra_bytes": hf_peak, "prefill_s": prefill, "decode_s": hf_decode + whole_gather_s,
                    "per_token_gather_bytes": gather.per_token_gather_bytes},

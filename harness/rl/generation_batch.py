@@ -11,7 +11,7 @@ import math
 import torch
 
 from harness.rl.advantages import advantages, nanstd, reward_metrics
-from harness.rl.rollouts import Rollouts, first_eos
+from harness.rl.rollouts import Rollouts, kept_ids, loss_mask, truncated
 
 
 def _nan(v) -> float:
@@ -42,16 +42,20 @@ def fill_advantages(records: list[dict], rl: dict, names: tuple[str, ...], weigh
 
 
 def completion_metrics(records: list[dict], eos_ids: tuple[int, ...]) -> dict:
-    """TRL's completions/* over the step's completions: lengths up to and including the first EOS, the share cut
-    at max_completion_length (no EOS), and the lengths of those that ended; step_tokens: the prompt and completion
-    tokens the step's forwards take (what tokens_per_s counts)."""
-    lengths, ended = [], []
+    """TRL's completions/* over the step's completions: lengths up to and including the first EOS (multi-turn: the
+    sampled tokens only, tool tokens left out, as TRL's), the share cut at max_completion_length (no EOS), and the
+    lengths of those that ended; step_tokens: the prompt and completion tokens the step's forwards take (what
+    tokens_per_s counts). Multi-turn steps add TRL's tools/call_frequency (calls per completion) and
+    tools/failure_frequency (failed calls per call), and tools/timeouts (rows ended by rl.tool_timeout_s)."""
+    lengths, ended, fed = [], [], 0
     for r in records:
-        end = first_eos(r["completion_ids"], eos_ids)
-        lengths.append(len(r["completion_ids"]) if end is None else end + 1)
-        if end is not None:
-            ended.append(end + 1)
-    tokens = sum(lengths) + sum(len(r["prompt_ids"]) for r in records)
+        mask = r.get("tool_mask")
+        kept = kept_ids(r["completion_ids"], eos_ids, mask)
+        lengths.append(sum(loss_mask(kept, mask)))
+        fed += len(kept)
+        if not truncated(r["completion_ids"], eos_ids, mask):
+            ended.append(lengths[-1])
+    tokens = fed + sum(len(r["prompt_ids"]) for r in records)
     out = {"step_tokens": float(tokens), "completions/mean_length": sum(lengths) / len(lengths),
            "completions/min_length": float(min(lengths)),
            "completions/max_length": float(max(lengths)),
@@ -60,6 +64,10 @@ def completion_metrics(records: list[dict], eos_ids: tuple[int, ...]) -> dict:
         out.update({"completions/mean_terminated_length": sum(ended) / len(ended),
                     "completions/min_terminated_length": float(min(ended)),
                     "completions/max_terminated_length": float(max(ended))})
+    if any("tool_calls" in r for r in records):
+        calls, failed = sum(r.get("tool_calls", 0) for r in records), sum(r.get("tool_failures", 0) for r in records)
+        out.update({"tools/call_frequency": calls / len(records), "tools/failure_frequency": failed / calls if calls
+                    else 0.0, "tools/timeouts": float(sum(r.get("finish") == "error" for r in records))})
     return out
 
 
@@ -69,16 +77,18 @@ def local_rollouts(records: list[dict], rank: int, per_rank: int, eos_ids: tuple
     old = None
     if all(r.get("old_logps") is not None for r in mine):
         old = [torch.tensor(r["old_logps"], dtype=torch.float32) for r in mine]
+    masks = [r.get("tool_mask") for r in mine] if any(r.get("tool_mask") is not None for r in mine) else None
     return Rollouts([list(r["prompt_ids"]) for r in mine], [list(r["completion_ids"]) for r in mine],
-                    torch.tensor([float(r["advantage"]) for r in mine], dtype=torch.float32), eos_ids, old_logps=old)
+                    torch.tensor([float(r["advantage"]) for r in mine], dtype=torch.float32), eos_ids, old_logps=old,
+                    tool_masks=masks)
 
 
 def step_loss_tokens(records: list[dict], eos_ids: tuple[int, ...], mask_truncated: bool) -> int:
-    """Completion tokens carrying loss in the whole step (dapo / cispo's denominator)."""
+    """Completion tokens carrying loss in the whole step (dapo / cispo's denominator; tool tokens carry none)."""
     total = 0
     for r in records:
-        end = first_eos(r["completion_ids"], eos_ids)
-        if end is None and mask_truncated:
+        mask = r.get("tool_mask")
+        if mask_truncated and truncated(r["completion_ids"], eos_ids, mask):
             continue
-        total += len(r["completion_ids"]) if end is None else end + 1
+        total += sum(loss_mask(kept_ids(r["completion_ids"], eos_ids, mask), mask))
     return total

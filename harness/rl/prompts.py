@@ -47,6 +47,7 @@ class Prompts(PromptRows):
     columns: dict = field(default_factory=dict)  # every other column: {name: [value per prompt]}
     records: list[int] = field(default_factory=list)  # each prompt's record number in the dataset
     dropped: int = 0  # prompts over rl.max_prompt_length (rl.truncation drop)
+    toolbox: object = None  # multi-turn runs: harness/rl/tools.Toolbox (the prompts are rendered with its tools)
 
 
 def read_records(dataset: str, split: str = "train", config: str = "") -> tuple[list[dict], str]:
@@ -75,32 +76,44 @@ def read_records(dataset: str, split: str = "train", config: str = "") -> tuple[
     return [dict(r) for r in data], dataset
 
 
-def encode(tokenizer, prompt, where: str, field_name: str) -> list[int]:
+def encode(tokenizer, prompt, where: str, field_name: str, tools: list | None = None,
+           template_kwargs: dict | None = None) -> list[int]:
+    """A prompt's ids: a text tokenized, or messages rendered with the generation prompt (and the row's tool
+    schemas, rl.chat_template_kwargs)."""
+    if isinstance(prompt, str) and tools:
+        raise UsageError(f"{where}: {field_name} is a text, and rl.tools / rl.environment_factory need a "
+                         "conversation (tool results are messages, as TRL's)\n    fix: write the prompt as "
+                         "[{\"role\": \"user\", \"content\": ...}]")
     if isinstance(prompt, str):
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
         if not getattr(tokenizer, "chat_template", None):
             raise UsageError(f"{where}: {field_name} holds messages but the tokenizer has no chat template\n    fix: "
                              "a model whose tokenizer has one, or text prompts")
-        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
+        return list(tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True,
+                                                  **(template_kwargs or {}))["input_ids"])
     raise UsageError(f"{where}: {field_name} is {str(prompt)[:80]!r}, neither a text nor a list of {{role, content}} "
                      "messages\n    fix: fix or drop the record")
 
 
-def load(train: dict, rl: dict, tokenizer) -> Prompts:
-    """The run's prompts, every one checked and tokenized."""
+def load(train: dict, rl: dict, tokenizer, toolbox=None) -> Prompts:
+    """The run's prompts, every one checked and tokenized (with its tools' schemas when toolbox is given)."""
     records, where = read_records(train["dataset"], train.get("dataset_split", "train"),
                                   train.get("dataset_config", ""))
     name, limit = train.get("prompt_field", "prompt"), rl["max_prompt_length"]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out, kept = Prompts([], pad), []
+    out, kept = Prompts([], pad, toolbox=toolbox), []
     for number, record in enumerate(records, 1):
         if not isinstance(record, dict) or name not in record:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise UsageError(f"{where}: record {number} has no prompt column {name!r} (it has {keys})\n    fix: name "
                              f"the column {name!r}, or set train.prompt_field to the column that holds the prompt")
-        ids = encode(tokenizer, record[name], f"{where}: record {number}", name)
+        here = f"{where}: record {number}"
+        schemas = None
+        if toolbox is not None:
+            schemas = toolbox.schemas[toolbox.env_name({k: [record.get(k)] for k in record}, 0, here)]
+        ids = encode(tokenizer, record[name], here, name, schemas, rl.get("chat_template_kwargs"))
         if len(ids) > limit:
             if rl["truncation"] == "refuse":
                 raise UsageError(f"{where}: record {number}'s prompt is {len(ids)} tokens, over rl.max_prompt_length "

@@ -4,7 +4,9 @@ The file is a run's rollouts.jsonl or one written by hand in its fields (harness
 step (the optimizer step, from 1, whose generation it is: 1, 1 + num_iterations, ...), prompt_ids and
 completion_ids (lists of token ids; tokens after the first EOS carry no loss), and either advantage (used as
 recorded) or reward (advantages computed from the step's rewards as the run would: rl.scale_rewards); old_logps
-(one per kept completion token) are used as recorded when given. A step's lines are its completions in order,
+(one per kept completion token) are used as recorded when given. A multi-turn line (harness/rl/multiturn.py) adds
+tool_mask (0/1 per completion token: the tool tokens carry no loss) and trains with no tool or environment run; its
+turns and sampling_logps are records only. A step's lines are its completions in order,
 num_generations per prompt. Checked whole before any rank trains (harness/train/checks.py): exit 2 naming the
 file, the line and the fix.
 """
@@ -15,7 +17,7 @@ import json
 from pathlib import Path
 
 from harness.errors import UsageError
-from harness.rl.rollouts import first_eos
+from harness.rl.rollouts import kept_ids
 
 FIX = ("fix: write one JSON object per line with step, prompt_ids, completion_ids and advantage (or reward); "
        "docs/rl.md describes the fields")
@@ -40,10 +42,14 @@ def _check_line(path: Path, number: int, record, eos_ids: tuple[int, ...]) -> No
             raise _problem(path, number, f"{key} is not a non-empty list of token ids: {str(record.get(key))[:80]}")
     if not any(isinstance(record.get(k), (int, float)) for k in ("advantage", "reward")):
         raise _problem(path, number, "neither advantage nor reward is a number")
+    mask = record.get("tool_mask")
+    if mask is not None and (not isinstance(mask, list) or len(mask) != len(record["completion_ids"]) or
+                             any(m not in (0, 1) or isinstance(m, bool) for m in mask)):
+        count = len(record["completion_ids"])
+        raise _problem(path, number, f"tool_mask is not one 0 or 1 per completion token ({count}): {str(mask)[:80]}")
     old = record.get("old_logps")
     if old is not None:
-        end = first_eos(record["completion_ids"], eos_ids)
-        kept = len(record["completion_ids"]) if end is None else end + 1
+        kept = len(kept_ids(record["completion_ids"], eos_ids, mask))
         if not isinstance(old, list) or len(old) != kept:
             raise _problem(path, number, f"old_logps holds {len(old) if isinstance(old, list) else old!r} values "
                                          f"for {kept} completion tokens up to the first EOS")

@@ -10,6 +10,13 @@ after group, num_generations each): step (the optimizer step, from 1, that gener
 index in the step), prompt_index (its record in the prompt set, when known), prompt_ids, completion_ids, finish
 (eos | length), rewards ({function: score or null}), reward, advantage, and old_logps (per kept token) when they
 are not the policy's own at the step (num_iterations > 1, or given by a replay file).
+
+A multi-turn rollout (rl.tools / rl.environment_factory, harness/rl/multiturn.py) records its whole conversation
+after the prompt as completion_ids (each turn's sampled ids, each tool suffix between), with tool_mask (1 sampled,
+0 tool tokens: TRL's), sampling_logps (the sampler's log-prob per sampled token, 0.0 on tool tokens), turns
+([{ids, tool_calls, tool_results[, rolled_back]}]), tool_calls and tool_failures (counts), and finish (eos, length,
+budget, max_iterations, error). All of it carries loss except the tool tokens (it ends at its last turn's EOS or at
+the budget); a truncated one (no EOS at the end) carries none under mask_truncated_completions.
 """
 
 from __future__ import annotations
@@ -30,6 +37,27 @@ def first_eos(ids: list[int], eos_ids: tuple[int, ...]) -> int | None:
     return None
 
 
+def kept_ids(ids: list[int], eos_ids: tuple[int, ...], tool_mask: list[int] | None = None) -> list[int]:
+    """The ids fed to the model: up to and including the first EOS; a multi-turn rollout's whole (its turns end in
+    EOS and go on after their tool results)."""
+    if tool_mask is not None:
+        return ids
+    end = first_eos(ids, eos_ids)
+    return ids if end is None else ids[:end + 1]
+
+
+def truncated(ids: list[int], eos_ids: tuple[int, ...], tool_mask: list[int] | None = None) -> bool:
+    """Cut at max_completion_length: no EOS (multi-turn: its last token is not EOS, TRL's rule)."""
+    if tool_mask is not None:
+        return not ids or ids[-1] not in eos_ids
+    return first_eos(ids, eos_ids) is None
+
+
+def loss_mask(kept: list[int], tool_mask: list[int] | None) -> list[int]:
+    """1 per kept token that carries loss: every one, or the sampled ones (tool tokens 0)."""
+    return [1] * len(kept) if tool_mask is None else list(tool_mask[:len(kept)])
+
+
 @dataclass
 class Rollouts:
     """This rank's completions of one generation, in step order (its contiguous slice of the step's)."""
@@ -41,20 +69,23 @@ class Rollouts:
     old_logps: list[torch.Tensor] | None = None  # per kept token; None: the policy's own (on-policy)
     ref_logps: list[torch.Tensor] | None = None  # per kept token; None: no reference (beta 0)
     extra: dict = field(default_factory=dict)  # what rollouts.jsonl records beside (rewards, finish, ...)
+    tool_masks: list[list[int] | None] | None = None  # multi-turn: 0 on tool tokens; None: single-turn rows
+
+    def tool_mask(self, i: int) -> list[int] | None:
+        return None if self.tool_masks is None else self.tool_masks[i]
 
     def __len__(self) -> int:
         return len(self.completion_ids)
 
     def kept(self, i: int) -> list[int]:
-        ids = self.completion_ids[i]
-        end = first_eos(ids, self.eos_ids)
-        return ids if end is None else ids[:end + 1]
+        return kept_ids(self.completion_ids[i], self.eos_ids, self.tool_mask(i))
 
     def truncated(self, i: int) -> bool:
-        return first_eos(self.completion_ids[i], self.eos_ids) is None
+        return truncated(self.completion_ids[i], self.eos_ids, self.tool_mask(i))
 
     def loss_tokens(self, mask_truncated: bool) -> int:
-        return sum(len(self.kept(i)) for i in range(len(self)) if not (mask_truncated and self.truncated(i)))
+        return sum(sum(loss_mask(self.kept(i), self.tool_mask(i))) for i in range(len(self))
+                   if not (mask_truncated and self.truncated(i)))
 
     def tensors(self, rows: range, pad_id: int, mask_truncated: bool) -> dict:
         """input_ids [B, L] (prompt, kept completion, padding after), prompt_len [B], completion [B, C], mask [B, C]
@@ -70,7 +101,7 @@ class Rollouts:
             input_ids[b, :len(p) + len(k)] = torch.tensor(p + k, dtype=torch.long)
             completion[b, :len(k)] = torch.tensor(k, dtype=torch.long)
             if not (mask_truncated and self.truncated(i)):
-                mask[b, :len(k)] = 1.0
+                mask[b, :len(k)] = torch.tensor(loss_mask(k, self.tool_mask(i)), dtype=torch.float32)
         prompt_len = torch.tensor([len(self.prompt_ids[i]) for i in rows])
         return {"input_ids": input_ids, "prompt_len": prompt_len, "completion": completion, "mask": mask,
                 "advantages": self.advantages[rows.start:rows.stop], "old": _padded(self.old_logps, rows, width),

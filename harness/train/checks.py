@@ -47,6 +47,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     problems += attention_problems(spec) + preference_problems(spec.recipe) + reference_problems(spec.recipe, cfg)
     problems += chat_problems(spec.recipe["train"]) + teacher_problems(spec.recipe, cfg, model_config)
     problems += faults.recipe_problems(spec.recipe) + mixture_problems(spec.recipe) + generator_problems(spec.recipe)  # rl.generator=vllm
+    problems += tool_problems(spec.recipe)  # rl.tools / rl.environment_factory: the files, the chat template
     problems += vision_checks.problems(spec, cfg)  # vision-language: layouts, processor, images; images on text models
     problems += moe_rules.problems(spec.recipe, spec.world_size, cfg)  # MoE: ep, tp, pipeline, aux loss
     if ds_json is None:  # name the recipe key the user wrote
@@ -57,6 +58,31 @@ def before_init(spec, ds_json: str | None = None) -> None:
 
         for warning in warnings:
             say("warn", warning.render())
+
+
+def tool_problems(recipe: dict) -> list[Problem]:
+    """A multi-turn run (rl.tools, rl.environment_factory): the tools and environment classes load and have
+    schemas, and the model's chat template renders a tool exchange prefix-preserving, with parseable calls
+    (harness/rl/tools.py, chat_turns.py)."""
+    from pathlib import Path
+
+    from harness.model.hf import load_tokenizer
+    from harness.rl import chat_turns
+    from harness.rl.tools import load_toolbox
+
+    rl = recipe.get("rl") or {}
+    if recipe["train"].get("objective") != "grpo" or rl.get("replay") or \
+            not (rl.get("tools") or rl.get("environment_factory")):
+        return []
+    try:
+        load_toolbox(rl, Path.cwd())
+    except UsageError as e:
+        return [_as_problem("rl.tools", e)]
+    try:
+        tokenizer = load_tokenizer(recipe["train"]["model"])
+    except UsageError:
+        return []  # model_problems lists it
+    return chat_turns.problems(tokenizer, rl.get("chat_template_kwargs") or {})
 
 
 def mixture_problems(recipe: dict) -> list[Problem]:

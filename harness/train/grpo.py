@@ -29,7 +29,7 @@ from harness.log import say
 from harness.rl import generation_batch as gb
 from harness.rl import replay as replay_file
 from harness.rl.loss import completion_logits, per_token_loss, reduce, token_logps
-from harness.rl.rollouts import ROLLOUTS_FILE, Rollouts, lines, truncate_after
+from harness.rl.rollouts import ROLLOUTS_FILE, Rollouts, first_eos, lines, truncate_after
 from harness.rl.step_metrics import StepMetrics
 
 CLIENT_KEY = "rl_generation"  # the current generation's records, in the checkpoint's client state (num_iterations > 1)
@@ -84,7 +84,7 @@ class GrpoSteps:
         self.replay = None
         if self.rl["replay"]:
             self.replay = replay_file.read(self.rl["replay"], self.eos_ids)
-        self.generator = self.rewards = None
+        self.generator = self.rewards = self.multiturn = None
         self.names, self.weights = (), ()
         self.buffer: tuple[Rollouts, list[dict], int] | None = None  # (rollouts, the step's records, loss tokens)
 
@@ -101,8 +101,15 @@ class GrpoSteps:
 
                 rl = {**rl, "rewards": [toy.REWARD]}
             self.generator = make_generator(rl, engine, self.tokenizer, self.spec.run)
+            box = self.prompts.toolbox
             self.rewards = load_rewards(rl, tokenizer=self.tokenizer, base_dir=Path.cwd(),
-                                        ds_config=self.spec.ds_config)
+                                        ds_config=self.spec.ds_config,
+                                        environment_rewards=box.reward_functions() if box else None)
+            if box is not None:
+                from harness.rl.multiturn import MultiTurn
+
+                self.multiturn = MultiTurn(rl, self.tokenizer, box, self.generator,
+                                           self.spec.recipe["train"].get("prompt_field", "prompt"))
             self.names, self.weights = tuple(self.rewards.names), tuple(self.rewards.weights)
         if client.get(CLIENT_KEY) and step0 % self.mu:
             kept = client[CLIENT_KEY]
@@ -124,6 +131,10 @@ class GrpoSteps:
         source = f"replay of {rl['replay']}" if self.replay is not None else \
             f"generator {rl['generator']}, rewards {', '.join(self.names)}"
         say("rl", f"rollouts: {source} -> {self.run_dir / ROLLOUTS_FILE}")
+        if self.multiturn is not None:
+            from harness.rl.multiturn import describe
+
+            say("rl", describe(rl, self.prompts.toolbox))
         if self.mu == 1:
             say("rl", f"why the loss sits near 0: {NEAR_ZERO}")
 
@@ -143,15 +154,37 @@ class GrpoSteps:
         began = time.perf_counter()
         # row i of the step draws from (seed, i): the same completions on any world size
         seed = self.spec.recipe["train"]["seed"] * 1000003 + step // self.mu
+        if self.multiturn is not None:
+            local = self._multi_turn(index, prompt_ids, seed, mine.start, step, times)
+            return [r for part in gather_all(local) for r in part]
         completions = self.generator.generate(prompt_ids, seed=seed, first_row=mine.start)
         times["generate_s"] = time.perf_counter() - began
         began = time.perf_counter()
         scores = self._score(index, completions)
         times["score_s"] = time.perf_counter() - began
         local = [{"prompt_index": self.prompts.records[i], "prompt_ids": p, "completion_ids": list(c),
-                  "finish": "length" if gb.first_eos(list(c), self.eos_ids) is None else "eos",
+                  "finish": "length" if first_eos(list(c), self.eos_ids) is None else "eos",
                   "rewards": dict(zip(self.names, s))} for i, p, c, s in zip(index, prompt_ids, completions, scores)]
         return [r for part in gather_all(local) for r in part]
+
+    def _multi_turn(self, index: list[int], prompt_ids: list, seed: int, first: int, step: int, times: dict) -> list:
+        """This rank's multi-turn rollouts (harness/rl/multiturn.py), scored with environments= as TRL's."""
+        began = time.perf_counter()
+        columns = {k: [v[i] for i in index] for k, v in self.prompts.columns.items()}
+        names = [f"step {step + 1}, row {first + j} (prompt record {self.prompts.records[i]})"
+                 for j, i in enumerate(index)]
+        rollouts = self.multiturn.start([self.prompts.values[i] for i in index], prompt_ids, columns,
+                                        list(range(first, first + len(index))), names)
+        self.multiturn.run(rollouts, seed)
+        times["generate_s"] = time.perf_counter() - began
+        began = time.perf_counter()
+        scores = self.rewards.score(prompts=[r.prompt for r in rollouts], completions=[r.replies for r in rollouts],
+                                    completion_ids=[r.completion for r in rollouts],
+                                    columns={**columns, "environments": [r.environment for r in rollouts]})
+        times["score_s"] = time.perf_counter() - began
+        return [{"prompt_index": self.prompts.records[i], **r.record(),
+                 "rewards": dict(zip(self.names, [0.0] * len(s) if r.finish == "error" else s))}
+                for i, r, s in zip(index, rollouts, scores)]
 
     def _score(self, index: list[int], completions: list[list[int]]) -> list[list]:
         texts = [self.tokenizer.decode(gb_kept(c, self.eos_ids), skip_special_tokens=True) for c in completions]
@@ -252,6 +285,6 @@ def t_rows(m: int, micro: int) -> range:
 
 
 def gb_kept(ids: list[int], eos_ids: tuple[int, ...]) -> list[int]:
-    end = gb.first_eos(list(ids), eos_ids)
+    end = first_eos(list(ids), eos_ids)
     return list(ids) if end is None else list(ids)[:end + 1]
 

@@ -19,14 +19,19 @@ def load_prompts(spec, dist, tokenizer):
         steps = replay.read(rl["replay"], (tokenizer.eos_token_id,))
         replay.check(steps, rl["replay"], total_steps=train["steps"], num_iterations=rl["num_iterations"],
                      completions=spec.run.batch.global_batch, num_generations=rl["num_generations"])
-        seen = {}
-        for records in steps.values():
-            for r in records:
-                seen.setdefault(tuple(r["prompt_ids"]), None)
-        prompts = Prompts([list(p) for p in seen], tokenizer.pad_token_id or 0)
+        # one prompt per group (replay.check: a group's lines share it), repeated prompts kept: the batch plan
+        # needs a step's worth of rows even when every group asks the same (a multi-turn task's prompt often does)
+        g = rl["num_generations"]
+        prompts = Prompts([list(r["prompt_ids"]) for records in steps.values() for r in records[::g]],
+                          tokenizer.pad_token_id or 0)
+        seen = {tuple(p) for p in prompts.token_ids}
         note = f"replay {rl['replay']}: {sum(map(len, steps.values()))} completions of {len(seen)} prompts"
     else:
-        prompts = load(train, rl, tokenizer)
+        from pathlib import Path
+
+        from harness.rl.tools import load_toolbox
+
+        prompts = load(train, rl, tokenizer, toolbox=load_toolbox(rl, Path.cwd()))
         note = (f"{train['dataset']}: {prompts.shape[0]} prompts of at most {prompts.shape[1]} tokens"
                 + (f", {prompts.dropped} over rl.max_prompt_length {rl['max_prompt_length']} dropped"
                    if prompts.dropped else "") + f"; columns for the rewards: {', '.join(prompts.columns) or 'none'}")

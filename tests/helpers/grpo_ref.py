@@ -23,6 +23,34 @@ COMPLETIONS = (
 )
 
 
+# multi-turn (tool use): per group, completions as [(ids, sampled?)...] spans: a turn ends in EOS, tool suffix ids
+# (not sampled: tool_mask 0) follow, the next turn after them; some end truncated (no EOS at the end)
+T, S = True, False
+TOOL_COMPLETIONS = (
+    ([[([40, 41, 0], T), ([90, 91, 92], S), ([43, 0], T)], [([42, 0], T)],
+      [([44, 0], T), ([93, 94], S), ([45, 46, 47], T)],
+      [([50, 0], T), ([95], S), ([51, 0], T), ([96, 97], S), ([52, 0], T)]],
+     [1.0, 0.0, 0.5, 2.0]),
+    ([[([60, 61, 0], T), ([98, 99], S), ([62, 0], T)], [([63, 64, 65, 66], T)], [([67, 0], T)],
+      [([68, 0], T), ([100, 101, 102], S), ([69, 0], T)]], [1.0, 0.0, 0.0, 1.0]),
+    ([[([70, 0], T)], [([71, 72, 0], T), ([103], S), ([73, 0], T)], [([74, 0], T), ([104, 105], S), ([75], T)],
+      [([76, 77, 78, 0], T)]], [0.0, 3.0, 1.5, 0.25]),
+)
+
+
+def tool_records(unmasked: bool = False) -> list[dict]:
+    """The multi-turn batch as rollouts.jsonl lines: completion_ids with tool_mask (all 1 when unmasked: the tool
+    tokens trained as if sampled, the bug the mask prevents)."""
+    out = []
+    for g, (prompt, (comps, rewards)) in enumerate(zip(PROMPTS, TOOL_COMPLETIONS)):
+        for spans, r in zip(comps, rewards):
+            ids = [t for span, _ in spans for t in span]
+            mask = [1 if (sampled or unmasked) else 0 for span, sampled in spans for _ in span]
+            out.append({"group": g, "prompt_ids": list(prompt), "completion_ids": ids, "tool_mask": mask,
+                        "reward": r})
+    return out
+
+
 @dataclass
 class Case:
     name: str
@@ -44,12 +72,25 @@ def records(old: list[list[float]] | None = None) -> list[dict]:
     return out
 
 
-def kept(ids: list[int]) -> list[int]:
+def kept(ids: list[int], tool_mask: list[int] | None = None) -> list[int]:
+    if tool_mask is not None:  # multi-turn: the whole conversation after the prompt
+        return ids
     return ids[:ids.index(EOS) + 1] if EOS in ids else ids
 
 
-def write_replay(path: Path, steps: int, old: list[list[float]] | None = None) -> Path:
-    lines = [json.dumps({"step": s, **r}) for s in range(1, steps + 1) for r in records(old)]
+def is_truncated(record: dict) -> bool:
+    ids = record["completion_ids"]
+    return ids[-1] != EOS if "tool_mask" in record else EOS not in ids
+
+
+def loss_weights(record: dict) -> torch.Tensor:
+    """1 per kept token that carries loss (tool tokens 0)."""
+    comp = kept(record["completion_ids"], record.get("tool_mask"))
+    return torch.tensor(record.get("tool_mask", [1] * len(comp)), dtype=torch.float32)
+
+
+def write_replay(path: Path, steps: int, old: list[list[float]] | None = None, rows: list[dict] | None = None) -> Path:
+    lines = [json.dumps({"step": s, **r}) for s in range(1, steps + 1) for r in (rows or records(old))]
     Path(path).write_text("\n".join(lines) + "\n")
     return Path(path)
 
@@ -75,14 +116,15 @@ def token_logps(model, prompt: list[int], comp: list[int], temperature: float) -
 
 def seq_loss(model, ref_model, record: dict, adv: float, rl: dict) -> tuple[torch.Tensor, int]:
     """(summed per-token loss of one completion, its loss tokens) by the formulas."""
-    comp = kept(record["completion_ids"])
-    if rl.get("mask_truncated_completions") and EOS not in record["completion_ids"]:
+    comp = kept(record["completion_ids"], record.get("tool_mask"))
+    if rl.get("mask_truncated_completions") and is_truncated(record):
         return torch.zeros(()), 0
+    weights = loss_weights(record)
     t = rl.get("temperature", 1.0)
     logp = token_logps(model, record["prompt_ids"], comp, t)
     old = torch.tensor(record["old_logps"]) if "old_logps" in record else logp.detach()
     if rl.get("importance_sampling_level") == "sequence":
-        ratio = torch.exp((logp - old).mean()).expand(len(comp))
+        ratio = torch.exp(((logp - old) * weights).sum() / weights.sum()).expand(len(comp))
     else:
         ratio = torch.exp(logp - old)
     eps = rl.get("epsilon", 0.2)
@@ -100,7 +142,7 @@ def seq_loss(model, ref_model, record: dict, adv: float, rl: dict) -> tuple[torc
         with torch.no_grad():
             ref = token_logps(ref_model, record["prompt_ids"], comp, t)
         per = per + rl["beta"] * (torch.exp(ref - logp) - (ref - logp) - 1) * ratio
-    return per.sum(), len(comp)
+    return (per * weights).sum(), int(weights.sum())
 
 
 def micro_loss(model, ref_model, rows: list[dict], advs: list[float], rl: dict, step_tokens: int,
@@ -120,7 +162,7 @@ def step_loss(model, ref_model, rows: list[dict], rl: dict, micro: int, gas: int
     """The mean over ranks and micro-batches of the micro-batch losses (what the engine's update differentiates)."""
     advs = advantages([r["reward"] for r in rows], rl.get("num_generations", 4), rl.get("scale_rewards", "group"))
     mask_trunc = rl.get("mask_truncated_completions")
-    tokens = sum(len(kept(r["completion_ids"])) for r in rows if not (mask_trunc and EOS not in r["completion_ids"]))
+    tokens = sum(int(loss_weights(r).sum()) for r in rows if not (mask_trunc and is_truncated(r)))
     per_rank, losses = micro * gas, []
     for rank in range(world):
         for m in range(gas):
@@ -136,15 +178,16 @@ def clip_fractions(model, record: dict, adv: float, rl: dict) -> tuple[float, fl
     kind = rl.get("loss_type", "dapo")
     if kind == "sapo":
         return None
-    comp = kept(record["completion_ids"])
-    masked = rl.get("mask_truncated_completions") and EOS not in record["completion_ids"]
+    comp = kept(record["completion_ids"], record.get("tool_mask"))
+    masked = rl.get("mask_truncated_completions") and is_truncated(record)
     with torch.no_grad():
         logp = token_logps(model, record["prompt_ids"], comp, rl.get("temperature", 1.0))
     old = torch.tensor(record["old_logps"]) if "old_logps" in record else logp
+    loss_tokens = loss_weights(record).bool()  # tool tokens carry no loss and count in no metric
     if rl.get("importance_sampling_level") == "sequence":  # masked: a log-ratio of 0 (r = 1), still one completion
-        ratios = [1.0 if masked else math.exp(float((logp - old).mean()))]
+        ratios = [1.0 if masked else math.exp(float((logp - old)[loss_tokens].mean()))]
     else:
-        ratios = [] if masked else [math.exp(float(x)) for x in logp - old]
+        ratios = [] if masked else [math.exp(float(x)) for x in (logp - old)[loss_tokens]]
     eps = rl.get("epsilon", 0.2)
     eps_high = rl.get("epsilon_high") or eps
     if kind == "cispo":
@@ -198,7 +241,16 @@ def expected(model_folder: str, rows: list[dict], rl: dict, micro: int, gas: int
     return out
 
 
-def perturbed_old(model_folder: str, shift: float, temperature: float = 1.0, seed: int = 7) -> list[list[float]]:
+def close(name: str, got, want, tol: float) -> float:
+    """|got - want| of a logged metric, asserted within tol (relative above 1)."""
+    assert got is not None, f"{name} not logged (want {want})"
+    err = abs(got - want)
+    assert err <= tol * max(1.0, abs(want)), f"{name}: {got} vs {want} (error {err:.2g})"
+    return err
+
+
+def perturbed_old(model_folder: str, shift: float, temperature: float = 1.0, seed: int = 7,
+                  rows: list[dict] | None = None) -> list[list[float]]:
     """The policy's own per-token log-probs of each kept completion, moved by seeded noise of size `shift`."""
     from transformers import AutoModelForCausalLM
 
@@ -206,7 +258,7 @@ def perturbed_old(model_folder: str, shift: float, temperature: float = 1.0, see
     gen = torch.Generator().manual_seed(seed)
     out = []
     with torch.no_grad():
-        for r in records():
-            logp = token_logps(model, r["prompt_ids"], kept(r["completion_ids"]), temperature)
+        for r in rows or records():
+            logp = token_logps(model, r["prompt_ids"], kept(r["completion_ids"], r.get("tool_mask")), temperature)
             out.append((logp + shift * torch.randn(logp.shape, generator=gen)).tolist())
     return out

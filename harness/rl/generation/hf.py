@@ -49,6 +49,7 @@ class HFGenerator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.seed, self.calls = int(seed), 0
         self.last_groups: list[list[int]] = []
+        self.last_logps: list[list[float]] = []  # the last call's sampling log-probs per row (row_ids calls)
 
     def _weights(self):
         if not self.zero3:
@@ -56,19 +57,24 @@ class HFGenerator:
         return gather.zero3_weights(self.engine, self.module, self.bound_bytes)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], *, seed: int, first_row: int = 0) -> list[list[int]]:
-        """One completion per prompt (token ids, EOS included, at most max_completion_length). Collective under
-        ZeRO-3: every rank calls it the same number of times (a rank with no prompts still joins the gathers)."""
+    def generate(self, prompt_ids: list[list[int]], *, seed: int, first_row: int = 0,
+                 row_ids: list[int] | None = None, max_new: int | None = None) -> list[list[int]]:
+        """One completion per prompt (token ids, EOS included, at most max_new: max_completion_length unless
+        given). Collective under ZeRO-3: every rank calls it the same number of times (a rank with no prompts
+        still joins the gathers). row_ids (a multi-turn turn's rows): row i draws from (seed, row_ids[i]), and
+        last_logps holds each row's sampling log-probs."""
         from transformers import GenerationConfig
 
         self.calls += 1
         rows = prompt_ids or [[self.pad_id]]  # a rank without prompts runs one dummy row to join the collectives
-        max_new = int(self.rl.get("max_completion_length", 256))
+        max_new = int(max_new or self.rl.get("max_completion_length", 256))
         device = next(self.module.parameters()).device
         ids, mask = left_pad(rows, self.pad_id, device)
-        sampler = RowSampler(seed=seed, first_row=first_row, rows=len(rows),
+        if row_ids is not None and not prompt_ids:
+            row_ids = [0]
+        sampler = RowSampler(seed=seed, first_row=first_row, rows=len(rows), row_ids=row_ids,
                              temperature=float(self.rl.get("temperature", 1.0)), top_k=self.rl.get("top_k"),
-                             top_p=self.rl.get("top_p"))
+                             top_p=self.rl.get("top_p"), record_logps=row_ids is not None)
         config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=sorted(self.eos_ids),
                                   pad_token_id=self.pad_id, use_cache=True)
         was_training = self.module.training
@@ -82,8 +88,11 @@ class HFGenerator:
                                            logits_processor=[sampler], synced_gpus=synced)
         finally:
             self.module.train(was_training)
-        new = out[:, ids.shape[1]:].tolist()
-        return [cut(row, self.eos_ids) for row in new][:len(prompt_ids)]
+        new = [cut(row, self.eos_ids) for row in out[:, ids.shape[1]:].tolist()][:len(prompt_ids)]
+        if sampler.logps:
+            logps = torch.stack(sampler.logps, dim=1).tolist()
+            self.last_logps = [lp[:len(row)] for lp, row in zip(logps, new)]
+        return new
 
     def after_step(self) -> None:
         """Nothing to sync: generate reads the live weights."""

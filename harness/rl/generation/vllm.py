@@ -105,6 +105,7 @@ class VLLMGenerator:
 
         self.rl, self.engine, self.tokenizer = rl, engine, tokenizer
         self.seed, self.calls, self.stale = int(seed), 0, True
+        self.last_logps: list[list[float]] = []
         self.bucket_bytes = int(float(rl.get("sync_bucket_mb", 256)) * MIB)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         folder = _model_dir(engine, tokenizer, Path(root or "/tmp") / f"vllm_policy_rank{rank}")
@@ -137,7 +138,10 @@ class VLLMGenerator:
         self.last_sync = {**done, "seconds": time.perf_counter() - began}
         return self.last_sync
 
-    def generate(self, prompt_ids: list[list[int]], *, seed: int, first_row: int = 0) -> list[list[int]]:
+    def generate(self, prompt_ids: list[list[int]], *, seed: int, first_row: int = 0,
+                 row_ids: list[int] | None = None, max_new: int | None = None) -> list[list[int]]:
+        """As the hf generator's: row i draws from (seed, row_ids[i] or first_row + i); with row_ids (a
+        multi-turn turn) last_logps holds vLLM's log-prob of each sampled token (logprobs=0: the sampled one)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -145,14 +149,18 @@ class VLLMGenerator:
         self.llm.wake_up(tags=["weights"])
         self.sync()  # weights were dropped in sleep: every generation starts from the live policy
         self.llm.wake_up(tags=["kv_cache"])
-        rl = self.rl
-        params = [SamplingParams(n=1, max_tokens=int(rl.get("max_completion_length", 512)),
+        rl, rows = self.rl, row_ids if row_ids is not None else [first_row + i for i in range(len(prompt_ids))]
+        params = [SamplingParams(n=1, max_tokens=int(max_new or rl.get("max_completion_length", 512)),
                                  temperature=float(rl.get("temperature", 1.0)), top_p=float(rl.get("top_p", 1.0)),
-                                 top_k=int(rl.get("top_k") or 0) or -1, seed=row_seed(seed, first_row + i))
-                  for i in range(len(prompt_ids))]
+                                 top_k=int(rl.get("top_k") or 0) or -1, seed=row_seed(seed, row),
+                                 logprobs=0 if row_ids is not None else None)
+                  for row in rows]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         self.llm.sleep(level=SLEEP_LEVEL)
         self.stale = False
+        if row_ids is not None:
+            self.last_logps = [[step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                               for o in outs]
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def after_step(self) -> None:

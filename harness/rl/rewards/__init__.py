@@ -130,13 +130,19 @@ def _entry(i: int, raw, rl: dict, tokenizer, base_dir: Path, ds_config) -> Entry
     return Entry(raw.get("name") or name, float(raw.get("weight", 1.0)), fn, kind, where)
 
 
-def load_rewards(rl: dict, *, tokenizer, base_dir, ds_config: dict | None = None) -> RewardSet:
+def load_rewards(rl: dict, *, tokenizer, base_dir, ds_config: dict | None = None,
+                 environment_rewards: list | None = None) -> RewardSet:
     """The run's reward entries, loaded and checked (UsageError, exit 2, for a bad one). ds_config: the policy's
-    DeepSpeed dict, so that a reward model is ZeRO-3-sharded where the policy is (None: a whole copy per rank)."""
+    DeepSpeed dict, so that a reward model is ZeRO-3-sharded where the policy is (None: a whole copy per rank).
+    environment_rewards: (class name, function) of each environment with get_reward (weight 1, after rl.rewards,
+    as TRL adds them)."""
     raw = list(rl.get("rewards") or [])
     entries = [_entry(i, r, rl, tokenizer, Path(base_dir), ds_config) for i, r in enumerate(raw)]
+    entries += [Entry(name, 1.0, fn, "environment", f"rl.environment_factory ({name}.get_reward)")
+                for name, fn in environment_rewards or []]
     if not entries:
-        raise UsageError("rl.rewards: empty\n    fix: add a reward entry, e.g. [\"my_rewards.py:accuracy\"]")
+        raise UsageError("rl.rewards: empty\n    fix: add a reward entry, e.g. [\"my_rewards.py:accuracy\"], or "
+                         "give the environment class a get_reward method")
     names = [e.name for e in entries]
     for i, e in enumerate(entries):  # TRL logs rewards by function name: make them unique
         if names.count(e.name) > 1:

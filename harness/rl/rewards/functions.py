@@ -44,17 +44,23 @@ def _module(name: str, base_dir: Path, where: str):
                    ) from None
 
 
-def load(spec: str, base_dir: Path, where: str):
-    """The callable an entry names, its signature checked."""
+def resolve(spec: str, base_dir: Path, where: str, kind: str = "function"):
+    """The callable `module:name` / `file.py:name` names (a reward function, a tool, an environment class)."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise _bad(where, f"{spec!r} is not module:function or file.py:function", "e.g. my_rewards.py:accuracy")
+        raise _bad(where, f"{spec!r} is not module:{kind} or file.py:{kind}", "e.g. my_rewards.py:accuracy")
     module = _module_from_file(Path(base_dir) / target, where) if target.endswith(".py") else \
         _module(target, Path(base_dir), where)
     fn = getattr(module, attr, None)
     if not callable(fn):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise _bad(where, f"{target} has no function {attr!r}", f"one of: {', '.join(names) or '(none)'}")
+        raise _bad(where, f"{target} has no {kind} {attr!r}", f"one of: {', '.join(names) or '(none)'}")
+    return fn
+
+
+def load(spec: str, base_dir: Path, where: str):
+    """The reward function an entry names, its signature checked."""
+    fn = resolve(spec, base_dir, where)
     check_signature(fn, where)
     return fn
 
