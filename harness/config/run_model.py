@@ -162,6 +162,37 @@ def optimizer_states(ds: Mapping) -> int:
 
 
 @dataclass(frozen=True)
+class OptimizerDtypes:
+    """How wide the optimizer's tensors are, as the DeepSpeed dict says: bytes per element of the master copy (and
+    the gradient partition it steps on; bf16.bf16_master_weights_and_grads) and of each optimizer state
+    (bf16.bf16_optimizer_states); muon: DeepSpeed's Muon (one momentum on the matrices, AdamW on the rest)."""
+
+    master_bytes: int = 4
+    state_bytes: int = 4
+    muon: bool = False
+
+    @classmethod
+    def of(cls, ds: Mapping) -> "OptimizerDtypes":
+        bf16 = ds.get("bf16") or {}
+        kind = str((ds.get("optimizer") or {}).get("type", "adam")).lower()
+        return cls(2 if bf16.get("bf16_master_weights_and_grads") else 4,
+                   2 if bf16.get("bf16_optimizer_states") else 4, kind == "muon")
+
+    @classmethod
+    def named(cls, optimizer: str, master_dtype: str = "fp32", state_dtype: str = "fp32") -> "OptimizerDtypes":
+        """From the recipe's names (optimizer.type, master_dtype, state_dtype), as `harness plan` takes them."""
+        return cls(2 if master_dtype == "bf16" else 4, 2 if state_dtype == "bf16" else 4, optimizer == "muon")
+
+    def holding(self, params: int, count) -> dict:
+        """memory.Holding's fields for a rank holding `params` of a model counted as `count` (planner/params
+        ParamCount): Muon's share in proportion where tensor or pipeline splits leave the rank a part."""
+        out = {"master_bytes": self.master_bytes, "state_bytes": self.state_bytes}
+        if self.muon and count is not None and count.muon_params:
+            out["muon_params"] = count.muon_params if params >= count.total else params * count.muon_params // count.total
+        return out
+
+
+@dataclass(frozen=True)
 class RunModel:
     model: str  # hub id, folder or preset name (train.model)
     model_config: Mapping[str, Any]  # the model's HF config as a dict, read once (read-only)
@@ -175,6 +206,7 @@ class RunModel:
     pipe_partitioned: bool = True  # DeepSpeed's pipeline.pipe_partitioned: activations split over tp between stages
     preference: Preference | None = None  # None: the next-token objective (lm)
     optimizer_states: int = ADAM_STATES  # fp32 tensors the optimizer keeps per trainable element (optimizer_states)
+    optimizer_dtypes: OptimizerDtypes = OptimizerDtypes()  # bf16 master / states, Muon
     vision: Any = None  # a vision-language run: planner/vision.VisionLoad of its data's worst row (vision_steps.py)
 
     @classmethod
@@ -201,7 +233,7 @@ class RunModel:
                    precision=recipe["precision"], degrees=d, zero=Zero.of(ds), batch=batch, sequence=seq,
                    adapter=adapter, pipeline_partition=pipe.get("partition", recipe["parallel"]["partition_method"]),
                    pipe_partitioned=bool(pipe.get("pipe_partitioned", True)), preference=_preference(recipe),
-                   optimizer_states=optimizer_states(ds))
+                   optimizer_states=optimizer_states(ds), optimizer_dtypes=OptimizerDtypes.of(ds))
 
 
 def _preference(recipe: Mapping) -> Preference | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 
 from harness.config.defaults import TILE_TOKENS
-from harness.config.run_model import ADAM_STATES
+from harness.config.run_model import ADAM_STATES, OptimizerDtypes
 from harness.planner.vision import VisionLoad
 
 RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS
@@ -28,6 +28,7 @@ class Workload:
     global_batch: int | None = None  # sequences per optimizer step over all replicas (the step-time search)
     tile_tokens: int = TILE_TOKENS  # tiled MLP and loss: tokens per tile
     optimizer_states: int = ADAM_STATES  # fp32 tensors the optimizer keeps per trainable parameter (Adam's m and v)
+    optimizer_dtypes: OptimizerDtypes = OptimizerDtypes()  # bf16 master weights / states, Muon (config/run_model.py)
     # a preference objective (dpo | ipo | simpo | orpo; None: lm): micro_batch and global_batch count pairs, each two
     # sequences (chosen, rejected); reference_mode: precomputed | engine | adapter (None: none or not chosen yet);
     # pairs: the preference set's size (precomputed: its host table and its pass), steps: the optimizer steps trained

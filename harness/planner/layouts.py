@@ -171,7 +171,7 @@ def _states(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, 
     lora = count.lora_state_args(share.blocks, c.tp)
     zero = Zero(c.stage, c.offload_optimizer, c.offload_param, buckets)
     held = memory.Holding(share.params, largest_layer, count.largest_tensor, optimizer_states=work.optimizer_states,
-                          **lora)
+                          **lora, **work.optimizer_dtypes.holding(share.params, count))
     common = dict(zero_shards=share.zero_shards, precision=work.precision)
 
     def states(phase: str, convention: str = "deepspeed") -> dict:

@@ -57,6 +57,9 @@ class ParamCount:
     moe_block: int = 0
     moe_layers: int = 0
     active_blocks: int = 0  # of `active`, in the blocks
+    # parameters DeepSpeed's Muon steps (muon_takes): tensors of 2+ dimensions named without embed / lm_head;
+    # None where the count cannot tell (MoE closed form: count_params(exact=True) names them)
+    muon_params: int | None = None
 
     def trainable_params(self, blocks: int, tp: int = 1) -> int | None:
         """Trainable parameters on a rank holding `blocks` blocks: None for full fine-tuning (all of them)."""
@@ -156,7 +159,7 @@ def _llama_count(cfg: dict) -> ParamCount:
         total=embedding + lm_head + h + layers * per_layer, num_layers=layers, per_layer=per_layer,
         embedding=embedding, lm_head=lm_head, other=h, largest_layer=max(modules + [embedding]),
         largest_tensor=max(hist), tensor_sizes=hist, per_layer_split=sum(modules[:7]) - o_bias - down_bias,
-        block_tensors=order)
+        block_tensors=order, muon_params=layers * sum(n * c for n, c in tensors[:4]))
 
 
 def _gpt2_count(cfg: dict) -> ParamCount:
@@ -177,7 +180,9 @@ def _gpt2_count(cfg: dict) -> ParamCount:
         largest_tensor=max(hist), tensor_sizes=hist, positions=wpe,
         per_layer_split=per_layer - 4 * h - 2 * h,
         block_tensors=((h, False), (h, False), (3 * h * h, True), (3 * h, True), (h * h, True), (h, False),
-                       (h, False), (h, False), (h * inter, True), (inter, True), (inter * h, True), (h, False)))  # ln_1, ln_2 and the two c_proj biases stay whole
+                       (h, False), (h, False), (h * inter, True), (inter, True), (inter * h, True), (h, False)),
+        # GPT-2 names its embeddings wte / wpe, so DeepSpeed's name test leaves them (and the tied head) on Muon
+        muon_params=wte + wpe + lm_head + layers * (4 * h * h + 2 * h * inter))  # ln_1, ln_2 and the two c_proj biases stay whole
 
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "c_attn",
@@ -315,10 +320,17 @@ def count_module(model) -> ParamCount:
     tied = out is None or emb is None or out.weight is emb.weight
     lm_head = 0 if tied else out.weight.numel()
     total = sum(p.numel() for p in unique.values())
+    muon = sum(p.numel() for name, p in model.named_parameters() if muon_takes(name, p.dim()))
     return ParamCount(
         total=total, num_layers=num_layers, per_layer=per_layer, embedding=embedding, lm_head=lm_head,
         other=total - embedding - lm_head - num_layers * per_layer, largest_layer=largest_layer,
-        largest_tensor=max(hist), tensor_sizes=hist, method="meta-device", positions=positions)
+        largest_tensor=max(hist), tensor_sizes=hist, method="meta-device", positions=positions, muon_params=muon)
+
+
+def muon_takes(name: str, ndim: int) -> bool:
+    """Whether DeepSpeed 0.19.8's Muon steps this parameter (deepspeed.set_optimizer_flags): 2+ dimensions and a name
+    without 'embed' or 'lm_head'; the rest go to its auxiliary AdamW."""
+    return ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head"))
 
 
 def count_params(cfg: dict, *, exact: bool = False) -> ParamCount:

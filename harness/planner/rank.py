@@ -63,6 +63,7 @@ def workload(run: RunModel) -> Workload:
     return Workload(seq.seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
                     attention=attention_kind(seq, run.degrees.sp), packing=seq.packing,
                     global_batch=b.global_batch, tile_tokens=seq.tile_tokens, optimizer_states=run.optimizer_states,
+                    optimizer_dtypes=run.optimizer_dtypes,
                     vision=run.vision, **goal)
 
 
@@ -83,6 +84,8 @@ def _states(run: RunModel, live: LiveFacts):
     """states(stage, phase) -> model_state_bytes of this rank with the live facts, at any ZeRO stage."""
     z, ep = run.zero, run.degrees.ep
     common = dict(zero_shards=run.degrees.zero_shards, precision=run.precision, grad_accum=run.batch.grad_accum)
+    dtypes = run.optimizer_dtypes
+    widths = dtypes.holding(live.total, model_count(run) if dtypes.muon and run.model_config else None)
 
     def states(stage: int, phase: str) -> dict:
         zero = Zero(stage, z.offload_optimizer, z.offload_param if stage == 3 else "none", z.buckets)
@@ -90,7 +93,7 @@ def _states(run: RunModel, live: LiveFacts):
                               persistent=live.persistent if stage == 3 else 0, accum_elems=live.partition_whole,
                               trainable=live.trainable, largest_trainable_tensor=live.largest_trainable_tensor,
                               largest_trainable_layer=live.largest_trainable_layer,
-                              optimizer_states=run.optimizer_states)
+                              optimizer_states=run.optimizer_states, **widths)
         # AutoEP: this rank's experts shard over zero_shards / ep ranks (planner/moe/parallel.py)
         if ep > 1 and live.experts:
             return moe.model_state_bytes(SimpleNamespace(total=live.total - live.experts + live.experts * ep,
@@ -211,7 +214,7 @@ def pipeline_rank(run: RunModel, live: LiveFacts) -> dict:
     lora = {} if trainable is None else {"trainable": trainable,
                                          "largest_trainable_tensor": count.lora_largest_tensor}
     held = memory.Holding(mine["params"], largest_tensor=live.largest_tensor, optimizer_states=run.optimizer_states,
-                          **lora)
+                          **lora, **run.optimizer_dtypes.holding(mine["params"], count))
     zero = Zero(z.stage, z.offload_optimizer, buckets=z.buckets)
     states = {phase: memory.model_state_bytes(held, zero, zero_shards=d.zero_shards, precision=run.precision, grad_accum=m,
                                              phase=phase)
