@@ -183,14 +183,6 @@ class OptimizerDtypes:
         """From the recipe's names (optimizer.type, master_dtype, state_dtype), as `harness plan` takes them."""
         return cls(2 if master_dtype == "bf16" else 4, 2 if state_dtype == "bf16" else 4, optimizer == "muon")
 
-    def holding(self, params: int, count) -> dict:
-        """memory.Holding's fields for a rank holding `params` of a model counted as `count` (planner/params
-        ParamCount): Muon's share in proportion where tensor or pipeline splits leave the rank a part."""
-        out = {"master_bytes": self.master_bytes, "state_bytes": self.state_bytes}
-        if self.muon and count is not None and count.muon_params:
-            out["muon_params"] = count.muon_params if params >= count.total else params * count.muon_params // count.total
-        return out
-
 
 @dataclass(frozen=True)
 class RunModel:

@@ -109,6 +109,7 @@ class _Rank:
     master_bytes: int = FP32_BYTES  # per element of the master copy and ZeRO's gradient partition it steps on
     state_bytes: int = FP32_BYTES  # per element of each optimizer state
     muon: int = 0  # of t, the elements Muon steps (one momentum buffer each, in the gradients' dtype)
+    muon_whole: int | None = None  # ZeRO-1/2: Muon elements held whole per rank (Holding.muon_whole)
 
 
 def _states_bytes(r: "_Rank", shard: int, stage12: bool) -> int:
@@ -123,15 +124,19 @@ def _states_bytes(r: "_Rank", shard: int, stage12: bool) -> int:
     adam = r.states * r.state_bytes * adam_shard
     if not stage12:
         return adam + r.lp * muon_shard
-    whole = min(r.muon, muon_shard + (r.grad_tensor if r.zero_shards > 1 else 0))
-    return adam + r.lp * whole
+    return adam + r.lp * _muon_whole(r)
+
+
+def _muon_whole(r: "_Rank") -> int:
+    """Elements of the whole Muon matrices overlapping a ZeRO-1/2 partition (the largest over the ranks): from the
+    layout when known (Holding.muon_whole), else at most the shard plus one largest tensor."""
+    if r.muon_whole is not None:
+        return r.muon_whole
+    return min(r.muon, -(-r.muon // r.zero_shards) + (r.grad_tensor if r.zero_shards > 1 else 0))
 
 
 def _muon_pending(r: "_Rank") -> int:
-    if not r.muon:
-        return 0
-    muon_shard = -(-r.muon // r.zero_shards)
-    return r.lp * min(r.muon, muon_shard + (r.grad_tensor if r.zero_shards > 1 else 0))
+    return r.lp * _muon_whole(r) if r.muon else 0
 
 
 def _stage12_entries(r: _Rank, stage: int, offload: bool) -> list:
@@ -234,6 +239,7 @@ class Holding:
     master_bytes / state_bytes: bytes per element of the master copy (and the gradient partition it steps on) and
     of each optimizer state: 4, or 2 with bf16 master weights / states (config/run_model.OptimizerDtypes).
     muon_params: of the trainable elements, those DeepSpeed's Muon steps (one momentum each; the rest AdamW's two).
+    muon_whole: ZeRO-1/2, the Muon elements a rank holds whole (muon_partition_elems); None: bounded.
     """
 
     params: int
@@ -248,6 +254,7 @@ class Holding:
     master_bytes: int = FP32_BYTES
     state_bytes: int = FP32_BYTES
     muon_params: int = 0
+    muon_whole: int | None = None
 
 
 def model_state_bytes(held: Holding, zero: Zero, *, zero_shards: int, precision: str, convention: str = "deepspeed",
@@ -282,7 +289,7 @@ def model_state_bytes(held: Holding, zero: Zero, *, zero_shards: int, precision:
         grad_layer = largest_layer_params if held.largest_trainable_layer is None else held.largest_trainable_layer
         r = _Rank(num_params, trainable, zero_shards, lp, b, largest_layer_params, largest_tensor, grad_tensor,
                   grad_layer, held.persistent, grad_accum, held.accum_elems, held.optimizer_states, held.master_bytes,
-                  held.state_bytes, held.muon_params)
+                  held.state_bytes, held.muon_params, held.muon_whole)
         entries = (_stage12_entries(r, stage, offload_optimizer != "none") if stage in (1, 2)
                    else _stage3_entries(r, offload_optimizer, offload_param))
     out = {term: dict.fromkeys(DEVICES, 0) for term in TERMS}

@@ -18,6 +18,7 @@ from harness.config.run_model import RunModel, Sequence, Zero
 from harness.planner import comm, memory, moe, pipeline, reference, sequence
 from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
+from harness.planner.optimizer import holding
 from harness.planner.params import count_params, model_shape, with_lora
 
 
@@ -85,7 +86,8 @@ def _states(run: RunModel, live: LiveFacts):
     z, ep = run.zero, run.degrees.ep
     common = dict(zero_shards=run.degrees.zero_shards, precision=run.precision, grad_accum=run.batch.grad_accum)
     dtypes = run.optimizer_dtypes
-    widths = dtypes.holding(live.total, model_count(run) if dtypes.muon and run.model_config else None)
+    widths = holding(dtypes, live.total, model_count(run) if dtypes.muon and run.model_config else None,
+                     run.degrees.zero_shards)
 
     def states(stage: int, phase: str) -> dict:
         zero = Zero(stage, z.offload_optimizer, z.offload_param if stage == 3 else "none", z.buckets)
@@ -214,7 +216,7 @@ def pipeline_rank(run: RunModel, live: LiveFacts) -> dict:
     lora = {} if trainable is None else {"trainable": trainable,
                                          "largest_trainable_tensor": count.lora_largest_tensor}
     held = memory.Holding(mine["params"], largest_tensor=live.largest_tensor, optimizer_states=run.optimizer_states,
-                          **lora, **run.optimizer_dtypes.holding(mine["params"], count))
+                          **lora, **holding(run.optimizer_dtypes, mine["params"], count))
     zero = Zero(z.stage, z.offload_optimizer, buckets=z.buckets)
     states = {phase: memory.model_state_bytes(held, zero, zero_shards=d.zero_shards, precision=run.precision, grad_accum=m,
                                              phase=phase)
