@@ -31,6 +31,8 @@ class LiveFacts:
     largest_tensor: int
     persistent: int = 0  # ZeRO-3 tensors DeepSpeed keeps whole on every rank (ds_persist)
     partition_whole: int | None = None  # ZeRO-1/2: whole tensors overlapping this rank's partition
+    muon: int = 0  # parameters DeepSpeed's Muon steps (use_muon)
+    muon_whole: int | None = None  # ZeRO-1/2: of partition_whole, the Muon matrices
     trainable: int | None = None  # LoRA: the adapters (None: every parameter trains)
     largest_trainable_tensor: int | None = None
     largest_trainable_layer: int | None = None
@@ -86,8 +88,9 @@ def _states(run: RunModel, live: LiveFacts):
     z, ep = run.zero, run.degrees.ep
     common = dict(zero_shards=run.degrees.zero_shards, precision=run.precision, grad_accum=run.batch.grad_accum)
     dtypes = run.optimizer_dtypes
-    widths = holding(dtypes, live.total, model_count(run) if dtypes.muon and run.model_config else None,
-                     run.degrees.zero_shards)
+    widths = holding(dtypes, live.total, None)
+    if dtypes.muon and live.muon:  # this rank's own Muon matrices, read off the engine
+        widths.update(muon_params=live.muon, muon_whole=live.muon_whole)
 
     def states(stage: int, phase: str) -> dict:
         zero = Zero(stage, z.offload_optimizer, z.offload_param if stage == 3 else "none", z.buckets)
