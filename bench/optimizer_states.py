@@ -40,7 +40,8 @@ def write_model(folder: Path, hidden: int, layers: int) -> int:
     """The shipped 512-id tokenizer's vocabulary, MLP 11/4 x hidden, heads of 64."""
     from lora_footprint import write_model as write_llama
 
-    return write_llama(folder, vocab=512, hidden=hidden, mlp=hidden * 11 // 4, layers=layers, heads=max(1, hidden // 64))
+    return write_llama(folder, vocab=512, hidden=hidden, mlp=hidden * 11 // 4, layers=layers,
+                       heads=max(1, hidden // 64))
 
 
 def train(run: Path, model: Path, ranks: int, steps: int, recipe: str, sets: list[str]) -> dict:

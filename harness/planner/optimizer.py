@@ -1,9 +1,10 @@
 """The optimizer's widths in the plan: bf16 master weights and optimizer states, Muon (docs/optimizers.md).
 
 The decision order's rung after plain ZeRO-2 (and again after ZeRO-3, before offload) is the one users take first in
-2026: keep the layout and shrink the optimizer state to bf16 (DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states): 6 bytes per parameter
-less before sharding, nothing moved off the GPU, no traffic added. Its cost is precision, not time: the bf16 master
-copy keeps 8 mantissa bits, so an update smaller than about 1/256 of a weight is lost. It is offered only where
+2026: keep the layout and shrink the optimizer state to bf16 (DeepSpeed's bf16_master_weights_and_grads +
+bf16_optimizer_states): 6 bytes per parameter less before sharding, nothing moved off the GPU, no traffic added.
+Its cost is precision, not time: the bf16 master copy keeps 8 mantissa bits, so an update smaller than about 1/256
+of a weight is lost. It is offered only where
 DeepSpeed takes it (bf16 training; Adam-family or Muon states) and the run does not already ask for bf16 states.
 """
 
@@ -14,7 +15,6 @@ import math
 from harness.config.run_model import ADAM_STATES, OptimizerDtypes
 from harness.planner.inputs import Workload
 
-BF16 = OptimizerDtypes(master_bytes=2, state_bytes=2)
 RUNG_RECIPE = "zero2_bf16_states"
 RUNG_COST = ("master weights and optimizer states in bf16: 6 B/param less than fp32 before sharding, on the GPU, "
              "no traffic added; the cost is precision (a bf16 master copy loses updates under ~1/256 of a weight; "
@@ -98,12 +98,9 @@ def muon_partition_elems(shapes, zero_shards: int) -> int:
     total = sum(sizes)
     alignment = 2 * zero_shards
     part = -(-total // alignment) * alignment // zero_shards
-    best, start = 0, 0
-    held = [0] * zero_shards
-    for n in sizes:
-        first, last = start // part, min((start + n - 1) // part, zero_shards - 1)
-        for rank in range(first, last + 1):
+    held, start = [0] * zero_shards, 0
+    for n in sizes:  # every rank whose partition [rank x part, (rank + 1) x part) the tensor touches holds it whole
+        for rank in range(start // part, min((start + n - 1) // part, zero_shards - 1) + 1):
             held[rank] += n
         start += n
-    best = max(held) if held else 0
-    return best
+    return max(held)
