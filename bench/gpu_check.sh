@@ -37,6 +37,9 @@
 # folder (random weights) as a frozen engine, ZeRO-3-sharded under zero3 and a whole copy under zero2, the tiny-llama
 # student; loss, teacher entropy, the time split and peak memory; OUT_DIR/distill.
 # ray_gpu: `harness ray` on a one-node Ray cluster holding 1-2 GPUs (needs ray); OUT_DIR/ray_gpu.
+# optimizers: zero2 (AdamW fp32 states), zero2_bf16_states, zero2_muon (Muon's update torch.compile'd on CUDA) on
+# every GPU, 30 steps each: loss, step time, peak memory and model states per rank beside the planner's;
+# OUT_DIR/optimizers (docs/optimizers.md).
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -103,7 +106,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm grpo_tools vlm vlm_video vlm_packing ddp_fp32 distill distill_served ray_gpu}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm grpo_tools vlm vlm_video vlm_packing ddp_fp32 distill distill_served ray_gpu optimizers}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 start=$(date +%s)
 for case in $CASES; do
@@ -421,7 +424,24 @@ train = [r for r in map(json.loads, open(sys.argv[1])) if r["kind"] == "train"]
 print(f"[ray_gpu] {len(train)} steps on the GPUs Ray gave, loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}")
 EOF
             ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, grpo_tools, vlm, vlm_video, vlm_packing, ddp_fp32, distill, distill_served, ray_gpu)" >&2; exit 2 ;;
+        optimizers)  # fewer bytes per parameter on CUDA: AdamW fp32 states, bf16 master + states, Muon (ZeRO-2)
+            for recipe in zero2 zero2_bf16_states zero2_muon; do
+                timeout 150 $PY -m deepspeed.launcher.runner --num_gpus "$gpus" "$ROOT/harness/run.py" --recipe $recipe \
+                    --set train.steps=30 --set train.seq_len=512 --set train.log_every=10 --set train.eval_every=0 \
+                    --set train.save_every=31 --profile-steps 30-30 --output-dir "$OUT/optimizers/$recipe" --overwrite \
+                    || echo "[optim]   $recipe run failed (exit $?)"
+                $PY - "$OUT/optimizers/$recipe/summary.json" "$recipe" <<'EOF' || true
+import json, sys
+s = json.load(open(sys.argv[1]))
+mem, t = s.get("memory", {}), s.get("throughput", {})
+states = [sum(sum(v.values()) for v in r.values()) for r in mem.get("model_states_per_rank", [])]
+planned = [sum(sum(v.values()) for v in r.values()) for r in mem.get("predicted_after_step_per_rank", [])]
+print(f"[optim]   {sys.argv[2]}: loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
+      f"{t.get('tokens_per_s_median')} tokens/s, peak per rank {mem.get('peak_per_rank')}, "
+      f"model states per rank {states} (planner {planned})")
+EOF
+            done ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, grpo_tools, vlm, vlm_video, vlm_packing, ddp_fp32, distill, distill_served, ray_gpu, optimizers)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

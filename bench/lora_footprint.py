@@ -29,15 +29,17 @@ from harness.dist import free_port  # noqa: E402
 OPTIMIZER_TERMS = ("fp32_master", "optimizer_moments")
 
 
-def write_model(folder: Path) -> int:
+def write_model(folder: Path, vocab: int = 32000, hidden: int = 1024, mlp: int = 2816, layers: int = 12,
+                heads: int = 16) -> int:
+    """A seeded random Llama folder with the shipped tokenizer (bench/optimizer_states.py sizes its own)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from harness.model.hf import _shipped_eos_id, load_tokenizer
 
     eos = _shipped_eos_id()
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-                         num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=512,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
                          tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)

@@ -23,8 +23,8 @@ def resolved(name: str, world: int, overrides=()) -> dict:
     return strip_annotations(check_recipe(recipe, context(recipe, world), source).ds_config)
 
 
-def test_fifteen_recipes_ship():
-    assert len(recipe_names()) == 15  # twelve dense + long_context, moe_zero3 and moe_ep
+def test_seventeen_recipes_ship():
+    assert len(recipe_names()) == 17  # twelve dense + long_context, moe_zero3, moe_ep, zero2_muon, zero2_bf16_states
 
 
 @pytest.mark.parametrize("name", recipe_names())

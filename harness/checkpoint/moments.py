@@ -12,8 +12,8 @@ the missing moments as zeros (a stride-0 view of one zero: a few bytes on disk, 
 step where ZeRO-3 wants one; the conversion then runs unchanged, and `drop` takes the
 injected keys out of the loaded optimizer's state right after the load (checkpoint/save.load), so the resumed
 optimizer holds what a fresh one of its kind holds: nothing for plain SGD. SGD with momentum keeps a
-`momentum_buffer` that neither the converter nor the ZeRO-3 loader carries: session refuses that resume before
-launch (`refusal`).
+`momentum_buffer` that neither the converter nor the ZeRO-3 loader carries, and so does DeepSpeed's Muon: session
+refuses those resumes before launch (`refusal`).
 """
 
 from __future__ import annotations
@@ -109,4 +109,8 @@ def refusal(ds: dict) -> str | None:
         return (f"optimizer sgd with momentum {momentum:g}: its momentum_buffer is not carried by DeepSpeed 0.19.8's "
                 "universal checkpoint (ds_to_universal and the ZeRO-3 loader copy only Adam's exp_avg and exp_avg_sq), "
                 "so the resumed steps would start from a zero momentum and not continue the run")
+    if str(opt.get("type", "")).lower() == "muon":  # measured: the Muon matrices come back with zero Adam moments
+        return ("optimizer muon: DeepSpeed 0.19.8's universal checkpoint does not carry Muon's momentum_buffer "
+                "(ds_to_universal writes exp_avg and exp_avg_sq for every parameter), so the resumed steps would start "
+                "from a zero momentum and not continue the run")
     return None

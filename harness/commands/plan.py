@@ -15,6 +15,7 @@ from harness.config.defaults import PRECISION_BYTES, recipe_default
 from harness.config.objectives import OBJECTIVES
 from harness.config.run_model import optimizer_states
 from harness.commands import plan_objective
+from harness.planner import optimizer as optimizer_widths
 from harness.errors import UsageError
 from harness.planner import teacher
 from harness.planner.memory import OFFLOAD_DEVICES
@@ -91,7 +92,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=tuple(PRECISION_BYTES), default=recipe_default("precision"))
     parser.add_argument("--optimizer", choices=_enum("optimizer.type"), default=recipe_default("optimizer.type"),
                         help="the recipe's optimizer.type: its fp32 state per parameter (AdamW, Adam, Lamb 2; Lion, "
-                             "Adagrad 1; sgd none) (default %(default)s)")
+                             "Adagrad 1; sgd none; muon: 1 on the hidden matrices, AdamW's 2 on the rest) "
+                             "(default %(default)s)")
+    parser.add_argument("--master-dtype", choices=_enum("optimizer.master_dtype"),
+                        default=recipe_default("optimizer.master_dtype"),
+                        help="optimizer.master_dtype: ZeRO's master weights and gradient partitions (bf16: 2 B/param "
+                             "instead of 4; docs/optimizers.md)")
+    parser.add_argument("--state-dtype", choices=_enum("optimizer.state_dtype"),
+                        default=recipe_default("optimizer.state_dtype"),
+                        help="optimizer.state_dtype: each optimizer state (bf16: 2 B instead of 4; needs --master-dtype "
+                             "bf16). With fp32 states (the default) the decision order offers bf16 ones after ZeRO-2")
     parser.add_argument("--activation-checkpointing", nargs="?", const="full", default="none", choices=("none", "full"),
                         help="full: recompute each block in backward (keeps only block inputs); alone means full")
     parser.add_argument("--attention", choices=("flash", "flex", "sdpa", "eager"), default="flash",
@@ -230,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
                         args.grad_accum, args.attention, expert_imbalance=args.expert_imbalance, packing=args.packing,
                         global_batch=args.global_batch,
                         optimizer_states=optimizer_states({"optimizer": {"type": args.optimizer}}),
+                        optimizer_dtypes=optimizer_widths.from_flags(args.optimizer, args.master_dtype,
+                                                                     args.state_dtype, args.precision),
                         vision=_vision_load(cfg, args, images), **plan_objective.objective_work(args, cfg, resolve_model))
         result = plan(cfg, cluster, work, model_name=args.model, count=lora_count(cfg, args.lora_r),
                       hardware_profile=profile, layout=_layout(args))

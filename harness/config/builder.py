@@ -14,7 +14,8 @@ from harness.config.recipes import deep_merge
 SCHEMA_REF = "../harness/schemas/ds_config.schema.json"
 STEPS_PER_PRINT = 100_000  # the harness logs progress itself; keep DeepSpeed's own step lines quiet
 
-OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam", "lamb": "Lamb", "lion": "Lion", "adagrad": "Adagrad"}
+OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam", "lamb": "Lamb", "lion": "Lion", "adagrad": "Adagrad",
+                   "muon": "Muon"}
 # DeepSpeed's own defaults, written out in an fp16 / NVMe recipe's DeepSpeed dict so a reader sees them
 FP16_DEFAULTS = {k: ds_default(f"fp16.{k}") for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
                                                        "hysteresis", "min_loss_scale")}
@@ -37,6 +38,9 @@ RECIPE_SOURCE = {
     "zero_optimization.offload_param": "zero.offload_param",
     "zero_optimization.offload_param.device": "zero.offload_param",
     "zero_optimization.offload_param.nvme_path": "zero.nvme_path",
+    "bf16.bf16_master_weights_and_grads": "optimizer.master_dtype",
+    "bf16.bf16_optimizer_states": "optimizer.state_dtype",
+    "zero_optimization.reduce_scatter": "optimizer.type",
     "pipeline.stages": "parallel.pipeline",
     "sequence_parallel_size": "parallel.sequence",
     "seq_parallel_communication_data_type": "parallel.sequence_comm_dtype",
@@ -48,9 +52,18 @@ def _optimizer(recipe: dict) -> dict:
     opt = recipe["optimizer"]
     if opt["type"] == "sgd":  # torch.optim.SGD built by DeepSpeed from its name: plain steps, no momentum
         return {"type": "SGD", "params": {"lr": opt["lr"], "momentum": 0.0, "weight_decay": opt["weight_decay"]}}
-    return {"type": OPTIMIZER_NAMES[opt["type"]],
-            "params": {"lr": opt["lr"], "betas": list(opt["betas"]), "eps": opt["eps"],
-                       "weight_decay": opt["weight_decay"]}}
+    params = {"lr": opt["lr"], "betas": list(opt["betas"]), "eps": opt["eps"], "weight_decay": opt["weight_decay"]}
+    if opt["type"] == "muon":  # deepspeed engine._muon_param_groups: momentum for the Muon half, betas/eps for AdamW
+        params.update(momentum=opt["momentum"], muon_lr=muon_lrs(recipe)[0], adam_lr=muon_lrs(recipe)[1])
+    return {"type": OPTIMIZER_NAMES[opt["type"]], "params": params}
+
+
+def muon_lrs(recipe: dict) -> tuple[float, float]:
+    """(Muon lr, AdamW lr) of a muon recipe: optimizer.muon_lr / adam_lr, each optimizer.lr when null. DeepSpeed
+    builds the groups [Muon parameters, AdamW parameters] in that order (engine._muon_param_groups), so a scheduler
+    ramps each to its own peak (warmup_max_lr as a list)."""
+    opt = recipe["optimizer"]
+    return (opt["muon_lr"] or opt["lr"], opt["adam_lr"] or opt["lr"])
 
 
 def schedule_total(steps: int) -> int:
@@ -73,6 +86,8 @@ def _scheduler(recipe: dict) -> dict | None:
     adapter = recipe["adapter"]
     if adapter["type"] == "lora" and adapter["lr_B_ratio"]:  # LoRA+: groups [A and the rest, B]
         lr = [lr, lr * adapter["lr_B_ratio"]]
+    elif recipe["optimizer"]["type"] == "muon":
+        lr = list(muon_lrs(recipe))
     params = {"warmup_min_lr": 0.0, "warmup_max_lr": lr, "warmup_num_steps": warmup, "warmup_type": "linear"}
     if sched["type"] == "WarmupDecayLR":
         params["total_num_steps"] = schedule_total(steps)
@@ -94,6 +109,8 @@ def _zero(recipe: dict) -> dict:
                    reduce_bucket_size=z["reduce_bucket_size"])
     if z["stage"] in (1, 2):
         out["allgather_bucket_size"] = z["allgather_bucket_size"]
+    if z["stage"] == 3 and recipe["optimizer"]["type"] == "muon":  # stage3.py: "Muon and reduce scatter cannot
+        out["reduce_scatter"] = False  # be used together" (its default is true): Muon needs each whole gradient
     if z["stage"] == 3:
         out.update(stage3_prefetch_bucket_size=z["stage3_prefetch_bucket_size"],
                    stage3_param_persistence_threshold=z["stage3_param_persistence_threshold"],
@@ -105,6 +122,17 @@ def _zero(recipe: dict) -> dict:
     if z["offload_param"] != "none":
         out["offload_param"] = _offload(z["offload_param"], z["nvme_path"])
     return out
+
+
+def _low_precision_states(recipe: dict, bf16: dict | None) -> dict:
+    """optimizer.master_dtype / state_dtype -> DeepSpeed's bf16 block flags. Written into the bf16 block even when
+    the recipe trains in another precision, so the rules layer can say why that is refused."""
+    opt = recipe["optimizer"]
+    flags = {"bf16_master_weights_and_grads": opt["master_dtype"] == "bf16",
+             "bf16_optimizer_states": opt["state_dtype"] == "bf16"}
+    if not any(flags.values()):
+        return {}
+    return {"bf16": {**(bf16 or {"enabled": False}), **{k: v for k, v in flags.items() if v}}}
 
 
 def build(recipe: dict) -> dict:
@@ -128,6 +156,7 @@ def build(recipe: dict) -> dict:
         ds["bf16"] = {"enabled": True}
     elif recipe["precision"] == "fp16":
         ds["fp16"] = {"enabled": True, **FP16_DEFAULTS}
+    ds.update(_low_precision_states(recipe, ds.get("bf16")))
     ds["zero_optimization"] = _zero(recipe)
     if "nvme" in (recipe["zero"]["offload_optimizer"], recipe["zero"]["offload_param"]):
         ds["aio"] = dict(AIO_DEFAULTS)

@@ -20,6 +20,7 @@ from harness.config.preference_rules import check_preference
 from harness.config.stream_rules import check_streaming
 from harness.config.mixture_rules import check_mixture
 from harness.config.rl_rules import check_rl
+from harness.config.optimizer_rules import check_low_precision_states, check_muon
 
 # DeepSpeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS (matched lower-cased) ...
 DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
@@ -27,7 +28,7 @@ DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd
 TORCH_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam",
                     "RMSprop", "Rprop", "SparseAdam", "Adafactor", "Muon")
 # runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS, by the name that builds them from a config.
-ZERO_TESTED = ("adam", "adamw", "adagrad", "lion")
+ZERO_TESTED = ("adam", "adamw", "adagrad", "lion", "muon")  # utils.is_zero_supported_optimizer adds MuonWithAuxAdam
 # runtime/lr_schedules.py: scheduler -> (accepted params, required params)
 SCHEDULERS = {
     "LRRangeTest": ({"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
@@ -213,7 +214,7 @@ def check_comms_logger(ds: dict, ctx: Context) -> list[Problem]:
 
 RULES = (check_precision, check_offload, check_parallel, check_batch, check_optimizer, check_scheduler,
          check_comms_logger, check_adapter, check_preference, check_streaming, check_mixture, check_rl,
-         check_distill)
+         check_distill, check_low_precision_states, check_muon)
 
 
 def check(ds: dict, ctx: Context) -> list[Problem]:

@@ -181,6 +181,29 @@ def optimizer_states(ds: Mapping) -> int:
 
 
 @dataclass(frozen=True)
+class OptimizerDtypes:
+    """How wide the optimizer's tensors are, as the DeepSpeed dict says: bytes per element of the master copy (and
+    the gradient partition it steps on; bf16.bf16_master_weights_and_grads) and of each optimizer state
+    (bf16.bf16_optimizer_states); muon: DeepSpeed's Muon (one momentum on the matrices, AdamW on the rest)."""
+
+    master_bytes: int = 4
+    state_bytes: int = 4
+    muon: bool = False
+
+    @classmethod
+    def of(cls, ds: Mapping) -> "OptimizerDtypes":
+        bf16 = ds.get("bf16") or {}
+        kind = str((ds.get("optimizer") or {}).get("type", "adam")).lower()
+        return cls(2 if bf16.get("bf16_master_weights_and_grads") else 4,
+                   2 if bf16.get("bf16_optimizer_states") else 4, kind == "muon")
+
+    @classmethod
+    def named(cls, optimizer: str, master_dtype: str = "fp32", state_dtype: str = "fp32") -> "OptimizerDtypes":
+        """From the recipe's names (optimizer.type, master_dtype, state_dtype), as `harness plan` takes them."""
+        return cls(2 if master_dtype == "bf16" else 4, 2 if state_dtype == "bf16" else 4, optimizer == "muon")
+
+
+@dataclass(frozen=True)
 class RunModel:
     model: str  # hub id, folder or preset name (train.model)
     model_config: Mapping[str, Any]  # the model's HF config as a dict, read once (read-only)
@@ -195,6 +218,7 @@ class RunModel:
     preference: Preference | None = None  # None: the next-token objective (lm)
     completions: Completions | None = None  # grpo, gkd, distill: completions (None: lm or a preference objective)
     optimizer_states: int = ADAM_STATES  # fp32 tensors the optimizer keeps per trainable element (optimizer_states)
+    optimizer_dtypes: OptimizerDtypes = OptimizerDtypes()  # bf16 master / states, Muon
     vision: Any = None  # a vision-language run: planner/vision.VisionLoad of its data's worst row (vision_steps.py)
 
     @classmethod
@@ -221,7 +245,8 @@ class RunModel:
                    precision=recipe["precision"], degrees=d, zero=Zero.of(ds), batch=batch, sequence=seq,
                    adapter=adapter, pipeline_partition=pipe.get("partition", recipe["parallel"]["partition_method"]),
                    pipe_partitioned=bool(pipe.get("pipe_partitioned", True)), preference=_preference(recipe),
-                   completions=completions(recipe), optimizer_states=optimizer_states(ds))
+                   completions=completions(recipe), optimizer_states=optimizer_states(ds),
+                   optimizer_dtypes=OptimizerDtypes.of(ds))
 
 
 def completions(recipe: Mapping) -> Completions | None:

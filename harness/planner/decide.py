@@ -25,6 +25,7 @@ from harness.planner.inputs import RESERVE_FRACTION, Cluster, Workload
 from harness.planner.shape import ModelShape
 from harness.planner.layouts import Candidate, candidates, evaluate, cluster_commands, gb, launch_command, overrides
 from harness.planner.params import ParamCount
+from harness.planner.optimizer import offers_rung
 
 @dataclass
 class Plan:
@@ -59,7 +60,8 @@ class Plan:
 def evaluate_all(count: ParamCount, shape: ModelShape, cluster: Cluster, work: Workload, model_name: str) -> list[dict]:
     out = []
     for c in candidates(cluster.world, cluster.gpus_per_node, count.num_layers, shape, work.activation_offload,
-                        num_experts=count.num_experts, nvme=cluster.nvme_bytes is not None):
+                        num_experts=count.num_experts, nvme=cluster.nvme_bytes is not None,
+                        bf16_states_rung=offers_rung(work)):
         result = longest.attach(evaluate(c, count, shape, cluster, work), count, shape, cluster, work)
         result["overrides"] = overrides(c, result, work)
         result["launch"] = launch_command(c.recipe, model_name, cluster, result["overrides"])

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 
 from harness.config.defaults import TILE_TOKENS
 from harness.config.objectives import OBJECTIVES
-from harness.config.run_model import ADAM_STATES
+from harness.config.run_model import ADAM_STATES, OptimizerDtypes
 from harness.planner.vision import VisionLoad
 
 RESERVE_FRACTION = 0.10  # of GPU, CPU and NVMe: CUDA context, NCCL buffers, fragmentation, the OS
@@ -52,6 +52,7 @@ class Workload:
     global_batch: int | None = None  # sequences per optimizer step over all replicas (the step-time search)
     tile_tokens: int = TILE_TOKENS  # tiled MLP and loss: tokens per tile
     optimizer_states: int = ADAM_STATES  # fp32 tensors the optimizer keeps per trainable parameter (Adam's m and v)
+    optimizer_dtypes: OptimizerDtypes = OptimizerDtypes()  # bf16 master weights / states, Muon (config/run_model.py)
     # the objective (harness/config/objectives.py; None: lm): its registry line says what a batch item is (rows) and
     # what is priced (planner: pairs, rollouts, distill). A preference objective's micro_batch and global_batch count
     # pairs, each two sequences (chosen, rejected); an RL or distillation objective's count completions, each one

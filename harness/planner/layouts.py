@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from harness.planner import comm, memory, moe, pipeline, reference, sequence, teacher
+from harness.planner import optimizer as opt_widths
 from harness.config.defaults import PRECISION_BYTES, TILE_TOKENS
 from harness.config.run_model import Zero
 from harness.planner.inputs import Cluster, LongContext, Workload
@@ -32,6 +33,7 @@ class Candidate:
     tiled: bool = False  # activations "checkpoint" (forced on) or "offload" (checkpointed inputs in CPU RAM);
     act: str = ""  # "" = the workload's --activation-checkpointing
     ep: int = 1  # expert parallelism (DeepSpeed AutoEP, parallel.expert): MoE models only (moe/parallel.py)
+    states: str = ""  # "bf16": the bf16 master weights + optimizer states rung (planner/optimizer.py); "": the run's
 
     @property
     def label(self) -> str:
@@ -44,6 +46,8 @@ class Candidate:
             parts.append(f"pp{self.pp}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.states:
+            parts.append(f"{self.states}-states")
         if self.offload_optimizer != "none":
             parts.append(f"opt->{self.offload_optimizer}")
         if self.offload_param != "none":
@@ -77,16 +81,21 @@ def long_context_rung(gpus_per_node: int, shape: ModelShape, offload: bool = Tru
 def candidate_of(r: dict) -> Candidate:
     """The Candidate an evaluated result describes."""
     return Candidate(r["recipe"], r["zero_stage"], r["offload_optimizer"], r["offload_param"], r["tp"], r["pp"],
-                     r.get("sp", 1), r.get("tiled", False), r.get("act", ""), r.get("ep", 1))
+                     r.get("sp", 1), r.get("tiled", False), r.get("act", ""), r.get("ep", 1), r.get("states", ""))
 
 
 def candidates(world: int, gpus_per_node: int, num_layers: int, shape: ModelShape | None = None,
-               activation_offload: bool = True, num_experts: int = 0, nvme: bool = False) -> list[Candidate]:
+               activation_offload: bool = True, num_experts: int = 0, nvme: bool = False,
+               bf16_states_rung: bool = False) -> list[Candidate]:
     """Every strategy in decision order (cheapest in traffic and complexity first); with the model's shape, the
     long-context rung last (activation_offload False: without its offload rows, e.g. on CPU ranks, where DeepSpeed's
     activation offload does nothing and the harness refuses it; nvme: with its NVMe rows, when there is NVMe). A MoE
-    model's expert-parallel layouts come after ZeRO-3 (with leaves), before offload."""
-    out = [Candidate("ddp", 0), Candidate("zero1", 1), Candidate("zero2", 2), Candidate("zero3", 3)]
+    model's expert-parallel layouts come after ZeRO-3 (with leaves), before offload. bf16_states_rung: ZeRO-2 with
+    bf16 master weights and optimizer states right after ZeRO-2, and ZeRO-3 with them before offload
+    (planner/optimizer.py)."""
+    out = [Candidate("ddp", 0), Candidate("zero1", 1), Candidate("zero2", 2)]
+    out += [Candidate(opt_widths.RUNG_RECIPE, 2, states="bf16")] if bf16_states_rung else []
+    out += [Candidate("zero3", 3)] + ([Candidate("zero3", 3, states="bf16")] if bf16_states_rung else [])
     out += [Candidate(f"zero{stage}", stage, ep=ep) for ep in moe.ep_degrees(world, gpus_per_node, num_experts)
             for stage in moe.EP_STAGES]
     out += [Candidate("zero2_offload", 2, "cpu"), Candidate("zero3_offload", 3, "cpu"),
@@ -171,7 +180,8 @@ def _states(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, 
     lora = count.lora_state_args(share.blocks, c.tp)
     zero = Zero(c.stage, c.offload_optimizer, c.offload_param, buckets)
     held = memory.Holding(share.params, largest_layer, count.largest_tensor, optimizer_states=work.optimizer_states,
-                          **lora)
+                          **lora, **opt_widths.holding(opt_widths.dtypes_for(c, work), share.params, count,
+                                                     share.zero_shards))
     common = dict(zero_shards=share.zero_shards, precision=work.precision)
 
     def states(phase: str, convention: str = "deepspeed") -> dict:
@@ -225,6 +235,10 @@ def evaluate(c: Candidate, count: ParamCount, shape: ModelShape, cluster: Cluste
         result.update(fits=False, why_not=f"teacher: {result['memory']['teacher']['why']}")
     if work.objective and result["applicable"] and reference.refused(c, work.objective):
         result.update(applicable=False, fits=False, why_not=reference.refused(c, work.objective))
+    if result["applicable"] and opt_widths.refusal(c, work):
+        result.update(applicable=False, fits=False, why_not=opt_widths.refusal(c, work))
+    if c.states:
+        result.update(states=c.states, states_cost=opt_widths.RUNG_COST)
     if result["applicable"] and work.seq_len % c.sp:
         result.update(applicable=False, fits=False, why_not=f"seq_len {work.seq_len} does not divide by sp {c.sp}")
     if result["applicable"] and c.sp > 1 and work.attention == "eager":
@@ -360,6 +374,7 @@ def overrides(c: Candidate, result: dict, work: Workload) -> dict:
             out["zero.offload_param"] = c.offload_param
     if c.recipe in ("tp", "pipeline", "3d"):
         out["zero.stage"] = c.stage
+    out.update(opt_widths.overrides(c, work))
     if c.tp > 1:
         out["parallel.tensor"] = c.tp
     if c.pp > 1:

@@ -66,14 +66,16 @@ def _check(precision: str, stage: int, zero_shards: int, offload_optimizer: str,
 
 
 def _seed_entries(p: int, stage: int, zero_shards: int, lp: int, opt_dev: str, param_dev: str, t: int,
-                  states: int) -> list:
+                  held: "Holding") -> list:
     def shard(nbytes: int, from_stage: int) -> int:
         return -(-nbytes // zero_shards) if stage >= from_stage else nbytes
 
-    master = 0 if lp == FP32_BYTES else FP32_BYTES * t
+    master = 0 if lp == held.master_bytes == FP32_BYTES else held.master_bytes * t
+    # Muon's share keeps one state, the rest the optimizer's own count
+    states = held.state_bytes * (held.optimizer_states * (t - held.muon_params) + held.muon_params)
     return [("params", param_dev, shard(lp * p, 3), ALWAYS), ("grads", "gpu", shard(lp * t, 2), ALWAYS),
             ("fp32_master", opt_dev, shard(master, 1), ALWAYS),
-            ("optimizer_moments", opt_dev, shard(states * FP32_BYTES * t, 1), ALWAYS)]
+            ("optimizer_moments", opt_dev, shard(states, 1), ALWAYS)]
 
 
 def _stage0_entries(p: int, lp: int, t: int, states: int) -> list:
@@ -103,7 +105,38 @@ class _Rank:
     persistent: int
     grad_accum: int
     accum_elems: int | None
-    states: int  # fp32 optimizer tensors per trainable element (Holding.optimizer_states)
+    states: int  # optimizer tensors per trainable element (Holding.optimizer_states)
+    master_bytes: int = FP32_BYTES  # per element of the master copy and ZeRO's gradient partition it steps on
+    state_bytes: int = FP32_BYTES  # per element of each optimizer state
+    muon: int = 0  # of t, the elements Muon steps (one momentum buffer each, in the gradients' dtype)
+    muon_whole: int | None = None  # ZeRO-1/2: Muon elements held whole per rank (Holding.muon_whole)
+
+
+def _states_bytes(r: "_Rank", shard: int, stage12: bool) -> int:
+    """This rank's optimizer states: the AdamW side's `states` tensors of state_bytes on its shard of t - muon;
+    Muon's momentum in the gradients' dtype (lp): under ZeRO-1/2 for every whole Muon matrix that overlaps the
+    rank's partition (Newton-Schulz needs the matrix; at most the shard plus one largest matrix), and a second
+    buffer of that size DeepSpeed keeps while it folds gradients in (stage_1_and_2._muon_pending_momentum);
+    under ZeRO-3 the rank's flat partition, again in the gradients' dtype (measured on live engines)."""
+    if not r.muon:
+        return r.states * r.state_bytes * shard
+    adam_shard, muon_shard = -(-(r.t - r.muon) // r.zero_shards), -(-r.muon // r.zero_shards)
+    adam = r.states * r.state_bytes * adam_shard
+    if not stage12:
+        return adam + r.lp * muon_shard
+    return adam + r.lp * _muon_whole(r)
+
+
+def _muon_whole(r: "_Rank") -> int:
+    """Elements of the whole Muon matrices overlapping a ZeRO-1/2 partition (the largest over the ranks): from the
+    layout when known (Holding.muon_whole), else at most the shard plus one largest tensor."""
+    if r.muon_whole is not None:
+        return r.muon_whole
+    return min(r.muon, -(-r.muon // r.zero_shards) + (r.grad_tensor if r.zero_shards > 1 else 0))
+
+
+def _muon_pending(r: "_Rank") -> int:
+    return r.lp * _muon_whole(r) if r.muon else 0
 
 
 def _stage12_entries(r: _Rank, stage: int, offload: bool) -> list:
@@ -117,10 +150,14 @@ def _stage12_entries(r: _Rank, stage: int, offload: bool) -> list:
     else:
         grads = (0 if offload else lp * shard) + lp * largest_tensor
     out = [("params", "gpu", lp * (p + frozen), ALWAYS), ("grads", "gpu", grads, BOTH),
-           ("fp32_master", opt_dev, FP32_BYTES * shard, ALWAYS),
-           ("optimizer_moments", opt_dev, r.states * FP32_BYTES * shard, ALWAYS),
-           ("fp32_grads", opt_dev, FP32_BYTES * shard, ALWAYS if offload else STEP),  # pinned and kept offloaded
+           ("fp32_master", opt_dev, r.master_bytes * shard, ALWAYS),
+           ("optimizer_moments", opt_dev, _states_bytes(r, shard, True), ALWAYS),
+           ("optimizer_moments", "gpu", _muon_pending(r), ALWAYS),
            ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems * buckets, BACKWARD)]
+    # the gradient partition the optimizer steps on: pinned and kept with offload; else made in step() by
+    # .to(master dtype), a new tensor only when that differs from the 16-bit gradients (bf16 master: none)
+    if offload or r.master_bytes != lp or lp == FP32_BYTES:
+        out.append(("fp32_grads", opt_dev, r.master_bytes * shard, ALWAYS if offload else STEP))
     if not offload and lp != FP32_BYTES:  # step(): flatten(averaged_gradients) makes a 16-bit flat copy of the
         # partition, then .to(fp32) the fp32 one, while the gradients are still held (freed after)
         out.append(("grads", "gpu", lp * shard, STEP))
@@ -165,16 +202,17 @@ def _stage3_entries(r: _Rank, opt_dev: str, param_dev: str) -> list:
            ("params", "gpu", lp * persistent, ALWAYS),  # whole copies of small tensors on every rank
            ("grads", grad_dev, lp * shard, ALWAYS),  # grad_partitions_flat_buffer
            ("grads", "gpu", lp * grad_layer, BACKWARD),  # one module's full grads before reduce-scatter
-           ("fp32_master", opt_dev, FP32_BYTES * shard, ALWAYS),
-           ("optimizer_moments", opt_dev, r.states * FP32_BYTES * shard, ALWAYS),
+           ("fp32_master", opt_dev, r.master_bytes * shard, ALWAYS),
+           ("optimizer_moments", opt_dev, _states_bytes(r, shard, False), ALWAYS),
            ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems, ALWAYS),
            ("gathered_params", "gpu", lp * zero3_gathered_elems(p - persistent, largest_layer, b), BACKWARD)]
     if opt_dev == "gpu":  # _prepare_fp32_grad_for_sub_group: flatten (16-bit copy) then .to(fp32), per sub-group
-        out.append(("fp32_grads", "gpu", FP32_BYTES * sub_group, STEP))
+        if r.master_bytes != lp or lp == FP32_BYTES:  # .to(master dtype) copies unless it is a no-op (bf16 master)
+            out.append(("fp32_grads", "gpu", r.master_bytes * sub_group, STEP))
         if lp != FP32_BYTES:
             out.append(("grads", "gpu", lp * sub_group, STEP))
     else:  # subgroup_gradient_buffer, pinned; swapped with the optimizer states on nvme
-        out.append(("fp32_grads", opt_dev, FP32_BYTES * shard, ALWAYS))
+        out.append(("fp32_grads", opt_dev, r.master_bytes * shard, ALWAYS))
     if opt_dev == "nvme":
         out.append(("offload_buffers", "cpu", b.optimizer_swap_buffer_count * FP32_BYTES * sub_group, ALWAYS))
     if param_dev == "nvme":
@@ -196,8 +234,12 @@ class Holding:
     trainable: of params, those with gradients and optimizer state (LoRA adapters); None = all. A frozen
     parameter costs its 16-bit copy only (sharded under ZeRO-3, which still gathers it per layer).
     largest_trainable_tensor / _layer: the same for the gradient staging buffers (None: the largest ones).
-    optimizer_states: fp32 tensors the optimizer keeps per trainable element (config/run_model.optimizer_states:
+    optimizer_states: tensors the optimizer keeps per trainable element (config/run_model.optimizer_states:
     Adam's two moments by default; plain SGD none).
+    master_bytes / state_bytes: bytes per element of the master copy (and the gradient partition it steps on) and
+    of each optimizer state: 4, or 2 with bf16 master weights / states (config/run_model.OptimizerDtypes).
+    muon_params: of the trainable elements, those DeepSpeed's Muon steps (one momentum each; the rest AdamW's two).
+    muon_whole: ZeRO-1/2, the Muon elements a rank holds whole (muon_partition_elems); None: bounded.
     """
 
     params: int
@@ -209,6 +251,10 @@ class Holding:
     largest_trainable_tensor: int | None = None
     largest_trainable_layer: int | None = None
     optimizer_states: int = ADAM_STATES
+    master_bytes: int = FP32_BYTES
+    state_bytes: int = FP32_BYTES
+    muon_params: int = 0
+    muon_whole: int | None = None
 
 
 def model_state_bytes(held: Holding, zero: Zero, *, zero_shards: int, precision: str, convention: str = "deepspeed",
@@ -236,13 +282,14 @@ def model_state_bytes(held: Holding, zero: Zero, *, zero_shards: int, precision:
     if convention == "seed":
         opt = "gpu" if offload_optimizer == "none" else offload_optimizer
         par = "gpu" if offload_param == "none" else offload_param
-        entries = _seed_entries(num_params, stage, zero_shards, lp, opt, par, trainable, held.optimizer_states)
+        entries = _seed_entries(num_params, stage, zero_shards, lp, opt, par, trainable, held)
     elif stage == 0:
         entries = _stage0_entries(num_params, lp, trainable, held.optimizer_states)
     else:
         grad_layer = largest_layer_params if held.largest_trainable_layer is None else held.largest_trainable_layer
         r = _Rank(num_params, trainable, zero_shards, lp, b, largest_layer_params, largest_tensor, grad_tensor,
-                  grad_layer, held.persistent, grad_accum, held.accum_elems, held.optimizer_states)
+                  grad_layer, held.persistent, grad_accum, held.accum_elems, held.optimizer_states, held.master_bytes,
+                  held.state_bytes, held.muon_params, held.muon_whole)
         entries = (_stage12_entries(r, stage, offload_optimizer != "none") if stage in (1, 2)
                    else _stage3_entries(r, offload_optimizer, offload_param))
     out = {term: dict.fromkeys(DEVICES, 0) for term in TERMS}

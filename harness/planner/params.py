@@ -14,6 +14,7 @@ whole on every rank).
 from __future__ import annotations
 
 import contextlib
+import math
 
 from dataclasses import dataclass, field
 
@@ -57,6 +58,10 @@ class ParamCount:
     moe_block: int = 0
     moe_layers: int = 0
     active_blocks: int = 0  # of `active`, in the blocks
+    # parameters DeepSpeed's Muon steps (muon_takes): tensors of 2+ dimensions named without embed / lm_head;
+    # None where the count cannot tell (MoE closed form: count_params(exact=True) names them)
+    muon_params: int | None = None
+    muon_shapes: tuple[tuple[tuple[int, ...], int], ...] = ()  # (shape, how many) of those tensors (ZeRO's layout)
 
     def trainable_params(self, blocks: int, tp: int = 1) -> int | None:
         """Trainable parameters on a rank holding `blocks` blocks: None for full fine-tuning (all of them)."""
@@ -96,7 +101,8 @@ class ParamCount:
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in (
             "total", "num_layers", "per_layer", "embedding", "lm_head", "other",
-            "largest_layer", "largest_tensor", "method", "per_layer_split", "positions", "lora_per_layer")} | (
+            "largest_layer", "largest_tensor", "method", "per_layer_split", "positions", "lora_per_layer",
+            "muon_params")} | (
             {k: getattr(self, k) for k in ("num_experts", "top_k", "active", "routed_experts", "moe_block",
                                            "moe_layers")} if self.num_experts else {})
 
@@ -142,6 +148,15 @@ def _llama_block(cfg: dict) -> tuple[list[tuple[int, int]], list[int]]:
     return tensors, modules, order
 
 
+def _llama_matrices(cfg: dict) -> list[tuple[tuple[int, int], int]]:
+    """One block's weight matrices as (shape [out, in], how many): q, k and v, o, gate and up, down."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    return [((heads * hd, h), 1), ((kv * hd, h), 2), ((h, heads * hd), 1), ((inter, h), 2), ((h, inter), 1)]
+
+
 def _llama_count(cfg: dict) -> ParamCount:
     h, vocab, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     tied = cfg.get("tie_word_embeddings", False)
@@ -156,7 +171,8 @@ def _llama_count(cfg: dict) -> ParamCount:
         total=embedding + lm_head + h + layers * per_layer, num_layers=layers, per_layer=per_layer,
         embedding=embedding, lm_head=lm_head, other=h, largest_layer=max(modules + [embedding]),
         largest_tensor=max(hist), tensor_sizes=hist, per_layer_split=sum(modules[:7]) - o_bias - down_bias,
-        block_tensors=order)
+        block_tensors=order, muon_params=layers * sum(n * c for n, c in tensors[:4]),
+        muon_shapes=tuple((shape, c * layers) for shape, c in _llama_matrices(cfg)))
 
 
 def _gpt2_count(cfg: dict) -> ParamCount:
@@ -177,7 +193,11 @@ def _gpt2_count(cfg: dict) -> ParamCount:
         largest_tensor=max(hist), tensor_sizes=hist, positions=wpe,
         per_layer_split=per_layer - 4 * h - 2 * h,
         block_tensors=((h, False), (h, False), (3 * h * h, True), (3 * h, True), (h * h, True), (h, False),
-                       (h, False), (h, False), (h * inter, True), (inter, True), (inter * h, True), (h, False)))  # ln_1, ln_2 and the two c_proj biases stay whole
+                       (h, False), (h, False), (h * inter, True), (inter, True), (inter * h, True), (h, False)),
+        # GPT-2 names its embeddings wte / wpe, so DeepSpeed's name test leaves them (and the tied head) on Muon
+        muon_params=wte + wpe + layers * (4 * h * h + 2 * h * inter),
+        muon_shapes=(((vocab, h), 1), ((positions, h), 1), ((h, 3 * h), layers), ((h, h), layers),
+                     ((h, inter), layers), ((inter, h), layers)))  # ln_1, ln_2 and the two c_proj biases stay whole
 
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "c_attn",
@@ -315,10 +335,22 @@ def count_module(model) -> ParamCount:
     tied = out is None or emb is None or out.weight is emb.weight
     lm_head = 0 if tied else out.weight.numel()
     total = sum(p.numel() for p in unique.values())
+    shapes: dict[tuple[int, ...], int] = {}
+    for name, p in model.named_parameters():
+        if muon_takes(name, p.dim()):
+            shapes[tuple(p.shape)] = shapes.get(tuple(p.shape), 0) + 1
+    muon = sum(math.prod(s) * c for s, c in shapes.items())
     return ParamCount(
         total=total, num_layers=num_layers, per_layer=per_layer, embedding=embedding, lm_head=lm_head,
         other=total - embedding - lm_head - num_layers * per_layer, largest_layer=largest_layer,
-        largest_tensor=max(hist), tensor_sizes=hist, method="meta-device", positions=positions)
+        largest_tensor=max(hist), tensor_sizes=hist, method="meta-device", positions=positions, muon_params=muon,
+        muon_shapes=tuple(shapes.items()))
+
+
+def muon_takes(name: str, ndim: int) -> bool:
+    """Whether DeepSpeed 0.19.8's Muon steps this parameter (deepspeed.set_optimizer_flags): 2+ dimensions and a name
+    without 'embed' or 'lm_head'; the rest go to its auxiliary AdamW."""
+    return ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head"))
 
 
 def count_params(cfg: dict, *, exact: bool = False) -> ParamCount:

@@ -18,6 +18,7 @@ from harness.config.run_model import Completions, RunModel, Sequence, Zero
 from harness.planner import comm, memory, moe, pipeline, reference, sequence, teacher
 from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
+from harness.planner.optimizer import holding
 from harness.planner.params import count_params, model_shape, with_lora
 
 
@@ -30,6 +31,8 @@ class LiveFacts:
     largest_tensor: int
     persistent: int = 0  # ZeRO-3 tensors DeepSpeed keeps whole on every rank (ds_persist)
     partition_whole: int | None = None  # ZeRO-1/2: whole tensors overlapping this rank's partition
+    muon: int = 0  # parameters DeepSpeed's Muon steps (use_muon)
+    muon_whole: int | None = None  # ZeRO-1/2: of partition_whole, the Muon matrices
     trainable: int | None = None  # LoRA: the adapters (None: every parameter trains)
     largest_trainable_tensor: int | None = None
     largest_trainable_layer: int | None = None
@@ -66,6 +69,7 @@ def workload(run: RunModel) -> Workload:
     return Workload(seq_len, b.micro_batch, run.precision, seq.activation_checkpointing, b.grad_accum,
                     attention=attention_kind(seq, run.degrees.sp), packing=seq.packing,
                     global_batch=b.global_batch, tile_tokens=seq.tile_tokens, optimizer_states=run.optimizer_states,
+                    optimizer_dtypes=run.optimizer_dtypes,
                     vision=run.vision, **goal)
 
 
@@ -98,6 +102,10 @@ def _states(run: RunModel, live: LiveFacts):
     """states(stage, phase) -> model_state_bytes of this rank with the live facts, at any ZeRO stage."""
     z, ep = run.zero, run.degrees.ep
     common = dict(zero_shards=run.degrees.zero_shards, precision=run.precision, grad_accum=run.batch.grad_accum)
+    dtypes = run.optimizer_dtypes
+    widths = holding(dtypes, live.total, None)
+    if dtypes.muon and live.muon:  # this rank's own Muon matrices, read off the engine
+        widths.update(muon_params=live.muon, muon_whole=live.muon_whole)
 
     def states(stage: int, phase: str) -> dict:
         zero = Zero(stage, z.offload_optimizer, z.offload_param if stage == 3 else "none", z.buckets)
@@ -105,7 +113,7 @@ def _states(run: RunModel, live: LiveFacts):
                               persistent=live.persistent if stage == 3 else 0, accum_elems=live.partition_whole,
                               trainable=live.trainable, largest_trainable_tensor=live.largest_trainable_tensor,
                               largest_trainable_layer=live.largest_trainable_layer,
-                              optimizer_states=run.optimizer_states)
+                              optimizer_states=run.optimizer_states, **widths)
         # AutoEP: this rank's experts shard over zero_shards / ep ranks (planner/moe/parallel.py)
         if ep > 1 and live.experts:
             return moe.model_state_bytes(SimpleNamespace(total=live.total - live.experts + live.experts * ep,
@@ -247,7 +255,7 @@ def pipeline_rank(run: RunModel, live: LiveFacts) -> dict:
     lora = {} if trainable is None else {"trainable": trainable,
                                          "largest_trainable_tensor": count.lora_largest_tensor}
     held = memory.Holding(mine["params"], largest_tensor=live.largest_tensor, optimizer_states=run.optimizer_states,
-                          **lora)
+                          **lora, **holding(run.optimizer_dtypes, mine["params"], count))
     zero = Zero(z.stage, z.offload_optimizer, buckets=z.buckets)
     states = {phase: memory.model_state_bytes(held, zero, zero_shards=d.zero_shards, precision=run.precision, grad_accum=m,
                                              phase=phase)

@@ -10,6 +10,7 @@ so every layout trains the same tokens per step and tokens/s compare like for li
 
 from __future__ import annotations
 
+from harness.planner.optimizer import offers_rung
 from harness.planner import layouts, longest, steptime
 from harness.planner.inputs import Cluster, Workload
 from harness.planner.shape import ModelShape
@@ -78,7 +79,7 @@ def search(count, shape: ModelShape, cluster: Cluster, work: Workload, profile: 
     found = []
     for c in layouts.candidates(cluster.world, cluster.gpus_per_node, count.num_layers, shape,
                                 work.activation_offload, num_experts=count.num_experts,
-                                nvme=cluster.nvme_bytes is not None):
+                                nvme=cluster.nvme_bytes is not None, bf16_states_rung=offers_rung(work)):
         found += _best_for(c, count, shape, cluster, work, profile, model_name)
     return sorted(found, key=lambda r: -r["time"]["tokens_per_s"])
 

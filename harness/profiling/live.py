@@ -36,6 +36,9 @@ def live_facts(module, optimizer=None, engine=None) -> LiveFacts:
         total=sum(numel), largest_layer=max(own, default=0), largest_tensor=max(numel, default=0),
         persistent=sum(n for p, n in zip(params, numel) if getattr(p, "ds_persist", False)),
         partition_whole=sum(p.numel() for group in in_partition for p in group) if in_partition else None,
+        muon=sum(n for p, n in zip(params, numel) if getattr(p, "use_muon", False) and p.requires_grad),
+        muon_whole=sum(p.numel() for group in in_partition for p in group if getattr(p, "use_muon", False))
+        if in_partition else None,
         trainable=sum(trainable) if frozen else None,
         largest_trainable_tensor=max(trainable, default=0) if frozen else None,
         largest_trainable_layer=max(own_trainable, default=0) if frozen else None,

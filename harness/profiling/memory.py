@@ -130,6 +130,10 @@ def model_state_bytes(engine) -> dict[str, dict[str, int]]:
     for state in getattr(inner, "state", {}).values():
         for value in state.values():
             c.add("optimizer_moments", value)
+    # ZeRO-1/2 Muon: the momentum staged while gradients are folded in (stage_1_and_2._muon_pending_momentum)
+    for staged in getattr(wrapper, "_muon_pending_momentum", {}).values():
+        for value in staged if isinstance(staged, (tuple, list)) else (staged,):
+            c.add("optimizer_moments", value)
     if wrapper is not None and wrapper is not inner:
         c.walk(wrapper, "optimizer")
     return {term: dict(sorted(c.bytes[term].items())) for term in TERMS if term in c.bytes}

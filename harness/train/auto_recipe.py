@@ -115,10 +115,10 @@ def plan_for(settings: dict, hw: dict, profile: dict):
     from harness.planner.inputs import Cluster, Workload
 
     from harness.config.preference_rules import is_preference, objective, packing, reference_mode
-    from harness.config.run_model import completions, optimizer_states
+    from harness.config.run_model import OptimizerDtypes, completions, optimizer_states
     from harness.planner.rank import completions_goal
 
-    train, micro = settings["train"], settings["batch"]["micro_batch_per_gpu"]
+    train, micro, opt = settings["train"], settings["batch"]["micro_batch_per_gpu"], settings["optimizer"]
     # a preference run: two sequences per pair, its reference's bytes, and no tp / pp / sp (planner/reference.py)
     goal = {"objective": objective(settings), "reference_mode": reference_mode(settings)} \
         if is_preference(settings) else {}
@@ -131,7 +131,8 @@ def plan_for(settings: dict, hw: dict, profile: dict):
                     attention=planner_attention(train.get("attention"), hw["device"]),
                     activation_offload=hw["device"] != "cpu",  # DeepSpeed's offload does nothing on CPU: refused there
                     packing=packing(settings),
-                    optimizer_states=optimizer_states({"optimizer": {"type": settings["optimizer"]["type"]}}), **goal)
+                    optimizer_states=optimizer_states({"optimizer": {"type": settings["optimizer"]["type"]}}),
+                    optimizer_dtypes=OptimizerDtypes.named(opt["type"], opt["master_dtype"], opt["state_dtype"]), **goal)
     return plan(load_model_config(train["model"]), cluster, work, model_name=train["model"], hardware_profile=profile)
 
 

@@ -132,6 +132,19 @@ def load_streamed(spec, dist, tokenizer, data_spec, start: float) -> Data:
     return Data(train=train_rows, eval=eval_rows)
 
 
+def eager_muon_on_cpu(ds_config: dict) -> str | None:
+    """DeepSpeed's muon_update is torch.compile'd; on a CPU machine inductor spends minutes compiling it per matrix
+    shape (measured: a 2-layer tiny Llama had not finished its first step after 3 minutes). The eager function is
+    the same arithmetic, so on CPU the harness runs it eagerly."""
+    import torch
+
+    if str((ds_config.get("optimizer") or {}).get("type", "")).lower() != "muon" or torch.cuda.is_available():
+        return None
+    torch._dynamo.config.disable = True
+    return "optimizer: Muon on CPU: torch.compile is off (DeepSpeed's muon_update runs eagerly; inductor on CPU " \
+           "takes minutes per matrix shape)"
+
+
 def build_engine(spec, startup):
     """(engine, ModelInfo, notes): the model built for this rank (harness/model/load), then the engine, each phase
     timed and its peak memory recorded by `startup` (harness/profiling/startup.py); notes are what the build says
@@ -154,6 +167,8 @@ def build_engine(spec, startup):
         tp_group = built.mpu and (built.mpu.tp_group, built.mpu.tp_rank, spec.tp)
         if note := attach(built.module, spec, hf_model=built.module, tp_group=tp_group):
             notes.append(note)
+    if note := eager_muon_on_cpu(spec.ds_config):
+        notes.append(note)
     with startup.phase("engine_setup"), quiet_scheduler_construction():
         engine, *_ = deepspeed.initialize(model=built.module, model_parameters=adapters.param_groups(built.module,
                                                                                                    spec.recipe),

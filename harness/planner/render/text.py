@@ -46,7 +46,8 @@ def _header(plan: Plan) -> list[str]:
         f"{gb(cluster.usable_gpu_bytes)} usable ({cluster.reserve_fraction:.0%} reserve); CPU RAM {cpu}; NVMe {nvme}",
         f"workload  micro batch {w.micro_batch} x {w.seq_len} tokens, {w.precision}, activation "
         f"checkpointing {'on' if w.activation_checkpointing else 'off'}, grad accum {w.grad_accum}"
-        + ("" if w.optimizer_states == 2 else f", optimizer state {w.optimizer_states} x fp32 per parameter"),
+        + ("" if w.optimizer_states == 2 else f", optimizer state {w.optimizer_states} x fp32 per parameter")
+        + _widths(w, p),
         *objective.headline(w),
         *([f"experts   {p['num_experts']} routed per sparse block, top {p['top_k']}, {p['moe_layers']} sparse "
            f"blocks: {p['total'] / 1e9:.2f} B total, {p['active'] / 1e9:.2f} B active per token; step time and "
@@ -54,6 +55,16 @@ def _header(plan: Plan) -> list[str]:
         f"seed rule 16 B/param (model states only): DP {gb(seed['dp_bytes_per_gpu'])} per GPU; "
         f"ZeRO-3 over {seed['world']} GPUs {gb(seed['zero3_bytes_per_gpu'])} per GPU",
     ]
+
+
+def _widths(w, p: dict) -> str:
+    """The optimizer's widths when they are not fp32 Adam's (docs/optimizers.md)."""
+    d = w.optimizer_dtypes
+    parts = [f"Muon on {p['muon_params'] / p['total']:.0%} of the parameters (1 state), AdamW on the rest"
+             ] if d.muon and p.get("muon_params") else []
+    parts += [f"{name} bf16" for name, width in (("master weights", d.master_bytes), ("optimizer states",
+                                                                                    d.state_bytes)) if width == 2]
+    return "".join(f", {part}" for part in parts)
 
 
 def _breakdown(r: dict, cluster: Cluster) -> list[str]:
@@ -154,6 +165,8 @@ def _table(plan: Plan) -> list[str]:
         lines.append(f"  {i:>2}  {r['label']:<{w}}{verdict:<5}{cells[0]:>10}{cells[1]:>10}{cells[2]:>10}"
                      f"{gb(r['comm']['wire_bytes']) if r['comm']['wire_bytes'] else '-':>11}"
                      f"{timing.seq_text(r.get('max_seq_len')):>9}  {why}")
+    if first and first.get("states_cost"):
+        lines.append(f"  {first['label']}: {first['states_cost']}")
     if last + 1 < len(plan.candidates):
         lines.append(f"  ({len(plan.candidates) - last - 1} costlier options also evaluated: --json lists them)")
     top = max(plan.candidates, key=lambda r: r.get("max_seq_len", 0))
@@ -184,6 +197,8 @@ def to_text(plan: Plan) -> str:
 
         lines += launch_lines(r)
         lines.append("  overrides: " + ", ".join(f"{k}={v}" for k, v in r["overrides"].items()))
+        if r.get("states_cost"):
+            lines.append(f"  cost: {r['states_cost']}")
         lines += _breakdown(r, plan.hardware) + _comm(r)
         lines += [""] + timing.ranking(plan) if plan.ranked else []
     else:
