@@ -266,8 +266,8 @@ def test_multi_node_launch_uses_a_hostfile():
     assert all(c["tp"] <= 8 for c in result.candidates)  # tensor parallel never crosses a node
 
 
-def test_the_plan_gives_the_same_run_under_slurm_and_on_ray():
-    """`harness plan` prints `harness slurm` and `harness ray` beside the launch line (issue 48 item 4): each
+def test_the_plan_gives_the_same_run_under_slurm_on_ray_and_on_kubernetes():
+    """`harness plan` prints `harness slurm`, `harness ray` and `harness k8s` beside the launch line (issue 48): each
     parses with its own command's parser into the same nodes, GPUs, recipe and overrides as the launch line."""
     import shlex
 
@@ -280,13 +280,16 @@ def test_the_plan_gives_the_same_run_under_slurm_and_on_ray():
     launch = run_args.parse(shlex.split(rec["launch"].split(" harness/run.py ", 1)[1]))
     slurm = parser_for(shlex.split(rec["slurm"])[1:]).parse_args(shlex.split(rec["slurm"])[1:])
     ray = parser_for(shlex.split(rec["ray"])[1:]).parse_args(shlex.split(rec["ray"])[1:])
+    k8s = parser_for(shlex.split(rec["k8s"])[1:]).parse_args(shlex.split(rec["k8s"])[1:])
     on_ray = run_args.parse(ray.script_args)
     assert (slurm.nodes, slurm.gpus_per_node, ray.nodes, ray.gpus_per_node) == (2, 8, 2, 8)
+    assert (k8s.nodes, k8s.gpus_per_node, k8s.recipe, k8s.model, k8s.overrides) == \
+        (2, 8, slurm.recipe, slurm.model, slurm.overrides)
     assert slurm.recipe == on_ray.recipe == launch.recipe == rec["recipe"] and ray.script == "harness/run.py"
     assert on_ray.overrides == [f"train.model={slurm.model}", *slurm.overrides]
     assert on_ray.overrides == launch.overrides and on_ray.output_dir == slurm.output_dir == "RUN_DIR"
     text = to_text(result)
-    assert f"  slurm:  {rec['slurm']}" in text and f"  ray:    {rec['ray']}" in text
+    assert f"  slurm:  {rec['slurm']}" in text and f"  ray:    {rec['ray']}" in text and f"  k8s:    {rec['k8s']}" in text
 
 
 def test_impossible_request_says_what_is_missing():

@@ -10,7 +10,7 @@ from harness.config.recipes import ROOT_ENV, recipe_names
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ["3d", "ddp", "long_context", "lora_zero2", "lora_zero3", "moe_ep", "moe_zero3", "pipeline", "tp", "zero1",
-           "zero2", "zero2_offload", "zero3", "zero3_nvme", "zero3_offload"]
+           "zero2", "zero2_bf16_states", "zero2_muon", "zero2_offload", "zero3", "zero3_nvme", "zero3_offload"]
 
 # What an Axolotl / LLaMA-Factory ZeRO-3 preset looks like: everything the HF Trainer would fill is "auto".
 HF_STYLE_ZERO3 = {
@@ -204,7 +204,7 @@ def test_every_problem_in_a_recipe_is_reported_at_once(tmp_path, capsys):
     assert "did you mean 'steps'?" in err
 
 
-def test_recipes_lists_all_fourteen_with_descriptions(capsys):
+def test_recipes_lists_every_recipe_with_its_description(capsys):
     code, out, _ = run(["recipes"], capsys)
     assert code == 0
     lines = out.splitlines()

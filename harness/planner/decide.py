@@ -23,7 +23,8 @@ from harness.config.run_model import Zero
 from harness.planner import longest, memory
 from harness.planner.inputs import RESERVE_FRACTION, Cluster, Workload
 from harness.planner.shape import ModelShape
-from harness.planner.layouts import Candidate, candidates, evaluate, cluster_commands, gb, launch_command, overrides
+from harness.planner.launch_lines import cluster_commands, launch_command
+from harness.planner.layouts import Candidate, candidates, evaluate, gb, overrides
 from harness.planner.params import ParamCount
 from harness.planner.optimizer import offers_rung
 

@@ -6,7 +6,6 @@ decide.py walks these in the decision order and names the first that fits; searc
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -382,27 +381,6 @@ def overrides(c: Candidate, result: dict, work: Workload) -> dict:
     if c.ep > 1:
         out["parallel.expert"] = c.ep
     return out
-
-
-def launch_command(recipe: str, model_name: str, cluster: Cluster, sets: dict) -> str:
-    head = f"harness launch --num_gpus {cluster.gpus_per_node}"  # `deepspeed` that is safe to signal (README)
-    if cluster.nodes > 1:  # DeepSpeed's pdsh launcher: the other nodes' ranks cannot report to `harness launch`
-        head = f"deepspeed --hostfile hostfile --num_nodes {cluster.nodes} --num_gpus {cluster.gpus_per_node}"
-    return f"{head} harness/run.py {_run_args(recipe, model_name, sets)}"
-
-
-def _run_args(recipe: str, model_name: str, sets: dict) -> str:
-    args = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items())
-    return f"--recipe {recipe} --model {shlex.quote(model_name)} {args}"
-
-
-def cluster_commands(recipe: str, model_name: str, cluster: Cluster, sets: dict) -> dict[str, str]:
-    """The same run under a scheduler: `harness slurm` (a batch script) and `harness ray` (on a Ray cluster whose
-    head is HEAD); RUN_DIR stands for a run folder every node shares (docs/cluster.md)."""
-    nodes = f"--nodes {cluster.nodes} --gpus-per-node {cluster.gpus_per_node}"
-    run = _run_args(recipe, model_name, sets)
-    return {"slurm": f"harness slurm {nodes} --output-dir RUN_DIR {run}",
-            "ray": f"harness ray --address HEAD:6379 {nodes} harness/run.py {run} --output-dir RUN_DIR"}
 
 
 def hardware(gpus_per_node: int, nodes: int, gpu_mem_bytes: int, cpu_mem_bytes: int | None,

@@ -11,7 +11,7 @@ so every layout trains the same tokens per step and tokens/s compare like for li
 from __future__ import annotations
 
 from harness.planner.optimizer import offers_rung
-from harness.planner import layouts, longest, steptime
+from harness.planner import launch_lines, layouts, longest, steptime
 from harness.planner.inputs import Cluster, Workload
 from harness.planner.shape import ModelShape
 
@@ -40,8 +40,8 @@ def timed(c, count, shape: ModelShape, cluster: Cluster, work: Workload, profile
     result["global_batch"] = work.global_batch
     longest.attach(result, count, shape, cluster, work)
     result["overrides"] = layouts.overrides(c, result, work)
-    result["launch"] = layouts.launch_command(c.recipe, model_name, cluster, result["overrides"])
-    result.update(layouts.cluster_commands(c.recipe, model_name, cluster, result["overrides"]))
+    result["launch"] = launch_lines.launch_command(c.recipe, model_name, cluster, result["overrides"])
+    result.update(launch_lines.cluster_commands(c.recipe, model_name, cluster, result["overrides"]))
     return result
 
 

@@ -86,4 +86,4 @@ def evaluated(plan) -> list[str]:
 
 def launch_lines(r: dict) -> list[str]:
     """The launch command, and the same run under Slurm and on Ray (docs/cluster.md)."""
-    return [f"  launch: {r['launch']}", f"  slurm:  {r['slurm']}", f"  ray:    {r['ray']}"]
+    return [f"  launch: {r['launch']}", f"  slurm:  {r['slurm']}", f"  ray:    {r['ray']}", f"  k8s:    {r['k8s']}"]
