@@ -40,6 +40,9 @@
 # optimizers: zero2 (AdamW fp32 states), zero2_bf16_states, zero2_muon (Muon's update torch.compile'd on CUDA) on
 # every GPU, 30 steps each: loss, step time, peak memory and model states per rank beside the planner's;
 # OUT_DIR/optimizers (docs/optimizers.md).
+# fp8: train.fp8 (torchao float8 matmuls; needs compute capability 8.9+ and torchao) against bf16 matmuls on the ~1B
+# folder model of the qlora case, ZeRO-2, seq 2048, 30 steps on every GPU: tokens/s, peak memory per rank and the
+# loss of each, side by side; OUT_DIR/fp8/{bf16,fp8} (docs/optimizers.md).
 # Sized for one H200: ~1-2 minutes of work, capped at 7.5 minutes (timeout), so the whole check fits in 8.
 #
 # The GPU machine has torch (CUDA) and transformers but no package registry, so DeepSpeed comes from wheels
@@ -67,7 +70,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
     $PY -m pip wheel --no-deps --wheel-dir "$WHEELS" "deepspeed==$DEEPSPEED_VERSION" "peft==0.21.2" "accelerate==1.15.0"
     $PY -m pip download --only-binary=:all: --python-version "$target" --implementation cp \
         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-        --dest "$WHEELS" "${DEPS[@]}" bitsandbytes
+        --dest "$WHEELS" "${DEPS[@]}" bitsandbytes "torchao==0.18.0"
     echo "[prepare] wheels for Python $target in $WHEELS; copy them to the GPU machine (or carry bench/wheels)"
     exit 0
 fi
@@ -85,6 +88,7 @@ if ! $PY -c "import deepspeed" 2>/dev/null; then
     fi
     if $PY -m pip --version >/dev/null 2>&1; then
         bnb=(); ls "$WHEELS"/bitsandbytes-*.whl >/dev/null 2>&1 && bnb=(bitsandbytes)  # the qlora case's only
+        ls "$WHEELS"/torchao-*.whl >/dev/null 2>&1 && bnb+=(torchao)  # the fp8 case's only
         $PY -m pip install --quiet --no-index --find-links "$WHEELS" "deepspeed==$DEEPSPEED_VERSION" peft "${bnb[@]}"
     else  # no pip in the image: wheels are zip files, unpack them onto the path
         $PY - "$WHEELS" "$OUT/site" <<'EOF'
@@ -106,14 +110,32 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm grpo_tools vlm vlm_video vlm_packing ddp_fp32 distill distill_served ray_gpu optimizers}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm grpo_tools vlm vlm_video vlm_packing ddp_fp32 distill distill_served ray_gpu optimizers fp8}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
+# A ~1B Llama-shaped folder model (TinyLlama-1.1B shape, random bf16 weights, the built-in tokenizer): qlora and fp8.
+write_1b_folder() {
+    $PY - "$1" <<'EOF'
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from harness.model.hf import _shipped_eos_id, load_tokenizer
+eos = _shipped_eos_id()
+cfg = LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                  num_attention_heads=32, num_key_value_heads=4, bos_token_id=eos, eos_token_id=eos)
+torch.manual_seed(0)
+LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
+load_tokenizer("tiny-llama").save_pretrained(sys.argv[1])
+EOF
+}
+
 start=$(date +%s)
 for case in $CASES; do
     if (( gpus < $(need "$case") )); then
         echo "[skip]    $case needs $(need "$case") GPUs, $gpus visible"
         continue
     fi
+    case $case in
+        qlora|fp8) [[ -d "$OUT/qlora/model" ]] || write_1b_folder "$OUT/qlora/model" ;;
+    esac
     case $case in
         distill_served)  # a vLLM-served teacher against the precomputed store; skips itself without vllm
             timeout 400 $PY "$ROOT/bench/gpu_check_distill.py" --out "$OUT/distill_served" \
@@ -152,17 +174,6 @@ EOF
                 --micro-batch 2 --accum 8 --steps 12 --profile-steps 10-11
             echo "[$case]  report: $OUT/$case/report.md" ;;
         qlora)
-            $PY - "$OUT/qlora/model" <<'EOF'
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from harness.model.hf import _shipped_eos_id, load_tokenizer
-eos = _shipped_eos_id()
-cfg = LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                  num_attention_heads=32, num_key_value_heads=4, bos_token_id=eos, eos_token_id=eos)
-torch.manual_seed(0)
-LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
-load_tokenizer("tiny-llama").save_pretrained(sys.argv[1])
-EOF
             timeout 300 $PY -m deepspeed.launcher.runner --num_gpus 1 "$ROOT/harness/run.py" --recipe lora_zero3 \
                 --set adapter.load_in_4bit=true --set "train.model=$OUT/qlora/model" --set train.steps=20 \
                 --set train.seq_len=1024 --set train.eval_every=0 --output-dir "$OUT/qlora/run" --overwrite
@@ -441,7 +452,23 @@ print(f"[optim]   {sys.argv[2]}: loss {s['first_loss']:.4f} -> {s['last_loss']:.
       f"model states per rank {states} (planner {planned})")
 EOF
             done ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, grpo_tools, vlm, vlm_video, vlm_packing, ddp_fp32, distill, distill_served, ray_gpu, optimizers)" >&2; exit 2 ;;
+        fp8)  # FP8 matmuls (torchao float8) against bf16 ones, ZeRO-2, the ~1B folder model
+            for mode in bf16 fp8; do
+                flag=false; [[ $mode == fp8 ]] && flag=true
+                timeout 200 $PY -m deepspeed.launcher.runner --num_gpus "$gpus" "$ROOT/harness/run.py" --recipe zero2 \
+                    --set "train.model=$OUT/qlora/model" --set train.fp8=$flag --set train.steps=30 \
+                    --set train.seq_len=2048 --set train.log_every=10 --set train.eval_every=0 \
+                    --set train.save_every=31 --output-dir "$OUT/fp8/$mode" --overwrite \
+                    || echo "[fp8]     $mode run failed (exit $?)"
+                $PY - "$OUT/fp8/$mode/summary.json" "$mode" <<'EOF' || true
+import json, sys
+s = json.load(open(sys.argv[1]))
+mem, t = s.get("memory", {}), s.get("throughput", {})
+print(f"[fp8]     {sys.argv[2]} matmuls: loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}, "
+      f"{t.get('tokens_per_s_median')} tokens/s, peak per rank {mem.get('peak_per_rank')}")
+EOF
+            done ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, grpo_tools, vlm, vlm_video, vlm_packing, ddp_fp32, distill, distill_served, ray_gpu, optimizers, fp8)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

@@ -199,3 +199,8 @@ def test_auto_recipe_reads_the_optimizer_widths_from_the_recipe():
                     hardware.load("h100-80gb-sxm"))
     assert fp32.recommended is None and bf16.recommended is not None  # 1 TB of RAM holds bf16 states, not fp32
     assert bf16.recommended["overrides"]["optimizer.state_dtype"] == "bf16"
+
+
+def test_plan_refuses_int8_states_with_the_measured_reason(capsys):
+    with pytest.raises(UsageError, match="silently stay fp32 under ZeRO.*use --master-dtype bf16 --state-dtype bf16"):
+        run_plan(ARGS_7B + ["--state-dtype", "int8"], capsys)

@@ -15,6 +15,17 @@ MASTER, STATES = "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_stat
 # FusedAdam (CPUAdam under offload) for Adam/AdamW and MuonWithAuxAdam for Muon; the others' bf16 states are untried.
 BF16_STATE_OPTIMIZERS = ("adam", "adamw", "muon")
 CPU_ADAM = ("adam", "adamw")  # what DeepSpeed's bf16 master + offload check demands (DeepSpeedCPUAdam)
+# Why optimizer.state_dtype int8 is refused, measured (docs/optimizers.md "8-bit states"): torchao 0.18's AdamW8bit as
+# DeepSpeed 0.19.8's client optimizer on 2 CPU ranks, ZeRO-2, bf16. It runs, but it steps ZeRO's one flat fp32
+# partition per rank and quantizes a state only when that tensor has >= 4096 elements and a multiple of 256 (its
+# block): a 33,088-parameter model (16,544 per rank) kept both moments in fp32, a 32,768-parameter one (16,384) got
+# 8-bit moments. DeepSpeed pads a partition to 2 elements, not 256, so the bytes saved would hang on the parameter
+# count; the GPU path is the same flat partition.
+INT8_STATES_REASON = ("8-bit optimizer states (torchao AdamW8bit as DeepSpeed's client optimizer) silently stay "
+                      "fp32 under ZeRO: ZeRO hands the optimizer one flat partition per rank, torchao quantizes a "
+                      "state only when its length is a multiple of 256, and DeepSpeed pads partitions to 2 "
+                      "(measured: 16,544 elements per rank kept fp32 moments, 16,384 got 8-bit ones)")
+INT8_STATES_FIX = "use optimizer.master_dtype=bf16 and optimizer.state_dtype=bf16 (4 B/param less than fp32 moments)"
 
 
 def _flags(ds: dict) -> tuple[bool, bool]:
@@ -69,6 +80,12 @@ def check_low_precision_states(ds: dict, ctx: Context) -> list[Problem]:
                            f"has run and priced them with {', '.join(BF16_STATE_OPTIMIZERS)} only",
                            "use optimizer adamw or muon, or fp32 master_dtype and state_dtype"))
     return out
+
+
+def check_int8_states(ds: dict, ctx: Context) -> list[Problem]:
+    if ctx.recipe.get("optimizer", {}).get("state_dtype") != "int8":
+        return []
+    return [Problem("optimizer.state_dtype", INT8_STATES_REASON, INT8_STATES_FIX)]
 
 
 def check_muon(ds: dict, ctx: Context) -> list[Problem]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from harness.config.optimizer_rules import INT8_STATES_REASON
 from harness.config.run_model import ADAM_STATES, OptimizerDtypes
 from harness.planner.inputs import Workload
 
@@ -23,6 +24,8 @@ RUNG_COST = ("master weights and optimizer states in bf16: 6 B/param less than f
 
 def from_flags(optimizer: str, master_dtype: str, state_dtype: str, precision: str) -> OptimizerDtypes:
     """`harness plan --optimizer --master-dtype --state-dtype` as widths; what DeepSpeed refuses, said up front."""
+    if state_dtype == "int8":
+        raise ValueError(f"--state-dtype int8: {INT8_STATES_REASON}; use --master-dtype bf16 --state-dtype bf16")
     if state_dtype == "bf16" and master_dtype != "bf16":
         raise ValueError("--state-dtype bf16 needs --master-dtype bf16 (DeepSpeed: bf16_optimizer_states requires "
                          "bf16_master_weights_and_grads)")

@@ -22,6 +22,7 @@ from harness.config.defaults import PATH_PREFIXES
 from harness.config.preference_rules import is_preference
 from harness.config.run_model import Zero, optimizer_states
 from harness.errors import Problem, UsageError, raise_if_errors
+from harness.model import fp8
 from harness.model.moe import rules as moe_rules
 from harness.rl.generation import generator_problems
 from harness.train import faults, vision_checks
@@ -47,7 +48,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     problems += attention_problems(spec) + preference_problems(spec.recipe) + reference_problems(spec.recipe, cfg)
     problems += chat_problems(spec.recipe["train"]) + teacher_problems(spec.recipe, cfg, model_config)
     problems += faults.recipe_problems(spec.recipe) + mixture_problems(spec.recipe) + generator_problems(spec.recipe)  # rl.generator=vllm
-    problems += tool_problems(spec.recipe)  # rl.tools / rl.environment_factory: the files, the chat template
+    problems += tool_problems(spec.recipe) + fp8.problems(spec)  # rl.tools' files and chat template; train.fp8 (CUDA)
     problems += vision_checks.problems(spec, cfg)  # vision-language: layouts, processor, images; images on text models
     problems += moe_rules.problems(spec.recipe, spec.world_size, cfg)  # MoE: ep, tp, pipeline, aux loss
     if ds_json is None:  # name the recipe key the user wrote

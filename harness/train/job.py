@@ -22,7 +22,7 @@ from harness.config.resolve import render_provenance
 from harness.errors import UsageError
 from harness.log import quiet_scheduler_construction, say
 from harness.data.stream_rows import StreamRows
-from harness.model import adapters
+from harness.model import adapters, fp8
 from harness.model.lora_attach import attach
 from harness.model.moe.wiring import prepare_model as prepare_moe
 from harness.trackers import start as start_trackers, summary_metrics
@@ -166,6 +166,8 @@ def build_engine(spec, startup):
             mpu = sequence.prepare(built.module, spec) or built.mpu
         tp_group = built.mpu and (built.mpu.tp_group, built.mpu.tp_rank, spec.tp)
         if note := attach(built.module, spec, hf_model=built.module, tp_group=tp_group):
+            notes.append(note)
+        if note := fp8.convert(built.module, spec.recipe):  # after LoRA (refused with it), before the engine
             notes.append(note)
     if note := eager_muon_on_cpu(spec.ds_config):
         notes.append(note)
