@@ -1,7 +1,8 @@
 """Distillation (train.objective gkd) through the harness: per teacher mode on main, the step time and the per-rank
 peak memory beside the planner's prediction, and harness / TRL 1.16 GKDTrainer tokens/s on the same CPU job.
 
-    python bench/distill.py [--steps 8] [--batch 8] [--seq-len 64] [--ranks 2] [--json FILE] [--keep DIR]
+    python bench/distill.py [--steps 8] [--batch 8] [--seq-len 64] [--ranks 2] [--pairs 3] [--json FILE]
+                             [--keep DIR]                                   (~4 min on 2 cores)
 
 A Llama-shaped student (2 layers, hidden 128) and a larger teacher (4 layers, hidden 512), seeded random weights,
 the shipped 512-token tokenizer with a small ChatML-like chat template (both folders), and steps x batch
@@ -25,7 +26,8 @@ reads only that), one epoch exactly, so both sides read every record once.
    completions), beta 0.5, seq_kd false, max length --seq-len. tokens/s = the input tokens the steps read (each
    side's own tokenization of the same records: attention-mask tokens, padding left out) / the training loop's
    wall time (TRL: trainer.train(); harness: first-to-last step end plus the first step), and the ratio of the
-   median steps (the first left out). Goal: harness / TRL >= 1.0.
+   median steps (the first left out). --pairs pairs back to back in alternating order (H T, T H, ...), so drift on a
+   shared machine hits both sides; the verdict is the median of the pairs' ratios. Goal: harness / TRL >= 1.0.
    Where the two compute differently (so the comparison is read right): TRL draws one on-policy coin per micro-batch
    and process, the harness one per row (no coin matters at lmbda 0); the loss is at T = 1 on both (GKDTrainer's
    quirk, the harness's default distill.loss_temperature); the harness normalises the loss over all loss tokens of
@@ -132,7 +134,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
 from trl.experimental.gkd import GKDConfig, GKDTrainer
 from trl.experimental.utils import DataCollatorForChatML
-work, steps, batch, seq_len, hyper = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+work, (steps, batch, seq_len), hyper = sys.argv[1], map(int, sys.argv[2:5]), json.loads(sys.argv[5])
 rows = [json.loads(line) for line in open(work + "/records.jsonl")]
 data = Dataset.from_list([{"messages": r["prompt"] + r["completion"]} for r in rows])
 tokenizer = AutoTokenizer.from_pretrained(work + "/student")
@@ -179,7 +181,24 @@ def mode_rows(args, work: Path) -> list[dict]:
     return rows
 
 
-def table(modes: list[dict], ours: dict, theirs: dict, meta: dict) -> str:
+def pairs(args, work: Path) -> list[tuple[dict, dict]]:
+    """(harness, TRL) per pair, back to back in alternating order (H T, T H, ...): drift on a shared machine hits
+    both sides alike."""
+    out = []
+    for pair in range(args.pairs):
+        sides = {}
+        for side in (("harness", "trl") if pair % 2 == 0 else ("trl", "harness")):
+            sides[side] = trl_run(args, work) if side == "trl" else \
+                harness_run(args, work / f"harness_ddp{pair}", work, "ddp", 1, "engine", False)
+        out.append((sides["harness"], sides["trl"]))
+    return out
+
+
+def spread(ratios: list[float]) -> str:
+    return f"median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}"
+
+
+def table(modes: list[dict], runs: list[tuple[dict, dict]], meta: dict) -> str:
     mib = 2 ** 20
     out = [f"student {meta['student_params'] / 1e6:.2f}M params, teacher {meta['teacher_params'] / 1e6:.2f}M, "
            f"{meta['records']} records, batch {meta['batch']}, seq_len {meta['seq_len']}, {meta['steps']} steps, "
@@ -194,14 +213,17 @@ def table(modes: list[dict], ours: dict, theirs: dict, meta: dict) -> str:
         out.append(f"  {r['mode'] + ' on ' + r['recipe']:<22}{r['step_s'] * 1000:>9.0f}"
                    f"{r['teacher_s'] / r['step_s']:>9.0%}{peak / mib:>10.1f}{pred / mib:>13.1f}{peak / pred:>7.2f}"
                    f"{r['over_adapter']['peak'] / mib:>20.1f}{r['over_adapter']['predicted'] / mib:>9.1f}")
-    wall = (ours["tokens"] / ours["seconds"]) / (theirs["tokens"] / theirs["seconds"])
-    step = ours["step_tps"] / theirs["step_tps"]
     out += [f"  {'1 process, same job':<22}{'tokens':>9}{'tok/s':>9}{'median step ms':>16}{'loss first -> last':>22}"]
-    for name, r in (("harness (ddp)", ours), (f"TRL {meta['trl']} GKDTrainer", theirs)):
-        out.append(f"  {name:<22}{r['tokens']:>9}{r['tokens'] / r['seconds']:>9.0f}{r['step_s'] * 1000:>16.0f}"
-                   f"{r['loss'][0]:>12.4f} -> {r['loss'][-1]:.4f}")
-    out.append(f"  harness / TRL tokens/s: {wall:.2f} over the loop, {step:.2f} of the median step "
-               f"(goal >= {GOAL}: {'ok' if min(wall, step) >= GOAL else 'MISSED'})")
+    wall, step = [], []
+    for pair, (ours, theirs) in enumerate(runs):
+        wall.append((ours["tokens"] / ours["seconds"]) / (theirs["tokens"] / theirs["seconds"]))
+        step.append(ours["step_tps"] / theirs["step_tps"])
+        for name, r in ((f"pair {pair} harness (ddp)", ours), (f"pair {pair} TRL {meta['trl']}", theirs)):
+            out.append(f"  {name:<22}{r['tokens']:>9}{r['tokens'] / r['seconds']:>9.0f}{r['step_s'] * 1000:>16.0f}"
+                       f"{r['loss'][0]:>12.4f} -> {r['loss'][-1]:.4f}")
+    ok = min(statistics.median(wall), statistics.median(step)) >= GOAL
+    out.append(f"  harness / TRL GKDTrainer tokens/s over the loop: {spread(wall)}; of the median step: {spread(step)} "
+               f"over {len(runs)} pair(s) (goal >= {GOAL}: {'ok' if ok else 'MISSED'})")
     out.append("  differs from TRL: on-policy coin per row (TRL: per micro-batch and process; none drawn at lmbda 0), "
                "T = 1 in the loss on both (distill.loss_temperature), loss over the step's tokens in float32 chunks")
     meta.update(harness_over_trl_loop=wall, harness_over_trl_median_step=step)
@@ -214,6 +236,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8, help="rows per step (split over the ranks in part 1)")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=3, help="harness / TRL pairs, in the order H T, T H, H T, ...")
     parser.add_argument("--json", default="/tmp/distill_bench.json")
     parser.add_argument("--keep", help="keep the models and runs in this folder")
     args = parser.parse_args()
@@ -229,13 +252,13 @@ def main() -> int:
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "load": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
         modes = mode_rows(args, work)
-        ours = harness_run(args, work / "harness_ddp", work, "ddp", 1, "engine", False)
-        theirs = trl_run(args, work)
+        runs = pairs(args, work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    print(table(modes, ours, theirs, meta))
-    Path(args.json).write_text(json.dumps({"meta": meta, "modes": modes, "harness": ours, "trl": theirs}, indent=1))
+    print(table(modes, runs, meta))
+    Path(args.json).write_text(json.dumps({"meta": meta, "modes": modes, "pairs": [{"harness": h, "trl": t}
+                                                                                   for h, t in runs]}, indent=1))
     print(f"written: {args.json}")
     return 0
 
