@@ -87,7 +87,8 @@ def test_an_attempt_ends_with_bad_input_first_then_a_failure_then_preemption():
 def test_a_shrunk_attempt_grows_back_at_the_checkpoint_after_the_nodes_return(tmp_path):
     """GrowBack (the driver's watch while an attempt runs on fewer than --nodes nodes): nothing while a node is
     missing; once every node is up, the checkpoint that stood then is not enough, nor a save without its
-    manifest, nor the last step's (the run ends there): the next complete one is. Ray's node list as ray.nodes() gives it (the live cluster: below)."""
+    manifest, nor the last step's (the run ends there): the next complete one is. Ray's node list as ray.nodes()
+    gives it (the live cluster: below)."""
     from types import SimpleNamespace
 
     from harness.commands.ray_attempt import GrowBack
