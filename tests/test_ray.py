@@ -7,10 +7,12 @@ rank per node on ZeRO-3, the driver on the head's host. One cluster lifetime, th
      steps before the checkpoint from the first attempt, the rest from the relaunch; and its final weights. (A
      run without the kill on its own would cost one more launch, ~85 s on the loaded 2-core machine, to show
      what the first attempt's steps show);
-  3+4. SIGTERM to the driver: exit 75 at a step the ranks agreed on; the same command again (with --min-nodes 1)
-     resumes, bit for bit, and when the worker is killed after its next checkpoint and not replaced, finishes on
-     one node: the steps after that checkpoint within 1e-6 of the straight run (the universal-checkpoint
-     relayout's bound), the conversion recorded. (The two cases share one command: one launch fewer.)
+  3+4+5. SIGTERM to the driver: exit 75 at a step the ranks agreed on; the same command again (with --min-nodes 1)
+     resumes, bit for bit, and when the worker is killed after its next checkpoint, continues on one node; a
+     replacement worker then joins and the run grows back to 2 nodes at its next checkpoint (a grow-back line in
+     restarts.jsonl): the steps after the lost node's checkpoint within 1e-6 of the straight run (the
+     universal-checkpoint relayout's bound, both ways), both conversions recorded. (The cases share one command:
+     fewer launches.)
 Bad input is refused before Ray is asked (exit 2). Ray's processes are killed and the namespaces removed after
 the test whatever happens. Needs root and ray (the `ray` extra); skipped with the reason elsewhere, required in CI
 (.ci/run: DSHARNESS_REQUIRE_RAY=1).
@@ -36,7 +38,7 @@ from helpers.reliability import assert_continues, wait_for
 PROBLEM = twohosts.unavailable() or ray_cluster.ray_problem()
 NEEDS_CLUSTER = pytest.mark.skipif(PROBLEM is not None and not ray_cluster.required(), reason=f"Ray cluster: {PROBLEM}")
 
-STEPS = 10
+STEPS = 14  # a checkpoint every 2: room for the lost node, the shrink and the grow-back
 COMMON = ["--recipe", "zero3", "--set", "precision=fp32", "--set", "train.seq_len=64", "--set", "train.eval_every=0",
           "--set", "scheduler.type=none", "--set", "train.log_every=1", "--profile-steps", "",
           "--set", "batch.train_batch_size=\"auto\"", "--set", "train.model=tiny-llama",
@@ -80,6 +82,42 @@ def test_an_attempt_ends_with_bad_input_first_then_a_failure_then_preemption():
     assert Outcome(codes={0: 1}, lost={1: "gone"}).code == 1 and Outcome(codes={0: 0}, lost={1: "gone"}).code == 1
     assert Outcome(codes={0: 0, 1: STOPPED}).code == 1 and Outcome(codes={0: 137, 1: 75}).code == 137
     assert Outcome(codes={0: 75, 1: 75}).code == 75 and Outcome(codes={0: 0, 1: 0}).code == 0
+
+
+def test_a_shrunk_attempt_grows_back_at_the_checkpoint_after_the_nodes_return(tmp_path):
+    """GrowBack (the driver's watch while an attempt runs on fewer than --nodes nodes): nothing while a node is
+    missing; once every node is up, the checkpoint that stood then is not enough, nor a save without its
+    manifest, nor the last step's (the run ends there): the next complete one is. Ray's node list as ray.nodes()
+    gives it (the live cluster: below)."""
+    from types import SimpleNamespace
+
+    from harness.commands.ray_attempt import GrowBack
+
+    def save(step: int, complete: bool = True) -> None:
+        folder = tmp_path / "checkpoints" / f"global_step{step}"
+        folder.mkdir(parents=True)
+        if complete:
+            (folder / "manifest.json").write_text("{}")
+
+    node = {"Alive": True, "Resources": {"CPU": 1.0}}
+    cluster = SimpleNamespace(nodes=lambda: listed)
+    grow = GrowBack(cluster, SimpleNamespace(cpu=True, per_node=1, nodes=2, run_dir=tmp_path, steps=8))
+
+    def due():
+        grow.next_check = 0.0  # no 2 s between asks here
+        return grow.due()
+
+    save(4)
+    listed = [node, {**node, "Alive": False}]  # the lost worker, dead
+    assert due() is None and grow.since is None
+    listed = [node, {"Alive": True, "Resources": {"GPU": 1.0}}, node]  # a node without a bundle's CPU, a good one
+    assert due() is None and grow.since == "global_step4"
+    save(6, complete=False)
+    assert due() is None
+    (tmp_path / "checkpoints" / "global_step6" / "manifest.json").write_text("{}")
+    assert due() == "global_step6"
+    save(8)
+    assert due() is None  # the last step's: the run ends there
 
 
 def weights(run: Path) -> dict:
@@ -181,30 +219,40 @@ def test_ray_runs_resumes_after_a_lost_node_and_preemption(cluster, straight, tm
           f"killed): the driver waited for 2 nodes {waited:.0f} s later, a replacement joined in {joined:.0f} s; "
           f"resumed from {record['resume_from']}, final weights bit-equal")
 
-    # 3+4. SIGTERM to the driver: 75 at an agreed step; the same command again resumes, and (--min-nodes 1) with
-    # the worker lost after its next checkpoint and not replaced, finishes on one node
+    # 3+4+5. SIGTERM to the driver: 75 at an agreed step; the same command again resumes, and (--min-nodes 1) with
+    # the worker lost after its next checkpoint, continues on one node until a replacement joins, then grows back
     extra = ("--min-nodes", "1", "--node-wait", "10")
     d = Driver(cluster, tmp_path / "term", tmp_path / "term.log", *extra)
     d.saved_past(1)
     os.kill(d.proc.pid, signal.SIGTERM)
     assert d.wait() == 75, d.text()[-6000:]
     stopped = records(d.run, "preempted")
-    assert len(stopped) == 1 and 2 <= stopped[0]["step"] < STEPS - 2, stopped
+    assert len(stopped) == 1 and 2 <= stopped[0]["step"] < STEPS - 4, stopped
     at = stopped[0]["step"]
     d = Driver(cluster, d.run, d.log, *extra)
     d.saved_past(at)
     cluster.kill_node(1)
+    wait_for(lambda: "continuing on 1 (--min-nodes 1), world 1" in d.text() or d.proc.poll() is not None,
+             RUN_TIMEOUT_S, "the driver continuing on one node", poll_s=0.2)
+    rejoined = cluster.start_worker()
     assert d.wait() == 0, d.text()[-6000:]
     text = d.text()
-    assert "continuing on 1 (--min-nodes 1), world 1" in text, text[-6000:]
-    [record] = [json.loads(line) for line in (d.run / "restarts.jsonl").read_text().splitlines()]
-    step = record["step"]
+    assert "continuing on 1 (--min-nodes 1), world 1" in text and "to grow back" in text, text[-6000:]
+    lost, grown = [json.loads(line) for line in (d.run / "restarts.jsonl").read_text().splitlines()]
+    step, back = lost["step"], grown["step"]
+    assert not lost["grow_back"] and grown["grow_back"] and grown["code"] is None, (lost, grown)
+    assert at < step < back < STEPS and grown["resume_from"] == f"global_step{back}", (at, lost, grown)
+    assert "--resume" in grown["script_args"] and "latest" in grown["script_args"], grown
+    assert "1 of them grow-backs" in restarts_line([lost, grown])[0]
     got = losses(d.run)
-    assert step > at and sorted(got) == list(range(1, STEPS + 1)), (step, at, sorted(got))
-    # on two nodes, before the signal and after the resume: bit-equal; on one node after the relayout: within 1e-6
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
+    # on two nodes, before the signal and after the resume: bit-equal; after the relayouts (2 -> 1 node at `step`,
+    # 1 -> 2 at `back`): within 1e-6
     assert {s: v for s, v in got.items() if s <= step} == {s: want[s] for s in range(1, step + 1)}, (got, want)
     worst = assert_continues({s: v for s, v in got.items() if s > step}, want, rtol=1e-6)
     conversions = [json.loads(line) for line in (d.run / "conversions.jsonl").read_text().splitlines()]
-    assert conversions, "the resume on one node must record its conversion"
+    assert [(c["tag"], c["from"]["world_size"], c["to"]["world_size"]) for c in conversions] == \
+        [(f"global_step{step}", 2, 1), (f"global_step{back}", 1, 2)], conversions
     print(f"SIGTERM: exit 75 at step {at}, the same command resumed; worker lost after global_step{step}: "
-          f"--min-nodes 1 finished on one node, losses within {worst:.2g} of the straight run")
+          f"--min-nodes 1 continued on one node, a replacement joined in {rejoined:.0f} s, grown back to 2 nodes "
+          f"after global_step{back}; losses within {worst:.2g} of the straight run")

@@ -19,7 +19,9 @@ Ray is asked for anything, the recipe is resolved for N x G ranks with harness/r
                                            up to --max-failures times;
   - with --min-nodes M < N, an attempt that finds only n (M <= n < N) nodes after --node-wait runs on those n:
     the resume loads the checkpoint through DeepSpeed's universal form (harness/train/session.py), the global
-    batch kept; the next relaunch asks for N nodes again.
+    batch kept. While it runs, the driver watches for the missing nodes to come back; once they have, it stops
+    the attempt right after the run's next complete checkpoint and relaunches on N nodes with --resume latest
+    (the grow-back: a line in RUN/restarts.jsonl, not counted against --max-failures).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu", action="store_true", help="CPU ranks (no GPU asked of Ray; --gpus-per-node counts "
                                                            "ranks)")
     parser.add_argument("--min-nodes", type=_count, default=None, metavar="M",
-                        help="continue on M..N nodes when N cannot be had after --node-wait (default: N)")
+                        help="continue on M..N nodes when N cannot be had after --node-wait, growing back to N at the "
+                             "run's next checkpoint once they are up (default: N)")
     parser.add_argument("--max-failures", type=_whole, default=3, metavar="K",
                         help="relaunches after a lost node or a failed attempt (default 3)")
     parser.add_argument("--node-wait", type=float, default=300.0, metavar="S",
@@ -89,6 +92,7 @@ class Plan:
     first_args: list[str]  # the first attempt's: --resume auto unless the command names --resume
     run_dir: Path
     stop_after_s: float  # train.collective_timeout + STOP_MARGIN_S
+    steps: int  # train.steps: a shrunk attempt grows back at a checkpoint before the last step only
 
 
 def check(args) -> Plan:
@@ -117,7 +121,7 @@ def check(args) -> Plan:
                                                               local_size=args.gpus_per_node))
     return Plan(args.address, args.nodes, min_nodes, args.gpus_per_node, args.cpu, args.node_wait, args.max_failures,
                 str(Path(args.script).resolve()), list(args.script_args), first, Path(parsed.output_dir).resolve(),
-                spec.recipe["train"]["collective_timeout"] * 60 + STOP_MARGIN_S)
+                spec.recipe["train"]["collective_timeout"] * 60 + STOP_MARGIN_S, spec.recipe["train"]["steps"])
 
 
 def import_ray():
@@ -172,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 def requeue_loop(ray, plan: Plan, pending: list[int]) -> int:
     from harness.commands import ray_attempt
 
-    script_args, failures = plan.first_args, 0
+    script_args, failures, attempt = plan.first_args, 0, 0
     while True:
         try:
             group = ray_attempt.gather(ray, plan, pending)
@@ -182,22 +186,35 @@ def requeue_loop(ray, plan: Plan, pending: list[int]) -> int:
         if group is None:  # a signal while waiting: nothing runs, the latest checkpoint stands
             say("ray", "signal while waiting for nodes: exit 75, the same command resumes from latest")
             return EXIT_PREEMPTED
+        attempt += 1
         outcome = ray_attempt.run_attempt(ray, plan, group, script_args, pending)
         code = outcome.code
+        if outcome.grown and not pending:
+            script_args, tag = restarts.restart_args(plan.script_args, plan.run_dir)
+            _record(plan, attempt, outcome, None, tag, script_args, grow_back=True)
+            say("ray", f"attempt {attempt} on {group.nodes} node(s) stopped after {outcome.grown}: relaunch on "
+                       f"{plan.nodes} nodes from {tag} (a grow-back, not a failure)")
+            continue
         if pending or (code in (0, EXIT_BAD_INPUT, EXIT_NUMERIC_FAULT, EXIT_PREEMPTED) and not outcome.lost):
-            say("ray", f"attempt {failures + 1} ended: {outcome.describe()}; exit {code}")
+            say("ray", f"attempt {attempt} ended: {outcome.describe()}; exit {code}")
             return code
         failures += 1
         if failures > plan.max_failures:
-            say("ray", f"attempt {failures} failed ({outcome.describe()}); --max-failures {plan.max_failures} "
+            say("ray", f"attempt {attempt} failed ({outcome.describe()}); --max-failures {plan.max_failures} "
                        f"used up: exit {code}")
             return code
         script_args, tag = restarts.restart_args(plan.script_args, plan.run_dir)
-        record = {"attempt": failures, "time": round(time.time(), 3), "code": code, "launcher": "harness ray",
-                  "exit_codes": outcome.codes_by_node(), "lost_nodes": outcome.lost_names(),
-                  "reason": outcome.describe(), "step": int(tag.removeprefix("global_step")) if tag else 0,
-                  "backoff_s": 0, "resume_from": tag, "script_args": script_args}
-        if plan.run_dir.is_dir():
-            restarts.append(plan.run_dir, record)
-        say("ray", f"attempt {failures} failed ({outcome.describe()}); relaunch {failures}/{plan.max_failures} "
+        _record(plan, attempt, outcome, code, tag, script_args)
+        say("ray", f"attempt {attempt} failed ({outcome.describe()}); relaunch {failures}/{plan.max_failures} "
                    f"{f'from {tag}' if tag else 'from the start'} once {plan.nodes} nodes are up")
+
+
+def _record(plan: Plan, attempt: int, outcome, code: int | None, tag: str | None, script_args: list[str],
+            grow_back: bool = False) -> None:
+    """One line in RUN/restarts.jsonl: the attempt that ended, why, and the checkpoint the next one resumes."""
+    record = {"attempt": attempt, "time": round(time.time(), 3), "code": code, "launcher": "harness ray",
+              "exit_codes": outcome.codes_by_node(), "lost_nodes": outcome.lost_names(),
+              "reason": outcome.describe(), "step": int(tag.removeprefix("global_step")) if tag else 0,
+              "backoff_s": 0, "resume_from": tag, "script_args": script_args, "grow_back": grow_back}
+    if plan.run_dir.is_dir():
+        restarts.append(plan.run_dir, record)

@@ -1,5 +1,7 @@
 """One attempt of `harness ray` (harness/commands/ray.py): the nodes gathered in a placement group, one agent per
-node started, the nodes' launches watched to their end. Ray is passed in (imported by the driver only)."""
+node started, the nodes' launches watched to their end, or (an attempt on fewer than --nodes nodes) to the run's
+next complete checkpoint once the missing nodes are back: the grow-back. Ray is passed in (imported by the driver
+only)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,13 @@ from dataclasses import dataclass, field
 
 from harness.log import say
 from harness.train.preempt import EXIT_PREEMPTED
+from harness.train.restarts import newest_complete
 
 STOPPED = -1  # a node's launch the driver killed: it outlived the others' end by train.collective_timeout + margin
 POLL_S = 0.5
 START_TIMEOUT_S = 120.0  # for the agents of a ready placement group to answer
+GROW_CHECK_S = 2.0  # how often an attempt on fewer than --nodes nodes asks Ray for its nodes
+CKPT_POLL_S = 0.05  # how often, once they are back, it looks for the run's next complete checkpoint
 
 
 @dataclass
@@ -27,6 +32,7 @@ class Outcome:
     codes: dict[int, int] = field(default_factory=dict)  # node index -> its launch's exit code (STOPPED)
     lost: dict[int, str] = field(default_factory=dict)  # node index -> why Ray says its agent is gone
     where: list[dict] = field(default_factory=list)  # each node's Agent.where()
+    grown: str | None = None  # the checkpoint the attempt was stopped after for a grow-back to --nodes nodes
 
     @property
     def code(self) -> int:
@@ -51,6 +57,8 @@ class Outcome:
         return [self.name(i) for i in sorted(self.lost)]
 
     def describe(self) -> str:
+        if self.grown:
+            return f"stopped after {self.grown} to grow back to every node"
         parts = [f"{self.name(i)} lost ({why})" for i, why in sorted(self.lost.items())]
         parts += [f"{self.name(i)} {'stopped after the others ended' if c == STOPPED else f'exited {c}'}"
                   for i, c in sorted(self.codes.items())]
@@ -140,7 +148,8 @@ def run_attempt(ray, plan, group: Group, script_args: list[str], pending: list[i
         say("ray", f"{group.nodes} node(s) x {plan.per_node} ranks: " + ", ".join(
             f"{outcome.name(i)}" for i in range(group.nodes)) + f"; master {outcome.where[0]['addr']}:"
             f"{outcome.where[0]['port']}")
-        watch(ray, agents, outcome, plan.stop_after_s, pending)
+        grow = GrowBack(ray, plan) if group.nodes < plan.nodes else None
+        watch(ray, agents, outcome, plan.stop_after_s, pending, grow)
     except ray.exceptions.RayError as e:  # agent i's node lost before every launch started
         outcome.lost[i] = str(e).strip().splitlines()[0][:200]
     finally:
@@ -152,10 +161,45 @@ def run_attempt(ray, plan, group: Group, script_args: list[str], pending: list[i
     return outcome
 
 
+def _step(tag: str | None) -> int:
+    return int(tag.removeprefix("global_step")) if tag else 0
 
-def watch(ray, agents: list, outcome: Outcome, stop_after_s: float, pending: list[int]) -> None:
+
+class GrowBack:
+    """An attempt on fewer than --nodes nodes: due() is the checkpoint to stop after (then the driver relaunches on
+    every node with --resume latest), once the missing nodes are back (alive, with a bundle's resources) and the
+    run has completed a checkpoint newer than the one that stood when they came back; None until then. The run's
+    last step's checkpoint is never one: the run ends there on the nodes it has."""
+
+    def __init__(self, ray, plan):
+        self.ray, self.plan = ray, plan
+        self.since: str | None = None  # the newest complete checkpoint when the nodes were back ("" for none)
+        self.next_check = 0.0
+
+    def due(self, wait_s: float = 0.0) -> str | None:
+        """Ask Ray for its nodes (every GROW_CHECK_S); once they are back, watch the checkpoints for up to wait_s
+        (a step can take less than the driver's poll: the stop comes within CKPT_POLL_S of the save)."""
+        deadline = time.monotonic() + wait_s
+        if self.since is None and time.monotonic() >= self.next_check:
+            self.next_check = time.monotonic() + GROW_CHECK_S
+            if nodes_with(self.ray, bundle(self.plan)) >= self.plan.nodes:
+                self.since = newest_complete(self.plan.run_dir) or ""
+                say("ray", f"{self.plan.nodes} nodes are up again: growing back at the run's next checkpoint "
+                           f"(after {self.since or 'none yet'})")
+        while True:
+            tag = newest_complete(self.plan.run_dir) if self.since is not None else None
+            if tag and _step(self.since) < _step(tag) < self.plan.steps:
+                return tag
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(min(CKPT_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def watch(ray, agents: list, outcome: Outcome, stop_after_s: float, pending: list[int],
+          grow: GrowBack | None = None) -> None:
     """Poll every node's launch until each has ended or is lost; forward signals as they come. Once one node
-    failed (or was lost), the others get stop_after_s (their collective_timeout and a margin) before being killed."""
+    failed (or was lost), the others get stop_after_s (their collective_timeout and a margin) before being killed.
+    With `grow` (fewer nodes than --nodes), return once it names a checkpoint: the caller stops every node."""
     forwarded, failed_at = 0, None
     live = set(range(len(agents)))
     while live:
@@ -184,4 +228,9 @@ def watch(ray, agents: list, outcome: Outcome, stop_after_s: float, pending: lis
                 say("ray", f"{outcome.name(i)} still runs {stop_after_s:g} s after the first failure: stopping it")
                 outcome.codes[i] = STOPPED
             return
-        time.sleep(POLL_S)
+        if not (grow and live and failed_at is None and not pending):
+            time.sleep(POLL_S)
+        elif tag := grow.due(POLL_S):
+            say("ray", f"{tag} complete: stopping the attempt on {len(agents)} node(s) to grow back")
+            outcome.grown = tag
+            return
