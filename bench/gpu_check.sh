@@ -113,19 +113,22 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm grpo_tools vlm vlm_video vlm_packing ddp_fp32 distill distill_served ray_gpu optimizers fp8}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 # A ~1B Llama-shaped folder model (TinyLlama-1.1B shape, random bf16 weights, the built-in tokenizer): qlora and fp8.
-write_1b_folder() {
-    $PY - "$1" <<'EOF'
+# A random-weight bf16 Llama folder with the shipped tokenizer: write_llama_folder DIR HIDDEN INTERMEDIATE LAYERS HEADS
+write_llama_folder() {
+    $PY - "$@" <<'EOF'
 import sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from harness.model.hf import _shipped_eos_id, load_tokenizer
+out, (hidden, inter, layers, heads) = sys.argv[1], map(int, sys.argv[2:6])
 eos = _shipped_eos_id()
-cfg = LlamaConfig(vocab_size=512, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                  num_attention_heads=32, num_key_value_heads=4, bos_token_id=eos, eos_token_id=eos)
+cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=4, bos_token_id=eos, eos_token_id=eos)
 torch.manual_seed(0)
-LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
-load_tokenizer("tiny-llama").save_pretrained(sys.argv[1])
+LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+load_tokenizer("tiny-llama").save_pretrained(out)
 EOF
 }
+write_1b_folder() { write_llama_folder "$1" 2048 5632 22 32; }
 
 start=$(date +%s)
 for case in $CASES; do
@@ -383,19 +386,7 @@ print(f"[ddp_fp32] grad norms {norms} ({'all reported' if None not in norms else
 EOF
             ;;
         distill)  # gkd: the teacher as a frozen engine on CUDA, ZeRO-3-sharded (zero3) and a whole copy (zero2)
-            $PY - "$OUT/distill" <<'EOF'
-import sys, torch
-from pathlib import Path
-from transformers import LlamaConfig, LlamaForCausalLM
-from harness.model.hf import _shipped_eos_id, load_tokenizer
-out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-eos = _shipped_eos_id()
-cfg = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-                  num_attention_heads=16, num_key_value_heads=4, bos_token_id=eos, eos_token_id=eos)
-torch.manual_seed(0)
-LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out / "teacher")
-load_tokenizer("tiny-llama").save_pretrained(out / "teacher")
-EOF
+            write_llama_folder "$OUT/distill/teacher" 1024 2816 24 16  # ~0.3B: a teacher beside tiny-llama
             for recipe in zero2 zero3; do
                 timeout 150 $PY -m deepspeed.launcher.runner --num_gpus 1 "$ROOT/harness/run.py" --recipe $recipe \
                     --set train.objective=gkd --set distill.lmbda=0 --set precision=bf16 --set train.steps=10 \
