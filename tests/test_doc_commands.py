@@ -12,8 +12,8 @@ commands; a command no rule covers fails:
   (`--set train.steps=1` appended), all of them in one process group of that many ranks; the first GRPO command of
   docs/rl.md runs whole, as written, through `harness launch`, and must learn (below); the DPO and reward-model
   commands run to their first step like the rest (DPO's steps are held to plain torch's in
-  tests/test_preference.py, the reward model's learning in tests/test_reward_model.py). A launch that runs for real gets a free --master_port (DeepSpeed's 29500 may be
-  another run's on a shared machine).
+  tests/test_preference.py, the reward model's learning in tests/test_reward_model.py). A launch that runs for real
+  gets a free --master_port (DeepSpeed's 29500 may be another run's on a shared machine).
 - `harness report RUN` / `harness export RUN --out DIR`: run as written, on the folder of that GRPO run where the
   page's example folder (`runs/2026-11-30_zero3`) does not exist here.
 - `harness k8s|slurm ...`: run as written in an empty folder (they write a job's files there, and submit nothing
