@@ -9,7 +9,7 @@ from its file instead of generating and scoring.
 
 Per step: the loss (harness/rl/loss.py) over the rank's grad_accum micro-batches of micro_batch completions, with
 engine.backward / engine.step, then the generator's weight sync. The metrics carry TRL's names and the time split
-(time/generate_s, score_s, reference_s, train_s, sync_s).
+(time/generate_s, tools_s: multi-turn tool calls and templates, score_s, reference_s, train_s, sync_s).
 """
 
 from __future__ import annotations
@@ -176,7 +176,8 @@ class GrpoSteps:
         rollouts = self.multiturn.start([self.prompts.values[i] for i in index], prompt_ids, columns,
                                         list(range(first, first + len(index))), names)
         self.multiturn.run(rollouts, seed)
-        times["generate_s"] = time.perf_counter() - began
+        loop = time.perf_counter() - began  # tools_s: environments' reset, tool calls, their suffixes' rendering
+        times["generate_s"], times["tools_s"] = self.multiturn.generate_s, loop - self.multiturn.generate_s
         began = time.perf_counter()
         scores = self.rewards.score(prompts=[r.prompt for r in rollouts], completions=[r.replies for r in rollouts],
                                     completion_ids=[r.completion for r in rollouts],
