@@ -138,4 +138,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from harness.dist import exit_now
+
+    exit_now(main())

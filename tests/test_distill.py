@@ -295,3 +295,17 @@ def test_the_ce_term_skips_the_students_own_completions():
         full_vocabulary(s, Targets(logits=t), mine, cfg)[0]
     skipped = -torch.log_softmax(s[2:], -1).gather(-1, torch.tensor([[7], [8], [9], [1]])).sum()
     assert torch.allclose(with_ce - without, 0.3 * skipped)
+
+
+def test_use_vllm_is_refused_before_launch_without_cuda():
+    """distill.use_vllm (TRL's key): the student's completions from a colocated vLLM, GPU only (bench/gpu_check.sh's
+    distill case runs it there); here it is refused with the reason before any rank starts."""
+    from harness.rl.generation import generator_problems
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    problems = generator_problems({"train": {"objective": "gkd"}, "distill": {"use_vllm": True, "lmbda": 1}})
+    assert [p.path for p in problems] == ["distill.use_vllm"]
+    assert "distill.use_vllm needs CUDA GPUs; this machine has none" in problems[0].message
+    assert "distill.use_vllm=false" in problems[0].fix
+    assert generator_problems({"train": {"objective": "distill"}, "distill": {"use_vllm": False}}) == []

@@ -151,6 +151,8 @@ class DistillSteps:
             entropies += torch.stack([ent_s, ent_t]).double().cpu()
         mine = [len(r["completion_ids"]) for r in made if r["source"] == "student"]
         theirs = [len(r["completion_ids"]) for r in made if r["source"] == "teacher"]
+        if self.on_policy is not None:
+            self.on_policy.after_step()  # use_vllm: its weights are stale now
         ent_s, ent_t, *made = _sum_over_ranks([*entropies.tolist(), len(mine), sum(mine), len(theirs), sum(theirs)],
                                               engine.device)
         seconds = time.perf_counter() - began

@@ -1,6 +1,6 @@
 """Completions generated during a distillation run (gkd with distill.lmbda > 0 or seq_kd, objective distill),
 through the RL generators as they stand (harness/rl/generation: HF generate on the live weights, ZeRO-3 gathers
-bounded by the planner; vLLM on GPU).
+bounded by the planner; with distill.use_vllm, TRL's key, a colocated vLLM on GPU, synced after each optimizer step).
 
 TRL's GKDTrainer draws one coin per micro-batch and process: with probability lmbda the student generates the
 micro-batch's completions, else with seq_kd the teacher does, else the dataset's are used. Here the coin is drawn per
@@ -44,9 +44,15 @@ class OnPolicy:
         self.eos_ids = (tokenizer.eos_token_id,)
         rl = {"generator": "hf", "max_completion_length": cfg["max_new_tokens"] or cfg["max_completion_length"],
               "temperature": cfg["temperature"], "top_k": 0, "top_p": 1.0}
-        self.generators = {STUDENT: make_generator(rl, engine, tokenizer, spec.run)}
-        if cfg["seq_kd"] and spec.recipe["train"]["objective"] == "gkd":
+        student = {**rl, "generator": "vllm" if cfg["use_vllm"] else "hf", "max_prompt_length": spec.recipe[
+            "train"]["seq_len"], "vllm_gpu_memory_utilization": cfg["vllm_gpu_memory_utilization"]}
+        self.generators = {STUDENT: make_generator(student, engine, tokenizer, spec.run)}
+        if cfg["seq_kd"] and spec.recipe["train"]["objective"] == "gkd":  # the teacher's weights never change: hf
             self.generators[TEACHER] = teacher.generator(rl, engine, tokenizer, spec.run)
+
+    def after_step(self) -> None:
+        """After each optimizer step: vLLM's copy of the student's weights is stale (synced at the next generation)."""
+        self.generators[STUDENT].after_step()
 
     def draws(self, step: int, first_row: int, rows: int) -> list[str | None]:
         """Per row: who generates its completion (the student with probability lmbda, else the teacher with seq_kd,
