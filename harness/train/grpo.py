@@ -29,7 +29,7 @@ from harness.log import say
 from harness.rl import generation_batch as gb
 from harness.rl import replay as replay_file
 from harness.rl.loss import completion_logits, per_token_loss, reduce, token_logps
-from harness.rl.rollouts import ROLLOUTS_FILE, Rollouts, first_eos, lines, truncate_after
+from harness.rl.rollouts import ROLLOUTS_FILE, Rollouts, append, first_eos, lines, truncate_after
 from harness.rl.step_metrics import StepMetrics
 
 CLIENT_KEY = "rl_generation"  # the current generation's records, in the checkpoint's client state (num_iterations > 1)
@@ -238,8 +238,7 @@ class GrpoSteps:
         times["reference_s"] = time.perf_counter() - began
         self.buffer = (rollouts, records, tokens)
         if self.dist.is_main:
-            with open(self.run_dir / ROLLOUTS_FILE, "a") as out:
-                out.write("".join(line + "\n" for line in lines(step + 1, self.g, records)))
+            append(self.run_dir, lines(step + 1, self.g, records))
         return metrics
 
     # --- the step ---

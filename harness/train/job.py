@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from harness import dist as distmod
@@ -19,7 +20,8 @@ from harness.config.objectives import objective_of, readout_of
 from harness.config.preference_rules import is_preference
 from harness.config.recipes import deep_merge
 from harness.config.resolve import render_provenance
-from harness.errors import UsageError
+from harness.distill.served import TeacherUnavailable
+from harness.errors import UsageError, without_secrets
 from harness.log import quiet_scheduler_construction, say
 from harness.data.stream_rows import StreamRows
 from harness.model import adapters, fp8
@@ -383,6 +385,11 @@ def run(spec, dist) -> int:
                 trackers.summary(summary_metrics(summary), summary["steps"])
             quiesce(engine)
         code = preempt.EXIT_PREEMPTED if "preempted_at" in result else 0
+        return code
+    except TeacherUnavailable as e:  # a served teacher's outage, not bad input: a code the launchers retry
+        if dist.is_main or dist.local_rank == 0:
+            print(f"error: {without_secrets(str(e))}", file=sys.stderr)
+        code = preempt.EXIT_TEACHER_UNAVAILABLE
         return code
     finally:
         if data is not None and hasattr(data.train, "close"):  # a streamed store: this node's writer stops
