@@ -20,7 +20,7 @@ store    the precomputed teacher (distill.teacher_mode precomputed, top-256, bet
          number of rows; memory-mapped, so a rank's peak in use must not grow with it (delta over the store's
          growth near 0; its touched pages show in VmHWM, not RssAnon).
 turns    multi-turn GRPO on ZeRO-3 (tests/helpers/tool_models.py's tool-calling tiny Llama on the SecretEnv of
-         tests/fixtures/rl_tools, rl.max_completion_length 256, tool tokens counted in it) as
+         tests/fixtures/rl_tools, rl.max_completion_length 512, tool tokens counted in it) as
          rl.max_tool_calling_iterations grows 1, 2, 4: the planner keeps the KV cache at prompt + completion budget
          whatever the turns (harness/planner/rl.py), so the peak must stay flat while the generate calls and their
          prefill grow (planner: prefill tokens per row, beside the measured generate seconds).
@@ -145,18 +145,22 @@ def part_turns(work: Path, args) -> list[dict]:
 
     from harness.planner.rl import prefill_tokens
 
-    boost = {call_text("reveal"): 4.5, call_text("broken"): 3.0, "<|im_end|>": 2.0}  # calls likely, ends rare
+    boost = {call_text("reveal"): 6.0, "<|im_end|>": 5.0}  # a turn: a few short calls, then its end
     model = tool_model_folder(work / "tool_llama", logit_boost=boost)
     prompts = write_prompts(work / "prompts.jsonl", 64)
     rows = []
     for cap in TOOL_CAPS:
         sets = {"train.model": model, "train.dataset": prompts, "train.objective": "grpo", "precision": "fp32",
                 "batch.micro_batch_per_gpu": 8, "batch.grad_accum_steps": 1, "batch.train_batch_size": '"auto"',
-                "rl.num_generations": 4, "rl.max_completion_length": 256, "rl.max_prompt_length": 512,
+                "rl.num_generations": 4, "rl.max_completion_length": 512, "rl.max_prompt_length": 512,
                 "rl.environment_factory": f"{ENV_FILE}:SecretEnv", "rl.max_tool_calling_iterations": cap}
         r = run(work / f"turns_{cap}", "zero3", sets, args.ranks, args.steps)
-        rows.append({"part": "turns", "scale": cap, "prefill_tokens": prefill_tokens(prompt_len=64, completion_len=256,
-                                                                                      turns=cap + 1), **r})
+        rollouts = [json.loads(line) for line in (work / f"turns_{cap}" / "rollouts.jsonl").read_text().splitlines()]
+        turns = [len(x["turns"]) for x in rollouts]
+        finish = [x["finish"] for x in rollouts]
+        rows.append({"part": "turns", "scale": cap, "turns": statistics.mean(turns), "max_turns": max(turns),
+                     "finish": {f: finish.count(f) for f in sorted(set(finish))},
+                     "prefill_tokens": prefill_tokens(prompt_len=64, completion_len=512, turns=cap + 1), **r})
     return rows
 
 
@@ -204,8 +208,8 @@ def other(r: dict) -> str:
     if r["part"] == "store":
         return f"{r['records']} records"
     if r["part"] == "turns":
-        return (f"calls/completion {r['calls']:.2f}, generate {r['generate_s']:.2f}s/step, planner prefill "
-                f"{r['prefill_tokens']} tokens/row")
+        return (f"turns/row {r['turns']:.2f} (max {r['max_turns']}), calls/completion {r['calls']:.2f}, generate "
+                f"{r['generate_s']:.2f}s/step, planner prefill {r['prefill_tokens']} tokens/row, finish {r['finish']}")
     return ""
 
 
