@@ -1,7 +1,9 @@
 """Scale is part of correctness: what a rank holds as the work grows, beside the planner, side by side in one run.
 
     python bench/growth.py [--parts teacher,store,turns,optim] [--ranks 2] [--steps 5] [--json FILE] [--keep DIR]
-                                                                        (~12 min on 2 shared cores)
+
+17 launches, about 1 min each on 2 idle cores; measured 2026-12-07 at a load average of ~15 on 2 shared cores:
+teacher + store 11 min, turns 7 min, optim 15 min (run the parts apart with --parts).
 
 Each case is a harness run (harness/run.py on --ranks CPU ranks, --steps steps, the last two profiled); per rank,
 from the run's own files: the steps' peak in use (summary.json memory.peak_per_rank: RssAnon less what malloc holds
