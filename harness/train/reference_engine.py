@@ -44,6 +44,12 @@ def engine_config(spec) -> dict:
             out[key] = {"enabled": True}
     if zero.get("stage") == 3:
         keep = {k: v for k, v in zero.items() if k.startswith("stage3_") or k in ("stage", "offload_param")}
+        # No prefetch in a forward-only engine: once DeepSpeed 0.19.8's trace is complete, each module's fetch
+        # prefetches at least one parameter whatever the bucket (modules without parameters of their own fetch too),
+        # so the prefetch runs ahead of the forward and about half the frozen model was gathered at once from the
+        # second forward on (bench/growth.py: +1.0 x the teacher's bytes per rank, not 1 / ranks). Without it a
+        # rank holds its partition and the module being run, as the planner prices it.
+        keep["stage3_prefetch_bucket_size"] = 0
         out["zero_optimization"] = keep
     else:
         out["zero_optimization"] = {"stage": 0}

@@ -5,7 +5,8 @@ Resolves the run as harness/run.py does (session.prepare: the recipe, its checks
 teacher as the run's engine mode does (harness/train/reference_engine.build_engine: distill.teacher_model_name_or_path
 by the student's own build path, no optimizer, the student's ZeRO-3 keys), then counts the parameter bytes each rank
 holds (tests/drivers/reference_bytes.held_bytes: ZeRO-3's partitions plus its persistent tensors whole), runs one
-no_grad forward and counts what stays gathered. Rank r writes OUT.json.rank{r}; the test sets them beside
+no_grad forward and counts what stays gathered, then two more (DeepSpeed's trace complete: its prefetch on) and the
+most gathered at once before any module's forward, beside the largest decoder layer's bytes. Rank r writes OUT.json.rank{r}; the test sets them beside
 `harness plan --objective gkd --teacher ...`.
 """
 
@@ -37,8 +38,23 @@ def main(out: str, argv: list[str]) -> int:
     before = held_bytes(engine.module)
     with torch.no_grad():
         engine(input_ids=torch.randint(0, 100, (2, 16)), use_cache=False)
+    after = held_bytes(engine.module)
+    peak = [0]
+
+    def gathered(module, args):
+        peak[0] = max(peak[0], held_bytes(engine.module)["gathered"])
+
+    hooks = [m.register_forward_pre_hook(gathered) for m in engine.module.modules()]
+    with torch.no_grad():
+        for _ in range(2):
+            engine(input_ids=torch.randint(0, 100, (2, 16)), use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    layer = max(sum(p.ds_numel * p.element_size() for p in block.parameters())
+                for block in engine.module.model.layers)
     zero = spec.ds_config["zero_optimization"]
-    result = {"held": before, "after_forward": held_bytes(engine.module), "params": info.num_params,
+    result = {"held": before, "after_forward": after, "peak_gathered": peak[0], "layer_bytes": layer,
+              "params": info.num_params,
               "stage": zero["stage"], "threshold": zero.get("stage3_param_persistence_threshold")}
     with open(f"{out}.rank{dist.rank}", "w") as f:
         json.dump(result, f)
