@@ -38,6 +38,11 @@ class RunComplete(Exception):
     Exit code 0, so `harness launch --max-restarts` and a requeued Slurm job end as done, not failed."""
 
 
+class GeneratorFailed(RuntimeError):
+    """rl.async's generator process died, raised or went silent (harness/rl/async_rollouts.py): every rank raises
+    it with the same reason after the step's gather. Exit code 1."""
+
+
 class ConfigError(Exception):
     """One or more configuration problems. Exit code 2."""
 

@@ -387,6 +387,8 @@ def run(spec, dist) -> int:
     finally:
         if data is not None and hasattr(data.train, "close"):  # a streamed store: this node's writer stops
             data.train.close()
+        if data is not None and hasattr(data.steps, "close"):  # rl.async: the generator processes stop
+            data.steps.close()
         if trackers is not None:
             trackers.finish(code)
         if log:
