@@ -20,7 +20,7 @@ import sys
 if __package__ in (None, ""):  # launched by path (deepspeed harness/run.py): make `harness` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness.errors import ConfigError, GeneratorFailed, RunComplete, UsageError, without_secrets  # noqa: E402
+from harness.errors import ConfigError, RunComplete, UsageError, without_secrets  # noqa: E402
 
 
 def main(argv: list[str] | None = None, launch=None) -> int:
@@ -51,9 +51,6 @@ def main(argv: list[str] | None = None, launch=None) -> int:
         return 0
     except CollectiveTimeout as e:  # every rank that timed out says so: the first line names the setting
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    except GeneratorFailed as e:  # every rank raises it with the same reason (rl.async)
-        print(f"error (rank {rank}): {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         if rank == 0:

@@ -31,6 +31,7 @@ from harness.rl.generation.vllm import buckets, named_weights
 MIB = 1 << 20
 PEFT_PREFIX = "base_model.model."
 POLL_S = 0.2
+PRELOAD = ("torch", "transformers", "harness.rl.generation.worker", "harness.rl.generation.hf")
 
 
 def base_model(module):
@@ -52,9 +53,9 @@ class AsyncGeneration:
         self.failure: str | None = None
         self.dropped = 0
         self.last_sync = {"seconds": 0.0, "bytes": 0, "buckets": 0}
-        self.proc, self.conn = self._spawn(tokenizer)
+        self.proc, self.conn = self._start(tokenizer)
 
-    def _spawn(self, tokenizer):
+    def _start(self, tokenizer):
         import torch.multiprocessing as mp
 
         from harness.rl.generation import worker
@@ -63,7 +64,8 @@ class AsyncGeneration:
         eos = tokenizer.eos_token_id
         eos_ids = list(eos) if isinstance(eos, list) else [eos]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")  # one clean server per trainer process forks the generators: the
+        ctx.set_forkserver_preload(list(PRELOAD))  # imports are paid once, not per run of a process (tests' jobs)
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker.serve, name=f"harness-generator-rank{self.rank}", daemon=True,
                            args=(child, type(base), base.config, next(base.parameters()).dtype, dict(self.rl),
@@ -145,14 +147,15 @@ class AsyncGeneration:
                 try:
                     message = self.conn.recv()
                 except (EOFError, OSError):
-                    self._fail("its pipe closed")
+                    self.proc.join(timeout=5)
+                    self._fail(ended(self.proc.exitcode))
                     break
                 if message[0] == "error":
                     self._fail("it raised:\n" + message[1].rstrip())
                 else:
                     self.results[message[1]] = tuple(message[2:])
             elif not self.proc.is_alive():
-                self._fail(f"it exited with code {self.proc.exitcode}")
+                self._fail(ended(self.proc.exitcode))
             elif time.monotonic() > deadline:
                 self._fail(f"no rollouts for step {step + 1} within rl.async_timeout_s = {self.timeout_s:g} s")
         return self.results.pop(step, (step, [], [], 0.0))
@@ -175,8 +178,23 @@ class AsyncGeneration:
         self.conn.close()
 
 
-def raise_if_failed(outcomes: list) -> None:
-    """Every rank's outcome of the step's generation, gathered: the same GeneratorFailed on every rank."""
+def ended(code: int | None) -> str:
+    """How the process ended, in words (a negative exit code is the signal that killed it)."""
+    if code is None:
+        return "its pipe closed while it still runs"
+    if code < 0:
+        import signal
+
+        return f"it exited with code {code} (killed by {signal.Signals(-code).name})"
+    return f"it exited with code {code}"
+
+
+def raise_if_failed(outcomes: list, rank: int) -> None:
+    """Every rank's outcome of the step's generation, gathered: every rank prints the reason and raises
+    GeneratorFailed (harness/train/job.py ends the run with exit code 1)."""
     failures = [o for o in outcomes if o]
     if failures:
+        import sys
+
+        print(f"error (rank {rank}): " + "\n".join(failures), file=sys.stderr, flush=True)
         raise GeneratorFailed("\n".join(failures))

@@ -37,7 +37,7 @@ def records(steps, step: int, index: list[int], prompt_ids: list, times: dict) -
             r.update(model_version=out["version"], sampling_logps=logps)
     parts = gather_all({"error": out.get("error"), "records": local, "seconds": out.get("seconds", 0.0),
                         "dropped": steps.async_gen.dropped})
-    raise_if_failed([p["error"] for p in parts])
+    raise_if_failed([p["error"] for p in parts], steps.dp_rank)
     every = [r for p in parts for r in p["records"]]
     steps.async_stats = {"sample/staleness_mean": sum(step - r["model_version"] for r in every) / len(every),
                          "sample/dropped_stale_total": float(sum(p["dropped"] for p in parts)),

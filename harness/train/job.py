@@ -19,7 +19,7 @@ from harness.config.objectives import objective_of, readout_of
 from harness.config.preference_rules import is_preference
 from harness.config.recipes import deep_merge
 from harness.config.resolve import render_provenance
-from harness.errors import UsageError
+from harness.errors import GeneratorFailed, UsageError
 from harness.log import quiet_scheduler_construction, say
 from harness.data.stream_rows import StreamRows
 from harness.model import adapters, fp8
@@ -372,6 +372,9 @@ def run(spec, dist) -> int:
                 if dist.is_main:
                     say("fault", str(e))
                 code = faults.EXIT_NUMERIC_FAULT
+                return code
+            except GeneratorFailed:  # rl.async: every rank said why as it raised (harness/rl/async_rollouts.py)
+                code = 1
                 return code
             result.update(startup_summary)
             if isinstance(data.train, StreamRows):  # streaming: how long rank 0 waited for its node's writer

@@ -1,7 +1,8 @@
 """The asynchronous generator's own process (rl.async on CPU, `rl.generator=hf`): a copy of the policy that
 samples the rollouts of later steps while the trainer rank that started it trains the current one.
 
-It is started by harness/rl/async_rollouts.py (one per trainer rank, multiprocessing "spawn") and reads messages
+It is started by harness/rl/async_rollouts.py (one per trainer rank, forked by multiprocessing's forkserver: a
+clean process, not the trainer's) and reads messages
 from its pipe in order:
     ("weights", version, [(name, tensor), ...], last)  a bucket of the policy's weights; the last bucket of a sync
                                                        makes `version` the one its next rollouts are tagged with
@@ -30,7 +31,7 @@ def build(model_class, config, dtype):
 
 
 def serve(conn, model_class, config, dtype, rl: dict, eos_ids: list[int], pad_id: int, threads: int) -> None:
-    """The process's main loop (the spawn target)."""
+    """The process's main loop (the Process target)."""
     import torch
 
     torch.set_num_threads(max(int(threads), 1))
