@@ -124,7 +124,7 @@ class AsyncGeneration:
             params = [p for _, w, lora in bucket for p in (w, *(lora[:2] if lora else ()))]
             with deepspeed.zero.GatheredParameters(params, enabled=is_zero3(module)):
                 tensors = [(n.removeprefix(PEFT_PREFIX),
-                            (w.data if not lora else w.data + lora[2] * lora[1].data @ lora[0].data).detach().clone())
+                            (w.data if not lora else w.data + lora[2] * lora[1].data @ lora[0].data).detach().to("cpu", copy=True))
                            for n, w, lora in bucket]
             self._send(("weights", version, tensors, i == len(groups) - 1))
             sent += sum(map(gathered_bytes, params))
