@@ -10,7 +10,7 @@ tiny Llama (tests/drivers/jobs.py):
   loss is -sum(A w) / tokens;
 - a generator process killed (SIGKILL, by this test) mid-run ends the run on both ranks with the reason, exit 1, no
   hang (the next case's start would hang otherwise; the launch has a timeout).
-The refusals run without ranks.
+The refusals and the two corrections (against formulas) run without ranks.
 """
 
 from __future__ import annotations
@@ -206,3 +206,25 @@ def _validate(tmp_path, rl: dict, capsys) -> str:
 def test_what_async_does_not_combine_with_is_refused_before_launch(tmp_path, capsys, rl, message):
     err = _validate(tmp_path, rl, capsys)
     assert message in err and "fix:" in err, err
+
+
+def test_the_corrections_against_the_sampling_logps_are_trls():
+    """ppo_clip: per_token_loss's ratio taken to the sampler's log-probs (TRL's AsyncGRPO); tis: the ratio to the
+    policy's own log-probs (1) and each token's loss weighted by the capped exp(logp - sampling_logp), detached."""
+    import torch
+
+    from harness.rl.loss import correction, per_token_loss
+
+    rl = {"async_correction": "ppo_clip", "importance_sampling_level": "token", "vllm_importance_sampling_clip_max": 1.5,
+          "epsilon": 0.2, "epsilon_high": None, "delta": None, "loss_type": "dapo", "beta": 0.0}
+    logps = torch.tensor([[-1.0, -0.5, -0.5]], requires_grad=True)
+    sampling = torch.tensor([[-1.1, -1.0, -0.5]])
+    mask, adv = torch.ones(1, 3), torch.tensor([1.0])
+    old, weight, used = correction(logps, sampling, mask, rl)
+    r = torch.exp(logps.detach() - sampling)
+    assert weight is None and torch.equal(old, sampling) and torch.allclose(used, r)
+    loss, _, _ = per_token_loss(logps, old, None, adv, mask, rl)
+    assert torch.allclose(loss, -torch.min(r, r.clamp(0.8, 1.2)))
+    old, weight, used = correction(logps, sampling, mask, {**rl, "async_correction": "tis"})
+    assert torch.equal(old, logps.detach()) and torch.allclose(weight, r.clamp(max=1.5)) and torch.equal(used, weight)
+    assert not weight.requires_grad and float(weight.max()) == 1.5
