@@ -9,8 +9,10 @@ tiny Llama (tests/drivers/jobs.py):
 - truncated importance sampling (async_correction tis, cap 1.0): the recorded weights are capped at 1 and the logged
   loss is -sum(A w) / tokens;
 - a generator process killed (SIGKILL, by this test) mid-run ends the run on both ranks with the reason, exit 1, no
-  hang (the next case's start would hang otherwise; the launch has a timeout).
-The refusals and the two corrections (against formulas) run without ranks.
+  hang (the launch has a timeout).
+Measured on the shared 2-core machine: the launch 102-184 s wall under load averages 12-19 (other engineers' tests).
+The refusals, the two corrections (against formulas) and a silent generator (a real process that never answers:
+rl.async_timeout_s ends the wait with the reason) run without ranks.
 """
 
 from __future__ import annotations
@@ -228,3 +230,29 @@ def test_the_corrections_against_the_sampling_logps_are_trls():
     old, weight, used = correction(logps, sampling, mask, {**rl, "async_correction": "tis"})
     assert torch.equal(old, logps.detach()) and torch.allclose(weight, r.clamp(max=1.5)) and torch.equal(used, weight)
     assert not weight.requires_grad and float(weight.max()) == 1.5
+
+
+def test_a_silent_generator_fails_the_step_after_async_timeout_s():
+    """A generator process alive but sending nothing (here: a real process asleep) fails the wait after
+    rl.async_timeout_s with the reason, not a hang; the death of one is named with its signal."""
+    import multiprocessing as mp
+
+    from harness.rl.async_rollouts import AsyncGeneration, ended
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    proc.start()
+    try:
+        waiting = AsyncGeneration.__new__(AsyncGeneration)  # the schedule's state only: no engine, no weights
+        waiting.timeout_s, waiting.failure, waiting.results, waiting.proc, waiting.conn, waiting.rank = \
+            0.5, None, {}, proc, parent, 1
+        began = time.monotonic()
+        waiting._wait(3)
+        assert 0.5 <= time.monotonic() - began < 10
+        assert waiting.failure.startswith(f"rank 1: rl.async's generator process (pid {proc.pid}) failed: no "
+                                          "rollouts for step 4 within rl.async_timeout_s = 0.5 s")
+    finally:
+        proc.kill()
+        proc.join()
+    assert ended(proc.exitcode) == "it exited with code -9 (killed by SIGKILL)"
