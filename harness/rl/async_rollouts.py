@@ -136,8 +136,9 @@ class AsyncGeneration:
             return
         try:
             self.conn.send(message)
-        except OSError as e:
-            self._fail(f"could not send to it ({type(e).__name__}: {e})")
+        except OSError as e:  # it died: say how (the exit code), not only that the pipe broke
+            self.proc.join(timeout=5)
+            self._fail(f"{ended(self.proc.exitcode)}; sending to it raised {type(e).__name__}: {e}")
 
     def _wait(self, step: int) -> tuple:
         """(version, completions, logps, seconds) of step `step`, reading the answers in order."""
