@@ -29,7 +29,7 @@ demo: ops
 		--set train.steps=40 --set train.eval_every=20 --set optimizer.lr=0.003
 
 test: ops
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=40
 
 test-fast: install
 	$(PY) -m pytest -q -m "not multirank"

@@ -36,7 +36,9 @@
 # gap, the top-k loss from each), then the server killed: the error and its seconds; OUT_DIR/distill_served.
 # distill: train.objective=gkd (dataset completions, lmbda 0) on the built-in set, a ~0.3B bf16 Llama-shaped teacher
 # folder (random weights) as a frozen engine, ZeRO-3-sharded under zero3 and a whole copy under zero2, the tiny-llama
-# student; loss, teacher entropy, the time split and peak memory; OUT_DIR/distill.
+# student; loss, teacher entropy, the time split and peak memory; then on-policy on ZeRO-3 with HF generate (and
+# seq_kd: the teacher engine generates the other rows) and with a colocated vLLM (distill.use_vllm; skipped without
+# vllm): generate time, completions recorded in rollouts.jsonl; OUT_DIR/distill.
 # ray_gpu: `harness ray` on a one-node Ray cluster holding 1-2 GPUs (needs ray); OUT_DIR/ray_gpu.
 # optimizers: zero2 (AdamW fp32 states), zero2_bf16_states, zero2_muon (Muon's update torch.compile'd on CUDA) on
 # every GPU, 30 steps each: loss, step time, peak memory and model states per rank beside the planner's;
@@ -424,6 +426,31 @@ train = sum(r["time/train_s"] for r in rs) / len(rs)
 print(f"[distill] {sys.argv[2]}: loss {rs[0]['loss']:.4f} -> {rs[-1]['loss']:.4f}, teacher entropy "
       f"{rs[-1]['teacher_entropy']:.3f}, per step teacher {teacher * 1000:.0f} ms, train {train * 1000:.0f} ms; "
       f"peak per rank {s.get('memory', {}).get('peak_per_rank')}")
+EOF
+            done
+            # on-policy on ZeRO-3: the student's completions from HF generate (lmbda 0.5 with seq_kd: the teacher
+            # engine generates the other rows), then all from a colocated vLLM (distill.use_vllm; skipped without it)
+            for gen in hf vllm; do
+                if [[ $gen == vllm ]] && ! $PY -c "import vllm" 2>/dev/null; then
+                    echo "[distill] on-policy vllm skipped: vllm is not installed"; continue
+                fi
+                extra=(--set distill.lmbda=0.5 --set distill.seq_kd=true)
+                [[ $gen == vllm ]] && extra=(--set distill.lmbda=1 --set distill.use_vllm=true)
+                timeout 300 $PY -m deepspeed.launcher.runner --num_gpus 1 "$ROOT/harness/run.py" --recipe zero3 \
+                    --set train.objective=gkd "${extra[@]}" --set distill.max_new_tokens=64 --set precision=bf16 \
+                    --set train.steps=6 --set "distill.teacher_model_name_or_path=$OUT/distill/teacher" \
+                    --set train.seq_len=256 --set train.log_every=1 --set train.eval_every=0 --set train.save_every=3 \
+                    --output-dir "$OUT/distill/on_policy_$gen" --overwrite || echo "[distill] on-policy $gen failed (exit $?)"
+                $PY - "$OUT/distill/on_policy_$gen" "$gen" <<'EOF' || true
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+rs = [r for r in map(json.loads, open(run / "metrics.jsonl")) if r["kind"] == "train"]
+lines = [json.loads(x) for x in open(run / "rollouts.jsonl")]
+gen = sum(r["time/generate_s"] for r in rs) / len(rs)
+print(f"[distill] on-policy {sys.argv[2]}: loss {rs[0]['loss']:.4f} -> {rs[-1]['loss']:.4f}, generate {gen * 1000:.0f} "
+      f"ms per step, {len(lines)} completions in rollouts.jsonl ({sum(x['source'] == 'teacher' for x in lines)} "
+      f"the teacher's), mean length {sum(len(x['completion_ids']) for x in lines) / max(len(lines), 1):.1f}")
 EOF
             done ;;
         ray_gpu)  # harness ray on a one-node Ray cluster that holds the GPUs: a bundle of GPUs in the placement

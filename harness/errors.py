@@ -40,7 +40,10 @@ class RunComplete(Exception):
 
 class GeneratorFailed(RuntimeError):
     """rl.async's generator process died, raised or went silent (harness/rl/async_rollouts.py): every rank raises
-    it with the same reason, printed, after the step's gather; harness/train/job.py ends the run with exit code 1."""
+    it with the same reason after the step's gather (rank 0 says it, the others print it); harness/train/job.py
+    ends the run with exit_code."""
+
+    exit_code = 1
 
 
 class ConfigError(Exception):

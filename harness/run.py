@@ -8,7 +8,8 @@ Exit codes: 0 done (also a resumed run already at train.steps: it says so and wr
 clear message on rank 0, and on each other node's first rank, before any process group exists); 75 preempted
 (SIGTERM/SIGUSR1: checkpoint saved at the step the ranks agreed on, `--resume latest` continues;
 harness/train/preempt.py); 3 numeric fault (train.on_nonfinite: the step, the ranks and the batch's rows named,
-nothing saved after it; harness/train/faults.py); 1 anything else, e.g. a collective that outlived
+nothing saved after it; harness/train/faults.py); 69 a served teacher stopped answering (an outage: retried by
+`harness launch --max-restarts`, Kubernetes, Ray and the Slurm script; harness/distill/served.py); 1 anything else, e.g. a collective that outlived
 train.collective_timeout.
 """
 

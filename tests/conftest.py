@@ -34,6 +34,15 @@ def nvme_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def distill_runs(tmp_path_factory):
+    """The distillation tests' runs (test_distill, test_distill_topk_run, test_teacher_store) in ONE 2-rank launch
+    (tests/helpers/distill_launch.py): its root, process, wall time and each case's output by name."""
+    from helpers.distill_launch import launch_distill_runs
+
+    return launch_distill_runs(tmp_path_factory.mktemp("distill"))
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real one-node Slurm cluster (tests/helpers/slurm_cluster.py), up for the session, stopped after. Where
     it cannot start (not root, Slurm not installed) the tests skip with the reason, except in CI (CI or

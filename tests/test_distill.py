@@ -4,7 +4,8 @@ Llama student and a 3-layer, sharpened Llama teacher with one tokenizer, SGD lr 
 norm, entropy and teacher entropy, the SECOND step's loss (which shows the update) and the eval after it within
 1e-5, for beta 0, 0.5 and 1 at loss temperatures 1 and 0.9, on ddp, ZeRO-2 and ZeRO-3 (the teacher engine
 ZeRO-3-sharded), with accumulation, a CE term and the adapter mode under LoRA; 2 ranks whose rows hold unequal token
-counts. All cases run in ONE 2-rank launch; the ZeRO-3 case's export loads with AutoModelForCausalLM and gives the
+counts. All cases run in ONE 2-rank launch, shared with the other distillation tests (tests/helpers/
+distill_launch.py); the ZeRO-3 case's export loads with AutoModelForCausalLM and gives the
 plain-torch student's logits. The refusals run without ranks (the teacher's checks in one plain process).
 """
 
@@ -17,71 +18,18 @@ import pytest
 import torch
 
 from harness.cli import main
-from helpers.distill_ref import Case, expected, sharpened_folder, write_completions
-from helpers.launch import job_output, launch_jobs, records, run_checked, set_args
+from helpers.distill_launch import CASES, LR, MICRO, ON_POLICY_STEPS, STEPS, argv, on_policy_argv
+from helpers.distill_ref import Case, expected
+from helpers.launch import launch_jobs, records, run_checked
 from helpers.models import llama_folder
 
-STEPS, SEQ_LEN, MICRO, LR, EVAL_FRACTION = 2, 24, 2, 1.0, 0.25
 RTOL, ATOL = 1e-5, 1e-6  # fp32 logits and float32 chunks against float64: measured at most 1.3e-7 relative
-CASES = [Case("ddp_forward_kl", "ddp", 0.0),
-         Case("ddp_reverse_kl", "ddp", 1.0),
-         Case("zero2_jsd_t09_ga2_ce", "zero2", 0.5, 0.9, gas=2, ce_alpha=0.5),
-         Case("zero3_reverse_kl_t09", "zero3", 1.0, 0.9),
-         Case("zero3_forward_kl_t09_ga2", "zero3", 0.0, 0.9, gas=2),
-         Case("zero2_lora_adapter_jsd_ce", "zero2", 0.5, ce_alpha=1.0, lora=True)]
-
-
-def argv(root: Path, case: Case) -> list[str]:
-    sets = {"precision": "fp32", "train.steps": STEPS, "train.seq_len": SEQ_LEN, "train.save_every": STEPS,
-            "train.eval_every": STEPS, "train.log_every": 1, "scheduler.type": "none", "optimizer.type": "sgd",
-            "optimizer.lr": LR, "optimizer.weight_decay": 0, "gradient_clipping": 0,
-            "batch.micro_batch_per_gpu": MICRO, "batch.grad_accum_steps": case.gas, "batch.train_batch_size": '"auto"',
-            "train.eval_fraction": EVAL_FRACTION, "train.model": root / "student", "train.dataset": root / "data.jsonl",
-            "train.objective": "gkd", "distill.lmbda": 0, "distill.beta": case.beta, "distill.ce_alpha": case.ce_alpha,
-            "distill.loss_chunk_tokens": 7}  # several chunks per micro-batch, the last one short
-    if case.loss_temperature is not None:
-        sets["distill.loss_temperature"] = case.loss_temperature
-    if case.lora:
-        sets.update({"adapter.type": "lora", "adapter.dropout": 0})
-    else:
-        sets["distill.teacher_model_name_or_path"] = root / "teacher"
-    return ["--recipe", case.recipe, "--output-dir", str(root / case.name), *set_args(sets)]
-
-
-ON_POLICY_STEPS = 6
-
-
-def on_policy_argv(root: Path, name: str, resume: str | None = None, gas: int = 2,
-                   steps: int = ON_POLICY_STEPS) -> list[str]:
-    """gkd with lmbda 1 (every completion the student's own) on ZeRO-2 with accumulation, Adam; saved at step 3."""
-    sets = {"precision": "fp32", "train.steps": steps, "train.seq_len": SEQ_LEN, "train.save_every": 3,
-            "train.eval_every": 0, "train.log_every": 1, "scheduler.type": "none", "optimizer.lr": 0.01,
-            "batch.micro_batch_per_gpu": MICRO, "batch.grad_accum_steps": gas, "batch.train_batch_size": '"auto"',
-            "train.model": root / "student", "train.dataset": root / "data.jsonl", "train.objective": "gkd",
-            "distill.lmbda": 1, "distill.max_new_tokens": 8, "distill.teacher_model_name_or_path": root / "teacher"}
-    extra = ["--resume", str(root / "on_policy" / "checkpoints" / "global_step3")] if resume else []
-    return ["--recipe", "zero2", "--output-dir", str(root / name), *set_args(sets), *extra]
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    import time
-
-    root = tmp_path_factory.mktemp("distill")
-    llama_folder(root / "student", layers=1)
-    sharpened_folder(llama_folder(root / "teacher_raw", seed=77, layers=3), root / "teacher")
-    write_completions(root / "data.jsonl")
-    start = time.perf_counter()
-    prompts_only = ["--recipe", "ddp", "--output-dir", str(root / "distill_prompts"), *set_args({
-        "precision": "fp32", "train.steps": 2, "train.seq_len": SEQ_LEN, "train.eval_every": 2, "train.log_every": 1,
-        "batch.micro_batch_per_gpu": MICRO, "train.model": root / "student", "train.dataset": root / "data.jsonl",
-        "train.objective": "distill", "distill.max_completion_length": 6,
-        "distill.teacher_model_name_or_path": root / "teacher"})]
-    jobs = [argv(root, c) for c in CASES] + [on_policy_argv(root, "on_policy"),
-                                             on_policy_argv(root, "on_policy_resumed", resume="global_step3"),
-                                             prompts_only]
-    proc = launch_jobs(jobs, root, ranks=2, timeout_s=900)
-    return root, proc, time.perf_counter() - start
+def launched(distill_runs):
+    """(the gkd cases' root, the shared launch: conftest's distill_runs)."""
+    return distill_runs.root / "gkd", distill_runs
 
 
 def _split(root: Path, case: Case):
@@ -105,7 +53,7 @@ def _close(name: str, got, want) -> float:
 
 @pytest.mark.multirank
 def test_every_beta_temperature_and_layout_matches_plain_torch(launched):
-    root, _, seconds = launched
+    root, runs = launched
     worst = {}
     for case in CASES:
         recipe, train, evals = _split(root, case)
@@ -122,13 +70,13 @@ def test_every_beta_temperature_and_layout_matches_plain_torch(launched):
         worst[case.name] = f"loss {got[0]['loss']:.3g}, error {max(errs):.2g}"
         tokens = [w["tokens"] for w in want["train"]]
         assert len(set(tokens)) > 1 or case.gas > 1, tokens  # steps (and ranks) see unequal token counts
-    print(f"launch {seconds:.1f}s; first loss and worst relative error per case: {worst}")
+    print(f"shared launch {runs.seconds:.1f}s; first loss and worst relative error per case: {worst}")
 
 
 @pytest.mark.multirank
 def test_the_teacher_mode_is_named_with_its_cost(launched):
-    root, proc, _ = launched
-    out = lambda name: job_output(proc.stdout, [c.name for c in CASES].index(name))  # noqa: E731
+    root, runs = launched
+    out = runs.out
     assert "teacher: engine of" in out("zero3_reverse_kl_t09") and "ZeRO-3 sharded" in out("zero3_reverse_kl_t09")
     assert "a whole copy" in out("zero2_jsd_t09_ga2_ce") and "(auto: a teacher model is named)" in out("ddp_forward_kl")
     assert "teacher: adapter" in out("zero2_lora_adapter_jsd_ce") and "auto: LoRA and no teacher named" in \
@@ -143,7 +91,7 @@ def test_the_zero3_export_loads_and_gives_the_trained_students_logits(launched, 
 
     from helpers.export_checks import assert_export_equals_engine
 
-    root, _, _ = launched
+    root, _ = launched
     case = CASES[3]
     run = root / case.name
     assert_export_equals_engine(run / "checkpoints" / f"global_step{STEPS}", tmp_path / "export")
@@ -158,7 +106,7 @@ def test_the_zero3_export_loads_and_gives_the_trained_students_logits(launched, 
 
 @pytest.mark.multirank
 def test_on_policy_learns_from_the_teacher_and_resumes_to_the_same_completions_and_losses(launched):
-    root, _, _ = launched
+    root, _ = launched
     full, resumed = records(root / "on_policy", "train"), records(root / "on_policy_resumed", "train")
     assert [r["step"] for r in full] == list(range(1, ON_POLICY_STEPS + 1)) and [r["step"] for r in resumed] == [4, 5, 6]
     assert all(r["completions/on_policy"] == 2 * MICRO * 2 for r in full)  # lmbda 1: every row the student's own
@@ -169,10 +117,78 @@ def test_on_policy_learns_from_the_teacher_and_resumes_to_the_same_completions_a
     print(f"on-policy losses {[round(x, 4) for x in losses]}")
 
 
+def _rollouts(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.multirank
+def test_on_policy_completions_are_recorded_and_a_resume_continues_the_file(launched):
+    """RUN/rollouts.jsonl (harness/rl/rollouts.py) holds every generated completion of the run, in row order, the
+    metrics' counts and lengths; the resumed run (whose folder held an earlier attempt's lines for steps 1-6) keeps
+    steps 1-3 and writes steps 4-6 once, equal to the uninterrupted run's."""
+    from harness.model.hf import load_tokenizer
+
+    root, _ = launched
+    full, steps = _rollouts(root / "on_policy"), records(root / "on_policy", "train")
+    per_step = 2 * MICRO * 2  # lmbda 1: every row of 2 ranks x 2 micro x 2 accumulation
+    assert [r["step"] for r in full] == [s for s in range(1, ON_POLICY_STEPS + 1) for _ in range(per_step)]
+    assert [r["row"] for r in full] == list(range(per_step)) * ON_POLICY_STEPS
+    tok = load_tokenizer(str(root / "student"))
+    data = [json.loads(line) for line in (root / "data.jsonl").read_text().splitlines()]
+    for record in steps:
+        mine = [r for r in full if r["step"] == record["step"]]
+        assert len(mine) == record["completions/on_policy"] and all(r["source"] == "student" for r in mine)
+        lengths = [len(r["completion_ids"]) for r in mine]
+        assert sum(lengths) / len(lengths) == pytest.approx(record["completions/mean_length"], rel=1e-12)
+        assert all(0 < n <= 8 for n in lengths)  # distill.max_new_tokens 8
+    for r in full:
+        assert r["prompt_ids"] == tok(data[r["prompt_index"]]["prompt"])["input_ids"], r
+        assert r["finish"] == ("eos" if tok.eos_token_id in r["completion_ids"] else "length"), r
+    resumed = _rollouts(root / "on_policy_resumed")
+    assert resumed[:3] == [{"step": s, "stale": True} for s in (1, 2, 3)]  # the lines before the resumed step
+    assert resumed[3:] == [r for r in full if r["step"] > 3]  # steps 4-6 once, as the uninterrupted run drew them
+
+
+@pytest.mark.multirank
+def test_seq_kd_the_teacher_generates_the_other_rows_on_zero3(launched):
+    """seq_kd on ZeRO-3: each row's completion is the student's (lmbda 0.5) or the sharded teacher engine's, drawn
+    from the row's own stream; step 1's completions equal HF generate of the plain student and teacher with the
+    same streams (the harness's HFGenerator on each model in one process)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from harness.config.recipes import load_recipe
+    from harness.model.hf import load_tokenizer
+    from harness.rl.generation.hf import HFGenerator
+    from harness.train.distill_policy import SEED_STRIDE
+    from helpers.distill_launch import seq_kd_argv
+
+    root, runs = launched
+    steps, made = records(root / "seq_kd", "train"), _rollouts(root / "seq_kd")
+    assert "teacher: engine of" in runs.out("seq_kd") and "ZeRO-3 sharded" in runs.out("seq_kd")
+    assert [r["completions/on_policy"] + r["completions/teacher"] for r in steps] == [2 * MICRO] * 2
+    assert {r["source"] for r in made} == {"student", "teacher"} and len(made) == 2 * 2 * MICRO
+    for record in steps:
+        theirs = [len(r["completion_ids"]) for r in made if r["step"] == record["step"] and r["source"] == "teacher"]
+        assert len(theirs) == record["completions/teacher"] and record["loss"] > 0
+        assert sum(theirs) / max(len(theirs), 1) == pytest.approx(record["completions/teacher_mean_length"])
+    args = seq_kd_argv(root)
+    recipe = load_recipe("zero3", [args[i + 1] for i, a in enumerate(args) if a == "--set"])[0]
+    seed = recipe["train"]["seed"] * SEED_STRIDE + 0  # step 1 generates with the weights of step 0
+    tok = load_tokenizer(str(root / "student"))
+    rl = {"generator": "hf", "max_completion_length": 6, "temperature": 0.9, "top_k": 0, "top_p": 1.0}
+    for source in ("student", "teacher"):
+        model = AutoModelForCausalLM.from_pretrained(root / source, torch_dtype=torch.float32).eval()
+        generator = HFGenerator(rl, SimpleNamespace(module=model), tok, bound_bytes=None)
+        for r in (r for r in made if r["step"] == 1 and r["source"] == source):
+            assert generator.generate([r["prompt_ids"]], seed=seed, first_row=r["row"])[0] == r["completion_ids"], r
+
+
 @pytest.mark.multirank
 def test_objective_distill_trains_on_the_students_completions_of_prompts(launched):
-    root, proc, _ = launched
-    assert "prompts (the student generates every completion)" in job_output(proc.stdout, len(CASES) + 2)
+    root, runs = launched
+    assert "prompts (the student generates every completion)" in runs.out("distill_prompts")
     steps = records(root / "distill_prompts", "train")
     assert [r["completions/on_policy"] for r in steps] == [2 * MICRO] * 2  # every row of the step, both ranks
     assert all(0 < r["completions/mean_length"] <= 6 and r["loss"] > 0 for r in steps)
@@ -182,7 +198,7 @@ def test_objective_distill_trains_on_the_students_completions_of_prompts(launche
 @pytest.mark.multirank
 def test_on_policy_completions_do_not_depend_on_the_world_size(launched):
     """One process with twice the accumulation: the same rows per step, each drawing from its own stream."""
-    root, _, _ = launched
+    root, _ = launched
     launch_jobs([on_policy_argv(root, "on_policy_one_rank", gas=4, steps=3)], root, ranks=1, launcher=False,
                 timeout_s=600)
     two, one = records(root / "on_policy", "train")[:3], records(root / "on_policy_one_rank", "train")
@@ -201,7 +217,9 @@ def _validate(tmp_path, recipe: dict, capsys, world: int = 2) -> str:
 @pytest.mark.parametrize("objective,block,message", [
     ("gkd", {"lmbda": 0, "beta": 1.5}, "distill.beta: beta 1.5 is outside [0, 1]"),
     ("gkd", {"lmbda": -0.1}, "distill.lmbda: lmbda -0.1 is outside [0, 1]"),
-    ("gkd", {"lmbda": 0, "seq_kd": True}, "distill.seq_kd: seq_kd true: the teacher would generate"),
+    ("gkd", {"lmbda": 0, "seq_kd": True, "teacher_model_server_url": "http://127.0.0.1:9"},
+     "distill.seq_kd: seq_kd true with teacher_mode served: the teacher would generate"),
+    ("distill", {"seq_kd": True}, "distill.seq_kd: seq_kd true with objective distill: TRL's DistillationConfig"),
     ("distill", {"lmbda": 0}, "distill.lmbda: lmbda 0 with objective distill: TRL's DistillationConfig has no lmbda"),
     ("gkd", {"lmbda": 0, "teacher_mode": "adapter"}, "teacher_mode adapter without LoRA"),
     ("gkd", {"lmbda": 0.5, "teacher_mode": "precomputed"}, "teacher_mode precomputed with on-policy completions")])
@@ -277,3 +295,17 @@ def test_the_ce_term_skips_the_students_own_completions():
         full_vocabulary(s, Targets(logits=t), mine, cfg)[0]
     skipped = -torch.log_softmax(s[2:], -1).gather(-1, torch.tensor([[7], [8], [9], [1]])).sum()
     assert torch.allclose(with_ce - without, 0.3 * skipped)
+
+
+def test_use_vllm_is_refused_before_launch_without_cuda():
+    """distill.use_vllm (TRL's key): the student's completions from a colocated vLLM, GPU only (bench/gpu_check.sh's
+    distill case runs it there); here it is refused with the reason before any rank starts."""
+    from harness.rl.generation import generator_problems
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    problems = generator_problems({"train": {"objective": "gkd"}, "distill": {"use_vllm": True, "lmbda": 1}})
+    assert [p.path for p in problems] == ["distill.use_vllm"]
+    assert "distill.use_vllm needs CUDA GPUs; this machine has none" in problems[0].message
+    assert "distill.use_vllm=false" in problems[0].fix
+    assert generator_problems({"train": {"objective": "distill"}, "distill": {"use_vllm": False}}) == []

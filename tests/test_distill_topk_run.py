@@ -7,96 +7,34 @@ equal the formula's:
   - precomputed, ZeRO-3 (the store written by a ZeRO-3 teacher engine, then freed), k 4, beta 0, T 0.9;
   - precomputed, ddp, k 1, beta 0.5 (TRL's top-1 support: the teacher's top-1 and the actual token), T 1;
   - the first case again in a new run folder: the store is read, no teacher is built, the same losses;
-  - served, ZeRO-2, k 4, beta 0, T 0.9, against the test's own server on 127.0.0.1: the precomputed run's losses.
-All in ONE 2-rank launch. Then a served run whose server dies after its first answer ends with exit 2 and the
-reason on rank 0, in bounded time, and the refusals before launch."""
+  - served, ZeRO-2, k 4, beta 0, T 0.9, against the test's own server on 127.0.0.1: the precomputed run's losses;
+  - served with a server that dies after its first answer: the run ends with exit 69 (an outage, which the
+    launchers retry) and the reason on rank 0, no step trained.
+All in ONE 2-rank launch, shared with the other distillation tests (tests/helpers/distill_launch.py). Then the
+refusals before launch."""
 
 from __future__ import annotations
 
 import json
-import random
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from harness.cli import main
-from harness.dist import free_port
-from tests.helpers.launch import job_output, launch, launch_jobs, records
-from tests.helpers.models import llama_folder
-from tests.helpers.teacher_server import serve, start as start_server
-from tests.helpers.topk_ref import topk_reference_sum
+from harness.train.preempt import EXIT_TEACHER_UNAVAILABLE
+from helpers.distill_launch import LR, SEQ_LEN, TOPK_CASES, TOPK_STEPS
+from helpers.launch import records
+from helpers.topk_ref import topk_reference_sum
 
-STEPS, SEQ_LEN, LR, NUM_RECORDS = 2, 24, 1.0, 8
 RTOL, ATOL = 1e-5, 1e-6
-WORDS = "alpha beta gamma delta river stone cloud green seven quiet paper music light north".split()
-CASES = {  # name: (recipe, teacher mode, k, beta, loss temperature)
-    "precomputed_zero3_k4": ("zero3", "precomputed", 4, 0.0, 0.9),
-    "precomputed_ddp_k1_jsd": ("ddp", "precomputed", 1, 0.5, 1.0),
-    "precomputed_zero3_k4_again": ("zero3", "precomputed", 4, 0.0, 0.9),
-    "served_zero2_k4": ("zero2", "served", 4, 0.0, 0.9),
-}
-
-
-def write_records(path: Path) -> Path:
-    rng = random.Random(5)
-    phrase = lambda lo, hi: " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))  # noqa: E731
-    path.write_text("".join(json.dumps({"prompt": phrase(2, 5), "completion": " " + phrase(1, 9)}) + "\n"
-                            for _ in range(NUM_RECORDS)))
-    return path
-
-
-def sharpen(folder: str, scale: float = 6.0) -> str:
-    """The folder's output head scaled in place: a peaked teacher, far from the random student."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(scale)
-    model.save_pretrained(folder)
-    return folder
-
-
-def argv(root: Path, name: str, url: str = "", steps: int = STEPS, timeout_s: float = 60, retries: int = 2) -> list:
-    recipe, mode, k, beta, temperature = CASES.get(name, CASES["served_zero2_k4"])
-    sets = {"precision": "fp32", "train.steps": steps, "train.seq_len": SEQ_LEN, "train.save_every": 100,
-            "train.eval_every": 0, "train.eval_fraction": 0, "train.log_every": 1, "scheduler.type": "none",
-            "optimizer.type": "sgd", "optimizer.lr": LR, "optimizer.weight_decay": 0, "gradient_clipping": 0,
-            "batch.micro_batch_per_gpu": 2, "batch.grad_accum_steps": 2, "batch.train_batch_size": '"auto"',
-            "train.model": root / "student", "train.dataset": root / "data.jsonl", "train.objective": "gkd",
-            "train.store_dir": root / "stores", "distill.lmbda": 0, "distill.beta": beta,
-            "distill.loss_temperature": temperature, "distill.teacher_model_name_or_path": root / "teacher",
-            "distill.teacher_mode": mode, "distill.loss_top_k": k, "distill.loss_chunk_tokens": 7,
-            "distill.teacher_timeout_s": timeout_s, "distill.teacher_retries": retries}
-    if mode == "served":
-        sets["distill.teacher_model_server_url"] = url
-    args = ["--recipe", recipe, "--output-dir", str(root / name)]
-    for key, value in sets.items():
-        args += ["--set", f"{key}={value}"]
-    return args
+STEPS, CASES = TOPK_STEPS, TOPK_CASES
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("distill_topk")
-    llama_folder(root / "student", layers=1)
-    sharpen(llama_folder(root / "teacher", seed=77, layers=2))
-    write_records(root / "data.jsonl")
-    return root
-
-
-@pytest.fixture(scope="module")
-def launched(root):
-    server = serve(str(root / "teacher"))
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        started = time.perf_counter()
-        proc = launch_jobs([argv(root, name, url, steps=1 if name.endswith("again") else STEPS) for name in CASES],
-                           root, ranks=2, timeout_s=900)
-        return proc, time.perf_counter() - started
-    finally:
-        server.shutdown()
+def launched(distill_runs):
+    """(the top-k cases' root, the shared launch: conftest's distill_runs)."""
+    return distill_runs.root / "topk", distill_runs
 
 
 def expected(root: Path, k: int, beta: float, temperature: float) -> list[dict]:
@@ -134,9 +72,9 @@ def close(name: str, got, want) -> None:
 
 
 @pytest.mark.multirank
-def test_precomputed_and_served_equal_the_top_k_formula_through_the_step(root, launched):
-    proc, seconds = launched
-    print(f"one 2-rank launch of {len(CASES)} cases: {seconds:.0f} s")
+def test_precomputed_and_served_equal_the_top_k_formula_through_the_step(launched):
+    root, runs = launched
+    print(f"the shared 2-rank launch of {len(runs.names)} cases: {runs.seconds:.0f} s")
     for name, (_, mode, k, beta, temperature) in CASES.items():
         got = records(root / name, "train")
         want = expected(root, k, beta, temperature)[:len(got)]
@@ -147,36 +85,30 @@ def test_precomputed_and_served_equal_the_top_k_formula_through_the_step(root, l
                 close(f"{name} step {step} grad_norm", g["grad_norm"], w["grad_norm"])
         if len(got) > 1:
             assert got[1]["loss"] < got[0]["loss"]  # the update moved the student toward the teacher
-    out = proc.stdout
-    assert "(written in" in job_output(out, 0) and "teacher engine of" in job_output(out, 0)
-    assert "(read, no teacher built)" in job_output(out, 2)
-    assert "served by http://127.0.0.1:" in job_output(out, 3) and "top-4 prompt log-probs" in job_output(out, 3)
+    assert "(written in" in runs.out("precomputed_zero3_k4") and "teacher engine of" in runs.out("precomputed_zero3_k4")
+    assert "(read, no teacher built)" in runs.out("precomputed_zero3_k4_again")
+    served = runs.out("served_zero2_k4")
+    assert "served by http://127.0.0.1:" in served and "top-4 prompt log-probs" in served
     first = records(root / "precomputed_zero3_k4", "train")
     assert records(root / "precomputed_zero3_k4_again", "train")[0]["loss"] == first[0]["loss"]
 
 
 @pytest.mark.multirank
-def test_a_server_that_dies_mid_run_ends_it_with_exit_2_and_the_reason(root):
-    port = free_port()
-    server = start_server(root / "teacher", port, "--stop-after", "1")
-    try:
-        started = time.monotonic()
-        proc = launch(*argv(root, "served_dies", f"http://127.0.0.1:{port}", timeout_s=5, retries=1), check=False,
-                      timeout_s=600)
-        took = time.monotonic() - started
-    finally:
-        server.kill()
-        server.wait()
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
-    assert "error: rank " in proc.stderr and "the served teacher gave no prompt log-probs after 2 attempt(s)" in \
-        proc.stderr and f"127.0.0.1:{port}/v1/completions" in proc.stderr, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+def test_a_server_that_dies_mid_run_ends_it_with_exit_69_and_the_reason(launched):
+    """The case's expected exit code, 69, is checked by the launch's driver (tests/drivers/jobs.py: a case
+    {"argv", "code": 69} that exits otherwise fails the launch); job.run returned it on every rank."""
+    root, runs = launched
+    err = runs.out("served_dies", "stderr")
+    assert EXIT_TEACHER_UNAVAILABLE == 69 and runs.proc.returncode == 0
+    assert "error: rank " in err and "the served teacher gave no prompt log-probs after 2 attempt(s)" in err and \
+        f"127.0.0.1:{runs.dies_port}/v1/completions" in err and "exit 69" in err, err[-3000:]
+    assert "Traceback" not in err
     assert not records(root / "served_dies", "train")  # the step the server died in is not logged as trained
-    print(f"the run ended {took:.0f} s after its launch")
 
 
 @pytest.mark.parametrize("block,message", [
     ({"teacher_mode": "precomputed", "lmbda": 0.5}, "teacher_mode precomputed with on-policy"),
+    ({"teacher_mode": "precomputed", "lmbda": 0, "seq_kd": True}, "teacher_mode precomputed with on-policy"),
     ({"teacher_mode": "precomputed", "lmbda": 0, "beta": 0.5, "loss_top_k": 8},
      "loss_top_k 8 with beta 0.5 > 0 and teacher_mode precomputed: the precomputed store holds only"),
     ({"teacher_model_server_url": "http://127.0.0.1:9", "lmbda": 0, "beta": 1, "loss_top_k": 2},

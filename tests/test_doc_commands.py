@@ -10,8 +10,9 @@ commands; a command no rule covers fails:
   folder, a hub id offline, the user's data): then everything else in it (flags, recipe, keys, values, batch
   arithmetic) passed. A command that passes on a world of at most 2 ranks also runs for real, to its first step
   (`--set train.steps=1` appended), all of them in one process group of that many ranks; the first GRPO command of
-  docs/rl.md runs whole, as written, through `harness launch`, and must learn (below), and so do the first DPO and
-  reward-model commands (run whole in that process group: LEARNS). A launch that runs for real
+  docs/rl.md runs whole, as written, through `harness launch`, and must learn (below); the DPO and reward-model
+  commands run to their first step like the rest (DPO's steps are held to plain torch's in
+  tests/test_preference.py, the reward model's learning in tests/test_reward_model.py). A launch that runs for real
   gets a free --master_port (DeepSpeed's 29500 may be another run's on a shared machine).
 - `harness report RUN` / `harness export RUN --out DIR`: run as written, on the folder of that GRPO run where the
   page's example folder (`runs/2026-11-30_zero3`) does not exist here.
@@ -22,7 +23,7 @@ commands; a command no rule covers fails:
 Usage errors name the command the user typed, not an internal file (`harness launch`, not `deepspeed_runner.py`).
 Measured on the shared 2-core machine under a load average of ~10 (seven other engineers' tests): the module 358 s
 wall but 103 s of CPU (user + sys, ranks included; 64 s with the DPO and reward commands cut to one step); the GRPO
-command 113 s wall of it, the one launch of the small commands (DPO and reward model whole) 189 s.
+command 113 s wall of it, the one launch of the small commands (DPO and reward model whole then) 189 s.
 """
 
 from __future__ import annotations
@@ -50,11 +51,6 @@ LAUNCHERS = (("harness", "launch"), ("deepspeed",))
 USER_INPUTS = ("train.model", "train.dataset", "train.datasets")
 SMALL_WORLD = 2  # ranks this machine runs for real
 GRPO_RISE = 0.4  # measured 0.247 -> 0.946 (steps 1-3 -> 18-20): the first GRPO command of docs/rl.md
-# The first launch command of these objectives in the pages runs whole and must learn: the least rise of the mean of
-# the last 10 steps over the first 10. Measured (60 steps each): dpo accuracy 0.41 -> 0.74, margin 0.001 -> 0.645;
-# reward accuracy 0.47 -> 0.69, margin -0.001 -> 0.409
-LEARNS = {"dpo": {"rewards_accuracy": 0.15, "rewards_margin": 0.3},
-          "reward": {"rewards_accuracy": 0.1, "rewards_margin": 0.2}}
 
 
 def doc_commands() -> list[tuple[str, list[str]]]:
@@ -220,26 +216,18 @@ def test_the_first_grpo_command_learns_the_toy_task(grpo_run):
 
 
 @pytest.mark.multirank
-def test_the_small_launch_commands_run_and_each_objectives_first_learns(tmp_path, capsys):
+def test_the_small_launch_commands_run_to_their_first_step(tmp_path, capsys):
     cases = [(w, a, n) for w, a, n in runnable(capsys) if (w, a) != first_grpo()]
-    whole = {(first_of(name) or ("none",))[0] for name in LEARNS}  # page:line of each
-    missing = [name for name in LEARNS if (first_of(name) or ("none",))[0] not in {w for w, _, _ in cases}]
+    missing = [name for name in ("dpo", "reward") if (first_of(name) or ("none",))[0] not in {w for w, _, _ in cases}]
     assert not missing, f"the pages' first {missing} command(s) must run on the built-in model, <= {SMALL_WORLD} ranks"
     for world in sorted({n for _, _, n in cases}):
         group = [c for c in cases if c[2] == world]
-        argvs = [[*script_args(a), *([] if w in whole else ["--set", "train.steps=1"]),
-                  "--output-dir", tmp_path / str(i)] for i, (w, a, _) in enumerate(group)]
+        argvs = [[*script_args(a), "--set", "train.steps=1", "--output-dir", tmp_path / str(i)]
+                 for i, (w, a, _) in enumerate(group)]
         launch_jobs(argvs, tmp_path, ranks=world, timeout_s=600)
         for i, (where, argv, _) in enumerate(group):
             train = records(tmp_path / str(i), "train")
-            if where not in whole:
-                assert [r["step"] for r in train] == [1], f"{where}: {shlex.join(argv)} logged {train}"
-                continue
-            for metric, rise in LEARNS[objective(argv)].items():
-                values = [r[metric] for r in train]
-                first, last = statistics.mean(values[:10]), statistics.mean(values[-10:])
-                print(f"{where} ({objective(argv)}): {metric} {first:.3f} -> {last:.3f} in {len(values)} steps")
-                assert len(values) >= 20 and last >= first + rise, (where, metric, values)
+            assert [r["step"] for r in train] == [1], f"{where}: {shlex.join(argv)} logged {train}"
 
 
 @pytest.mark.multirank

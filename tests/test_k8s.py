@@ -17,7 +17,7 @@ from harness.cli import main
 from harness.commands import k8s
 from harness.commands.launch import EXIT_BAD_INPUT
 from harness.dist import free_port
-from harness.train.preempt import EXIT_NUMERIC_FAULT, EXIT_PREEMPTED
+from harness.train.preempt import EXIT_NUMERIC_FAULT, EXIT_PREEMPTED, EXIT_TEACHER_UNAVAILABLE
 from helpers.launch import ROOT, env, losses
 
 trainer_api = pytest.importorskip("kubeflow_trainer_api", reason="kubeflow-trainer-api is not installed (the test "
@@ -90,7 +90,8 @@ def test_preemption_restarts_free_bad_input_and_faults_fail_crashes_spend_retrie
     assert controller_action(runtime, EXIT_PREEMPTED) == "RestartJobSetAndIgnoreMaxRestarts"
     assert controller_action(runtime, EXIT_BAD_INPUT) == "FailJobSet"
     assert controller_action(runtime, EXIT_NUMERIC_FAULT) == "FailJobSet"
-    for crash in (1, 137, 143):  # a Python exception, SIGKILL (a lost node's pod, OOM), SIGTERM unhandled
+    for crash in (1, 137, 143, EXIT_TEACHER_UNAVAILABLE):  # an exception, SIGKILL (a lost node, OOM), SIGTERM
+        # unhandled, a served teacher's outage (69)
         assert controller_action(runtime, crash) == "RestartJobSet"
 
 

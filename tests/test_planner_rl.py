@@ -84,6 +84,38 @@ def test_multi_turn_rollouts_prefill_the_prompt_and_the_turns_so_far_once_per_tu
     assert four["turns"] == 4 and four["prefill_tokens"] == 4 * 512 + 3 * 1024 // 2
     assert four["kv_cache_bytes"] == one["kv_cache_bytes"]
     assert four["hf"]["prefill_s"] == pytest.approx(one["hf"]["prefill_s"] * (4 * 512 + 1536) / 512)
+    assert four["tool_tokens"] == 0 and four["sampled_tokens"] == 1024  # no tool-result budget given: all sampled
+
+
+def test_multi_turn_tool_results_count_in_the_budget_and_are_prefilled_not_decoded(capsys):
+    """--tool-result-tokens 200 with 3 rounds: 600 of the 1,024 completion tokens are tool tokens, 424 are decoded
+    (vLLM's decode scales with them); a budget the rounds would overflow leaves one sampled token per turn."""
+    args = ["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "80GB", "--objective", "grpo", "--zero", "3",
+            "--micro-batch", "8", "--max-completion-length", "1024", "--max-tool-calling-iterations", "3", "--json"]
+    main(args)
+    bare = json.loads(capsys.readouterr().out)["rollouts"]
+    main(args + ["--tool-result-tokens", "200"])
+    tools = json.loads(capsys.readouterr().out)["rollouts"]
+    assert (tools["tool_tokens"], tools["sampled_tokens"]) == (600, 424)
+    assert tools["kv_cache_bytes"] == bare["kv_cache_bytes"] and tools["prefill_tokens"] == bare["prefill_tokens"]
+    assert tools["vllm"]["decode_s"] == pytest.approx(bare["vllm"]["decode_s"] * 424 / 1024)
+    assert tools["hf"]["decode_s"] < bare["hf"]["decode_s"]
+    main(args + ["--tool-result-tokens", "1000"])
+    over = json.loads(capsys.readouterr().out)["rollouts"]
+    assert (over["tool_tokens"], over["sampled_tokens"]) == (1020, 4)
+    main(args[:-1] + ["--tool-result-tokens", "200"])
+    assert "decode" in (text := capsys.readouterr().out) and "424 sampled tokens, 600 tool tokens prefilled" in text
+
+
+def test_a_whole_zero3_gather_is_paid_once_per_generate_call():
+    count, shape = count_params(QWEN_7B), model_shape(QWEN_7B)
+    profile = {"hbm_gbps": 1000, "intra_node_gbps": 100}
+    plans = [rl.rollout_plan(count, shape, rl.RolloutWork(sequences=8, prompt_len=512, completion_len=1024,
+                                                          turns=turns), stage=3, world=8, lp=2, threshold=100_000,
+                             free_bytes=80 << 30, gpu_mem_bytes=80 << 30, profile=profile) for turns in (1, 4)]
+    assert all(p["gather"]["whole"] for p in plans)
+    gather_s = 2 * count.total * 7 / 8 / 100e9
+    assert plans[1]["hf"]["decode_s"] - plans[0]["hf"]["decode_s"] == pytest.approx(3 * gather_s)
 
 
 def test_vllm_is_refused_before_launch_without_cuda():

@@ -182,10 +182,11 @@ def test_truncated_importance_sampling_weights_are_capped_and_are_the_losss(laun
 def test_a_killed_generator_ends_the_run_on_every_rank_with_the_reason(launched):
     root, proc, killed = launched
     assert len(killed) == 1
-    err = job_output(proc.stderr, list(CASES).index(KILLED))
-    for rank in (0, 1):
-        assert f"error (rank {rank}): rank " in err, err[-3000:]
-    assert "rl.async's generator process" in err and "exited with code -9 (killed by SIGKILL)" in err, err[-3000:]
+    case = list(CASES).index(KILLED)
+    err, out = job_output(proc.stderr, case), job_output(proc.stdout, case)
+    reason = "rl.async's generator process (pid {}) failed: it exited with code -9 (killed by SIGKILL)".format(killed[0])
+    assert "error (rank 1): rank " in err and reason in err, err[-3000:]  # rank 1 prints it, rank 0 says it
+    assert "[fault]   rank " in out and reason in out, out[-3000:]
     steps = train_records(root / KILLED)
     assert len(steps) < 200
 

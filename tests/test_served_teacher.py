@@ -1,7 +1,8 @@
 """The served teacher (harness/distill/served.py) against the test's own server on 127.0.0.1 (a real tiny HF model
 behind vLLM's /v1/completions with prompt_logprobs: tests/helpers/teacher_server.py): it equals the precomputed
 store with the same k, and the loss from either is the same; a server that hangs mid-run ends it with the
-reason (TeacherServerError, exit 2) in bounded time, and no store is published."""
+reason in bounded time (TeacherUnavailable: an outage, exit 69, which the launchers retry), and no store is
+published; a request the server refuses (a 4xx) is bad input (TeacherServerError, exit 2), not retried."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from harness.dist import free_port
-from harness.distill.served import ServedTeacher, TeacherServerError
+from harness.distill.served import ServedTeacher, TeacherServerError, TeacherUnavailable
 from harness.distill.teacher_store import ensure_teacher_store, store_key, store_path
 from harness.distill.topk_loss import topk_loss_sum
 from harness.errors import UsageError
@@ -70,14 +71,14 @@ def test_a_server_that_hangs_mid_run_ends_it_with_the_reason(teacher_dir, tmp_pa
     try:
         served = ServedTeacher(f"http://127.0.0.1:{port}", K, T, timeout_s=3, retries=1).connect()
         started = time.monotonic()
-        with pytest.raises(TeacherServerError) as err:
+        with pytest.raises(TeacherUnavailable) as err:
             write(tmp_path, served, micro=1)  # the first micro-batch is answered, the second is not
         took = time.monotonic() - started
     finally:
         proc.kill()
         proc.wait()
     text = str(err.value)
-    assert issubclass(TeacherServerError, UsageError)  # harness/run.py: exit 2, the message, no traceback
+    assert not issubclass(TeacherUnavailable, UsageError)  # harness/train/job.py: exit 69, not 2 (bad input)
     assert f"http://127.0.0.1:{port}/v1/completions" in text and "after 2 attempt(s)" in text, text
     assert "timed out" in text, text
     assert "fix: check that the server is up" in text
@@ -87,5 +88,20 @@ def test_a_server_that_hangs_mid_run_ends_it_with_the_reason(teacher_dir, tmp_pa
 
 def test_a_server_that_is_not_there_is_named_before_training(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(TeacherServerError, match=r"no health answer after 1 attempt\(s\).*Connection refused"):
+    with pytest.raises(TeacherUnavailable, match=r"no health answer after 1 attempt\(s\).*Connection refused"):
         ServedTeacher(url, K, T, timeout_s=1, retries=0).connect()
+
+
+def test_a_request_the_server_refuses_is_bad_input_and_not_retried(teacher_dir):
+    server = serve(teacher_dir)
+    try:
+        served = ServedTeacher(f"http://127.0.0.1:{server.server_address[1]}", K, T, timeout_s=30, retries=3).connect()
+        served.model = "another-model"  # the server answers 404: that model does not exist
+        ids, labels = rows(2)
+        with pytest.raises(TeacherServerError) as err:
+            served(torch.from_numpy(ids), torch.from_numpy(labels))
+    finally:
+        server.shutdown()
+    assert issubclass(TeacherServerError, UsageError)  # harness/run.py: exit 2, the message, no traceback
+    assert "after 1 attempt(s)" in str(err.value) and "HTTP 404" in str(err.value), err.value
+    assert "--max-logprobs" in str(err.value)

@@ -52,7 +52,8 @@ def test_the_script_asks_slurm_for_the_world_signals_and_requeues(tmp_path, caps
                  "#SBATCH --open-mode=append", "#SBATCH --partition=gpu", "#SBATCH --account=lab",
                  f"#SBATCH --output={tmp_path / 'run' / 'slurm'}/job-%j.log", "RANKS_PER_NODE=4",
                  f"RUN_ARGS=(--recipe zero2 --set train.steps=50 --output-dir {tmp_path / 'run'})",
-                 'scontrol requeue "$SLURM_JOB_ID"', "trap 'forward USR1' USR1"):
+                 'scontrol requeue "$SLURM_JOB_ID"', "trap 'forward USR1' USR1",
+                 "$code -eq 69 && ${SLURM_RESTART_COUNT:-0} -lt $TEACHER_REQUEUES"):  # a teacher's outage
         assert line in text, line
     assert "{{" not in text
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0

@@ -1,7 +1,7 @@
 """The precomputed teacher store (harness/distill/teacher_store.py): written once by a real tiny teacher's forward,
 equal to the teacher's top-k on every row, read (not recomputed) the second time, rebuilt when stale; written by 2
-real DeepSpeed ranks through a ZeRO-3 teacher engine with the rows split unevenly, byte for byte the one-process
-store."""
+real DeepSpeed ranks through a ZeRO-3 teacher engine with the rows split unevenly (in the distillation tests' shared
+launch), byte for byte the one-process store."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 
 from harness.distill.teacher_store import bytes_per_token, ensure_teacher_store, open_teacher_store, store_key, \
     store_path
+from helpers.distill_launch import STORE_K, STORE_ROWS, STORE_T
 from tests.helpers.distill_rows import batch_fn, local_teacher, rows
-from tests.helpers.launch import launch
 from tests.helpers.models import qwen2_folder
 
-NUM_ROWS, K, T = 7, 4, 0.9
+NUM_ROWS, K, T = STORE_ROWS, STORE_K, STORE_T  # the shared launch's store case's
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +87,14 @@ def test_another_key_or_a_broken_store_is_written_anew(teacher_dir, tmp_path):
 
 
 @pytest.mark.multirank
-def test_two_ranks_with_a_zero3_teacher_write_the_one_process_store(teacher_dir, tmp_path):
-    ranked = tmp_path / "ranked"
-    proc = launch(teacher_dir, str(ranked), str(NUM_ROWS), str(K), str(T),
-                  script="tests/drivers/teacher_store.py")
-    assert "written True read True" in proc.stdout, proc.stdout[-3000:]
+def test_two_ranks_with_a_zero3_teacher_write_the_one_process_store(distill_runs, tmp_path):
+    """The ranked store is written by tests/drivers/teacher_store.py's `write` in the distillation tests' shared
+    2-rank launch (tests/helpers/distill_launch.py)."""
+    teacher_dir = distill_runs.root / "store" / "qwen2"
+    assert "written True read True" in distill_runs.out("store_zero3"), distill_runs.out("store_zero3")[-3000:]
     alone, _ = write(teacher_dir, tmp_path / "alone")
     key = key_for(teacher_dir)
-    two = open_teacher_store(store_path(ranked, key), key)
+    two = open_teacher_store(store_path(distill_runs.root / "store" / "ranked", key), key)
     assert two is not None and two.meta["ranks"] == 2
     assert np.array_equal(two.row_index, alone.row_index) and np.array_equal(two.ids, alone.ids)
     np.testing.assert_allclose(two.logps, alone.logps, rtol=0, atol=1e-5)

@@ -14,8 +14,8 @@ CI runner) tears the ranks down mid-save; as a container's PID 1 it ignores SIGT
     to fail), then 75 if any rank was preempted, then 0 when every local rank reported 0; with no report
     (ranks on other nodes started over ssh, or killed before writing one) the runner's own code.
 With `--max-restarts N` a failed attempt (any code but 0, 2 bad input, 3 numeric fault and 75 preempted, and no signal forwarded:
-a rank that died, a collective that timed out) is ended whole (SIGTERM to the group, SIGKILL after a grace
-period, every process reaped), and after a backoff (doubling, capped) harness/run.py starts again in the same run
+a rank that died, a collective that timed out, a served teacher's outage, 69) is ended whole (SIGTERM to the group,
+SIGKILL after a grace period, every process reaped), and after a backoff (doubling, capped) harness/run.py starts again in the same run
 folder from its latest complete checkpoint (harness/train/restarts.py), up to N times; each restart is a line in
 RUN/restarts.jsonl. Exhausted, it returns the last attempt's code.
 """

@@ -170,6 +170,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rl.add_argument("--max-tool-calling-iterations", type=int, default=0, help="multi-turn rollouts: rounds of "
                     "tool calls (rl.max_tool_calling_iterations); each is one more generate call re-prefilling the "
                     "prompt and the turns so far (default 0: single-turn)")
+    rl.add_argument("--tool-result-tokens", type=int, default=0, help="multi-turn: tokens one round of tool "
+                    "results adds (rl.max_tool_result_tokens + the template's tool message wrapping); they count in "
+                    "--max-completion-length and are prefilled, not decoded (default 0)")
     kd = parser.add_argument_group("distillation, --objective gkd | distill (docs/planner.md): the teacher")
     kd.add_argument("--teacher", help="the teacher model (preset, known name, local dir or config.json, hub id; "
                                       "default: the student's own model)")

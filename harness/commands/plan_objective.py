@@ -149,7 +149,8 @@ def rollout_section(args, cfg: dict, result, gpu_mem: int, profile: dict) -> dic
                           completion_len=completion, generator=args.generator,
                           gather_bound_bytes=None if args.gather_mb is None else int(args.gather_mb * rl.MIB),
                           sync_bucket_mb=args.sync_bucket_mb,
-                          turns=max(getattr(args, "max_tool_calling_iterations", 0) or 0, 0) + 1)
+                          turns=max(getattr(args, "max_tool_calling_iterations", 0) or 0, 0) + 1,
+                          tool_result_tokens=max(getattr(args, "tool_result_tokens", 0) or 0, 0))
     out = rl.rollout_plan(count_params(cfg), model_shape(cfg), work, stage=int(layout["zero_stage"]),
                           world=int(layout["dp"]), lp=lp, threshold=PARAM_PERSISTENCE_THRESHOLD,
                           free_bytes=free, gpu_mem_bytes=gpu_mem, profile=profile)
@@ -179,7 +180,8 @@ def render_rollouts(r: dict) -> str:
         f"  hf gather        {how}: peak {g['peak_bytes'] / mib:,.1f} MiB held, {g['per_token_gather_bytes'] / mib:,.1f}"
         f" MiB gathered per token ({r['gather_reason']})",
         f"  hf time          prefill {hf['prefill_s']:.3f} s ({r['prefill_tokens']:,} tokens per sequence over "
-        f"{r['turns']} turn(s)), decode {hf['decode_s']:.3f} s",
+        f"{r['turns']} turn(s)), decode {hf['decode_s']:.3f} s ({r['sampled_tokens']:,} sampled tokens"
+        + (f", {r['tool_tokens']:,} tool tokens prefilled" if r["tool_tokens"] else "") + ")",
         f"  vllm             {vllm['bytes'] / mib:,.1f} MiB needed of a {vllm['budget_bytes'] / mib:,.0f} MiB share; "
         f"decode {vllm['decode_s']:.3f} s; weight sync {vllm['sync']['bytes'] / mib:,.1f} MiB in "
         f"{vllm['sync']['buckets']} bucket(s), {vllm['sync']['seconds']:.3f} s per step",

@@ -22,7 +22,6 @@ TRL_DEFAULTS = {
     "distill": {"beta": 1.0, "lmbda": 1.0, "temperature": 1.0, "loss_temperature": None, "max_new_tokens": None,
                 "max_completion_length": 512, "disable_dropout": False},
 }
-NOT_YET = "completions generated during training by the teacher are not implemented yet"
 
 
 def is_distill(recipe: dict) -> bool:
@@ -82,9 +81,19 @@ def check_distill(ds: dict, ctx: Context) -> list[Problem]:
 
 
 def _on_policy_problems(recipe: dict, goal: str) -> list[Problem]:
-    if goal == "gkd" and settings(recipe)["seq_kd"]:
-        return [Problem("distill.seq_kd", f"seq_kd true: the teacher would generate the completions; {NOT_YET}",
-                        "set distill.seq_kd=false (distill.lmbda > 0: the student's own completions)")]
+    """seq_kd (the teacher generates the rows the student does not) where the teacher cannot generate; the
+    precomputed teacher's refusal with any generated completion is config/distill_topk_rules.py's."""
+    if not settings(recipe)["seq_kd"]:
+        return []
+    if goal == "distill":
+        return [Problem("distill.seq_kd", "seq_kd true with objective distill: TRL's DistillationConfig has no seq_kd, "
+                        "every completion is the student's own", "drop distill.seq_kd, or use objective gkd")]
+    if teacher_mode(recipe) == "served":
+        return [Problem("distill.seq_kd", "seq_kd true with teacher_mode served: the teacher would generate the "
+                        "completions, and a served teacher only scores the tokens it is sent (prompt log-probs); "
+                        "sampled on the server, a row would not draw from its own seeded stream, so a resume or "
+                        "another world size would get other completions",
+                        "use teacher_mode engine (or adapter under LoRA) for seq_kd, or set distill.seq_kd=false")]
     return []
 
 

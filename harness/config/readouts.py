@@ -47,7 +47,8 @@ RL = Readout(step=("reward", "reward_std", "completions/mean_length", "kl", "cli
              section="rl")
 DISTILL = Readout(step=("loss", "entropy", "teacher_entropy", "completions/mean_length"), done=("loss",),
                   tracked=("num_tokens", "completions/", "time/"))  # gkd, distill (harness/train/distill.py)
-RL_TIMES = ("generate_s", "score_s", "reference_s", "train_s", "sync_s")  # time/<part>: the step's split (rl/grpo)
+# time/<part>: the step's split (rl/grpo); tools_s: a multi-turn loop's time outside its generate calls
+RL_TIMES = ("generate_s", "tools_s", "score_s", "reference_s", "train_s", "sync_s")
 
 
 def names(pattern: str, record: dict) -> list[str]:

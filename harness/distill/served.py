@@ -12,8 +12,10 @@ are kept, sorted by rank, cut to k, padded with (-inf, id 0) as TRL pads them.
 
 Each request has `timeout_s`; a timeout, a refused or dropped connection, a 5xx answer or one that is not JSON is
 retried `retries` times (BACKOFF_S, twice that, ...: harness/http_json.py); a 4xx or a malformed answer is not.
-When no answer comes the run ends with TeacherServerError (exit 2, as an HTTP verifier's:
-harness/rl/rewards/verifier.py): the URL, the attempts, the last error and the fix, never a hang.
+When no answer comes the run ends with TeacherUnavailable: the URL, the attempts, the last error and the fix, never
+a hang, and exit EXIT_TEACHER_UNAVAILABLE (69: an outage, retried by `harness launch --max-restarts`, Kubernetes, Ray
+and the Slurm script). A 4xx or a malformed answer is TeacherServerError (exit 2: the server or the settings are
+wrong, a retry would get the same answer).
 """
 
 from __future__ import annotations
@@ -31,18 +33,29 @@ BACKOFF_S = 0.5
 
 
 class TeacherServerError(UsageError):
-    """The served teacher gave no log-probs (after its retries), or gave malformed ones."""
+    """The served teacher refused the request (a 4xx) or answered malformed log-probs: bad input, exit 2."""
+
+
+class TeacherUnavailable(Exception):
+    """The served teacher gave no answer after its retries (timeouts, refused or dropped connections, 5xx answers):
+    an outage, exit EXIT_TEACHER_UNAVAILABLE (harness/train/job.py), which the launchers retry."""
 
 
 def call(url: str, payload: dict | None, *, timeout_s: float, retries: int, what: str) -> dict:
-    """The JSON answer of one GET (payload None) or POST, with retries; TeacherServerError when none comes."""
+    """The JSON answer of one GET (payload None) or POST, with retries; TeacherUnavailable when none comes,
+    TeacherServerError when the server refused the request."""
     try:
         return call_json(url, payload, timeout_s=timeout_s, retries=retries, backoff_s=BACKOFF_S)
     except NoAnswer as err:
-        raise TeacherServerError(
-            f"distill.teacher_model_server_url: the served teacher gave no {what} after {err.attempts} attempt(s) "
-            f"({timeout_s:g} s timeout each): {url}: {err.last}\n    fix: check that the server is up "
-            f"(curl {url.rsplit('/v1/', 1)[0]}/health) and answers within {timeout_s:g} s") from None
+        text = (f"distill.teacher_model_server_url: the served teacher gave no {what} after {err.attempts} "
+                f"attempt(s) ({timeout_s:g} s timeout each): {url}: {err.last}")
+        if err.refused:
+            raise TeacherServerError(f"{text}\n    fix: check the server's limits against the request (vLLM's "
+                                     "--max-logprobs must be at least distill.loss_top_k)") from None
+        raise TeacherUnavailable(f"{text}\n    fix: check that the server is up (curl {url.rsplit('/v1/', 1)[0]}"
+                                 f"/health) and answers within {timeout_s:g} s; the run ended with exit 69, which "
+                                 "`harness launch --max-restarts`, Kubernetes, Ray and the Slurm script retry "
+                                 "from the latest checkpoint") from None
 
 
 def position_topk(entry: dict | None, actual_id: int, k: int) -> tuple[list[int], list[float], float]:

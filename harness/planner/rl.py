@@ -12,6 +12,11 @@ gathered beyond what ZeRO-3 keeps whole anyway (tensors at or under stage3_param
 Stages 0-2 hold whole weights: nothing is gathered.
 
 KV cache = 2 x layers x kv_heads x head_dim x (prompt + completion) x sequences x bytes (K and V per layer).
+Multi-turn rollouts (harness/rl/multiturn.py): turns = rl.max_tool_calling_iterations + 1 generate calls, each over
+the prompt and the turns so far, its cache dropped at its end; max_completion_length counts the tool tokens, so the
+largest call's cache is the single turn's. Of the completion, (turns - 1) x the tool-result budget (a round's
+rendered tool messages) are tool tokens, prefilled by the next call, never decoded: decode steps = completion - tool
+tokens (at least one sampled token per turn). A whole ZeRO-3 gather is paid once per generate call.
 Decode is memory-bound: one pass over the weights per completion token (plus the cache read), at the profile's HBM
 bandwidth; under grouped ZeRO-3 the per-token gather over the link is added. Prefill is compute-bound:
 2 x params x prompt tokens x sequences flops.
@@ -140,6 +145,14 @@ class RolloutWork:
     sync_bucket_mb: float = 256.0
     vllm_memory_fraction: float = 0.3
     turns: int = 1  # generate calls per rollout: rl.max_tool_calling_iterations + 1 (multi-turn), else 1
+    tool_result_tokens: int = 0  # tokens one round of tool results adds (its rendered tool messages)
+
+
+def turn_tokens(work: RolloutWork) -> tuple[int, int]:
+    """(tool tokens, sampled tokens) per sequence at the budget: (turns - 1) x the tool-result budget, leaving at
+    least one sampled token per turn; the rest of max_completion_length is sampled (decoded)."""
+    tool = max(0, min((work.turns - 1) * work.tool_result_tokens, work.completion_len - work.turns))
+    return tool, work.completion_len - tool
 
 
 def rollout_plan(count: ParamCount, shape: ModelShape, work: RolloutWork, *, stage: int, world: int, lp: int,
@@ -159,24 +172,27 @@ def rollout_plan(count: ParamCount, shape: ModelShape, work: RolloutWork, *, sta
     gather = gather_plan(count, lp=lp, threshold=threshold, hidden=shape.hidden_size, bound_bytes=bound, stage=stage)
     hbm, link = float(profile.get("hbm_gbps", 1000)), float(profile.get("intra_node_gbps", 100))
     flops = float(profile.get("peak_tflops", {}).get("bf16", 100)) * 1e12 * float(profile.get("gemm_efficiency", 0.5))
-    hf_decode = decode_s(weight_bytes=model_bytes, kv_bytes=kv, completion_tokens=work.completion_len,
+    tool_tokens, sampled = turn_tokens(work)
+    hf_decode = decode_s(weight_bytes=model_bytes, kv_bytes=kv, completion_tokens=sampled,
                          hbm_gbps=hbm, gather_bytes_per_token=gather.per_token_gather_bytes, link_gbps=link,
                          world=world)
-    whole_gather_s = model_bytes * (world - 1) / world / (link * GB) if stage == 3 and gather.whole else 0.0
+    whole_gather_s = work.turns * model_bytes * (world - 1) / world / (link * GB) if stage == 3 and gather.whole \
+        else 0.0
     prefilled = prefill_tokens(prompt_len=work.prompt_len, completion_len=work.completion_len, turns=work.turns)
     prefill = prefill_s(params=count.total, prompt_tokens=prefilled, sequences=work.sequences, flops=flops)
     sync = sync_plan(total_params=count.total, lp=lp, bucket_mb=work.sync_bucket_mb, world=world if stage == 3
                      else 1, link_gbps=link, hbm_gbps=hbm)
     vllm_bytes = int(work.vllm_memory_fraction * gpu_mem_bytes)  # vLLM's gpu_memory_utilization: of the whole GPU
     hf_peak = (gather.peak_bytes - (gather.persistent_bytes if stage == 3 else model_bytes)) + kv
-    return {"kv_cache_bytes": kv, "turns": work.turns, "prefill_tokens": prefilled, "gather": gather.to_dict(),
+    return {"kv_cache_bytes": kv, "turns": work.turns, "prefill_tokens": prefilled, "tool_tokens": tool_tokens,
+            "sampled_tokens": sampled, "gather": gather.to_dict(),
             "gather_reason": reason if stage == 3 else
             "stages 0-2 hold whole weights: nothing is gathered",
             "hf": {"extra_bytes": hf_peak, "prefill_s": prefill, "decode_s": hf_decode + whole_gather_s,
                    "per_token_gather_bytes": gather.per_token_gather_bytes},
             "vllm": {"bytes": model_bytes + kv, "budget_bytes": vllm_bytes,
-                     "decode_s": decode_s(weight_bytes=model_bytes, kv_bytes=kv,
-                                          completion_tokens=work.completion_len, hbm_gbps=hbm),
+                     "decode_s": decode_s(weight_bytes=model_bytes, kv_bytes=kv, completion_tokens=sampled,
+                                          hbm_gbps=hbm),
                      "prefill_s": prefill, "sync": sync},
             "recommend": _recommend(work, gather, model_bytes, kv, vllm_bytes, free_bytes, hf_peak, gpu_mem_bytes)}
 

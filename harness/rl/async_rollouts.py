@@ -80,8 +80,11 @@ class AsyncGeneration:
         self.ask_ahead()
 
     def after_step(self, step: int) -> None:
-        """After optimizer step `step` (from 0): version step + 1 exists; sent every weight_sync_steps."""
-        if (step + 1) % self.every == 0 and step + 1 <= self.last_step:
+        """After optimizer step `step` (from 0): version step + 1 exists; sent every weight_sync_steps. After the
+        run's last step the process stops."""
+        if step >= self.last_step:
+            self.close()
+        elif (step + 1) % self.every == 0:
             self.sync(step + 1)
             self.ask_ahead()
 
@@ -168,6 +171,10 @@ class AsyncGeneration:
                         "checkpoint")
 
     def close(self) -> None:
+        """Stop the process (also on the run's failure; a run that ends otherwise early leaves it to end with the
+        trainer's process: its pipe closes)."""
+        if self.conn.closed:
+            return
         if self.proc.is_alive():
             try:
                 self.conn.send(("stop",))
@@ -190,12 +197,14 @@ def ended(code: int | None) -> str:
     return f"it exited with code {code}"
 
 
-def raise_if_failed(outcomes: list, rank: int) -> None:
-    """Every rank's outcome of the step's generation, gathered: every rank prints the reason and raises
-    GeneratorFailed (harness/train/job.py ends the run with exit code 1)."""
+def raise_if_failed(outcomes: list, rank: int, generation: AsyncGeneration) -> None:
+    """Every rank's outcome of the step's generation, gathered: every rank stops its generator process and raises
+    GeneratorFailed (harness/train/job.py: rank 0 says it, exit code 1); the other ranks print it here."""
     failures = [o for o in outcomes if o]
     if failures:
         import sys
 
-        print(f"error (rank {rank}): " + "\n".join(failures), file=sys.stderr, flush=True)
+        generation.close()
+        if rank:
+            print(f"error (rank {rank}): " + "\n".join(failures), file=sys.stderr, flush=True)
         raise GeneratorFailed("\n".join(failures))

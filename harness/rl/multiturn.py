@@ -20,6 +20,7 @@ do not depend on the world size, the batching, or a resume.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -103,11 +104,13 @@ class MultiTurn:
 
     def run(self, rollouts: list[Rollout], seed: int) -> None:
         """Every turn of every row, in lockstep with the other ranks."""
-        turn = 0
+        turn, self.generate_s = 0, 0.0  # generate_s: the generate calls' share (the rest: tools and templates)
         while any_rank(len(going := [r for r in rollouts if r.finish is None])):
             budgets = [self.max_len - len(r.completion) for r in going]
+            began = time.perf_counter()
             outs = self.generator.generate([r.prompt_ids + r.completion for r in going], seed=turn_seed(seed, turn),
                                            row_ids=[r.row for r in going], max_new=max(budgets, default=1))
+            self.generate_s += time.perf_counter() - began
             logps = getattr(self.generator, "last_logps", None) or [[] for _ in going]
             for r, ids, lp, budget in zip(going, outs, logps, budgets):
                 self._turn(r, list(ids)[:budget], list(lp)[:budget])

@@ -20,6 +20,11 @@ after the prompt as completion_ids (each turn's sampled ids, each tool suffix be
 ([{ids, tool_calls, tool_results[, rolled_back]}]), tool_calls and tool_failures (counts), and finish (eos, length,
 budget, max_iterations, error). All of it carries loss except the tool tokens (it ends at its last turn's EOS or at
 the budget); a truncated one (no EOS at the end) carries none under mask_truncated_completions.
+
+A distillation run's generated completions (harness/train/distill.py: gkd with lmbda > 0 or seq_kd, objective
+distill) go to the same file, one line per generated row of a training step, in the step's row order: step, row (its
+position in the step's global batch), prompt_index (its record), prompt_ids, completion_ids (as generated, before
+the cut at train.seq_len), finish (eos | length) and source (student, or teacher under seq_kd); there are no rewards.
 """
 
 from __future__ import annotations
@@ -134,6 +139,12 @@ def _no_nan(value):
     if isinstance(value, dict):
         return {k: _no_nan(v) for k, v in value.items()}
     return value
+
+
+def append(run_dir: Path, new_lines: list[str]) -> None:
+    """Rank 0: a generation's lines appended to RUN/rollouts.jsonl."""
+    with open(Path(run_dir) / ROLLOUTS_FILE, "a") as out:
+        out.write("".join(line + "\n" for line in new_lines))
 
 
 def truncate_after(run_dir: Path, step: int) -> None:

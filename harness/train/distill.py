@@ -1,7 +1,8 @@
 """The step of a distillation run (train.objective gkd, distill) on ddp and ZeRO-0..3, offload and LoRA.
 
 A micro-batch is B prompt-completion rows (harness/train/distill_data.py); under lmbda > 0 (distill: always) rows
-get the student's own completions first (harness/train/distill_policy.py). Per optimizer step:
+get the student's own completions first, with seq_kd the others the teacher's (harness/train/distill_policy.py);
+rank 0 appends the step's generated completions to RUN/rollouts.jsonl (harness/rl/rollouts.py). Per optimizer step:
   1. the step's loss tokens (labels != -100 after the causal shift) are counted on the host over this rank's
      micro-batches and summed over the ranks in ONE all-reduce: N;
   2. per micro-batch: the teacher's targets at those tokens (harness/train/teacher.py), one forward of the student,
@@ -17,13 +18,16 @@ time/train_s (this rank's seconds in the teacher's forwards, and in the rest of 
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as tdist
 
-from harness.config.distill_rules import settings
+from harness.config.distill_rules import on_policy, settings
 from harness.data.rows import IGNORE_INDEX
+from harness.rl import rollouts
 from harness.train.distill_loss import LOSSES
 
 
@@ -67,31 +71,52 @@ def _sum_over_ranks(values: list[float], device) -> list[float]:
 
 
 class DistillSteps:
-    def __init__(self, spec, teacher):
-        self.spec, self.cfg, self.teacher = spec, settings(spec.recipe), teacher
+    def __init__(self, spec, teacher, run_dir: Path | None = None):
+        """run_dir: where the training steps' completions go (rollouts.jsonl); None (an evaluation's): nowhere."""
+        self.spec, self.cfg, self.teacher, self.run_dir = spec, settings(spec.recipe), teacher, run_dir
         self.dp, self.gas = spec.dp, spec.run.batch.grad_accum  # tp / pp / sp are refused (config/distill_rules.py)
         self.dropout_off = not self.cfg["disable_dropout"]
-        self.on_policy = None  # lmbda > 0: the student's completions (harness/train/distill_policy.py), made at step 1
+        self.generates = on_policy(spec.recipe)  # lmbda > 0, seq_kd, objective distill
+        self.seq_kd = bool(self.cfg["seq_kd"]) and spec.recipe["train"]["objective"] == "gkd"
+        self.first_step = True  # this launch's first: a resume's rollouts.jsonl loses the lines after it
+        self.on_policy = None  # the generated completions (harness/train/distill_policy.py), made at step 1
 
-    def completions(self, engine, batches: list, times: dict) -> tuple[list, list[int]]:
-        """lmbda > 0: (the micro-batches with their drawn rows' completions generated, their lengths)."""
-        if self.cfg["lmbda"] == 0:
+    def completions(self, engine, batches: list, times: dict) -> tuple[list, list[dict]]:
+        """(the micro-batches with their drawn rows' completions generated, a record per generated row)."""
+        if not self.generates:
             return batches, []
         from harness.train.distill_policy import OnPolicy
 
         began = time.perf_counter()
         if self.on_policy is None:
-            self.on_policy = OnPolicy(self.spec, engine)
+            self.on_policy = OnPolicy(self.spec, engine, self.teacher)
         rank = tdist.get_rank() if tdist.is_initialized() else 0
         first = rank * sum(b[0].shape[0] for b in batches)  # the rank's slice of the step's rows (BatchPlan)
-        out, lengths = [], []
+        out, made = [], []
         for batch in batches:  # engine.global_steps: the optimizer steps done, restored by a resume
-            batch, made = self.on_policy.batch(engine.global_steps, first, batch)
+            batch, records = self.on_policy.batch(engine.global_steps, first, batch)
             out.append(batch)
-            lengths += made
+            made += records
             first += batch[0].shape[0]
         times["generate_s"] = time.perf_counter() - began
-        return out, lengths
+        return out, made
+
+    def record(self, step: int, made: list[dict]) -> None:
+        """RUN/rollouts.jsonl: the step's generated completions from every rank, in the step's row order, appended by
+        rank 0 (one all-gather); at the run's first step the lines of later steps (a resume's) are dropped first."""
+        if self.run_dir is None or not self.generates:
+            return
+        every = [made]
+        if tdist.is_initialized() and tdist.get_world_size() > 1:
+            every = [None] * tdist.get_world_size()
+            tdist.all_gather_object(every, made)
+        if tdist.is_initialized() and tdist.get_rank() != 0:
+            return
+        if self.first_step:
+            rollouts.truncate_after(self.run_dir, step - 1)
+            self.first_step = False
+        rows = sorted((r for part in every for r in part), key=lambda r: r["row"])
+        rollouts.append(self.run_dir, [json.dumps({"step": step, **r}) for r in rows])
 
     def loss_sums(self, engine, batch: tuple[torch.Tensor, ...], times: dict) -> tuple[torch.Tensor, ...]:
         """(loss sum, student entropy sum, teacher entropy sum) of one micro-batch."""
@@ -110,7 +135,8 @@ class DistillSteps:
         if not self.dropout_off:
             disable_dropout(engine.module)
             self.dropout_off = True
-        batches, lengths = self.completions(engine, batches, times)
+        batches, made = self.completions(engine, batches, times)
+        self.record(engine.global_steps + 1, made)
         counts = [sum(int(loss_positions(b[1]).sum()) for b in batches), sum(int(input_tokens(b[1]).sum())
                                                                               for b in batches)]
         num_loss, num_input = _sum_over_ranks(counts, engine.device)
@@ -123,16 +149,23 @@ class DistillSteps:
             engine.step()
             total = loss.detach() if total is None else total + loss.detach()
             entropies += torch.stack([ent_s, ent_t]).double().cpu()
-        ent_s, ent_t, made, made_tokens = _sum_over_ranks([*entropies.tolist(), len(lengths), sum(lengths)],
-                                                          engine.device)
+        mine = [len(r["completion_ids"]) for r in made if r["source"] == "student"]
+        theirs = [len(r["completion_ids"]) for r in made if r["source"] == "teacher"]
+        if self.on_policy is not None:
+            self.on_policy.after_step()  # use_vllm: its weights are stale now
+        ent_s, ent_t, *made = _sum_over_ranks([*entropies.tolist(), len(mine), sum(mine), len(theirs), sum(theirs)],
+                                              engine.device)
         seconds = time.perf_counter() - began
         metrics = {"entropy": ent_s / max(num_loss, 1.0), "teacher_entropy": ent_t / max(num_loss, 1.0),
                    "num_tokens": int(num_input), "step_tokens": int(num_input), "time/teacher_s": times["teacher_s"],
                    "time/generate_s": times["generate_s"],
                    "time/train_s": seconds - times["teacher_s"] - times["generate_s"]}
         if self.cfg["lmbda"] > 0:  # TRL's completions/* of the student's own completions this step
-            metrics.update({"completions/on_policy": int(made),
-                            "completions/mean_length": made_tokens / made if made else 0.0})
+            metrics.update({"completions/on_policy": int(made[0]),
+                            "completions/mean_length": made[1] / made[0] if made[0] else 0.0})
+        if self.seq_kd:  # seq_kd: the teacher's completions this step
+            metrics.update({"completions/teacher": int(made[2]),
+                            "completions/teacher_mean_length": made[3] / made[2] if made[2] else 0.0})
         return total / len(batches), metrics
 
     @torch.no_grad()

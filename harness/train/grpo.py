@@ -9,7 +9,7 @@ from its file instead of generating and scoring.
 
 Per step: the loss (harness/rl/loss.py) over the rank's grad_accum micro-batches of micro_batch completions, with
 engine.backward / engine.step, then the generator's weight sync. The metrics carry TRL's names and the time split
-(time/generate_s, score_s, reference_s, train_s, sync_s).
+(time/generate_s, tools_s: multi-turn tool calls and templates, score_s, reference_s, train_s, sync_s).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from harness.log import say
 from harness.rl import generation_batch as gb
 from harness.rl import replay as replay_file
 from harness.rl.loss import completion_logits, per_token_loss, reduce, token_logps
-from harness.rl.rollouts import ROLLOUTS_FILE, Rollouts, first_eos, lines, truncate_after
+from harness.rl.rollouts import ROLLOUTS_FILE, Rollouts, append, first_eos, lines, truncate_after
 from harness.rl.step_metrics import StepMetrics
 
 CLIENT_KEY = "rl_generation"  # the current generation's records, in the checkpoint's client state (num_iterations > 1)
@@ -187,10 +187,6 @@ class GrpoSteps:
         _, prompt_ids, seed, first = self._slice(step)
         return prompt_ids, seed, first
 
-    def close(self) -> None:
-        if self.async_gen is not None:
-            self.async_gen.close()
-
     def _multi_turn(self, index: list[int], prompt_ids: list, seed: int, first: int, step: int, times: dict) -> list:
         """This rank's multi-turn rollouts (harness/rl/multiturn.py), scored with environments= as TRL's."""
         began = time.perf_counter()
@@ -200,7 +196,8 @@ class GrpoSteps:
         rollouts = self.multiturn.start([self.prompts.values[i] for i in index], prompt_ids, columns,
                                         list(range(first, first + len(index))), names)
         self.multiturn.run(rollouts, seed)
-        times["generate_s"] = time.perf_counter() - began
+        loop = time.perf_counter() - began  # tools_s: environments' reset, tool calls, their suffixes' rendering
+        times["generate_s"], times["tools_s"] = self.multiturn.generate_s, loop - self.multiturn.generate_s
         began = time.perf_counter()
         scores = self.rewards.score(prompts=[r.prompt for r in rollouts], completions=[r.replies for r in rollouts],
                                     completion_ids=[r.completion for r in rollouts],
@@ -261,8 +258,7 @@ class GrpoSteps:
         times["reference_s"] = time.perf_counter() - began
         self.buffer = (rollouts, records, tokens)
         if self.dist.is_main and self.async_gen is None:  # async: after the step, with the ratios it used
-            with open(self.run_dir / ROLLOUTS_FILE, "a") as out:
-                out.write("".join(line + "\n" for line in lines(step + 1, self.g, records)))
+            append(self.run_dir, lines(step + 1, self.g, records))
         return metrics
 
     # --- the step ---

@@ -15,7 +15,7 @@ import time
 
 from harness.dist import gather_all
 from harness.rl.async_rollouts import raise_if_failed
-from harness.rl.rollouts import ROLLOUTS_FILE, lines, truncated
+from harness.rl.rollouts import append, lines, truncated
 
 
 def describe(rl: dict) -> str:
@@ -37,7 +37,7 @@ def records(steps, step: int, index: list[int], prompt_ids: list, times: dict) -
             r.update(model_version=out["version"], sampling_logps=logps)
     parts = gather_all({"error": out.get("error"), "records": local, "seconds": out.get("seconds", 0.0),
                         "dropped": steps.async_gen.dropped})
-    raise_if_failed([p["error"] for p in parts], steps.dp_rank)
+    raise_if_failed([p["error"] for p in parts], steps.dp_rank, steps.async_gen)
     every = [r for p in parts for r in p["records"]]
     steps.async_stats = {"sample/staleness_mean": sum(step - r["model_version"] for r in every) / len(every),
                          "sample/dropped_stale_total": float(sum(p["dropped"] for p in parts)),
@@ -56,8 +56,7 @@ def after_update(steps, step: int) -> dict:
         if not (steps.rl["mask_truncated_completions"] and truncated(record["completion_ids"], steps.eos_ids)):
             used += ratio
     if steps.dist.is_main:
-        with open(steps.run_dir / ROLLOUTS_FILE, "a") as out:
-            out.write("".join(line + "\n" for line in lines(step + 1, steps.g, records)))
+        append(steps.run_dir, lines(step + 1, steps.g, records))
     steps.async_gen.after_step(step)
     metrics = dict(steps.async_stats)
     if used:

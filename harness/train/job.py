@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from harness import dist as distmod
@@ -19,7 +20,8 @@ from harness.config.objectives import objective_of, readout_of
 from harness.config.preference_rules import is_preference
 from harness.config.recipes import deep_merge
 from harness.config.resolve import render_provenance
-from harness.errors import GeneratorFailed, UsageError
+from harness.distill.served import TeacherUnavailable
+from harness.errors import GeneratorFailed, UsageError, without_secrets
 from harness.log import quiet_scheduler_construction, say
 from harness.data.stream_rows import StreamRows
 from harness.model import adapters, fp8
@@ -368,13 +370,10 @@ def run(spec, dist) -> int:
                               model_info=info, skipped_batches=client.get(faults.CLIENT_KEY, ()))
             try:
                 result = trainer.run(step0)
-            except faults.NumericFault as e:  # every rank raises it in the same step; rank 0 says it
+            except (faults.NumericFault, GeneratorFailed) as e:  # every rank raises it in the same step; rank 0 says it
                 if dist.is_main:
                     say("fault", str(e))
-                code = faults.EXIT_NUMERIC_FAULT
-                return code
-            except GeneratorFailed:  # rl.async: every rank said why as it raised (harness/rl/async_rollouts.py)
-                code = 1
+                code = getattr(e, "exit_code", faults.EXIT_NUMERIC_FAULT)
                 return code
             result.update(startup_summary)
             if isinstance(data.train, StreamRows):  # streaming: how long rank 0 waited for its node's writer
@@ -387,11 +386,14 @@ def run(spec, dist) -> int:
             quiesce(engine)
         code = preempt.EXIT_PREEMPTED if "preempted_at" in result else 0
         return code
+    except TeacherUnavailable as e:  # a served teacher's outage, not bad input: a code the launchers retry
+        if dist.is_main or dist.local_rank == 0:
+            print(f"error: {without_secrets(str(e))}", file=sys.stderr)
+        code = preempt.EXIT_TEACHER_UNAVAILABLE
+        return code
     finally:
         if data is not None and hasattr(data.train, "close"):  # a streamed store: this node's writer stops
             data.train.close()
-        if data is not None and hasattr(data.steps, "close"):  # rl.async: the generator processes stop
-            data.steps.close()
         if trackers is not None:
             trackers.finish(code)
         if log:

@@ -26,6 +26,9 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; `--res
 # a numeric fault stopped the run (train/faults.py); here, beside the other codes a rank reports, so that
 # `harness launch` reads them without importing torch. Not restarted by --max-restarts: the same batch would fault again
 EXIT_NUMERIC_FAULT = 3
+# a served teacher (distill.teacher_model_server_url) stopped answering after its retries: an outage, not bad input,
+# so `harness launch --max-restarts`, Kubernetes, Ray and the Slurm script retry it (resuming from `latest`)
+EXIT_TEACHER_UNAVAILABLE = 69  # EX_UNAVAILABLE
 EXIT_DIR_ENV = "DSHARNESS_EXIT_DIR"  # set by `harness launch`: where each rank reports its exit code
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 KEY = "harness/preempt_at_step"

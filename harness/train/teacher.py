@@ -43,6 +43,27 @@ class Teacher:
                 logits = student(input_ids=input_ids.to(student.device), use_cache=False).logits
         return Targets(logits=logits[:, :-1][where.to(logits.device)])
 
+    def generator(self, rl: dict, student, tokenizer, run):
+        """seq_kd: the generator of the teacher's completions (harness/rl/generation; rl: its settings): HF generate
+        on the teacher engine (under ZeRO-3 its gathers, collective as the student's), or on the student's engine
+        with the adapters off (adapter)."""
+        from harness.rl.generation import make_generator
+
+        if self.mode == "engine":
+            return make_generator(rl, self.engine, tokenizer, run)
+        return AdaptersOffGenerator(make_generator(rl, student, tokenizer, run), student.module)
+
+
+@dataclasses.dataclass
+class AdaptersOffGenerator:
+    """A generator on the student's engine that samples from its base: the adapter mode's teacher."""
+    inner: object
+    module: object
+
+    def generate(self, prompt_ids: list[list[int]], **kwargs) -> list[list[int]]:
+        with adapters_off(self.module):
+            return self.inner.generate(prompt_ids, **kwargs)
+
 
 def why_mode(spec) -> str:
     """Why the run has its teacher mode: the user's choice, or what auto saw."""

@@ -9,7 +9,8 @@ precomputed  the teacher's top-k for every record, written once before the stude
              builds no teacher. A batch's rows are looked up by their record numbers (the batch's fourth tensor: harness/train/distill.py).
 served       distill.teacher_model_server_url asked per micro-batch (harness/distill/served.py). A rank whose request
              fails after its retries tells the others (one all-gather of the error per micro-batch), so every rank
-             ends with exit 2 and that reason instead of waiting in a collective for a rank that left.
+             ends with that reason and its exit code (69 an outage, 2 a refused or malformed answer) instead of
+             waiting in a collective for a rank that left.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from harness.config.distill_rules import settings
 from harness.data.rows import IGNORE_INDEX
 from harness.data.store import DEFAULT_ROOT, tokenizer_hash
-from harness.distill.served import ServedTeacher, TeacherServerError
+from harness.distill.served import ServedTeacher, TeacherServerError, TeacherUnavailable
 from harness.distill.teacher_store import ensure_teacher_store, store_key, store_path
 from harness.distill.topk import TopK, teacher_topk
 from harness.train.distill_loss import Targets
@@ -64,23 +65,25 @@ class ServedTargets:
         answer, error = None, None
         try:
             answer = self.client(input_ids.cpu(), labels_at(input_ids.cpu(), where.cpu()))
-        except TeacherServerError as err:
-            error = str(err)
+        except (TeacherServerError, TeacherUnavailable) as err:
+            error = (type(err).__name__, str(err))
         failed = _first_failure(error)
         if failed is not None:
-            raise TeacherServerError(failed)
+            kind, text = failed
+            raise (TeacherUnavailable if kind == TeacherUnavailable.__name__ else TeacherServerError)(text)
         return _targets(answer, input_ids, where)
 
 
-def _first_failure(error: str | None) -> str | None:
-    """The first rank's error (its rank named when there are several), or None when every rank had its answer."""
+def _first_failure(error: tuple[str, str] | None) -> tuple[str, str] | None:
+    """The first rank's (error class, message; its rank named when there are several), or None when every rank had
+    its answer."""
     import torch.distributed as tdist
 
     if not (tdist.is_initialized() and tdist.get_world_size() > 1):
         return error
     errors = [None] * tdist.get_world_size()
     tdist.all_gather_object(errors, error)
-    return next((f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None), None)
+    return next(((e[0], f"rank {rank}: {e[1]}") for rank, e in enumerate(errors) if e is not None), None)
 
 
 def _store_key(spec, records, tokenizer) -> dict:

@@ -129,14 +129,17 @@ def micro_eval(engine, batches: list) -> float:
     return sum(losses) / len(losses)
 
 
-def strategy(spec, reference=None):
+def strategy(spec, reference=None, run_dir=None):
     """(train step, eval) functions: the pipeline engine runs a whole step in train_batch / eval_batch; a
-    preference or distillation objective has its own (pipeline, tensor and sequence parallel are refused with it)."""
+    preference or distillation objective has its own (pipeline, tensor and sequence parallel are refused with it).
+    run_dir: the training run's folder, where a distillation run records its generated completions (rollouts.jsonl);
+    None for an evaluation's steps."""
     if is_preference(spec.recipe) or objective_of(spec.recipe).family == "distill":  # its step class (objectives.py)
         import importlib
 
         module, name = objective_of(spec.recipe).steps.split(":")
-        steps = getattr(importlib.import_module(module), name)(spec, reference)
+        folder = {"run_dir": run_dir} if objective_of(spec.recipe).family == "distill" else {}
+        steps = getattr(importlib.import_module(module), name)(spec, reference, **folder)
         return steps.train, steps.eval
     from harness.train.vision_steps import VisionSteps, is_vision_run
 
@@ -197,7 +200,7 @@ class Trainer:
         self.readout = readout_of(spec.recipe)  # the [step] line's metrics (harness/config/readouts.py)
         rows_per_sample = 2 if is_preference(spec.recipe) else 1  # a pair is two rows
         self.tokens_per_step = self.plan.global_batch * data.train.shape[1] * rows_per_sample
-        self.step_fn = strategy(spec, data.reference)[0] if data.steps is None else None
+        self.step_fn = strategy(spec, data.reference, run_dir)[0] if data.steps is None else None
         if data.mixture is not None:  # loss/<name>, rows/<name> (harness/train/mixture.py)
             plain = mixture.plain_path(spec)
             self.step_fn = mixture.by_source(self.step_fn, len(data.mixture.names), *((_forward, _lm_aux) if plain

@@ -1,12 +1,13 @@
 """The hf generator against one process's HF generate, on 2 ranks:
-deepspeed --num_gpus 2 tests/drivers/generation.py MODEL_FOLDER OUT.json
+deepspeed --num_gpus 2 tests/drivers/generation.py MODEL_FOLDER OUT.json TOOL_MODEL_FOLDER
 
 Each case builds the policy engine (ZeRO-3 whole gather, ZeRO-3 grouped gather, ZeRO-3 grouped with parameter
 offload, ZeRO-3 grouped with LoRA, ZeRO-2), generates greedy completions (top_k 1) for this rank's prompts, then
 rebuilds the same weights in a plain model (no DeepSpeed: gathered once and copied) and runs transformers' generate
 on it; then one Adam step changes the weights and both generate again. It records the completions of both, the
 whole-held parameter bytes at every module's forward during generation (the peak, against planner/rl.py's), the
-layer groups the generator used, and whether sampled completions repeat for a seed and differ across seeds.
+layer groups the generator used, and whether sampled completions repeat for a seed and differ across seeds. Then
+a multi-turn case (multi_turn_case): the tool model's rollouts on ZeRO-3 against the planner's bound.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 
 from harness.dist import exit_now  # noqa: E402
 
@@ -184,7 +187,64 @@ def case(name, folder, tok) -> dict:
     return out
 
 
-def main(folder: str, path: str) -> None:
+MULTI_TURN = {"generator": "hf", "max_completion_length": 160, "temperature": 1.0, "top_k": None,
+              "max_tool_calling_iterations": 3, "chat_template_kwargs": {}, "tool_timeout_s": None,
+              "max_tool_result_tokens": None, "reward_errors": "stop", "tools": []}
+
+
+def multi_turn_case(folder: str) -> dict:
+    """The tool model (tests/helpers/tool_models.py) on ZeRO-3 in one-layer groups, 4 SecretEnv rollouts per rank
+    through harness/rl/multiturn.py: the whole-held bytes over every turn's generate call, each call's padded
+    sequences x tokens (its KV cache), against planner/rl.py's gather peak and KV cache for the rollout budget."""
+    import deepspeed
+    import torch
+
+    from helpers.tool_models import ENV_FILE, SECRETS, tool_tokenizer
+
+    from harness.model.hf import build_model
+    from harness.planner import rl as rl_plan
+    from harness.planner.params import count_module, model_shape
+    from harness.rl.generation import make_generator
+    from harness.rl.multiturn import MultiTurn
+    from harness.rl.tools import load_toolbox
+
+    ds, tok = ds_config({"stage": 3}), tool_tokenizer()
+    count = count_module(build_model(folder, seed=0))
+    model = build_model(folder, seed=0, zero3_init_config=ds)
+    engine = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)[0]
+    mb = bound_mb("one_layer", count)
+    rl = {**MULTI_TURN, "gather_mb": mb, "environment_factory": f"{ENV_FILE}:SecretEnv"}
+    box, gen = load_toolbox(rl, Path(folder)), make_generator(rl, engine, tok, None)
+    calls, generate = [], gen.generate
+
+    def recorded(prompt_ids, **kwargs):
+        out = generate(prompt_ids, **kwargs)
+        # (rows, the padded batch's tokens); a rank whose rows all finished still calls generate with none
+        calls.append((len(prompt_ids), max(map(len, prompt_ids), default=0) + max(map(len, out), default=0)))
+        return out
+
+    gen.generate = recorded
+    prompt = [{"role": "user", "content": "What is the secret word? Ask the tool."}]
+    ids = tok.apply_chat_template(prompt, tools=box.schemas[None], add_generation_prompt=True, tokenize=True,
+                                  return_dict=True)["input_ids"]
+    rank = torch.distributed.get_rank()
+    loop = MultiTurn(rl, tok, box, gen)
+    rows = loop.start([prompt] * 4, [ids] * 4, {"secret": list(SECRETS[4 * rank:4 * rank + 4])},
+                      list(range(4 * rank, 4 * rank + 4)), [f"row {4 * rank + i}" for i in range(4)])
+    held, fetches = PeakHeld(engine.module), HookFetches()
+    loop.run(rows, seed=3 + 5 * rank)  # the ranks' rows take different numbers of turns
+    held.close()
+    fetches.close()
+    shape = model_shape(engine.module.config.to_dict())
+    return {"peak_held_bytes": held.peak, "hook_fetches": fetches.calls, "calls": calls,
+            "turns": [len(r.turns) for r in rows], "completion": [len(r.completion) for r in rows],
+            "kv_bytes": max(rl_plan.kv_cache_bytes(shape, sequences=n, tokens=t, lp=4) for n, t in calls),
+            "plan": rl_plan.gather_plan(count, lp=4, threshold=THRESHOLD, hidden=64, stage=3,
+                                        bound_bytes=int(mb * rl_plan.MIB)).to_dict(),
+            "plan_kv_bytes": rl_plan.kv_cache_bytes(shape, sequences=4, tokens=len(ids) + 160, lp=4)}
+
+
+def main(folder: str, path: str, tool_folder: str) -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -192,6 +252,7 @@ def main(folder: str, path: str) -> None:
     results = {"rank": int(os.environ["RANK"])}
     for name in CASES:
         results[name] = case(name, folder, tok)
+    results["z3_multi_turn"] = multi_turn_case(tool_folder)
     with open(f"{path}.rank{results['rank']}", "w") as fh:
         json.dump(results, fh)
 

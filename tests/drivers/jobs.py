@@ -2,7 +2,8 @@
 
 CASES.json is a list of harness/run.py argument lists, run in order by every rank (a resume case after the run it
 resumes); a case may instead be {"argv": [...], "code": N}, a job expected to end with exit code N (a numeric
-fault). Each launch costs ~20 s of start-up and process-group set-up on a loaded 2-core machine; the jobs themselves
+fault, a served teacher's outage), or {"call": "drivers.MODULE:FUNCTION", "args": [...]}, a test driver's function
+run on every rank in the same process group (it returns 0). Each launch costs ~20 s of start-up and process-group set-up on a loaded 2-core machine; the jobs themselves
 take seconds. Every case goes through the same session.prepare -> job.run as harness/run.py, only the
 process group is shared (job.main would tear it down after each job). A failing case raises: the launcher then
 ends every rank and the test reports the launch's output. Rank 0 marks the start of each case's output on stdout
@@ -11,6 +12,7 @@ and stderr, so a test can read one case's share (tests/helpers/launch.py: job_ou
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -43,11 +45,15 @@ def main(cases_path: str) -> int:
     dist = distmod.init(10)
     try:
         for index, case in enumerate(cases):
-            argv, expected = (case["argv"], case["code"]) if isinstance(case, dict) else (case, 0)
+            argv, expected = (case.get("argv"), case.get("code", 0)) if isinstance(case, dict) else (case, 0)
             if dist.is_main:  # where each case's output starts: the other ranks wrote theirs before the barrier
                 for stream in (sys.stdout, sys.stderr):
                     print(f"{JOB_MARK}{index}", file=stream, flush=True)
-            code = job.run(session.prepare(run_args.parse(argv), distmod.launched()), dist)
+            if argv is None:  # a driver's function (tests/drivers/teacher_store.py: write)
+                module, name = case["call"].split(":")
+                argv, code = case, getattr(importlib.import_module(module), name)(*case["args"])
+            else:
+                code = job.run(session.prepare(run_args.parse(argv), distmod.launched()), dist)
             if code != expected:
                 raise SystemExit(f"case {argv} exited {code}, expected {expected}")
             forget_engine_groups()

@@ -1,5 +1,6 @@
 """The precomputed teacher store written by 2 ranks through a ZeRO-3 teacher engine:
 deepspeed --num_gpus 2 tests/drivers/teacher_store.py TEACHER_DIR STORE_DIR NUM_ROWS K TEMPERATURE
+(or `write` as a case of tests/drivers/jobs.py, in its process group: tests/helpers/distill_launch.py)
 
 Each rank loads the tiny teacher from its folder, frozen, into a DeepSpeed engine with no optimizer at ZeRO-3 (its
 weights partitioned across the ranks by initialize, every forward collective), and writes the store with
@@ -22,6 +23,17 @@ MICRO = 2
 
 def main(teacher_dir: str, store_dir: str, num_rows: int, k: int, temperature: float) -> int:
     import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed()
+    write(teacher_dir, store_dir, num_rows, k, temperature)
+    dist.destroy_process_group()
+    return 0
+
+
+def write(teacher_dir: str, store_dir: str, num_rows: int, k: int, temperature: float) -> int:
+    """The store written by the ZeRO-3 teacher engine, then asked for again, in the existing process group."""
+    import deepspeed
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -29,7 +41,6 @@ def main(teacher_dir: str, store_dir: str, num_rows: int, k: int, temperature: f
     from harness.distill.teacher_store import ensure_teacher_store, store_key, store_path
     from tests.helpers.distill_rows import batch_fn, local_teacher, rows
 
-    deepspeed.init_distributed()
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     model = AutoModelForCausalLM.from_pretrained(teacher_dir, torch_dtype=torch.float32)  # partitioned by initialize
@@ -49,8 +60,8 @@ def main(teacher_dir: str, store_dir: str, num_rows: int, k: int, temperature: f
     _, again = ensure_teacher_store(path, key, teacher=must_not_run, **common)
     if dist.get_rank() == 0:
         print(f"written {written} read {not again}", flush=True)
+    engine.destroy()
     dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 

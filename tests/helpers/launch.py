@@ -57,10 +57,12 @@ def launch_jobs(cases: list, folder: Path, ranks: int = 2, timeout_s: int = 900,
                 check: bool = True, launcher: bool = True) -> subprocess.CompletedProcess:
     """Run harness/run.py argument lists one after another in ONE process group (tests/drivers/jobs.py): the
     start-up (imports, process group) is paid once instead of once per case; a resume case goes after its run.
-    A case {"argv": [...], "code": N} is a job expected to exit N. launcher=False with ranks 1: one plain python
-    process (a world of one, as `python harness/run.py`), without the DeepSpeed launcher's own start-up."""
+    A case {"argv": [...], "code": N} is a job expected to exit N; {"call": "drivers.MODULE:FUNCTION", "args": [...]}
+    a driver's function run in the same process group. launcher=False with ranks 1: one plain python process (a world
+    of one, as `python harness/run.py`), without the DeepSpeed launcher's own start-up."""
     path = Path(folder) / "cases.json"
-    path.write_text(json.dumps([{"argv": [str(a) for a in c["argv"]], "code": c["code"]} if isinstance(c, dict)
+    path.write_text(json.dumps([c if isinstance(c, dict) and "call" in c else
+                                {"argv": [str(a) for a in c["argv"]], "code": c["code"]} if isinstance(c, dict)
                                 else [str(a) for a in c] for c in cases]))
     if launcher or ranks != 1:
         return launch(str(path), ranks=ranks, timeout_s=timeout_s, check=check, script="tests/drivers/jobs.py")

@@ -52,15 +52,20 @@ def gather_bound_bytes(rl: dict, engine) -> int | None:
 
 
 def generator_problems(recipe: dict) -> list:
-    """Before launch (train/checks.py): rl.generator=vllm on a machine without CUDA or vllm, with the reason."""
+    """Before launch (train/checks.py): rl.generator=vllm (or distill.use_vllm) on a machine without CUDA or vllm,
+    with the reason."""
     from harness.errors import Problem
 
-    rl = recipe.get("rl") or {}
-    if recipe.get("train", {}).get("objective") != "grpo" or rl.get("generator") != "vllm" or rl.get("replay"):
+    rl, objective = recipe.get("rl") or {}, recipe.get("train", {}).get("objective")
+    distill = objective in ("gkd", "distill") and (recipe.get("distill") or {}).get("use_vllm")
+    if not distill and (objective != "grpo" or rl.get("generator") != "vllm" or rl.get("replay")):
         return []
     from harness.rl.generation.vllm import unavailable
 
     why = unavailable()
+    if why and distill:
+        return [Problem("distill.use_vllm", why.replace("rl.generator=vllm", "distill.use_vllm"), "run on a GPU "
+                        "node with vllm installed, or set distill.use_vllm=false (HF generate on the live weights)")]
     return [Problem("rl.generator", why, "run on a GPU node with vllm installed, or set rl.generator=hf (HF generate "
                     "on the live weights, every stage)")] if why else []
 
