@@ -22,7 +22,8 @@
 # beside planner/rl.py's; OUT_DIR/grpo_vllm; its multi-turn generate (row streams, vLLM's sampled log-probs) too.
 # grpo_tools: multi-turn rollouts with a tool and an environment (tests/fixtures/rl_tools/secret_env.py) on ZeRO-3
 # over nccl, bf16, 2 GPUs when there are: the turns in lockstep (an all-reduce per turn), tools/call_frequency,
-# the finish reasons; OUT_DIR/grpo_tools.
+# the finish reasons; OUT_DIR/grpo_tools. grpo_async: rl.async on ZeRO-3 over nccl (the weights gathered on the GPUs,
+# sent to each rank's CPU generator process), the staleness bound and the importance ratios; OUT_DIR/grpo_async.
 # Also a vision-language case (bench/vlm.py: a ~0.6B Qwen2-VL, ZeRO-3, images on some rows only, the vision
 # tower trained and frozen); OUT_DIR/vlm; and vlm_video, an 8-frame video before each image (PyAV not needed: the
 # frames are a list of PNGs); OUT_DIR/vlm_video.
@@ -112,7 +113,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm grpo_tools vlm vlm_video vlm_packing ddp_fp32 distill distill_served ray_gpu optimizers fp8}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm grpo_async grpo_tools vlm vlm_video vlm_packing ddp_fp32 distill distill_served ray_gpu optimizers fp8}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 # A ~1B Llama-shaped folder model (TinyLlama-1.1B shape, random bf16 weights, the built-in tokenizer): qlora and fp8.
 # A random-weight bf16 Llama folder with the shipped tokenizer: write_llama_folder DIR HIDDEN INTERMEDIATE LAYERS HEADS
@@ -170,6 +171,25 @@ EOF
             n=1; (( gpus >= 2 )) && n=2  # against planner/rl.py (bench/gpu_check_rl.py); skips itself without vllm
             timeout 400 $PY -m deepspeed.launcher.runner --num_gpus $n "$ROOT/bench/gpu_check_rl.py" \
                 --out "$OUT/grpo_vllm" || echo "[grpo_vllm] failed (exit $?)" ;;
+        grpo_async)  # rl.async on ZeRO-3 over nccl: each rank's weights gathered in buckets on the GPU, sent to its
+            n=1; (( gpus >= 2 )) && n=2  # generator process (HF generate on a CPU copy); the staleness bound, the ratios
+            timeout 400 $PY -m deepspeed.launcher.runner --num_gpus $n "$ROOT/harness/run.py" --recipe zero3 \
+                --set train.objective=grpo --set precision=bf16 --set train.steps=8 --set train.log_every=1 \
+                --set batch.micro_batch_per_gpu=8 --set rl.num_generations=4 --set rl.max_completion_length=16 \
+                --set optimizer.lr=3e-2 --set scheduler.type=none --set rl.async=true --set rl.max_staleness=2 \
+                --set rl.weight_sync_steps=2 --output-dir "$OUT/grpo_async/run" --overwrite \
+                || echo "[grpo_async] failed (exit $?)"
+            $PY - "$OUT/grpo_async/run" <<'EOF' || true
+import json, sys
+rs = [r for r in map(json.loads, open(sys.argv[1] + "/metrics.jsonl")) if r["kind"] == "train"]
+lines = [json.loads(x) for x in open(sys.argv[1] + "/rollouts.jsonl")]
+worst = max(r["step"] - 1 - r["model_version"] for r in lines)
+print(f"[grpo_async] reward {rs[0]['reward']:.3f} -> {rs[-1]['reward']:.3f}, staleness at most {worst} (bound 2), "
+      f"ratio {min(r['sampling/importance_sampling_ratio/min'] for r in rs):.3f}.."
+      f"{max(r['sampling/importance_sampling_ratio/max'] for r in rs):.3f}, generate wait "
+      f"{sum(r['time/generate_s'] for r in rs[1:]):.2f} s, train {sum(r['time/train_s'] for r in rs[1:]):.2f} s")
+EOF
+            ;;
         zero2)
             timeout 450 $PY "$ROOT/bench/gpu_check.py" --out "$OUT" "$@" ;;
         pipeline|3d)
@@ -486,7 +506,7 @@ print(f"[fp8]     {sys.argv[2]} matmuls: loss {s['first_loss']:.4f} -> {s['last_
       f"{t.get('tokens_per_s_median')} tokens/s, peak per rank {mem.get('peak_per_rank')}")
 EOF
             done ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, grpo_tools, vlm, vlm_video, vlm_packing, ddp_fp32, distill, distill_served, ray_gpu, optimizers, fp8)" >&2; exit 2 ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, grpo_async, grpo_tools, vlm, vlm_video, vlm_packing, ddp_fp32, distill, distill_served, ray_gpu, optimizers, fp8)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"

@@ -248,6 +248,17 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def gather_all(obj) -> list:
+    """Every rank's obj, in rank order, on every rank ([obj] without a process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def mean_across_ranks(values) -> list[float]:
     """Average scalars (floats, or 0-d tensors on any device) over all ranks in one all-reduce; tensor-parallel
     duplicates average to the same value."""

@@ -38,6 +38,14 @@ class RunComplete(Exception):
     Exit code 0, so `harness launch --max-restarts` and a requeued Slurm job end as done, not failed."""
 
 
+class GeneratorFailed(RuntimeError):
+    """rl.async's generator process died, raised or went silent (harness/rl/async_rollouts.py): every rank raises
+    it with the same reason after the step's gather (rank 0 says it, the others print it); harness/train/job.py
+    ends the run with exit_code."""
+
+    exit_code = 1
+
+
 class ConfigError(Exception):
     """One or more configuration problems. Exit code 2."""
 

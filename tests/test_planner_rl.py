@@ -228,3 +228,38 @@ def test_the_grpo_headline_states_completions_and_prompt_plus_completion(capsys)
 def test_plan_grpo_refuses_what_an_rl_run_refuses(capsys, extra, message):
     code = main(["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "80GB", "--objective", "grpo", *extra])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_async_prices_the_generator_copy_and_overlaps_generate_with_train(capsys):
+    """--async: each rank's generator process holds a copy of the weights and the KV cache; the step is
+    max(generate, train) + sync against generate + train + sync (max_staleness 0 overlaps nothing). The copy's
+    bytes are the live generator process's model's (harness/rl/generation/worker.build)."""
+    args = ["plan", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu-mem", "80GB", "--objective", "grpo", "--zero", "3",
+            "--micro-batch", "16", "--json"]
+    main(args)
+    assert "async" not in json.loads(capsys.readouterr().out)["rollouts"]
+    main(args + ["--async"])
+    out = json.loads(capsys.readouterr().out)
+    plan, a = out["rollouts"], out["rollouts"]["async"]
+    generate = plan["hf"]["prefill_s"] + plan["hf"]["decode_s"]
+    train = (out["recommended"].get("time") or out["evaluated"]["time"])["step_time_s"]
+    sync = plan["vllm"]["sync"]["seconds"]
+    assert a["weights_bytes"] == 2 * count_params(QWEN_7B).total
+    assert a["bytes_per_process"] == a["weights_bytes"] + plan["kv_cache_bytes"]
+    assert a["async_step_s"] == pytest.approx(max(generate, train) + sync)
+    assert a["sync_step_s"] == pytest.approx(generate + train + sync) and a["gain"] > 1
+    main(args + ["--async", "--max-staleness", "0", "--json"])
+    assert json.loads(capsys.readouterr().out)["rollouts"]["async"]["gain"] == 1.0
+    main(args[:-1] + ["--async"])
+    assert "async step" in capsys.readouterr().out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from harness.rl.generation.worker import build
+
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320, "tie_word_embeddings": False}
+    model = build(LlamaForCausalLM, LlamaConfig(**config), torch.float32)
+    assert sum(p.numel() * 4 for p in model.parameters()) == rl.async_plan(
+        model_bytes=4 * count_params(config).total, kv_bytes=0, generate_s=1, train_s=1, sync_s=0,
+        max_staleness=1)["weights_bytes"]

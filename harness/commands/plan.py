@@ -163,6 +163,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rl.add_argument("--beta", type=float, help="grpo: rl.beta (default %s: TRL loads no reference); gkd, distill: "
                                                "the generalised JSD's beta (a served teacher refuses beta > 0 with "
                                                "--loss-top-k > 1)" % recipe_default("rl.beta"))
+    rl.add_argument("--async", dest="rl_async", action="store_true", help="rl.async: price the generator "
+                    "processes (a weights copy and KV cache each) and the overlapped step (max(generate, train))")
+    rl.add_argument("--max-staleness", type=int, default=recipe_default("rl.max_staleness"),
+                    help="rl.max_staleness under --async (default %(default)s; 0: no overlap)")
     rl.add_argument("--max-tool-calling-iterations", type=int, default=0, help="multi-turn rollouts: rounds of "
                     "tool calls (rl.max_tool_calling_iterations); each is one more generate call re-prefilling the "
                     "prompt and the turns so far (default 0: single-turn)")

@@ -155,6 +155,12 @@ def rollout_section(args, cfg: dict, result, gpu_mem: int, profile: dict) -> dic
                           world=int(layout["dp"]), lp=lp, threshold=PARAM_PERSISTENCE_THRESHOLD,
                           free_bytes=free, gpu_mem_bytes=gpu_mem, profile=profile)
     share = {} if terms(args) == "rollouts" else {"lmbda": settings(args)["lmbda"]}
+    if getattr(args, "rl_async", False) and terms(args) == "rollouts":
+        hf, step = out["hf"], next((t["step_time_s"] for t in (layout.get("time"), (result.evaluated or {})
+                                                                 .get("time")) if t), 0.0)
+        out["async"] = rl.async_plan(model_bytes=lp * count_params(cfg).total, kv_bytes=out["kv_cache_bytes"],
+                                     generate_s=hf["prefill_s"] + hf["decode_s"], train_s=step,
+                                     sync_s=out["vllm"]["sync"]["seconds"], max_staleness=args.max_staleness)
     return {"layout": layout["label"], "free_bytes": free, "sequences_per_rank": work.sequences,
             "num_generations": args.num_generations, **share, **out}
 
@@ -179,4 +185,15 @@ def render_rollouts(r: dict) -> str:
         f"  vllm             {vllm['bytes'] / mib:,.1f} MiB needed of a {vllm['budget_bytes'] / mib:,.0f} MiB share; "
         f"decode {vllm['decode_s']:.3f} s; weight sync {vllm['sync']['bytes'] / mib:,.1f} MiB in "
         f"{vllm['sync']['buckets']} bucket(s), {vllm['sync']['seconds']:.3f} s per step",
-        f"  recommend        {r['recommend']}", ""])
+        f"  recommend        {r['recommend']}", *render_async(r.get("async")), ""])
+
+
+def render_async(a: dict | None) -> list[str]:
+    if a is None:
+        return []
+    mib = 1 << 20
+    return [f"  async            {a['generators_per_rank']} generator process per rank: {a['bytes_per_process'] / mib:,.1f}"
+            f" MiB of host memory each (a weights copy {a['weights_bytes'] / mib:,.1f} MiB + KV cache "
+            f"{a['kv_cache_bytes'] / mib:,.1f} MiB)",
+            f"  async step       {a['async_step_s']:.3f} s (max(generate, train) + sync) against {a['sync_step_s']:.3f} s "
+            f"synchronous: x{a['gain']:.2f}, {a['bound']}-bound"]

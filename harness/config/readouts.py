@@ -43,7 +43,7 @@ RL = Readout(step=("reward", "reward_std", "completions/mean_length", "kl", "cli
                    "cispo_clip_ratio"),
              done=("reward", "completions/mean_length"), window=3,
              tracked=("loss", "rewards/", "frac_reward_zero_std", "completions/", "entropy", "clip_ratio/",
-                      "time/", "step_tokens"),
+                      "time/", "step_tokens", "sample/", "sampling/"),
              section="rl")
 DISTILL = Readout(step=("loss", "entropy", "teacher_entropy", "completions/mean_length"), done=("loss",),
                   tracked=("num_tokens", "completions/", "time/"))  # gkd, distill (harness/train/distill.py)

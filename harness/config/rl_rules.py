@@ -70,7 +70,32 @@ def check_rl(ds: dict, ctx: Context) -> list[Problem]:
         out.append(Problem("rl.rewards", "no reward: rl.rewards is empty and the prompts are not the built-in toy task "
                            "(whose reward is the default)", "add entries, e.g. rl.rewards=[\"my_rewards.py:accuracy\"] "
                            "(TRL's reward signature), or set rl.replay to a rollouts file"))
-    return out + _reference_problems(recipe, rl) + _layout_problems(ds, recipe)
+    return out + _reference_problems(recipe, rl) + _async_problems(rl) + _layout_problems(ds, recipe)
+
+
+def _async_problems(rl: dict) -> list[Problem]:
+    """rl.async with what it does not combine with (harness/rl/async_rollouts.py)."""
+    if not rl.get("async"):
+        return []
+    out, off = [], "or set rl.async=false"
+    if rl.get("replay"):
+        out.append(Problem("rl.async", f"rl.async with rl.replay {rl['replay']!r}: a replay trains on recorded "
+                           "rollouts and generates nothing, so there is nothing to overlap",
+                           f"drop rl.replay (its lines train as they are without async), {off}"))
+    if rl.get("num_iterations", 1) > 1:
+        out.append(Problem("rl.num_iterations", f"rl.async with num_iterations {rl['num_iterations']}: the "
+                           "asynchronous generator feeds one optimizer step per generation (TRL's AsyncGRPO has no "
+                           "num_iterations either)", f"set rl.num_iterations=1, {off}"))
+    if rl.get("tools") or rl.get("environment_factory"):
+        out.append(Problem("rl.async", "rl.async with tools or an environment_factory: multi-turn rollouts run "
+                           "their tools and turns on the trainer ranks (lockstep under ZeRO-3); the generator "
+                           "processes sample single-turn rollouts only", f"drop rl.tools / rl.environment_factory, "
+                           f"{off}"))
+    if rl.get("generator", "hf") != "hf":
+        out.append(Problem("rl.generator", f"rl.async with generator {rl['generator']}: the asynchronous "
+                           "generator processes run HF generate on CPU copies of the policy; a vLLM server for "
+                           "them is not built yet", f"set rl.generator=hf, {off}"))
+    return out
 
 
 def _reference_problems(recipe: dict, rl: dict) -> list[Problem]:

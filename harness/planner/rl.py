@@ -230,3 +230,19 @@ def fit_rollouts(layouts: list[dict], count: ParamCount, shape: ModelShape, work
         if plan["hf"]["extra_bytes"] <= free:
             return layout, plan
     return None, None
+
+
+def async_plan(*, model_bytes: int, kv_bytes: int, generate_s: float, train_s: float, sync_s: float,
+               max_staleness: int, generators: int = 1) -> dict:
+    """rl.async (harness/rl/async_rollouts.py): each rank's generator process(es) hold a whole copy of the policy's
+    weights and their own KV cache (host memory: the hf generator processes run on CPU), and the step overlaps
+    generation with training: max(generate, train) + the weight sync, against generate + train + sync in a
+    synchronous step (max_staleness 0 overlaps nothing)."""
+    per_process = model_bytes + kv_bytes
+    serial = generate_s + train_s + sync_s
+    overlapped = (max(generate_s, train_s) if max_staleness > 0 else generate_s + train_s) + sync_s
+    return {"generators_per_rank": generators, "bytes_per_process": per_process, "weights_bytes": model_bytes,
+            "kv_cache_bytes": kv_bytes, "host_bytes_per_rank": generators * per_process,
+            "sync_step_s": serial, "async_step_s": overlapped, "gain": serial / overlapped if overlapped else 1.0,
+            "bound": "generate" if generate_s > train_s else "train"}
+

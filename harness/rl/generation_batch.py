@@ -71,16 +71,19 @@ def completion_metrics(records: list[dict], eos_ids: tuple[int, ...]) -> dict:
     return out
 
 
-def local_rollouts(records: list[dict], rank: int, per_rank: int, eos_ids: tuple[int, ...]) -> Rollouts:
-    """This rank's slice of the step's records as Rollouts (old_logps as recorded, when every record has them)."""
+def local_rollouts(records: list[dict], rank: int, per_rank: int, eos_ids: tuple[int, ...],
+                   sampling: bool = False) -> Rollouts:
+    """This rank's slice of the step's records as Rollouts (old_logps as recorded, when every record has them;
+    sampling: the generator's sampling_logps too, rl.async)."""
     mine = records[rank * per_rank:(rank + 1) * per_rank]
     old = None
     if all(r.get("old_logps") is not None for r in mine):
         old = [torch.tensor(r["old_logps"], dtype=torch.float32) for r in mine]
     masks = [r.get("tool_mask") for r in mine] if any(r.get("tool_mask") is not None for r in mine) else None
+    sampled = [torch.tensor(r["sampling_logps"], dtype=torch.float32) for r in mine] if sampling else None
     return Rollouts([list(r["prompt_ids"]) for r in mine], [list(r["completion_ids"]) for r in mine],
                     torch.tensor([float(r["advantage"]) for r in mine], dtype=torch.float32), eos_ids, old_logps=old,
-                    tool_masks=masks)
+                    tool_masks=masks, sampling_logps=sampled)
 
 
 def step_loss_tokens(records: list[dict], eos_ids: tuple[int, ...], mask_truncated: bool) -> int:

@@ -58,6 +58,19 @@ def importance(logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, level
     return torch.exp(log_ratio)
 
 
+def correction(logps, sampling, mask, rl: dict) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """rl.async: (old log-probs for per_token_loss, a weight per token or None, the ratio per token it used [B, C]).
+    ppo_clip (TRL's AsyncGRPO): the clip and ratio against the sampler's log-probs, r = exp(logp - sampling_logp);
+    tis (TRL's vllm_importance_sampling_mode token_truncate): the ratio to the policy's own log-probs (1 at
+    num_iterations 1), the loss weighted by min(exp(logp - sampling_logp), vllm_importance_sampling_clip_max),
+    detached."""
+    if rl["async_correction"] == "ppo_clip":
+        used = importance(logps.detach(), sampling, mask, rl["importance_sampling_level"])
+        return sampling, None, used.expand_as(logps)
+    weight = torch.exp(logps.detach() - sampling).clamp(max=rl["vllm_importance_sampling_clip_max"])
+    return logps.detach(), weight, weight
+
+
 def per_token_loss(logps, old, ref, adv, mask, rl: dict) -> tuple[torch.Tensor, dict, dict]:
     """([B, C] loss per token, {name: (sum, count)} of the clip ratios and the KL, {name: [B] per completion} of the
     clip fractions whose extremes over the ranks are logged)."""

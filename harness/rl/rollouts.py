@@ -9,7 +9,10 @@ rollouts.jsonl holds one line per completion of every generation, in the order o
 after group, num_generations each): step (the optimizer step, from 1, that generated it), group (the prompt's
 index in the step), prompt_index (its record in the prompt set, when known), prompt_ids, completion_ids, finish
 (eos | length), rewards ({function: score or null}), reward, advantage, and old_logps (per kept token) when they
-are not the policy's own at the step (num_iterations > 1, or given by a replay file).
+are not the policy's own at the step (num_iterations > 1, or given by a replay file). Under rl.async a line also
+has model_version (the policy version, optimizer steps done, whose weights sampled it: TRL's name),
+sampling_logps (the generator's log-prob per kept token) and importance_ratios (per kept token, the ratio the
+loss used: exp(logp - sampling_logp) under ppo_clip, the capped weight under tis).
 
 A multi-turn rollout (rl.tools / rl.environment_factory, harness/rl/multiturn.py) records its whole conversation
 after the prompt as completion_ids (each turn's sampled ids, each tool suffix between), with tool_mask (1 sampled,
@@ -75,6 +78,7 @@ class Rollouts:
     ref_logps: list[torch.Tensor] | None = None  # per kept token; None: no reference (beta 0)
     extra: dict = field(default_factory=dict)  # what rollouts.jsonl records beside (rewards, finish, ...)
     tool_masks: list[list[int] | None] | None = None  # multi-turn: 0 on tool tokens; None: single-turn rows
+    sampling_logps: list[torch.Tensor] | None = None  # rl.async: the generator's log-prob per kept token
 
     def tool_mask(self, i: int) -> list[int] | None:
         return None if self.tool_masks is None else self.tool_masks[i]
@@ -94,7 +98,7 @@ class Rollouts:
 
     def tensors(self, rows: range, pad_id: int, mask_truncated: bool) -> dict:
         """input_ids [B, L] (prompt, kept completion, padding after), prompt_len [B], completion [B, C], mask [B, C]
-        (float32), advantages [B], old / ref [B, C] or None."""
+        (float32), advantages [B], old / ref / sampling [B, C] or None."""
         kept = [self.kept(i) for i in rows]
         width = max(1, max(len(k) for k in kept))
         total = max(len(self.prompt_ids[i]) + len(k) for i, k in zip(rows, kept))
@@ -110,7 +114,7 @@ class Rollouts:
         prompt_len = torch.tensor([len(self.prompt_ids[i]) for i in rows])
         return {"input_ids": input_ids, "prompt_len": prompt_len, "completion": completion, "mask": mask,
                 "advantages": self.advantages[rows.start:rows.stop], "old": _padded(self.old_logps, rows, width),
-                "ref": _padded(self.ref_logps, rows, width)}
+                "ref": _padded(self.ref_logps, rows, width), "sampling": _padded(self.sampling_logps, rows, width)}
 
 
 def _padded(values: list[torch.Tensor] | None, rows: range, width: int) -> torch.Tensor | None:

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as tdist
 
 from harness.config.readouts import RL_TIMES
+from harness.dist import gather_all
 from harness.data.batches import BatchPlan
 from harness.errors import UsageError
 from harness.log import say
@@ -60,14 +60,6 @@ def _takes_logits_to_keep(cls) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
-def gather_all(obj) -> list:
-    if not tdist.is_initialized() or tdist.get_world_size() == 1:
-        return [obj]
-    out = [None] * tdist.get_world_size()
-    tdist.all_gather_object(out, obj)
-    return out
-
-
 class GrpoSteps:
     def __init__(self, spec, dist, data, run_dir: Path, *, tokenizer, reference=None):
         self.rl, self.spec, self.dist, self.run_dir = spec.recipe["rl"], spec, dist, Path(run_dir)
@@ -84,7 +76,7 @@ class GrpoSteps:
         self.replay = None
         if self.rl["replay"]:
             self.replay = replay_file.read(self.rl["replay"], self.eos_ids)
-        self.generator = self.rewards = self.multiturn = None
+        self.generator = self.rewards = self.multiturn = self.async_gen = None
         self.names, self.weights = (), ()
         self.buffer: tuple[Rollouts, list[dict], int] | None = None  # (rollouts, the step's records, loss tokens)
 
@@ -100,7 +92,13 @@ class GrpoSteps:
                 from harness.rl import toy
 
                 rl = {**rl, "rewards": [toy.REWARD]}
-            self.generator = make_generator(rl, engine, self.tokenizer, self.spec.run)
+            if rl["async"]:  # generator processes of their own (harness/rl/async_rollouts.py)
+                from harness.rl.async_rollouts import AsyncGeneration
+
+                self.async_gen = AsyncGeneration(rl, engine, self.tokenizer, self._request, rank=self.dp_rank,
+                                                 last_step=self.spec.recipe["train"]["steps"] - 1)
+            else:
+                self.generator = make_generator(rl, engine, self.tokenizer, self.spec.run)
             box = self.prompts.toolbox
             self.rewards = load_rewards(rl, tokenizer=self.tokenizer, base_dir=Path.cwd(),
                                         ds_config=self.spec.ds_config,
@@ -122,6 +120,8 @@ class GrpoSteps:
         if self.dist.is_main:
             truncate_after(self.run_dir, step0)
             self._announce()
+        if self.async_gen is not None:
+            self.async_gen.start(step0)
 
     def _announce(self) -> None:
         rl = self.rl
@@ -130,6 +130,10 @@ class GrpoSteps:
                   f"{self.gas} accum x {self.dp} ranks), {self.mu} step(s) per generation, beta {rl['beta']}")
         source = f"replay of {rl['replay']}" if self.replay is not None else \
             f"generator {rl['generator']}, rewards {', '.join(self.names)}"
+        if rl["async"]:
+            from harness.train.grpo_async import describe
+
+            say("rl", describe(rl))
         say("rl", f"rollouts: {source} -> {self.run_dir / ROLLOUTS_FILE}")
         if self.multiturn is not None:
             from harness.rl.multiturn import describe
@@ -147,25 +151,41 @@ class GrpoSteps:
         """The step's records in order: from the replay file, or generated and scored here."""
         if self.replay is not None:
             return [dict(r) for r in self.replay[step + 1]]
-        rows = self.plan.global_rows(step // self.mu).tolist()
-        mine = range(self.dp_rank * self.per_rank, (self.dp_rank + 1) * self.per_rank)
-        index = [rows[j // self.g] for j in mine]
-        prompt_ids = [self.prompts.token_ids[i] for i in index]
+        index, prompt_ids, seed, first = self._slice(step)
         began = time.perf_counter()
-        # row i of the step draws from (seed, i): the same completions on any world size
-        seed = self.spec.recipe["train"]["seed"] * 1000003 + step // self.mu
         if self.multiturn is not None:
-            local = self._multi_turn(index, prompt_ids, seed, mine.start, step, times)
+            local = self._multi_turn(index, prompt_ids, seed, first, step, times)
             return [r for part in gather_all(local) for r in part]
-        completions = self.generator.generate(prompt_ids, seed=seed, first_row=mine.start)
+        if self.async_gen is not None:
+            from harness.train import grpo_async as async_steps
+
+            return async_steps.records(self, step, index, prompt_ids, times)
+        completions = self.generator.generate(prompt_ids, seed=seed, first_row=first)
         times["generate_s"] = time.perf_counter() - began
+        return [r for part in gather_all(self._scored(index, prompt_ids, completions, times)) for r in part]
+
+    def _scored(self, index: list[int], prompt_ids: list, completions: list, times: dict) -> list[dict]:
+        """This rank's single-turn records: the completions scored."""
         began = time.perf_counter()
         scores = self._score(index, completions)
         times["score_s"] = time.perf_counter() - began
-        local = [{"prompt_index": self.prompts.records[i], "prompt_ids": p, "completion_ids": list(c),
-                  "finish": "length" if first_eos(list(c), self.eos_ids) is None else "eos",
-                  "rewards": dict(zip(self.names, s))} for i, p, c, s in zip(index, prompt_ids, completions, scores)]
-        return [r for part in gather_all(local) for r in part]
+        return [{"prompt_index": self.prompts.records[i], "prompt_ids": p, "completion_ids": list(c),
+                 "finish": "length" if first_eos(list(c), self.eos_ids) is None else "eos",
+                 "rewards": dict(zip(self.names, s))} for i, p, c, s in zip(index, prompt_ids, completions, scores)]
+
+    def _slice(self, step: int) -> tuple[list[int], list, int, int]:
+        """This rank's rows of the step: (prompt records, prompt ids, the generation's seed, the first global row).
+        Row i of the step draws from (seed, i): the same completions on any world size."""
+        rows = self.plan.global_rows(step // self.mu).tolist()
+        mine = range(self.dp_rank * self.per_rank, (self.dp_rank + 1) * self.per_rank)
+        index = [rows[j // self.g] for j in mine]
+        seed = self.spec.recipe["train"]["seed"] * 1000003 + step // self.mu
+        return index, [self.prompts.token_ids[i] for i in index], seed, mine.start
+
+    def _request(self, step: int) -> tuple[list, int, int]:
+        """What the async generator needs to sample the step's rows of this rank."""
+        _, prompt_ids, seed, first = self._slice(step)
+        return prompt_ids, seed, first
 
     def _multi_turn(self, index: list[int], prompt_ids: list, seed: int, first: int, step: int, times: dict) -> list:
         """This rank's multi-turn rollouts (harness/rl/multiturn.py), scored with environments= as TRL's."""
@@ -196,7 +216,7 @@ class GrpoSteps:
         return self.rewards.score(prompts=prompts, completions=texts, completion_ids=completions, columns=columns)
 
     def _assemble(self, engine, records: list[dict]) -> tuple[Rollouts, list[dict], int]:
-        rollouts = gb.local_rollouts(records, self.dp_rank, self.per_rank, self.eos_ids)
+        rollouts = gb.local_rollouts(records, self.dp_rank, self.per_rank, self.eos_ids, self.rl["async"])
         tokens = gb.step_loss_tokens(records, self.eos_ids, self.rl["mask_truncated_completions"])
         return rollouts, records, tokens
 
@@ -237,7 +257,7 @@ class GrpoSteps:
             rollouts.ref_logps = self._logps(engine, rollouts, reference=True)
         times["reference_s"] = time.perf_counter() - began
         self.buffer = (rollouts, records, tokens)
-        if self.dist.is_main:
+        if self.dist.is_main and self.async_gen is None:  # async: after the step, with the ratios it used
             append(self.run_dir, lines(step + 1, self.g, records))
         return metrics
 
@@ -255,6 +275,10 @@ class GrpoSteps:
         began = time.perf_counter()
         if self.generator is not None:
             self.generator.after_step()
+        if self.async_gen is not None:
+            from harness.train import grpo_async as async_steps
+
+            stats.update(async_steps.after_update(self, step))
         times["sync_s"] = time.perf_counter() - began
         metrics.update(stats)
         metrics.update({f"time/{k}": v for k, v in times.items()})
@@ -263,6 +287,7 @@ class GrpoSteps:
     def _update(self, engine) -> tuple[torch.Tensor, dict]:
         rollouts, _, tokens = self.buffer
         rl, total, metrics = self.rl, None, StepMetrics()
+        self.ratios = []  # rl.async: per row, the importance ratio of each kept token the loss used
         for m in range(self.gas):
             t = rollouts.tensors(range(m * self.micro, (m + 1) * self.micro), self.pad_id,
                                  rl["mask_truncated_completions"])
@@ -270,7 +295,15 @@ class GrpoSteps:
             mask = t["mask"].to(logps.device)
             old = logps.detach() if t["old"] is None else t["old"].to(logps.device, logps.dtype)
             ref = None if t["ref"] is None else t["ref"].to(logps.device)
+            weight = None
+            if t["sampling"] is not None:  # rl.async: corrected toward the generator's sampling log-probs
+                from harness.rl.loss import correction
+
+                old, weight, used = correction(logps, t["sampling"].to(logps.device, logps.dtype), mask, rl)
+                self.ratios += [row[:len(rollouts.kept(i))].tolist() for i, row in zip(t_rows(m, self.micro), used)]
             ptl, stats, per_seq = per_token_loss(logps, old, ref, t["advantages"].to(logps.device), mask, rl)
+            if weight is not None:  # truncated importance sampling: the loss weighted by the capped ratio
+                ptl = ptl * weight
             loss = reduce(ptl, mask, rl, tokens, self.dp * self.gas)
             engine.backward(loss)
             engine.step()

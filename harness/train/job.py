@@ -21,7 +21,7 @@ from harness.config.preference_rules import is_preference
 from harness.config.recipes import deep_merge
 from harness.config.resolve import render_provenance
 from harness.distill.served import TeacherUnavailable
-from harness.errors import UsageError, without_secrets
+from harness.errors import GeneratorFailed, UsageError, without_secrets
 from harness.log import quiet_scheduler_construction, say
 from harness.data.stream_rows import StreamRows
 from harness.model import adapters, fp8
@@ -370,10 +370,10 @@ def run(spec, dist) -> int:
                               model_info=info, skipped_batches=client.get(faults.CLIENT_KEY, ()))
             try:
                 result = trainer.run(step0)
-            except faults.NumericFault as e:  # every rank raises it in the same step; rank 0 says it
+            except (faults.NumericFault, GeneratorFailed) as e:  # every rank raises it in the same step; rank 0 says it
                 if dist.is_main:
                     say("fault", str(e))
-                code = faults.EXIT_NUMERIC_FAULT
+                code = getattr(e, "exit_code", faults.EXIT_NUMERIC_FAULT)
                 return code
             result.update(startup_summary)
             if isinstance(data.train, StreamRows):  # streaming: how long rank 0 waited for its node's writer
