@@ -11,7 +11,9 @@ DeepSpeed takes it (bf16 training; Adam-family or Muon states) and the run does 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
+from harness.config.defaults import PRECISION_BYTES
 from harness.config.optimizer_rules import INT8_STATES_REASON
 from harness.config.run_model import ADAM_STATES, OptimizerDtypes
 from harness.planner.inputs import Workload
@@ -107,3 +109,75 @@ def muon_partition_elems(shapes, zero_shards: int) -> int:
             held[rank] += n
         start += n
     return max(held)
+
+
+
+def gathers(dtypes: OptimizerDtypes, stage: int, sizes, zero_shards: int, buckets, precision: str) -> dict:
+    """memory.Holding's muon_gathers of a ZeRO-3 Muon rank whose ZeRO group holds the Muon matrices `sizes` (in
+    the optimizer's order: muon_order, or the live engine's); none elsewhere (ZeRO-1/2 price theirs as states)."""
+    if not (dtypes.muon and stage == 3 and sizes):
+        return {}
+    return {"muon_gathers": muon_gather_cache_bytes(sizes, zero_shards, buckets.reduce_bucket_elems,
+                                                    buckets.sub_group_elems, PRECISION_BYTES[precision])}
+
+# stage3._muon_allgather_max_cached_bytes: the most DeepSpeed 0.19.8's ZeRO-3 Muon keeps of its gather buffers
+MUON_GATHER_CACHE_BYTES = 256 * 2**20
+
+
+def muon_gather_cache_bytes(sizes, zero_shards: int, reduce_bucket_elems: int, sub_group_elems: int,
+                            comm_bytes: int) -> int:
+    """Bytes of the gather buffers ZeRO-3 Muon keeps between steps, on one rank. Each step DeepSpeed
+    (stage3._apply_muon_to_accumulated_grads) walks every Muon sub-group in chunks of whole matrices, greedily
+    packed up to reduce_bucket_size elements (a larger matrix alone), and all-gathers each chunk's gradient, then
+    its momentum, through _partitioned_buffers_all_gather. That keeps, per distinct chunk partition length L
+    (the sum of the chunk's partition_numel, ceil(numel / zero_shards)), a local buffer of L and a gather buffer
+    of zero_shards x L in the communication dtype, least recently used evicted above 256 MiB, a buffer pair over
+    256 MiB not kept. None with one rank. sizes: the Muon matrices' elements in the optimizer's order
+    (muon_order); sub_group_elems: zero_optimization.sub_group_size (cut after the partition elements reach it)."""
+    if zero_shards <= 1:
+        return 0
+    cache: OrderedDict[int, int] = OrderedDict()
+    for group in _sub_groups(list(sizes), zero_shards, sub_group_elems):
+        start = 0
+        while start < len(group):
+            end, numel = start + 1, group[start]
+            while end < len(group) and numel + group[end] <= reduce_bucket_elems:
+                numel += group[end]
+                end += 1
+            local = sum(-(-n // zero_shards) for n in group[start:end])
+            nbytes = (1 + zero_shards) * local * comm_bytes
+            if local in cache:
+                cache.move_to_end(local)
+            elif nbytes <= MUON_GATHER_CACHE_BYTES:
+                while cache and sum(cache.values()) + nbytes > MUON_GATHER_CACHE_BYTES:
+                    cache.popitem(last=False)
+                cache[local] = nbytes
+            start = end
+    return sum(cache.values())
+
+
+def _sub_groups(sizes: list[int], zero_shards: int, sub_group_elems: int) -> list[list[int]]:
+    """stage3._create_fp16_sub_groups: a new sub-group once the partition elements reach sub_group_size."""
+    if sum(-(-n // zero_shards) for n in sizes) <= sub_group_elems:
+        return [sizes]
+    out, current, held = [], [], 0
+    for n in sizes:
+        current.append(n)
+        held += -(-n // zero_shards)
+        if held >= sub_group_elems:
+            out.append(current)
+            current, held = [], 0
+    return out + ([current] if current else [])
+
+
+def muon_order(count, zero_init: bool = True) -> list[int]:
+    """The Muon matrices' elements in the order ZeRO-3 holds them. MuonWithAuxAdam sorts them by size(), largest
+    first; under zero.Init (the harness's ZeRO-3 load) every size() is [0] then, so they keep the model's order:
+    the count's shapes held once (embeddings) first, then one block's (count / layers each) per layer."""
+    shapes = list(count.muon_shapes)
+    if not zero_init:
+        return [math.prod(s) for s, n in sorted(shapes, reverse=True) for _ in range(n)]
+    layers = max(1, count.num_layers)
+    once = [math.prod(s) for s, n in shapes if n % layers for _ in range(n)]
+    block = [math.prod(s) for s, n in shapes if not n % layers for _ in range(n // layers)]
+    return once + block * layers
