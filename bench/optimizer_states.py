@@ -62,12 +62,16 @@ def train(run: Path, model: Path, args, recipe: str, sets: list[str]) -> dict:
     overrides = [f"train.model={model}", f"train.steps={steps}", f"train.seq_len={args.seq_len}",
                  f"batch.micro_batch_per_gpu={args.micro}", "train.eval_every=0", "train.eval_fraction=0.01",
                  f"train.save_every={steps + 1}", *sets, *args.set]
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--master_port", str(free_port()), "--num_gpus",
-           str(args.ranks), "harness/run.py", "--recipe", recipe, "--output-dir", str(run), "--profile-steps",
-           f"{steps}-{steps}"]
-    for item in overrides:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    for attempt in range(3):  # the port free_port found may be taken by another job before the ranks bind it
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--master_port", str(free_port()), "--num_gpus",
+               str(args.ranks), "harness/run.py", "--recipe", recipe, "--output-dir", str(run), "--profile-steps",
+               f"{steps}-{steps}"]
+        for item in overrides:
+            cmd += ["--set", item]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if "EADDRINUSE" not in proc.stderr:
+            break
+        shutil.rmtree(run, ignore_errors=True)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return read_run(run, steps)

@@ -178,11 +178,11 @@ def _states(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, 
         largest_layer = max(count.largest_layer // c.tp, shape.vocab_size * shape.hidden_size)
     lora = count.lora_state_args(share.blocks, c.tp)
     zero = Zero(c.stage, c.offload_optimizer, c.offload_param, buckets)
-    dtypes, whole = opt_widths.dtypes_for(c, work), share.params >= count.total and count.muon_shapes
+    dtypes = opt_widths.dtypes_for(c, work)
+    gathers = opt_widths.gathers_of(dtypes, c.stage, count, share.zero_shards, buckets, work.precision) \
+        if share.params >= count.total else {}  # ZeRO-3 Muon's cached gathers, when the rank's group holds it all
     held = memory.Holding(share.params, largest_layer, count.largest_tensor, optimizer_states=work.optimizer_states,
-                          **lora, **opt_widths.holding(dtypes, share.params, count, share.zero_shards),
-                          **opt_widths.gathers(dtypes, c.stage, opt_widths.muon_order(count) if whole else (),
-                                               share.zero_shards, buckets, work.precision))
+                          **lora, **opt_widths.holding(dtypes, share.params, count, share.zero_shards), **gathers)
     common = dict(zero_shards=share.zero_shards, precision=work.precision)
 
     def states(phase: str, convention: str = "deepspeed") -> dict:

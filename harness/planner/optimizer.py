@@ -114,32 +114,41 @@ def muon_partition_elems(shapes, zero_shards: int) -> int:
 
 
 
-def gathers(dtypes: OptimizerDtypes, stage: int, sizes, zero_shards: int, buckets, precision: str) -> dict:
-    """memory.Holding's muon_gathers of a ZeRO-3 Muon rank whose ZeRO group holds the Muon matrices `sizes` (in
-    the optimizer's order: muon_order, or the live engine's); none elsewhere (ZeRO-1/2 price theirs as states)."""
-    if not (dtypes.muon and stage == 3 and sizes):
+def gathers(dtypes: OptimizerDtypes, stage: int, groups, zero_shards: int, buckets, precision: str) -> dict:
+    """memory.Holding's muon_gathers of a ZeRO-3 Muon rank whose ZeRO group holds the Muon sub-groups `groups`
+    (muon_sub_groups, or the live engine's); none elsewhere (ZeRO-1/2 price theirs as optimizer states)."""
+    if not (dtypes.muon and stage == 3 and groups):
         return {}
-    return {"muon_gathers": muon_gather_cache_bytes(sizes, zero_shards, buckets.reduce_bucket_elems,
-                                                    buckets.sub_group_elems, PRECISION_BYTES[precision])}
+    return {"muon_gathers": muon_gather_cache_bytes(groups, zero_shards, buckets.reduce_bucket_elems,
+                                                    PRECISION_BYTES[precision])}
+
+
+def gathers_of(dtypes: OptimizerDtypes, stage: int, count, zero_shards: int, buckets, precision: str,
+               zero_init: bool = True) -> dict:
+    """gathers() from the model's count (params.ParamCount): its Muon matrices in muon_order, sub-grouped as ZeRO-3
+    sub-groups them."""
+    if not (dtypes.muon and stage == 3 and count.muon_shapes):
+        return {}
+    groups = muon_sub_groups(muon_order(count, zero_init), zero_shards, buckets.sub_group_elems)
+    return gathers(dtypes, stage, groups, zero_shards, buckets, precision)
 
 # stage3._muon_allgather_max_cached_bytes: the most DeepSpeed 0.19.8's ZeRO-3 Muon keeps of its gather buffers
 MUON_GATHER_CACHE_BYTES = 256 * 2**20
 
 
-def muon_gather_cache_bytes(sizes, zero_shards: int, reduce_bucket_elems: int, sub_group_elems: int,
-                            comm_bytes: int) -> int:
+def muon_gather_cache_bytes(groups, zero_shards: int, reduce_bucket_elems: int, comm_bytes: int) -> int:
     """Bytes of the gather buffers ZeRO-3 Muon keeps between steps, on one rank. Each step DeepSpeed
     (stage3._apply_muon_to_accumulated_grads) walks every Muon sub-group in chunks of whole matrices, greedily
     packed up to reduce_bucket_size elements (a larger matrix alone), and all-gathers each chunk's gradient, then
     its momentum, through _partitioned_buffers_all_gather. That keeps, per distinct chunk partition length L
     (the sum of the chunk's partition_numel, ceil(numel / zero_shards)), a local buffer of L and a gather buffer
     of zero_shards x L in the communication dtype, least recently used evicted above 256 MiB, a buffer pair over
-    256 MiB not kept. None with one rank. sizes: the Muon matrices' elements in the optimizer's order
-    (muon_order); sub_group_elems: zero_optimization.sub_group_size (cut after the partition elements reach it)."""
+    256 MiB not kept. None with one rank. groups: the Muon sub-groups, each its matrices' elements in the
+    optimizer's order (muon_sub_groups)."""
     if zero_shards <= 1:
         return 0
     cache: OrderedDict[int, int] = OrderedDict()
-    for group in _sub_groups(list(sizes), zero_shards, sub_group_elems):
+    for group in groups:
         start = 0
         while start < len(group):
             end, numel = start + 1, group[start]
@@ -158,8 +167,9 @@ def muon_gather_cache_bytes(sizes, zero_shards: int, reduce_bucket_elems: int, s
     return sum(cache.values())
 
 
-def _sub_groups(sizes: list[int], zero_shards: int, sub_group_elems: int) -> list[list[int]]:
-    """stage3._create_fp16_sub_groups: a new sub-group once the partition elements reach sub_group_size."""
+def muon_sub_groups(sizes: list[int], zero_shards: int, sub_group_elems: int) -> list[list[int]]:
+    """The Muon matrices (elements, muon_order) as ZeRO-3 sub-groups them (stage3._create_fp16_sub_groups): a new
+    sub-group once the partition elements reach zero_optimization.sub_group_size."""
     if sum(-(-n // zero_shards) for n in sizes) <= sub_group_elems:
         return [sizes]
     out, current, held = [], [], 0

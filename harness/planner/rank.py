@@ -33,7 +33,7 @@ class LiveFacts:
     partition_whole: int | None = None  # ZeRO-1/2: whole tensors overlapping this rank's partition
     muon: int = 0  # parameters DeepSpeed's Muon steps (use_muon)
     muon_whole: int | None = None  # ZeRO-1/2: of partition_whole, the Muon matrices
-    muon_order: tuple[int, ...] = ()  # ZeRO-3: the Muon matrices' elements in the optimizer's order
+    muon_groups: tuple[tuple[int, ...], ...] = ()  # ZeRO-3: the Muon sub-groups' matrices (elements), in order
     trainable: int | None = None  # LoRA: the adapters (None: every parameter trains)
     largest_trainable_tensor: int | None = None
     largest_trainable_layer: int | None = None
@@ -115,7 +115,7 @@ def _states(run: RunModel, live: LiveFacts):
                               trainable=live.trainable, largest_trainable_tensor=live.largest_trainable_tensor,
                               largest_trainable_layer=live.largest_trainable_layer,
                               optimizer_states=run.optimizer_states, **widths,
-                              **gathers(dtypes, stage, live.muon_order, run.degrees.zero_shards, z.buckets,
+                              **gathers(dtypes, stage, live.muon_groups, run.degrees.zero_shards, z.buckets,
                                         run.precision))
         # AutoEP: this rank's experts shard over zero_shards / ep ranks (planner/moe/parallel.py)
         if ep > 1 and live.experts:

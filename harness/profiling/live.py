@@ -39,7 +39,7 @@ def live_facts(module, optimizer=None, engine=None) -> LiveFacts:
         muon=sum(n for p, n in zip(params, numel) if getattr(p, "use_muon", False) and p.requires_grad),
         muon_whole=sum(p.numel() for group in in_partition for p in group if getattr(p, "use_muon", False))
         if in_partition else None,
-        muon_order=_muon_order(optimizer),
+        muon_groups=_muon_groups(optimizer),
         trainable=sum(trainable) if frozen else None,
         largest_trainable_tensor=max(trainable, default=0) if frozen else None,
         largest_trainable_layer=max(own_trainable, default=0) if frozen else None,
@@ -47,12 +47,13 @@ def live_facts(module, optimizer=None, engine=None) -> LiveFacts:
 
 
 
-def _muon_order(optimizer) -> tuple[int, ...]:
-    """ZeRO-3 Muon: the Muon matrices' elements in the order its sub-groups hold them (their gathers' chunks)."""
+def _muon_groups(optimizer) -> tuple[tuple[int, ...], ...]:
+    """ZeRO-3 Muon: its sub-groups' Muon matrices (elements), in the order it gathers them."""
     if not getattr(optimizer, "use_muon", False) or not hasattr(optimizer, "sub_groups_using_muon"):
         return ()
-    return tuple(p.ds_numel for group, muon in zip(optimizer.fp16_groups, optimizer.sub_groups_using_muon) if muon
-                 for p in group)
+    return tuple(tuple(p.ds_numel for p in group)
+                 for group, muon in zip(optimizer.fp16_groups, optimizer.sub_groups_using_muon) if muon)
+
 
 def _is_expert(param) -> bool:
     """A DeepSpeed AutoEP expert tensor (this rank's experts; module_inject/auto_ep_layer.py marks them

@@ -75,7 +75,7 @@ def batch():
 def predicted(ds: dict, world: int) -> dict:
     from harness.config.run_model import OptimizerDtypes, Zero
     from harness.planner import memory
-    from harness.planner.optimizer import gathers, holding, muon_order
+    from harness.planner.optimizer import gathers_of, holding
     from harness.planner.params import count_params
 
     count, zero, dtypes = count_params(CFG), Zero.of(ds), OptimizerDtypes.of(ds)
@@ -83,8 +83,7 @@ def predicted(ds: dict, world: int) -> dict:
     held = memory.Holding(count.total, count.largest_layer, count.largest_tensor,
                           persistent=count.persistent_numel(zero.buckets.param_persistence_threshold)
                           if zero.stage == 3 else 0, **holding(dtypes, count.total, count, world),
-                          **gathers(dtypes, zero.stage, muon_order(count, zero_init=False), world, zero.buckets,
-                                    "bf16"))
+                          **gathers_of(dtypes, zero.stage, count, world, zero.buckets, "bf16", zero_init=False))
     return memory.model_state_bytes(held, zero, zero_shards=world, precision="bf16", phase="after_step")
 
 
