@@ -117,10 +117,11 @@ def main() -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
+    from harness.dist import exit_now, free_port
+
+    if args.worker:  # a rank: end without interpreter finalization (harness.dist.exit_now)
         worker(args)
-        return 0
-    from harness.dist import free_port
+        exit_now(0)
 
     with tempfile.TemporaryDirectory(prefix="stochastic_rounding_") as tmp:
         result = Path(tmp) / "losses.json"
