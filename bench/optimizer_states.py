@@ -98,13 +98,13 @@ def read_run(run: Path, steps: int) -> dict:
 
 
 def render(results: dict, base: str) -> list[str]:
-    lines = [f"{'combination':<28}{'loss 1':>7}{'loss N':>7}{'vs ' + base[:9]:>13}{'step s':>7}"
+    lines = [f"{'combination':<28}{'loss 1':>7}{'loss N':>7}{'vs ' + base[:9]:>13}{'step s':>8}"
              f"{'states MB':>10}{'planned':>9}{'in use MB':>10}{'planned':>9}{'RssAnon':>9}{'VmHWM':>8}"]
     first = results[base]
     for name, r in results.items():
         gap = (r["last"] - first["last"]) / first["last"]
         step = f"{r['step_s']:.3f}" if r["step_s"] else "-"
-        lines.append(f"{name:<28}{r['first']:>7.3f}{r['last']:>7.3f}{gap:>+13.2%}{step:>7}{r['states'] / MB:>10.2f}"
+        lines.append(f"{name:<28}{r['first']:>7.3f}{r['last']:>7.3f}{gap:>+13.2%}{step:>8}{r['states'] / MB:>10.2f}"
                      f"{r['planned_states'] / MB:>9.2f}{r['in_use'] / MB:>10.0f}{r['planned_peak'] / MB:>9.0f}"
                      f"{r['rss_anon'] / MB:>9.0f}{r['vm_hwm'] / MB:>8.0f}")
     return lines
