@@ -33,17 +33,28 @@ ARGS_70B = ["--model", "meta-llama/Llama-2-70b-hf", "--gpus", "8", "--gpu-mem", 
 BF16 = ["--master-dtype", "bf16", "--state-dtype", "bf16"]
 
 
-def test_plan_7b_first_fit_is_zero2_with_bf16_states_and_says_why(capsys):
-    # 9,216 tokens: ZeRO-2 with fp32 states needs 74.0 GB of 72 usable; bf16 states save 6 B/param / 8 ranks
+def test_plan_7b_first_fit_is_exact_zero3_and_zero2_with_bf16_states_when_asked(capsys):
+    # 9,216 tokens: ZeRO-2 with fp32 states needs 74.0 GB of 72 usable. The exact ZeRO-3 comes before the bf16-states
+    # rung (which costs loss: bench/optimizer_states.py), and the time ranking, where ZeRO-2 with bf16 states is
+    # the fastest, does not pick it over an exact layout
     code, out = run_plan(ARGS_7B + ["--seq-len", "9216"], capsys)
     assert code == 0
     rows = dict(re.findall(r"^ +\d+  (\S.*?) +(yes|no|n/a) ", out.split("decision order (GB")[1], flags=re.M))
-    assert rows["zero2"] == "no" and rows["zero2 bf16-states"] == "yes", rows
-    assert "recommended: zero2_bf16_states (zero2 bf16-states)" in out
-    assert "--recipe zero2_bf16_states" in out
-    assert "zero2 bf16-states: master weights and optimizer states in bf16: 6 B/param less" in out
+    assert rows["zero2"] == "no" and rows["zero3"] == "yes" and "zero2 bf16-states" not in rows, rows
+    assert "recommended: zero3:" in out
+    ranked = out.split("fastest layouts that fit")[1]
+    assert ranked.index("zero2 bf16-states") < ranked.index("zero3 ")  # faster, yet not recommended
+    code, asked = run_plan(ARGS_7B + ["--seq-len", "9216"] + BF16, capsys)  # the user takes the loss: ZeRO-2 fits
+    assert code == 0 and "recommended: zero2:" in asked
+    assert "--set optimizer.master_dtype=bf16 --set optimizer.state_dtype=bf16" in asked
     code, plain = run_plan(ARGS_7B + ["--seq-len", "9216", "--optimizer", "lion"], capsys)  # one fp32 state: no rung
     assert code == 0 and "bf16-states" not in plain
+
+
+def test_plan_states_the_measured_cost_of_the_bf16_rung(capsys):
+    code, out = run_plan(ARGS_7B + ["--seq-len", "9216", "--json"], capsys)
+    rung = next(r for r in json.loads(out)["candidates"] if r["label"] == "zero2 bf16-states")
+    assert rung["fits"] and "+17 % loss after 200 steps" in rung["states_cost"], rung
 
 
 def test_plan_70b_fits_with_bf16_states_and_not_without(capsys):
@@ -88,10 +99,9 @@ def test_live_engines_bytes_dtypes_and_muon_parity(tmp_path, monkeypatch):
             for term in TERMS:
                 got = sum(live.get(term, {}).values())
                 assert got == sum(planned[term].values()), f"rank {rank} {name} {term}: engine {got} vs {planned}"
-            if "zero3 muon" in name:  # Muon's cached gathers under ZeRO-3 (stage3._muon_allgather_buffers): unpriced
-                assert 0 < other < 256 * 2**20
-            else:
-                assert other <= SCALAR_BYTES, (name, other)
+            assert other <= SCALAR_BYTES, (name, other)
+            if "zero3 muon" in name:  # the gathers Muon keeps (stage3._muon_allgather_buffers), beside the bucket
+                assert sum(planned["reduce_buckets"].values()) > 2 * 4096, planned["reduce_buckets"]
             bf16 = "bf16 states" in name
             assert all(s.endswith("bfloat16" if bf16 else ("float32", "bfloat16")[s.startswith("momentum")])
                        for s in r["states"]), (name, r["states"])  # fails when states are silently kept in fp32
@@ -158,8 +168,14 @@ def test_recipes_train_resume_exactly_and_refuse_a_layout_change(harness_runs):
         assert sorted(resumed) == [4, 5, 6]
         for step in (4, 5, 6):
             assert resumed[step] == straight[step], f"{name} step {step}: resumed {resumed[step]} != {straight[step]}"
-        if name != "muon_z3":  # ZeRO-3 Muon's cached gathers are not priced (docs/optimizers.md)
+        if name != "muon_z3":
             print(f"{name}: measured / planner", assert_planner_matches_engine(root / name))
+        else:  # ZeRO-3 Muon's comm is not the planner's (measured: 266,240 B reduce-scattered vs 316,032 planned;
+            # Muon's gathers are not in the comm model); its cached gather buffers are priced, in the model's order
+            # under zero.Init (planner/optimizer.py muon_gather_cache_bytes)
+            memory = json.loads((root / name / "summary.json").read_text())["memory"]
+            for live, plan in zip(memory["model_states_per_rank"], memory["predicted_after_step_per_rank"]):
+                assert sum(live["reduce_buckets"].values()) == sum(plan["reduce_buckets"].values()), (live, plan)
     # the Muon ZeRO-2 checkpoint on ZeRO-3 (one process): refused before any rank trains, exit 2, the reason
     refused = run_checked([sys.executable, "harness/run.py", *runs_args("muon"), "--set", "zero.stage=3",
                            "--output-dir", str(root / "muon_relayout"), *COMMON,

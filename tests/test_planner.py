@@ -242,7 +242,7 @@ def test_plan_json_has_the_recommendation_and_every_candidate():
     assert rec["recipe"] == "zero1" and rec["fits"]
     assert rec["launch"].startswith("harness launch --num_gpus 8 harness/run.py --recipe zero1 --model llama-2-7b")
     assert "--set batch.micro_batch_per_gpu=1" in rec["launch"]
-    assert [c["recipe"] for c in data["candidates"][:5]] == ["ddp", "zero1", "zero2", "zero2_bf16_states", "zero3"]
+    assert [c["recipe"] for c in data["candidates"][:5]] == ["ddp", "zero1", "zero2", "zero3", "zero2_bf16_states"]
     assert data["candidates"][0]["why_not"].startswith("GPU: needs 146.5 GB > 72.0 GB usable")
     assert set(rec["memory"]["model_states"]["fp32_grads"]) == {"gpu", "cpu", "nvme"}
     assert {r["collective"] for r in rec["comm"]["rows"]} == {"all_reduce", "all_gather_into_tensor"}

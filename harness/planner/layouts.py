@@ -89,12 +89,12 @@ def candidates(world: int, gpus_per_node: int, num_layers: int, shape: ModelShap
     """Every strategy in decision order (cheapest in traffic and complexity first); with the model's shape, the
     long-context rung last (activation_offload False: without its offload rows, e.g. on CPU ranks, where DeepSpeed's
     activation offload does nothing and the harness refuses it; nvme: with its NVMe rows, when there is NVMe). A MoE
-    model's expert-parallel layouts come after ZeRO-3 (with leaves), before offload. bf16_states_rung: ZeRO-2 with
-    bf16 master weights and optimizer states right after ZeRO-2, and ZeRO-3 with them before offload
-    (planner/optimizer.py)."""
-    out = [Candidate("ddp", 0), Candidate("zero1", 1), Candidate("zero2", 2)]
-    out += [Candidate(opt_widths.RUNG_RECIPE, 2, states="bf16")] if bf16_states_rung else []
-    out += [Candidate("zero3", 3)] + ([Candidate("zero3", 3, states="bf16")] if bf16_states_rung else [])
+    model's expert-parallel layouts come after ZeRO-3 (with leaves), before offload. bf16_states_rung: ZeRO-2 and
+    ZeRO-3 with bf16 master weights and optimizer states after the exact ZeRO-3, before offload (a bf16 master
+    copy costs loss: planner/optimizer.py)."""
+    out = [Candidate("ddp", 0), Candidate("zero1", 1), Candidate("zero2", 2), Candidate("zero3", 3)]
+    if bf16_states_rung:
+        out += [Candidate(opt_widths.RUNG_RECIPE, 2, states="bf16"), Candidate("zero3", 3, states="bf16")]
     out += [Candidate(f"zero{stage}", stage, ep=ep) for ep in moe.ep_degrees(world, gpus_per_node, num_experts)
             for stage in moe.EP_STAGES]
     out += [Candidate("zero2_offload", 2, "cpu"), Candidate("zero3_offload", 3, "cpu"),
@@ -178,9 +178,11 @@ def _states(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, 
         largest_layer = max(count.largest_layer // c.tp, shape.vocab_size * shape.hidden_size)
     lora = count.lora_state_args(share.blocks, c.tp)
     zero = Zero(c.stage, c.offload_optimizer, c.offload_param, buckets)
+    dtypes = opt_widths.dtypes_for(c, work)
+    gathers = opt_widths.gathers_of(dtypes, c.stage, count, share.zero_shards, buckets, work.precision) \
+        if share.params >= count.total else {}  # ZeRO-3 Muon's cached gathers, when the rank's group holds it all
     held = memory.Holding(share.params, largest_layer, count.largest_tensor, optimizer_states=work.optimizer_states,
-                          **lora, **opt_widths.holding(opt_widths.dtypes_for(c, work), share.params, count,
-                                                     share.zero_shards))
+                          **lora, **opt_widths.holding(dtypes, share.params, count, share.zero_shards), **gathers)
     common = dict(zero_shards=share.zero_shards, precision=work.precision)
 
     def states(phase: str, convention: str = "deepspeed") -> dict:

@@ -110,6 +110,7 @@ class _Rank:
     state_bytes: int = FP32_BYTES  # per element of each optimizer state
     muon: int = 0  # of t, the elements Muon steps (one momentum buffer each, in the gradients' dtype)
     muon_whole: int | None = None  # ZeRO-1/2: Muon elements held whole per rank (Holding.muon_whole)
+    muon_gathers: int = 0  # ZeRO-3: bytes of Muon's cached gather buffers (Holding.muon_gathers)
 
 
 def _states_bytes(r: "_Rank", shard: int, stage12: bool) -> int:
@@ -204,7 +205,7 @@ def _stage3_entries(r: _Rank, opt_dev: str, param_dev: str) -> list:
            ("grads", "gpu", lp * grad_layer, BACKWARD),  # one module's full grads before reduce-scatter
            ("fp32_master", opt_dev, r.master_bytes * shard, ALWAYS),
            ("optimizer_moments", opt_dev, _states_bytes(r, shard, False), ALWAYS),
-           ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems, ALWAYS),
+           ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems + r.muon_gathers, ALWAYS),
            ("gathered_params", "gpu", lp * zero3_gathered_elems(p - persistent, largest_layer, b), BACKWARD)]
     if opt_dev == "gpu":  # _prepare_fp32_grad_for_sub_group: flatten (16-bit copy) then .to(fp32), per sub-group
         if r.master_bytes != lp or lp == FP32_BYTES:  # .to(master dtype) copies unless it is a no-op (bf16 master)
@@ -240,6 +241,7 @@ class Holding:
     of each optimizer state: 4, or 2 with bf16 master weights / states (config/run_model.OptimizerDtypes).
     muon_params: of the trainable elements, those DeepSpeed's Muon steps (one momentum each; the rest AdamW's two).
     muon_whole: ZeRO-1/2, the Muon elements a rank holds whole (muon_partition_elems); None: bounded.
+    muon_gathers: ZeRO-3, bytes of the gather buffers Muon keeps (optimizer.muon_gather_cache_bytes).
     """
 
     params: int
@@ -255,6 +257,7 @@ class Holding:
     state_bytes: int = FP32_BYTES
     muon_params: int = 0
     muon_whole: int | None = None
+    muon_gathers: int = 0
 
 
 def model_state_bytes(held: Holding, zero: Zero, *, zero_shards: int, precision: str, convention: str = "deepspeed",
@@ -289,7 +292,7 @@ def model_state_bytes(held: Holding, zero: Zero, *, zero_shards: int, precision:
         grad_layer = largest_layer_params if held.largest_trainable_layer is None else held.largest_trainable_layer
         r = _Rank(num_params, trainable, zero_shards, lp, b, largest_layer_params, largest_tensor, grad_tensor,
                   grad_layer, held.persistent, grad_accum, held.accum_elems, held.optimizer_states, held.master_bytes,
-                  held.state_bytes, held.muon_params, held.muon_whole)
+                  held.state_bytes, held.muon_params, held.muon_whole, held.muon_gathers)
         entries = (_stage12_entries(r, stage, offload_optimizer != "none") if stage in (1, 2)
                    else _stage3_entries(r, offload_optimizer, offload_param))
     out = {term: dict.fromkeys(DEVICES, 0) for term in TERMS}

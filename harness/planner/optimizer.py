@@ -1,25 +1,29 @@
 """The optimizer's widths in the plan: bf16 master weights and optimizer states, Muon (docs/optimizers.md).
 
-The decision order's rung after plain ZeRO-2 (and again after ZeRO-3, before offload) is the one users take first in
-2026: keep the layout and shrink the optimizer state to bf16 (DeepSpeed's bf16_master_weights_and_grads +
-bf16_optimizer_states): 6 bytes per parameter less before sharding, nothing moved off the GPU, no traffic added.
-Its cost is precision, not time: the bf16 master copy keeps 8 mantissa bits, so an update smaller than about 1/256
-of a weight is lost. It is offered only where
-DeepSpeed takes it (bf16 training; Adam-family or Muon states) and the run does not already ask for bf16 states.
+The decision order gains ZeRO-2 and ZeRO-3 with the optimizer state in bf16 (DeepSpeed's
+bf16_master_weights_and_grads + bf16_optimizer_states): 6 bytes per parameter less before sharding, nothing moved
+off the GPU, no traffic added. They come after the exact ZeRO-3, before offload, and a time ranking never picks
+them over an exact layout: their cost is loss. Measured (bench/optimizer_states.py, 200 steps, decaying lr), the
+run ends 17 % higher in loss than with fp32 states, and bf16 master weights with fp32 states (the CPU-offload
+form) end the same, so the bf16 master copy is the cause: it keeps 8 mantissa bits and drops every update under
+about 1/256 of a weight, more of them as the lr decays. Offered only where DeepSpeed takes it (bf16 training;
+Adam-family or Muon states) and the run does not already ask for bf16 states.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
+from harness.config.defaults import PRECISION_BYTES
 from harness.config.optimizer_rules import INT8_STATES_REASON
 from harness.config.run_model import ADAM_STATES, OptimizerDtypes
 from harness.planner.inputs import Workload
 
 RUNG_RECIPE = "zero2_bf16_states"
 RUNG_COST = ("master weights and optimizer states in bf16: 6 B/param less than fp32 before sharding, on the GPU, "
-             "no traffic added; the cost is precision (a bf16 master copy loses updates under ~1/256 of a weight; "
-             "docs/optimizers.md)")
+             "no traffic added; the cost is loss: the bf16 master copy drops updates under ~1/256 of a weight "
+             "(measured: +17 % loss after 200 steps of a decaying lr; docs/optimizers.md), so exact layouts go first")
 
 
 def from_flags(optimizer: str, master_dtype: str, state_dtype: str, precision: str) -> OptimizerDtypes:
@@ -107,3 +111,85 @@ def muon_partition_elems(shapes, zero_shards: int) -> int:
             held[rank] += n
         start += n
     return max(held)
+
+
+
+def gathers(dtypes: OptimizerDtypes, stage: int, groups, zero_shards: int, buckets, precision: str) -> dict:
+    """memory.Holding's muon_gathers of a ZeRO-3 Muon rank whose ZeRO group holds the Muon sub-groups `groups`
+    (muon_sub_groups, or the live engine's); none elsewhere (ZeRO-1/2 price theirs as optimizer states)."""
+    if not (dtypes.muon and stage == 3 and groups):
+        return {}
+    return {"muon_gathers": muon_gather_cache_bytes(groups, zero_shards, buckets.reduce_bucket_elems,
+                                                    PRECISION_BYTES[precision])}
+
+
+def gathers_of(dtypes: OptimizerDtypes, stage: int, count, zero_shards: int, buckets, precision: str,
+               zero_init: bool = True) -> dict:
+    """gathers() from the model's count (params.ParamCount): its Muon matrices in muon_order, sub-grouped as ZeRO-3
+    sub-groups them."""
+    if not (dtypes.muon and stage == 3 and count.muon_shapes):
+        return {}
+    groups = muon_sub_groups(muon_order(count, zero_init), zero_shards, buckets.sub_group_elems)
+    return gathers(dtypes, stage, groups, zero_shards, buckets, precision)
+
+# stage3._muon_allgather_max_cached_bytes: the most DeepSpeed 0.19.8's ZeRO-3 Muon keeps of its gather buffers
+MUON_GATHER_CACHE_BYTES = 256 * 2**20
+
+
+def muon_gather_cache_bytes(groups, zero_shards: int, reduce_bucket_elems: int, comm_bytes: int) -> int:
+    """Bytes of the gather buffers ZeRO-3 Muon keeps between steps, on one rank. Each step DeepSpeed
+    (stage3._apply_muon_to_accumulated_grads) walks every Muon sub-group in chunks of whole matrices, greedily
+    packed up to reduce_bucket_size elements (a larger matrix alone), and all-gathers each chunk's gradient, then
+    its momentum, through _partitioned_buffers_all_gather. That keeps, per distinct chunk partition length L
+    (the sum of the chunk's partition_numel, ceil(numel / zero_shards)), a local buffer of L and a gather buffer
+    of zero_shards x L in the communication dtype, least recently used evicted above 256 MiB, a buffer pair over
+    256 MiB not kept. None with one rank. groups: the Muon sub-groups, each its matrices' elements in the
+    optimizer's order (muon_sub_groups)."""
+    if zero_shards <= 1:
+        return 0
+    cache: OrderedDict[int, int] = OrderedDict()
+    for group in groups:
+        start = 0
+        while start < len(group):
+            end, numel = start + 1, group[start]
+            while end < len(group) and numel + group[end] <= reduce_bucket_elems:
+                numel += group[end]
+                end += 1
+            local = sum(-(-n // zero_shards) for n in group[start:end])
+            nbytes = (1 + zero_shards) * local * comm_bytes
+            if local in cache:
+                cache.move_to_end(local)
+            elif nbytes <= MUON_GATHER_CACHE_BYTES:
+                while cache and sum(cache.values()) + nbytes > MUON_GATHER_CACHE_BYTES:
+                    cache.popitem(last=False)
+                cache[local] = nbytes
+            start = end
+    return sum(cache.values())
+
+
+def muon_sub_groups(sizes: list[int], zero_shards: int, sub_group_elems: int) -> list[list[int]]:
+    """The Muon matrices (elements, muon_order) as ZeRO-3 sub-groups them (stage3._create_fp16_sub_groups): a new
+    sub-group once the partition elements reach zero_optimization.sub_group_size."""
+    if sum(-(-n // zero_shards) for n in sizes) <= sub_group_elems:
+        return [sizes]
+    out, current, held = [], [], 0
+    for n in sizes:
+        current.append(n)
+        held += -(-n // zero_shards)
+        if held >= sub_group_elems:
+            out.append(current)
+            current, held = [], 0
+    return out + ([current] if current else [])
+
+
+def muon_order(count, zero_init: bool = True) -> list[int]:
+    """The Muon matrices' elements in the order ZeRO-3 holds them. MuonWithAuxAdam sorts them by size(), largest
+    first; under zero.Init (the harness's ZeRO-3 load) every size() is [0] then, so they keep the model's order:
+    the count's shapes held once (embeddings) first, then one block's (count / layers each) per layer."""
+    shapes = list(count.muon_shapes)
+    if not zero_init:
+        return [math.prod(s) for s, n in sorted(shapes, reverse=True) for _ in range(n)]
+    layers = max(1, count.num_layers)
+    once = [math.prod(s) for s, n in shapes if n % layers for _ in range(n)]
+    block = [math.prod(s) for s, n in shapes if not n % layers for _ in range(n // layers)]
+    return once + block * layers

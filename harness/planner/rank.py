@@ -18,7 +18,7 @@ from harness.config.run_model import Completions, RunModel, Sequence, Zero
 from harness.planner import comm, memory, moe, pipeline, reference, sequence, teacher
 from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
-from harness.planner.optimizer import holding
+from harness.planner.optimizer import gathers, holding
 from harness.planner.params import count_params, model_shape, with_lora
 
 
@@ -33,6 +33,7 @@ class LiveFacts:
     partition_whole: int | None = None  # ZeRO-1/2: whole tensors overlapping this rank's partition
     muon: int = 0  # parameters DeepSpeed's Muon steps (use_muon)
     muon_whole: int | None = None  # ZeRO-1/2: of partition_whole, the Muon matrices
+    muon_groups: tuple[tuple[int, ...], ...] = ()  # ZeRO-3: the Muon sub-groups' matrices (elements), in order
     trainable: int | None = None  # LoRA: the adapters (None: every parameter trains)
     largest_trainable_tensor: int | None = None
     largest_trainable_layer: int | None = None
@@ -113,7 +114,9 @@ def _states(run: RunModel, live: LiveFacts):
                               persistent=live.persistent if stage == 3 else 0, accum_elems=live.partition_whole,
                               trainable=live.trainable, largest_trainable_tensor=live.largest_trainable_tensor,
                               largest_trainable_layer=live.largest_trainable_layer,
-                              optimizer_states=run.optimizer_states, **widths)
+                              optimizer_states=run.optimizer_states, **widths,
+                              **gathers(dtypes, stage, live.muon_groups, run.degrees.zero_shards, z.buckets,
+                                        run.precision))
         # AutoEP: this rank's experts shard over zero_shards / ep ranks (planner/moe/parallel.py)
         if ep > 1 and live.experts:
             return moe.model_state_bytes(SimpleNamespace(total=live.total - live.experts + live.experts * ep,

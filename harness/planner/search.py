@@ -180,10 +180,11 @@ def attach(plan, count, shape: ModelShape, cluster: Cluster, work: Workload, pro
             plan.first_fit = timed(c, count, shape, cluster, layout_work(base, work.micro_batch,
                                                                      work.activation_checkpointing, dp),
                                    profile, name)
-    if plan.ranked:
-        plan.recommended = plan.ranked[0]
+    if plan.ranked:  # a bf16-states layout costs loss (planner/optimizer.py): never picked on speed over an exact one
+        fastest = next((r for r in plan.ranked if not r.get("states")), plan.ranked[0])
+        plan.recommended = fastest
         if plan.first_fit:
-            plan.comparison = compare(plan.ranked[0], plan.first_fit)
+            plan.comparison = compare(fastest, plan.first_fit)
             if plan.comparison["speedup"] <= 1 + KEEP_FIRST_FIT_WITHIN:
                 plan.recommended = plan.first_fit
                 plan.comparison["kept_first_fit"] = True

@@ -39,10 +39,20 @@ def live_facts(module, optimizer=None, engine=None) -> LiveFacts:
         muon=sum(n for p, n in zip(params, numel) if getattr(p, "use_muon", False) and p.requires_grad),
         muon_whole=sum(p.numel() for group in in_partition for p in group if getattr(p, "use_muon", False))
         if in_partition else None,
+        muon_groups=_muon_groups(optimizer),
         trainable=sum(trainable) if frozen else None,
         largest_trainable_tensor=max(trainable, default=0) if frozen else None,
         largest_trainable_layer=max(own_trainable, default=0) if frozen else None,
         experts=sum(n for p, n in zip(params, numel) if _is_expert(p)), **pipe)
+
+
+
+def _muon_groups(optimizer) -> tuple[tuple[int, ...], ...]:
+    """ZeRO-3 Muon: its sub-groups' Muon matrices (elements), in the order it gathers them."""
+    if not getattr(optimizer, "use_muon", False) or not hasattr(optimizer, "sub_groups_using_muon"):
+        return ()
+    return tuple(tuple(p.ds_numel for p in group)
+                 for group, muon in zip(optimizer.fp16_groups, optimizer.sub_groups_using_muon) if muon)
 
 
 def _is_expert(param) -> bool:

@@ -17,7 +17,7 @@ the whole buffer once), classified by where it was first found:
   grads / fp32_grads .grad and ZeRO gradient buffers (fp32_grads: fp32 ones when training in 16 bits)
   fp32_master        the tensors the inner optimizer updates, when they are not the module's parameters
   optimizer_moments  the inner optimizer's state (exp_avg, exp_avg_sq, step)
-  reduce_buckets     ZeRO's ipg (reduce) buckets
+  reduce_buckets     ZeRO's ipg (reduce) buckets, and the gather buffers ZeRO-3 Muon keeps (_muon_allgather_buffers)
   offload_buffers    staging buffers for CPU/NVMe offload, and the pinned swap buffers of ZeRO-Infinity's
                      parameter swapper (reached through param.nvme_swapper) and optimizer swapper
   other              any other tensor attribute of the ZeRO optimizer, and scalars of <= 16 bytes anywhere
@@ -134,6 +134,7 @@ def model_state_bytes(engine) -> dict[str, dict[str, int]]:
     for staged in getattr(wrapper, "_muon_pending_momentum", {}).values():
         for value in staged if isinstance(staged, (tuple, list)) else (staged,):
             c.add("optimizer_moments", value)
+    c.walk(getattr(wrapper, "_muon_allgather_buffers", {}), "muon_gathers", term="reduce_buckets")
     if wrapper is not None and wrapper is not inner:
         c.walk(wrapper, "optimizer")
     return {term: dict(sorted(c.bytes[term].items())) for term in TERMS if term in c.bytes}

@@ -26,12 +26,13 @@ from harness.startup import quick_start  # noqa: E402
 CFG = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
 BOTH = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
-# name: (stage, optimizer, bf16 flags, offload_optimizer)
+# name: (stage, optimizer, bf16 flags, offload_optimizer device or "momentum")
 BYTES = {"zero2 adamw": (2, "AdamW", {}, None), "zero2 bf16 states": (2, "AdamW", BOTH, None),
          "zero3 bf16 states": (3, "AdamW", BOTH, None),
          "zero2 bf16 master offload": (2, "AdamW", {"bf16_master_weights_and_grads": True}, "cpu"),
          "zero2 bf16 states offload": (2, "AdamW", BOTH, "cpu"),
          "zero1 muon": (1, "Muon", {}, None), "zero2 muon": (2, "Muon", {}, None), "zero3 muon": (3, "Muon", {}, None),
+         "zero3 muon momentum in memory": (3, "Muon", {}, "momentum"),  # save_muon_momentum_buffer_in_memory
          "zero2 muon bf16 states": (2, "Muon", BOTH, None)}
 MUON_STAGES = (1, 2, 3)
 SEQ, ROWS, STEPS = 16, 4, 3  # ROWS: the global batch, split evenly over the ranks
@@ -45,7 +46,9 @@ def ds_config(stage: int, opt: str, bf16: dict | None, offload: str | None, micr
         zo.update(stage3_param_persistence_threshold=640, stage3_prefetch_bucket_size=3686)
         if opt == "Muon":
             zo["reduce_scatter"] = False
-    if offload:
+    if offload == "momentum":  # only NVMe swapping reads it: the momentum is the same one tensor either way
+        zo["save_muon_momentum_buffer_in_memory"] = True
+    elif offload:
         zo["offload_optimizer"] = {"device": offload}
     params = dict(LR) if opt == "Muon" else {k: LR[k] for k in ("lr", "betas", "eps", "weight_decay")}
     out = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "zero_optimization": zo,
@@ -72,14 +75,15 @@ def batch():
 def predicted(ds: dict, world: int) -> dict:
     from harness.config.run_model import OptimizerDtypes, Zero
     from harness.planner import memory
-    from harness.planner.optimizer import holding
+    from harness.planner.optimizer import gathers_of, holding
     from harness.planner.params import count_params
 
-    count = count_params(CFG)
-    zero = Zero.of(ds)
+    count, zero, dtypes = count_params(CFG), Zero.of(ds), OptimizerDtypes.of(ds)
+    # built outside zero.Init: MuonWithAuxAdam's sort by size() orders the Muon matrices, largest first
     held = memory.Holding(count.total, count.largest_layer, count.largest_tensor,
                           persistent=count.persistent_numel(zero.buckets.param_persistence_threshold)
-                          if zero.stage == 3 else 0, **holding(OptimizerDtypes.of(ds), count.total, count, world))
+                          if zero.stage == 3 else 0, **holding(dtypes, count.total, count, world),
+                          **gathers_of(dtypes, zero.stage, count, world, zero.buckets, "bf16", zero_init=False))
     return memory.model_state_bytes(held, zero, zero_shards=world, precision="bf16", phase="after_step")
 
 
