@@ -144,6 +144,8 @@ def test_plan_gkd_prints_the_teacher_and_the_rollouts_when_on_policy(capsys):
     (["--objective", "gkd", "--reference-mode", "engine"], "a distillation run has a teacher, not a reference"),
     (["--objective", "gkd", "--seq-len", "4096"], "give --max-prompt-length and --max-completion-length"),
     (["--objective", "dpo"], "--teacher plan a distillation run: add --objective gkd"),
+    (["--objective", "gkd", "--lmbda", "0", "--generator", "vllm"], "and lmbda 0: the student generates nothing"),
+    (["--objective", "distill", "--vllm-gpu-memory-utilization", "0"], "a share of the GPU, in (0, 1]"),
 ])
 def test_plan_distill_refuses_what_a_run_refuses(capsys, args, message):
     assert main([*PLAN, *args]) == 2
@@ -155,6 +157,29 @@ def test_served_with_beta_0_takes_any_top_k(capsys):
                  "--json"]) == 0
     ref = json.loads(capsys.readouterr().out)["recommended"]["memory"]["teacher"]
     assert ref["mode"] == "served" and ref["modes"]["served"]["weights_gpu"] == 0
+
+
+def test_plan_distill_prices_vllm_as_grpo_does(capsys):
+    """distill.use_vllm as `--generator vllm`: the rollouts' vLLM term is grpo's (planner/rl.rollout_plan, one
+    source): the student's 16-bit weights + its KV cache, against --vllm-gpu-memory-utilization of the GPU; a share
+    too small for them is named by the distill block's key."""
+    lengths = ["--max-prompt-length", "256", "--max-completion-length", "384", "--generator", "vllm",
+               "--vllm-gpu-memory-utilization", "0.02", "--json"]
+    plans = {}
+    for goal in ("distill", "grpo"):
+        args = [*PLAN, "--objective", goal, *lengths] if goal == "distill" else [*PLAN[:7], "--objective", goal,
+                                                                               "--num-generations", "1", *lengths]
+        assert main(args) == 0
+        plans[goal] = json.loads(capsys.readouterr().out)["rollouts"]
+    kd, rl = plans["distill"], plans["grpo"]
+    shape = model_shape(STUDENT)
+    kv = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * (256 + 384) * kd["sequences_per_rank"] * 2
+    assert kd["kv_cache_bytes"] == kv and kd["vllm"]["budget_bytes"] == int(0.02 * 80 * 10**9)
+    assert kd["vllm"]["bytes"] == 2 * count_params(STUDENT).total + kv
+    assert {k: kd["vllm"][k] for k in ("bytes", "budget_bytes", "decode_s")} == \
+        {k: rl["vllm"][k] for k in ("bytes", "budget_bytes", "decode_s")}
+    assert "set distill.vllm_gpu_memory_utilization=0.1 (now 0.02)" in kd["recommend"]
+    assert "set rl.vllm_gpu_memory_utilization=0.1 (now 0.02)" in rl["recommend"]
 
 
 @pytest.mark.multirank

@@ -157,7 +157,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "max_new_tokens 128 for gkd, max_completion_length 512 for distill)")
     rl.add_argument("--max-prompt-length", type=int, help="tokens per prompt (default rl.max_prompt_length, %s)"
                                                           % recipe_default("rl.max_prompt_length"))
-    rl.add_argument("--generator", choices=("hf", "vllm"), default="hf", help="rl.generator")
+    rl.add_argument("--generator", choices=("hf", "vllm"), default="hf",
+                    help="rl.generator; gkd, distill: vllm is distill.use_vllm (the student's on-policy completions)")
+    rl.add_argument("--vllm-gpu-memory-utilization", type=float, metavar="F",
+                    help="vllm: the share of the GPU the colocated vLLM may take (rl.vllm_gpu_memory_utilization, "
+                         "distill.vllm_gpu_memory_utilization; default %s)" % recipe_default("rl.vllm_gpu_memory_utilization"))
     rl.add_argument("--gather-mb", type=float, help="rl.gather_mb (default: the planner chooses)")
     rl.add_argument("--sync-bucket-mb", type=float, default=256.0, help="rl.sync_bucket_mb (vllm)")
     rl.add_argument("--beta", type=float, help="grpo: rl.beta (default %s: TRL loads no reference); gkd, distill: "

@@ -53,6 +53,7 @@ def objective_work(args: argparse.Namespace, cfg: dict, resolve) -> dict:
              if v is not None] + (["--teacher-mode"] if args.teacher_mode != "auto" else [])
     if given and kind != "distill":
         raise UsageError(f"{', '.join(given)} plan a distillation run: add --objective gkd (or distill)")
+    _generator_flags(args, kind)
     if goal == "lm":
         if mode != "auto" or args.pairs is not None or (args.steps is not None and not args.datasets):
             raise UsageError("--reference-mode, --pairs and --steps plan a preference run: add --objective dpo "
@@ -114,6 +115,35 @@ def _teacher(args: argparse.Namespace, cfg: dict, resolve):
     return load
 
 
+def block(args: argparse.Namespace) -> str:
+    """The recipe block that holds the generator's keys: rl for grpo, distill for gkd and distill."""
+    return "rl" if terms(args) == "rollouts" else "distill"
+
+
+def vllm_share(args: argparse.Namespace) -> float:
+    """vLLM's share of the GPU: --vllm-gpu-memory-utilization, else the block's default (TRL's 0.3)."""
+    given = args.vllm_gpu_memory_utilization
+    return recipe_default(f"{block(args)}.vllm_gpu_memory_utilization") if given is None else given
+
+
+def _generator_flags(args: argparse.Namespace, kind: str) -> None:
+    """--generator vllm and --vllm-gpu-memory-utilization go with a run that generates in the loop."""
+    share = args.vllm_gpu_memory_utilization
+    if share is not None and not 0 < share <= 1:
+        raise UsageError(f"--vllm-gpu-memory-utilization {share}: a share of the GPU, in (0, 1] (TRL's default "
+                         f"{recipe_default('rl.vllm_gpu_memory_utilization')})")
+    if args.generator != "vllm" and share is None:
+        return
+    flag = "--generator vllm" if args.generator == "vllm" else "--vllm-gpu-memory-utilization"
+    if kind not in GENERATED:
+        raise UsageError(f"{flag} with --objective {args.objective}: nothing is generated in its loop; it prices "
+                         "grpo's, gkd's and distill's generation")
+    if kind == "distill" and not settings(args)["on_policy"]:
+        raise UsageError(f"{flag} with --objective {args.objective} and lmbda 0: the student generates nothing "
+                         "(distill.use_vllm serves only its on-policy completions); add --lmbda 0.5 (TRL's) or drop "
+                         f"{flag}")
+
+
 def settings(args: argparse.Namespace) -> dict:
     """The distill block a run with these flags resolves (harness/config/distill_rules.settings: a flag not given
     takes the objective's TRL default), with on_policy: whether the student generates some completions."""
@@ -147,6 +177,7 @@ def rollout_section(args, cfg: dict, result, gpu_mem: int, profile: dict) -> dic
     prompt, completion = lengths(args)
     work = rl.RolloutWork(sequences=args.micro_batch * args.grad_accum, prompt_len=prompt,
                           completion_len=completion, generator=args.generator,
+                          vllm_memory_fraction=vllm_share(args), block=block(args),
                           gather_bound_bytes=None if args.gather_mb is None else int(args.gather_mb * rl.MIB),
                           sync_bucket_mb=args.sync_bucket_mb,
                           turns=max(getattr(args, "max_tool_calling_iterations", 0) or 0, 0) + 1,

@@ -143,7 +143,8 @@ class RolloutWork:
     generator: str = "hf"  # hf | vllm
     gather_bound_bytes: int | None = None  # None: the planner chooses (choose_gather)
     sync_bucket_mb: float = 256.0
-    vllm_memory_fraction: float = 0.3
+    vllm_memory_fraction: float = 0.3  # rl.vllm_gpu_memory_utilization (distill.vllm_gpu_memory_utilization)
+    block: str = "rl"  # the recipe block whose keys the advice names: rl (grpo), distill (gkd, distill)
     turns: int = 1  # generate calls per rollout: rl.max_tool_calling_iterations + 1 (multi-turn), else 1
     tool_result_tokens: int = 0  # tokens one round of tool results adds (its rendered tool messages)
 
@@ -208,7 +209,8 @@ def _recommend(work: RolloutWork, gather: GatherPlan, model_bytes: int, kv: int,
         fits = vllm_bytes >= need and vllm_bytes <= free_bytes
         return (f"vllm (GPU): the model and KV cache ({need / MIB:.0f} MiB) fit the {free_bytes / MIB:.0f} MiB free "
                 f"beside training; decode needs no per-token gathers"
-                + ("" if fits else f"; set rl.vllm_gpu_memory_utilization={share:g} (now {work.vllm_memory_fraction:g})"))
+                + ("" if fits else f"; set {work.block}.vllm_gpu_memory_utilization={share:g} "
+                                    f"(now {work.vllm_memory_fraction:g})"))
     if gather.whole and not gather.outside_bytes:
         return "hf: this stage holds whole weights, generate runs on them"
     if gather.whole:
