@@ -23,7 +23,9 @@
 # grpo_tools: multi-turn rollouts with a tool and an environment (tests/fixtures/rl_tools/secret_env.py) on ZeRO-3
 # over nccl, bf16, 2 GPUs when there are: the turns in lockstep (an all-reduce per turn), tools/call_frequency,
 # the finish reasons; OUT_DIR/grpo_tools. grpo_async: rl.async on ZeRO-3 over nccl (the weights gathered on the GPUs,
-# sent to each rank's CPU generator process), the staleness bound and the importance ratios; OUT_DIR/grpo_async.
+# sent to each rank's generator process), its copy on the rank's GPU then in host memory (rl.async_generator_device
+# auto, cpu): the staleness bound, the ratios, the times, the generator's peak CUDA memory against harness plan
+# --async's per-GPU term; OUT_DIR/grpo_async.
 # Also a vision-language case (bench/vlm.py: a ~0.6B Qwen2-VL, ZeRO-3, images on some rows only, the vision
 # tower trained and frozen); OUT_DIR/vlm; and vlm_video, an 8-frame video before each image (PyAV not needed: the
 # frames are a list of PNGs); OUT_DIR/vlm_video.
@@ -172,22 +174,37 @@ EOF
             timeout 400 $PY -m deepspeed.launcher.runner --num_gpus $n "$ROOT/bench/gpu_check_rl.py" \
                 --out "$OUT/grpo_vllm" || echo "[grpo_vllm] failed (exit $?)" ;;
         grpo_async)  # rl.async on ZeRO-3 over nccl: each rank's weights gathered in buckets on the GPU, sent to its
-            n=1; (( gpus >= 2 )) && n=2  # generator process (HF generate on a CPU copy); the staleness bound, the ratios
-            timeout 400 $PY -m deepspeed.launcher.runner --num_gpus $n "$ROOT/harness/run.py" --recipe zero3 \
-                --set train.objective=grpo --set precision=bf16 --set train.steps=8 --set train.log_every=1 \
-                --set batch.micro_batch_per_gpu=8 --set rl.num_generations=4 --set rl.max_completion_length=16 \
-                --set optimizer.lr=3e-2 --set scheduler.type=none --set rl.async=true --set rl.max_staleness=2 \
-                --set rl.weight_sync_steps=2 --output-dir "$OUT/grpo_async/run" --overwrite \
-                || echo "[grpo_async] failed (exit $?)"
-            $PY - "$OUT/grpo_async/run" <<'EOF' || true
+            n=1; (( gpus >= 2 )) && n=2  # generator process, whose copy and KV cache sit on the rank's own GPU (auto)
+            for where in auto cpu; do  # and then in host memory (cpu): the step times side by side
+                timeout 240 $PY -m deepspeed.launcher.runner --num_gpus $n "$ROOT/harness/run.py" --recipe zero3 \
+                    --set train.objective=grpo --set precision=bf16 --set train.steps=8 --set train.log_every=1 \
+                    --set batch.micro_batch_per_gpu=8 --set rl.num_generations=4 --set rl.max_completion_length=16 \
+                    --set optimizer.lr=3e-2 --set scheduler.type=none --set rl.async=true --set rl.max_staleness=2 \
+                    --set rl.weight_sync_steps=2 --set rl.async_generator_device=$where \
+                    --output-dir "$OUT/grpo_async/$where" --overwrite || echo "[grpo_async $where] failed (exit $?)"
+            done
+            mem=$($PY -c "import torch; print(torch.cuda.get_device_properties(0).total_memory)")
+            $PY -m harness.cli plan --model tiny-llama --gpus $n --gpu-mem "${mem}B" --objective grpo --zero 3 \
+                --precision bf16 --micro-batch 8 --max-completion-length 16 --num-generations 4 --async \
+                --max-staleness 2 --json > "$OUT/grpo_async/plan.json" || echo "[grpo_async] plan failed (exit $?)"
+            $PY - "$OUT/grpo_async" <<'EOF' || true
 import json, sys
-rs = [r for r in map(json.loads, open(sys.argv[1] + "/metrics.jsonl")) if r["kind"] == "train"]
-lines = [json.loads(x) for x in open(sys.argv[1] + "/rollouts.jsonl")]
-worst = max(r["step"] - 1 - r["model_version"] for r in lines)
-print(f"[grpo_async] reward {rs[0]['reward']:.3f} -> {rs[-1]['reward']:.3f}, staleness at most {worst} (bound 2), "
-      f"ratio {min(r['sampling/importance_sampling_ratio/min'] for r in rs):.3f}.."
-      f"{max(r['sampling/importance_sampling_ratio/max'] for r in rs):.3f}, generate wait "
-      f"{sum(r['time/generate_s'] for r in rs[1:]):.2f} s, train {sum(r['time/train_s'] for r in rs[1:]):.2f} s")
+root = sys.argv[1]
+plan = json.load(open(root + "/plan.json"))["rollouts"]["async"]
+for where in ("auto", "cpu"):
+    rs = [r for r in map(json.loads, open(f"{root}/{where}/metrics.jsonl")) if r["kind"] == "train"]
+    lines = [json.loads(x) for x in open(f"{root}/{where}/rollouts.jsonl")]
+    worst = max(r["step"] - 1 - r["model_version"] for r in lines)
+    print(f"[grpo_async {where}] reward {rs[0]['reward']:.3f} -> {rs[-1]['reward']:.3f}, staleness at most {worst} "
+          f"(bound 2), ratio {min(r['sampling/importance_sampling_ratio/min'] for r in rs):.3f}.."
+          f"{max(r['sampling/importance_sampling_ratio/max'] for r in rs):.3f}, generate wait "
+          f"{sum(r['time/generate_s'] for r in rs[1:]):.2f} s, generator {sum(r['time/generator_s'] for r in rs[1:]):.2f}"
+          f" s, train {sum(r['time/train_s'] for r in rs[1:]):.2f} s")
+    if where == "auto":  # the plan's term: the copy + the KV cache at rl.max_prompt_length (a bound: prompts are shorter)
+        peak = max(r.get("memory/generator_peak_bytes", 0) for r in rs)
+        print(f"[grpo_async auto] generator peak CUDA memory {peak / 2**20:.1f} MiB (0: not on the GPU) against the "
+              f"planner's {plan['gpu_bytes_per_rank'] / 2**20:.1f} MiB per GPU (weights {plan['weights_bytes'] / 2**20:.1f}"
+              f" + KV {plan['kv_cache_bytes'] / 2**20:.1f}), device {plan['device']}, fits {plan['fits']}")
 EOF
             ;;
         zero2)

@@ -171,6 +171,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "processes (a weights copy and KV cache each) and the overlapped step (max(generate, train))")
     rl.add_argument("--max-staleness", type=int, default=recipe_default("rl.max_staleness"),
                     help="rl.max_staleness under --async (default %(default)s; 0: no overlap)")
+    rl.add_argument("--async-generator-device", choices=_enum("rl.async_generator_device"),
+                    default=recipe_default("rl.async_generator_device"), help="rl.async_generator_device under "
+                    "--async: auto (the plan's GPUs) and cuda count the generator's weights and KV cache per GPU, in "
+                    "the fit beside training; cpu in host memory (default %(default)s)")
     rl.add_argument("--max-tool-calling-iterations", type=int, default=0, help="multi-turn rollouts: rounds of "
                     "tool calls (rl.max_tool_calling_iterations); each is one more generate call re-prefilling the "
                     "prompt and the turns so far (default 0: single-turn)")

@@ -191,7 +191,8 @@ def rollout_section(args, cfg: dict, result, gpu_mem: int, profile: dict) -> dic
                                                                  .get("time")) if t), 0.0)
         out["async"] = rl.async_plan(model_bytes=lp * count_params(cfg).total, kv_bytes=out["kv_cache_bytes"],
                                      generate_s=hf["prefill_s"] + hf["decode_s"], train_s=step,
-                                     sync_s=out["vllm"]["sync"]["seconds"], max_staleness=args.max_staleness)
+                                     sync_s=out["vllm"]["sync"]["seconds"], max_staleness=args.max_staleness,
+                                     device=rl.async_device(args.async_generator_device, "cuda"), free_bytes=free)
     return {"layout": layout["label"], "free_bytes": free, "sequences_per_rank": work.sequences,
             "num_generations": args.num_generations, **share, **out}
 
@@ -223,8 +224,14 @@ def render_async(a: dict | None) -> list[str]:
     if a is None:
         return []
     mib = 1 << 20
+    where = "of host memory" if a["device"] == "cpu" else "on the trainer rank's GPU"
+    fit = [] if a["device"] == "cpu" else [
+        f"  async fit        {a['gpu_bytes_per_rank'] / mib:,.1f} MiB per GPU beside training, "
+        f"{a['free_bytes'] / mib:,.1f} MiB free: " + ("fits" if a["fits"] else
+                                                     "does not fit; set rl.async_generator_device=cpu, or fewer "
+                                                     "completions per rank, a shorter max_completion_length")]
     return [f"  async            {a['generators_per_rank']} generator process per rank: {a['bytes_per_process'] / mib:,.1f}"
-            f" MiB of host memory each (a weights copy {a['weights_bytes'] / mib:,.1f} MiB + KV cache "
-            f"{a['kv_cache_bytes'] / mib:,.1f} MiB)",
+            f" MiB {where} each (a weights copy {a['weights_bytes'] / mib:,.1f} MiB + KV cache "
+            f"{a['kv_cache_bytes'] / mib:,.1f} MiB)", *fit,
             f"  async step       {a['async_step_s']:.3f} s (max(generate, train) + sync) against {a['sync_step_s']:.3f} s "
             f"synchronous: x{a['gain']:.2f}, {a['bound']}-bound"]

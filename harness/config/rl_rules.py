@@ -93,8 +93,9 @@ def _async_problems(rl: dict) -> list[Problem]:
                            f"{off}"))
     if rl.get("generator", "hf") != "hf":
         out.append(Problem("rl.generator", f"rl.async with generator {rl['generator']}: the asynchronous "
-                           "generator processes run HF generate on CPU copies of the policy; a vLLM server for "
-                           "them is not built yet", f"set rl.generator=hf, {off}"))
+                           "generator processes run HF generate on their own copies of the policy (on the "
+                           "trainer's GPU or on CPU: rl.async_generator_device); a vLLM server for them is not "
+                           "built yet", f"set rl.generator=hf, {off}"))
     return out
 
 

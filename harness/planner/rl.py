@@ -220,31 +220,44 @@ def _recommend(work: RolloutWork, gather: GatherPlan, model_bytes: int, kv: int,
 
 
 def fit_rollouts(layouts: list[dict], count: ParamCount, shape: ModelShape, work: RolloutWork, *, gpu_mem_bytes: int,
-                 lp: int, threshold: int, reserve: float, profile: dict) -> tuple[dict | None, dict | None]:
+                 lp: int, threshold: int, reserve: float, profile: dict,
+                 async_on_gpu: bool = False) -> tuple[dict | None, dict | None]:
     """--recipe auto for an RL run: the first layout (in the planner's order, fitting for training) whose free memory
-    beside training also holds the generation (KV cache and the gathered group); with its rollout plan."""
+    beside training also holds the generation (KV cache and the gathered group; under rl.async on the GPU, the
+    generator process's weights copy and KV cache); with its rollout plan."""
     for layout in layouts:
         if not layout.get("fits"):
             continue
         free = int(gpu_mem_bytes * (1 - reserve)) - int(layout["memory"]["gpu_bytes"])
         plan = rollout_plan(count, shape, work, stage=int(layout["zero_stage"]), world=int(layout["dp"]), lp=lp,
                             threshold=threshold, free_bytes=free, gpu_mem_bytes=gpu_mem_bytes, profile=profile)
-        if plan["hf"]["extra_bytes"] <= free:
+        # rl.async on the GPU: the rank's generator process holds a weights copy and the KV cache beside training
+        need = lp * count.total + plan["kv_cache_bytes"] if async_on_gpu else plan["hf"]["extra_bytes"]
+        if need <= free:
             return layout, plan
     return None, None
 
 
 def async_plan(*, model_bytes: int, kv_bytes: int, generate_s: float, train_s: float, sync_s: float,
-               max_staleness: int, generators: int = 1) -> dict:
+               max_staleness: int, generators: int = 1, device: str = "cpu", free_bytes: int | None = None) -> dict:
     """rl.async (harness/rl/async_rollouts.py): each rank's generator process(es) hold a whole copy of the policy's
-    weights and their own KV cache (host memory: the hf generator processes run on CPU), and the step overlaps
-    generation with training: max(generate, train) + the weight sync, against generate + train + sync in a
-    synchronous step (max_staleness 0 overlaps nothing)."""
+    weights and their own KV cache, on `device` (rl.async_generator_device resolved: "cuda", the trainer rank's own
+    GPU, counted per GPU and fitted into `free_bytes`, what the layout leaves free beside training; "cpu", host
+    memory), and the step overlaps generation with training: max(generate, train) + the weight sync, against
+    generate + train + sync in a synchronous step (max_staleness 0 overlaps nothing)."""
     per_process = model_bytes + kv_bytes
+    held = generators * per_process
+    gpu = device == "cuda"
     serial = generate_s + train_s + sync_s
     overlapped = (max(generate_s, train_s) if max_staleness > 0 else generate_s + train_s) + sync_s
-    return {"generators_per_rank": generators, "bytes_per_process": per_process, "weights_bytes": model_bytes,
-            "kv_cache_bytes": kv_bytes, "host_bytes_per_rank": generators * per_process,
+    return {"generators_per_rank": generators, "device": device, "bytes_per_process": per_process,
+            "weights_bytes": model_bytes, "kv_cache_bytes": kv_bytes,
+            "gpu_bytes_per_rank": held if gpu else 0, "host_bytes_per_rank": 0 if gpu else held,
+            "free_bytes": free_bytes, "fits": not gpu or free_bytes is None or held <= free_bytes,
             "sync_step_s": serial, "async_step_s": overlapped, "gain": serial / overlapped if overlapped else 1.0,
             "bound": "generate" if generate_s > train_s else "train"}
 
+
+def async_device(choice: str, trainer_device: str) -> str:
+    """rl.async_generator_device for a plan whose ranks train on `trainer_device` (cuda | cpu): auto follows it."""
+    return ("cuda" if trainer_device == "cuda" else "cpu") if choice == "auto" else choice

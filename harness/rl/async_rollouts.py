@@ -13,6 +13,10 @@ The schedule is fixed by the step numbers alone (the same on every rank, and fro
   dropped, counted (TRL's sample/dropped_stale_total) and asked for again on fresh weights.
 max_staleness 0 is the synchronous run: the weights of step k are sent before its rollouts are asked for.
 
+Where the process holds its copy (rl.async_generator_device, generator_device below): auto follows the trainer
+rank's engine, on its own CUDA device when it trains on CUDA (the weights and the KV cache there; CUDA is initialised
+in the forked child only, never in the forkserver, which imports torch without touching CUDA), else on CPU.
+
 A generator process that dies, answers with an error, or is silent past rl.async_timeout_s ends the run: the rank
 says so in the step's gather of rollouts (harness/train/grpo.py), and every rank raises GeneratorFailed with the
 same reason (exit 1). It is not restarted.
@@ -34,6 +38,31 @@ POLL_S = 0.2
 PRELOAD = ("torch", "transformers", "harness.rl.generation.worker", "harness.rl.generation.hf")
 
 
+def generator_device(choice: str, trainer_device) -> str:
+    """The device of a generator process's copy for rl.async_generator_device `choice` (auto | cpu | cuda) and the
+    trainer rank's engine device: cpu, or the trainer's own CUDA device ("cuda:i"; the GPU it shares with training,
+    which harness plan --async prices). cuda on a trainer not on CUDA is refused before launch
+    (async_device_problem); here it raises."""
+    from harness.planner.rl import async_device
+
+    device = torch.device(trainer_device)
+    if async_device(choice, device.type) == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise ValueError(f"rl.async_generator_device {choice}: the trainer rank runs on {device}, not CUDA")
+    return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+
+
+def async_device_problem(rl: dict, cuda: bool) -> str | None:
+    """Why rl.async_generator_device cuda cannot run on this machine (`cuda`: whether the ranks train on CUDA), or
+    None."""
+    if not rl.get("async") or rl.get("async_generator_device", "auto") != "cuda" or cuda:
+        return None
+    return ("rl.async_generator_device cuda: the generator processes would hold their copy of the policy on the "
+            "trainer rank's CUDA device, and the ranks here do not train on CUDA (no CUDA device, or DeepSpeed's "
+            "accelerator is not cuda)")
+
+
 def base_model(module):
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
@@ -53,6 +82,7 @@ class AsyncGeneration:
         self.failure: str | None = None
         self.dropped = 0
         self.last_sync = {"seconds": 0.0, "bytes": 0, "buckets": 0}
+        self.device = generator_device(rl.get("async_generator_device", "auto"), engine.device)
         self.proc, self.conn = self._start(tokenizer)
 
     def _start(self, tokenizer):
@@ -69,7 +99,7 @@ class AsyncGeneration:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker.serve, name=f"harness-generator-rank{self.rank}", daemon=True,
                            args=(child, type(base), base.config, next(base.parameters()).dtype, dict(self.rl),
-                                 eos_ids, pad, torch.get_num_threads()))
+                                 eos_ids, pad, torch.get_num_threads(), self.device))
         proc.start()
         child.close()
         return proc, parent
@@ -98,7 +128,8 @@ class AsyncGeneration:
         self.asked = max(self.asked, step)
 
     def take(self, step: int) -> dict:
-        """Step `step`'s rollouts on this rank: {completions, sampling_logps, version, seconds} or {error}."""
+        """Step `step`'s rollouts on this rank: {completions, sampling_logps, version, seconds, peak_bytes (the
+        process's peak CUDA memory so far; 0 on CPU)} or {error}."""
         if self.asked < step:  # its version would be too old: the current weights, out of turn
             self.sync(step)
             self.ask(step)
@@ -110,8 +141,9 @@ class AsyncGeneration:
             got = self._wait(step)
         if self.failure is not None:
             return {"error": self.failure}
-        version, completions, logps, seconds = got
-        return {"completions": completions, "sampling_logps": logps, "version": version, "seconds": seconds}
+        version, completions, logps, seconds, peak = got
+        return {"completions": completions, "sampling_logps": logps, "version": version, "seconds": seconds,
+                "peak_bytes": peak}
 
     # --- weights and messages ---
     @torch.no_grad()
@@ -144,7 +176,7 @@ class AsyncGeneration:
             self._fail(f"{ended(self.proc.exitcode)}; sending to it raised {type(e).__name__}: {e}")
 
     def _wait(self, step: int) -> tuple:
-        """(version, completions, logps, seconds) of step `step`, reading the answers in order."""
+        """(version, completions, logps, seconds, peak_bytes) of step `step`, reading the answers in order."""
         deadline = time.monotonic() + self.timeout_s
         while self.failure is None and step not in self.results:
             if self.conn.poll(POLL_S):
@@ -162,7 +194,7 @@ class AsyncGeneration:
                 self._fail(ended(self.proc.exitcode))
             elif time.monotonic() > deadline:
                 self._fail(f"no rollouts for step {step + 1} within rl.async_timeout_s = {self.timeout_s:g} s")
-        return self.results.pop(step, (step, [], [], 0.0))
+        return self.results.pop(step, (step, [], [], 0.0, 0))
 
     def _fail(self, why: str) -> None:
         self.failure = (f"rank {self.rank}: rl.async's generator process (pid {self.proc.pid}) failed: {why}\n"

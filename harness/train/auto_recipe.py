@@ -92,10 +92,13 @@ def rl_layout(settings: dict, hw: dict, profile: dict, result) -> tuple[dict | N
     ordered = [result.recommended] + [c for c in result.candidates if c is not result.recommended]
     layout, plan = rl.fit_rollouts(ordered, count_params(cfg), model_shape(cfg), work, lp=PRECISION_BYTES[
         settings["precision"]], gpu_mem_bytes=hw["gpu_mem_bytes"], threshold=PARAM_PERSISTENCE_THRESHOLD,
-        reserve=RESERVE_FRACTION, profile=profile)
+        reserve=RESERVE_FRACTION, profile=profile, async_on_gpu=rl_keys["async"] and rl.async_device(
+            rl_keys["async_generator_device"], hw["device"]) == "cuda")
     if layout is None:
-        result.missing.append("no layout leaves room for the generation (KV cache and one gathered layer group) "
-                              "beside training: fewer completions per rank or a shorter rl.max_completion_length")
+        result.missing.append("no layout leaves room for the generation (KV cache and one gathered layer group; "
+                              "under rl.async on the GPU, the generator's weights copy and KV cache) beside "
+                              "training: fewer completions per rank, a shorter rl.max_completion_length, or "
+                              "rl.async_generator_device=cpu")
         return None, ""
     gather = plan["gather"]
     layout = dict(layout)

@@ -6,7 +6,9 @@ the generator (every rl.weight_sync_steps steps).
 Metrics (TRL's AsyncGRPO / GRPOTrainer names): sample/staleness_mean (the step minus the rollouts' model_version),
 sample/dropped_stale_total (rollouts dropped for staleness so far, all ranks), sampling/importance_sampling_ratio/
 mean, min, max (over the step's loss tokens), time/generator_s (the generator processes' own seconds on the step's
-rollouts, the slowest rank's; time/generate_s is what the trainer waited for them).
+rollouts, the slowest rank's; time/generate_s is what the trainer waited for them); with the generators on CUDA
+(rl.async_generator_device), memory/generator_peak_bytes: the largest generator process's peak CUDA memory so far
+(its weights copy and KV cache, what harness plan --async prices per GPU).
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ def records(steps, step: int, index: list[int], prompt_ids: list, times: dict) -
         for r, logps in zip(local, out["sampling_logps"]):
             r.update(model_version=out["version"], sampling_logps=logps)
     parts = gather_all({"error": out.get("error"), "records": local, "seconds": out.get("seconds", 0.0),
-                        "dropped": steps.async_gen.dropped})
+                        "dropped": steps.async_gen.dropped, "peak": out.get("peak_bytes", 0)})
     raise_if_failed([p["error"] for p in parts], steps.dp_rank, steps.async_gen)
     every = [r for p in parts for r in p["records"]]
     steps.async_stats = {"sample/staleness_mean": sum(step - r["model_version"] for r in every) / len(every),
                          "sample/dropped_stale_total": float(sum(p["dropped"] for p in parts)),
                          "time/generator_s": max(p["seconds"] for p in parts)}
+    if any(p["peak"] for p in parts):
+        steps.async_stats["memory/generator_peak_bytes"] = float(max(p["peak"] for p in parts))
     return every
 
 

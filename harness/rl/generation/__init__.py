@@ -58,6 +58,8 @@ def generator_problems(recipe: dict) -> list:
 
     rl, objective = recipe.get("rl") or {}, recipe.get("train", {}).get("objective")
     distill = objective in ("gkd", "distill") and (recipe.get("distill") or {}).get("use_vllm")
+    if objective == "grpo" and rl.get("async"):
+        return _async_device_problems(rl)
     if not distill and (objective != "grpo" or rl.get("generator") != "vllm" or rl.get("replay")):
         return []
     from harness.rl.generation.vllm import unavailable
@@ -68,6 +70,19 @@ def generator_problems(recipe: dict) -> list:
                         "node with vllm installed, or set distill.use_vllm=false (HF generate on the live weights)")]
     return [Problem("rl.generator", why, "run on a GPU node with vllm installed, or set rl.generator=hf (HF generate "
                     "on the live weights, every stage)")] if why else []
+
+
+def _async_device_problems(rl: dict) -> list:
+    """rl.async_generator_device cuda where the ranks do not train on CUDA."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from harness.errors import Problem
+    from harness.rl.async_rollouts import async_device_problem
+
+    why = async_device_problem(rl, torch.cuda.is_available() and get_accelerator().device_name() == "cuda")
+    return [Problem("rl.async_generator_device", why, "run on a GPU node, or set rl.async_generator_device=auto "
+                    "(the trainer's device: CPU here) or cpu")] if why else []
 
 
 def make_generator(rl: dict, engine, tokenizer, run=None) -> Generator:

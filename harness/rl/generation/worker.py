@@ -1,5 +1,5 @@
-"""The asynchronous generator's own process (rl.async on CPU, `rl.generator=hf`): a copy of the policy that
-samples the rollouts of later steps while the trainer rank that started it trains the current one.
+"""The asynchronous generator's own process (rl.async, `rl.generator=hf`): a copy of the policy, on CPU or on the
+trainer rank's CUDA device (rl.async_generator_device; async_rollouts.generator_device decides), that samples the rollouts of later steps while the trainer rank that started it trains the current one.
 
 It is started by harness/rl/async_rollouts.py (one per trainer rank, forked by multiprocessing's forkserver: a
 clean process, not the trainer's) and reads messages
@@ -8,8 +8,10 @@ from its pipe in order:
                                                        makes `version` the one its next rollouts are tagged with
     ("generate", step, prompt_ids, seed, first_row)    rollouts of that step with the weights it holds now
     ("stop",)
-and answers each "generate" with ("rollouts", step, version, completions, sampling_logps, seconds), or anything
-that fails with ("error", text). Sampling is harness/rl/generation/hf.py's on the copy: row i draws from the stream
+and answers each "generate" with ("rollouts", step, version, completions, sampling_logps, seconds, peak_bytes), the
+last its peak CUDA memory so far (0 on CPU), or anything that fails with ("error", text). The weights arrive as CPU
+tensors (shared memory) and are copied into the copy's parameters on its device; CUDA is first touched here, in the
+forked child, never in the forkserver. Sampling is harness/rl/generation/hf.py's on the copy: row i draws from the stream
 (seed, first_row + i), so a rollout depends on its seed, its global row and the weights, not on the process.
 """
 
@@ -20,17 +22,19 @@ import traceback
 from types import SimpleNamespace
 
 
-def build(model_class, config, dtype):
-    """The policy's architecture with no weights read from disk (they come from the trainer's first sync)."""
+def build(model_class, config, dtype, device: str = "cpu"):
+    """The policy's architecture on `device` with no weights read from disk (they come from the trainer's first
+    sync)."""
     import torch
 
-    with torch.device("cpu"):
+    with torch.device(device):
         model = model_class._from_config(config, dtype=dtype)
     model.eval()
     return model
 
 
-def serve(conn, model_class, config, dtype, rl: dict, eos_ids: list[int], pad_id: int, threads: int) -> None:
+def serve(conn, model_class, config, dtype, rl: dict, eos_ids: list[int], pad_id: int, threads: int,
+          device: str = "cpu") -> None:
     """The process's main loop (the Process target)."""
     import torch
 
@@ -38,7 +42,10 @@ def serve(conn, model_class, config, dtype, rl: dict, eos_ids: list[int], pad_id
     try:
         from harness.rl.generation.hf import HFGenerator
 
-        model = build(model_class, config, dtype)
+        cuda = device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(torch.device(device))
+        model = build(model_class, config, dtype, device)
         params = dict(model.named_parameters())
         tokenizer = SimpleNamespace(eos_token_id=list(eos_ids), pad_token_id=pad_id)
         generator = HFGenerator(rl, SimpleNamespace(module=model), tokenizer, bound_bytes=None)
@@ -61,7 +68,8 @@ def serve(conn, model_class, config, dtype, rl: dict, eos_ids: list[int], pad_id
                 rows = list(range(first_row, first_row + len(prompt_ids)))
                 completions = generator.generate(prompt_ids, seed=seed, row_ids=rows)
                 logps = generator.last_logps if prompt_ids else []
-                conn.send(("rollouts", step, version, completions, logps, time.perf_counter() - began))
+                peak = torch.cuda.max_memory_allocated() if cuda else 0
+                conn.send(("rollouts", step, version, completions, logps, time.perf_counter() - began, peak))
     except (EOFError, KeyboardInterrupt):  # the trainer went away: nothing to answer
         return
     except BaseException:  # noqa: BLE001 - the trainer ends the run with this text
