@@ -183,22 +183,15 @@ def test_plan_distill_prices_vllm_as_grpo_does(capsys):
 
 
 @pytest.mark.multirank
-def test_teacher_engine_bytes_equal_the_live_engines(tmp_path, capsys):
+def test_teacher_engine_bytes_equal_the_live_engines(distill_runs, capsys):
     """A gkd run's teacher, built as its engine mode builds it (reference_engine.build_engine from the resolved
     run: a folder model, no optimizer, the student's ZeRO-3 keys) on 2 CPU ranks, holds per rank the bytes
     `harness plan --objective gkd --teacher FOLDER --zero 3` counts: its partitions plus the tensors under the
     student's persistence threshold whole; after a no_grad forward nothing stays gathered, and in the forwards after
     it (DeepSpeed's trace complete) no more than one decoder layer is gathered at once (its prefetch ran ahead of the
     forward and gathered half the teacher: engine_config turns it off in a frozen engine)."""
-    from helpers.launch import launch
-    from helpers.models import llama_folder
-
-    folder = llama_folder(tmp_path / "teacher", layers=4)  # twice the student's depth, its tokenizer
-    out = tmp_path / "bytes.json"
-    launch(str(out), "--recipe", "zero3", "--set", "train.model=tiny-llama", "--set", "train.objective=gkd",
-           "--set", f"distill.teacher_model_name_or_path={folder}", "--set", "distill.lmbda=0", "--set",
-           "precision=fp32", "--output-dir", str(tmp_path / "run"), script="tests/drivers/teacher_bytes.py",
-           timeout_s=300)
+    where = distill_runs.root / "bytes"  # a case of the distillation tests' shared launch (distill_launch.py)
+    folder = str(where / "teacher")
     capsys.readouterr()
     assert main(["plan", "--model", "tiny-llama", "--gpus", "2", "--gpu-mem", "8GB", "--objective", "gkd",
                  "--teacher", folder, "--teacher-mode", "engine", "--zero", "3", "--precision", "fp32",
@@ -206,7 +199,7 @@ def test_teacher_engine_bytes_equal_the_live_engines(tmp_path, capsys):
     planned = json.loads(capsys.readouterr().out)["evaluated"]["memory"]["teacher"]
     engine = planned["modes"]["engine"]
     for rank in (0, 1):
-        live = json.loads((tmp_path / f"bytes.json.rank{rank}").read_text())
+        live = json.loads((where / f"bytes.json.rank{rank}").read_text())
         held = live["held"]["partitioned"] + live["held"]["whole"]
         assert live["stage"] == 3 and live["params"] == planned["params"]
         # DeepSpeed pads each tensor's partition to a multiple of the world: at most 1 element per tensor more

@@ -1,4 +1,5 @@
-"""A distillation run's frozen teacher engine against the planner's teacher bytes:
+"""A distillation run's frozen teacher engine against the planner's teacher bytes: `measure(OUT, *HARNESS_RUN_ARGS)`,
+a case of the distillation tests' shared 2-rank launch (tests/helpers/distill_launch.py, tests/drivers/jobs.py), or
 deepspeed --num_gpus 2 tests/drivers/teacher_bytes.py OUT.json HARNESS_RUN_ARGS...
 
 Resolves the run as harness/run.py does (session.prepare: the recipe, its checks, the DeepSpeed dict) and builds the
@@ -18,22 +19,33 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
 from harness.dist import exit_now  # noqa: E402
 from harness.startup import quick_start  # noqa: E402
 
 
 def main(out: str, argv: list[str]) -> int:
+    from harness import dist as distmod
+
+    distmod.init(10)
+    try:
+        return measure(out, *argv)
+    finally:
+        distmod.teardown()
+
+
+def measure(out: str, *argv: str) -> int:
+    """In a process group already up: build the teacher, count, write OUT.rank{r}."""
     import torch
 
     from harness import dist as distmod
     from harness.train import run_args, session
     from harness.train.reference_engine import build_engine
-    from reference_bytes import held_bytes
+    from drivers.reference_bytes import held_bytes
 
-    spec = session.prepare(run_args.parse(argv), distmod.launched())
-    dist = distmod.init(10)
+    spec = session.prepare(run_args.parse(list(argv)), distmod.launched())
+    rank = torch.distributed.get_rank()
     engine, info = build_engine(spec)
     before = held_bytes(engine.module)
     with torch.no_grad():
@@ -56,9 +68,8 @@ def main(out: str, argv: list[str]) -> int:
     result = {"held": before, "after_forward": after, "peak_gathered": peak[0], "layer_bytes": layer,
               "params": info.num_params,
               "stage": zero["stage"], "threshold": zero.get("stage3_param_persistence_threshold")}
-    with open(f"{out}.rank{dist.rank}", "w") as f:
+    with open(f"{out}.rank{rank}", "w") as f:
         json.dump(result, f)
-    distmod.teardown()
     return 0
 
 

@@ -7,7 +7,9 @@ keeps its assertions and reads its share by case name:
   - tests/test_distill_topk_run.py (under ROOT/topk): precomputed and served top-k teachers (TOPK_CASES), and a
     served run whose server dies after its first answer (exit 69);
   - tests/test_teacher_store.py (under ROOT/store): the precomputed store written by a ZeRO-3 teacher engine on 2
-    ranks (tests/drivers/teacher_store.py's `write`, called in the same process group).
+    ranks (tests/drivers/teacher_store.py's `write`, called in the same process group);
+  - tests/test_planner_distill.py (under ROOT/bytes): a ZeRO-3 teacher engine's bytes per rank
+    (tests/drivers/teacher_bytes.py's `measure`, called the same way).
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ def prepare(root: Path) -> None:
     sharpen(llama_folder(topk / "teacher", seed=77, layers=2))
     write_records(topk / "data.jsonl")
     qwen2_folder(root / "store" / "qwen2")
+    llama_folder(root / "bytes" / "teacher", layers=4)  # twice tiny-llama's depth, its tokenizer
 
 
 def cases(root: Path, url: str, dies_url: str) -> dict[str, object]:
@@ -176,7 +179,17 @@ def cases(root: Path, url: str, dies_url: str) -> dict[str, object]:
     out["served_dies"] = {"argv": topk_argv(topk, "served_dies", dies_url, timeout_s=5, retries=1), "code": 69}
     out["store_zero3"] = {"call": "drivers.teacher_store:write",
                           "args": [str(store / "qwen2"), str(store / "ranked"), STORE_ROWS, STORE_K, STORE_T]}
+    out["teacher_bytes"] = {"call": "drivers.teacher_bytes:measure", "args": [str(root / "bytes" / "bytes.json"),
+                            *teacher_bytes_argv(root / "bytes")]}
     return out
+
+
+def teacher_bytes_argv(where: Path) -> list[str]:
+    """gkd on ZeRO-3 with the 4-layer teacher at WHERE/teacher (tests/test_planner_distill.py plans the same)."""
+    return ["--recipe", "zero3", *set_args({"train.model": "tiny-llama", "train.objective": "gkd",
+                                            "distill.teacher_model_name_or_path": where / "teacher",
+                                            "distill.lmbda": 0, "precision": "fp32"}),
+            "--output-dir", str(where / "run")]
 
 
 def launch_distill_runs(root: Path) -> DistillRuns:
