@@ -174,10 +174,8 @@ def build_engine(spec, startup):
     if note := eager_muon_on_cpu(spec.ds_config) or stochastic_round.eager_on_cpu(spec.recipe):
         notes.append(note)
     with startup.phase("engine_setup"), quiet_scheduler_construction():
-        params = adapters.param_groups(built.module, spec.recipe)
-        client = stochastic_round.client_optimizer(params, spec.recipe)  # None: DeepSpeed builds it from the config
-        engine, *_ = deepspeed.initialize(model=built.module, model_parameters=None if client else params,
-                                          optimizer=client, config=spec.ds_config, mpu=mpu)
+        chosen = stochastic_round.initialize_args(adapters.param_groups(built.module, spec.recipe), spec.recipe)
+        engine, *_ = deepspeed.initialize(model=built.module, config=spec.ds_config, mpu=mpu, **chosen)
     return engine, built.info, notes
 
 

@@ -16,17 +16,17 @@ def enabled(recipe: dict) -> bool:
     return recipe.get("optimizer", {}).get("stochastic_rounding") is True
 
 
-def client_optimizer(params, recipe: dict):
-    """torchao's _AdamW over `params` (adapters.param_groups: tensors, or LoRA+'s groups with their lr), with the
-    recipe's AdamW hyper-parameters, or None when the recipe leaves stochastic rounding off (DeepSpeed builds the
-    optimizer from its config)."""
+def initialize_args(params, recipe: dict) -> dict:
+    """deepspeed.initialize's optimizer arguments for `params` (adapters.param_groups: tensors, or LoRA+'s groups
+    with their lr): {"optimizer": torchao's _AdamW with the recipe's AdamW hyper-parameters} under stochastic
+    rounding, else {"model_parameters": params} (DeepSpeed builds the optimizer from its config)."""
     if not enabled(recipe):
-        return None
+        return {"model_parameters": params}
     from torchao.optim import _AdamW
 
     opt = recipe["optimizer"]
-    return _AdamW(params, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"],
-                  weight_decay=opt["weight_decay"], bf16_stochastic_round=True)
+    return {"optimizer": _AdamW(params, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"],
+                                weight_decay=opt["weight_decay"], bf16_stochastic_round=True)}
 
 
 def eager_on_cpu(recipe: dict) -> str | None:
