@@ -262,3 +262,17 @@ def test_auto_recipe_reads_the_optimizer_widths_from_the_recipe():
 def test_plan_refuses_int8_states_with_the_measured_reason(capsys):
     with pytest.raises(UsageError, match="silently stay fp32 under ZeRO.*use --master-dtype bf16 --state-dtype bf16"):
         run_plan(ARGS_7B + ["--state-dtype", "int8"], capsys)
+
+
+def test_stochastic_rounding_without_torchao_is_refused_before_any_rank_trains(monkeypatch):
+    import importlib.util
+
+    from harness.train import stochastic_round
+
+    recipe = {"optimizer": {"stochastic_rounding": True}}
+    assert stochastic_round.problems(recipe) == []  # installed here (setup.cfg lowbit)
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else found(name, *a))
+    [problem] = stochastic_round.problems(recipe)
+    assert problem.path == "optimizer.stochastic_rounding" and "pip install -e '.[lowbit]'" in problem.fix
+    assert stochastic_round.problems({"optimizer": {"stochastic_rounding": False}}) == []

@@ -11,9 +11,22 @@ master and states and no offload before this runs.
 
 from __future__ import annotations
 
+import importlib.util
+
+from harness.errors import Problem
+
 
 def enabled(recipe: dict) -> bool:
     return recipe.get("optimizer", {}).get("stochastic_rounding") is True
+
+
+def problems(recipe: dict) -> list[Problem]:
+    """Before any rank trains: torchao is an extra (setup.cfg lowbit)."""
+    if enabled(recipe) and importlib.util.find_spec("torchao") is None:
+        return [Problem("optimizer.stochastic_rounding", "stochastic rounding is torchao's _AdamW, and torchao is "
+                        "not installed", "pip install -e '.[lowbit]' (torchao 0.18), or "
+                        "optimizer.stochastic_rounding false")]
+    return []
 
 
 def initialize_args(params, recipe: dict) -> dict:
