@@ -55,6 +55,7 @@ def test_plan_states_the_measured_cost_of_the_bf16_rung(capsys):
     code, out = run_plan(ARGS_7B + ["--seq-len", "9216", "--json"], capsys)
     rung = next(r for r in json.loads(out)["candidates"] if r["label"] == "zero2 bf16-states")
     assert rung["fits"] and "+17 % loss after 200 steps" in rung["states_cost"], rung
+    assert "optimizer.stochastic_rounding (recipe zero2_bf16_sr" in rung["states_cost"]  # the way to keep the loss
 
 
 def test_plan_70b_fits_with_bf16_states_and_not_without(capsys):
