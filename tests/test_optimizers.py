@@ -138,28 +138,30 @@ SR_RELAYOUT_RTOL = 2e-4
 
 def runs_args(name: str) -> list[str]:
     return {"bf16_states": ["--recipe", "zero2_bf16_states"], "muon": ["--recipe", "zero2_muon"],
-            "muon_z3": ["--recipe", "zero2_muon", "--set", "zero.stage=3"], "sr": ["--recipe", "zero2_bf16_sr"]}[name]
+            "muon_z3": ["--recipe", "zero2_muon", "--set", "zero.stage=3"], "sr": ["--recipe", "zero2_bf16_sr"],
+            "sr_z3": ["--recipe", "zero2_bf16_sr", "--set", "zero.stage=3"]}[name]
 
 
 @pytest.fixture(scope="module")
 def harness_runs(tmp_path_factory):
     """The shipped recipes through harness/run.py on 2 ranks in ONE launch: zero2_bf16_states and zero2_muon (and
-    Muon on ZeRO-3, zero2_bf16_sr) straight and resumed from step 3, a layout change (the Muon ZeRO-2 checkpoint
-    resumed on ZeRO-3), and the bf16-states runs (round to nearest, stochastic) beside the fp32-state one for
+    Muon on ZeRO-3, zero2_bf16_sr on ZeRO-2 and 3) straight and resumed from step 3, layout changes (the Muon, bf16
+    states and stochastic-rounding ZeRO-2 checkpoints resumed on ZeRO-3), and the bf16-states runs (round to nearest, stochastic) beside the fp32-state one for
     BAND_STEPS."""
     from helpers.launch import launch_jobs
     from helpers.parity import COMMON, common_args
 
     root = tmp_path_factory.mktemp("optim_runs")
     z3 = ["--set", "zero.stage=3"]
-    runs = {name: runs_args(name) for name in ("bf16_states", "muon", "muon_z3", "sr")}
+    runs = {name: runs_args(name) for name in ("bf16_states", "muon", "muon_z3", "sr", "sr_z3")}
     cases = []
     for name, argv in runs.items():
         cases.append([*argv, "--output-dir", str(root / name), *COMMON])
         cases.append([*argv, "--output-dir", str(root / f"{name}_resumed"), *COMMON,
                       "--resume", str(root / name / "checkpoints" / "global_step3")])
-    cases.append([*runs["bf16_states"], *z3, "--output-dir", str(root / "bf16_relayout"), *COMMON,
-                  "--resume", str(root / "bf16_states" / "checkpoints" / "global_step3")])
+    for name in ("bf16_states", "sr"):  # ZeRO-2 -> ZeRO-3 through the universal checkpoint
+        cases.append([*runs[name], *z3, "--output-dir", str(root / f"{name}_relayout_z3"), *COMMON,
+                      "--resume", str(root / name / "checkpoints" / "global_step3")])
     band = common_args(BAND_STEPS, 64, 4, save_every=BAND_STEPS)
     for name, recipe in (("band_fp32", "zero2"), ("band_bf16", "zero2_bf16_states"), ("band_sr", "zero2_bf16_sr")):
         cases.append(["--recipe", recipe, "--output-dir", str(root / name), *band])
@@ -173,7 +175,7 @@ def test_recipes_train_resume_exactly_and_refuse_a_layout_change(harness_runs):
     from helpers.parity import COMMON, assert_planner_matches_engine
 
     root, proc = harness_runs
-    for name in ("bf16_states", "muon", "muon_z3", "sr"):  # sr: its random bits from the checkpoint's saved RNG
+    for name in ("bf16_states", "muon", "muon_z3", "sr", "sr_z3"):  # sr: random bits from the checkpoint's saved RNG
         straight, resumed = losses(root / name), losses(root / f"{name}_resumed")
         assert sorted(resumed) == [4, 5, 6]
         for step in (4, 5, 6):
@@ -193,7 +195,7 @@ def test_recipes_train_resume_exactly_and_refuse_a_layout_change(harness_runs):
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     assert "DeepSpeed 0.19.8's universal checkpoint does not carry Muon's momentum_buffer" in refused.stderr
     assert not (root / "muon_relayout" / "metrics.jsonl").exists()
-    straight, moved = losses(root / "bf16_states"), losses(root / "bf16_relayout")  # bf16 moments: carried
+    straight, moved = losses(root / "bf16_states"), losses(root / "bf16_states_relayout_z3")  # bf16 moments: carried
     worst = max(abs(moved[s] - straight[s]) / straight[s] for s in (4, 5, 6))
     print(f"bf16 states ZeRO-2 -> ZeRO-3 through the universal checkpoint: worst relative loss difference {worst:.1e}")
     assert worst < RELAYOUT_RTOL
@@ -219,9 +221,10 @@ def test_bf16_states_stay_in_a_band_of_the_fp32_state_run(harness_runs):
 
 
 @pytest.mark.multirank
-def test_stochastic_rounding_is_torchaos_and_carries_its_state_to_one_rank(harness_runs):
-    """zero2_bf16_sr: the planner's bytes equal the live engine's (bf16 master and moments, no fp32 copy), and its
-    2-rank ZeRO-2 checkpoint resumed on 1 rank through the universal checkpoint carries the moments and the step."""
+def test_stochastic_rounding_keeps_bf16_bytes_and_carries_its_state_through_a_layout_change(harness_runs):
+    """zero2_bf16_sr: bf16 master and moments, no fp32 copy (the planner's bytes equal the live engine's in
+    test_recipes_train_resume_exactly...), and its 2-rank ZeRO-2 checkpoint resumed on 1 rank, and on ZeRO-3, through
+    the universal checkpoint carries the moments and the step."""
     from helpers.launch import launch_jobs, losses
     from helpers.parity import COMMON
 
@@ -236,12 +239,13 @@ def test_stochastic_rounding_is_torchaos_and_carries_its_state_to_one_rank(harne
     launch_jobs([[*runs_args("sr"), "--output-dir", str(moved), *COMMON,
                   "--resume", str(root / "sr" / "checkpoints" / "global_step3")]], folder, ranks=1,
                 launcher=False, timeout_s=300)
-    straight, resumed = losses(root / "sr"), losses(moved)
-    assert resumed[4] == pytest.approx(straight[4], rel=1e-6)  # the weights: exact
-    worst = max(abs(resumed[s] - straight[s]) / straight[s] for s in (5, 6))
-    print(f"stochastic rounding 2 ranks -> 1 through the universal checkpoint: worst relative loss difference "
-          f"{worst:.1e}")
-    assert worst < SR_RELAYOUT_RTOL
+    straight = losses(root / "sr")
+    for label, resumed in (("2 ranks -> 1", losses(moved)), ("ZeRO-2 -> ZeRO-3", losses(root / "sr_relayout_z3"))):
+        assert resumed[4] == pytest.approx(straight[4], rel=1e-6)  # the weights: exact
+        worst = max(abs(resumed[s] - straight[s]) / straight[s] for s in (5, 6))
+        print(f"stochastic rounding {label} through the universal checkpoint: worst relative loss difference "
+              f"{worst:.1e}")
+        assert worst < SR_RELAYOUT_RTOL, label
 
 
 def test_auto_recipe_reads_the_optimizer_widths_from_the_recipe():

@@ -122,8 +122,8 @@ SR = "optimizer.stochastic_rounding"
 
 def check_stochastic_rounding(ds: dict, ctx: Context) -> list[Problem]:
     """torchao 0.18's _AdamW(bf16_stochastic_round=True) rounds stochastically only where the parameter it steps is
-    bf16 (its states take the parameter's dtype): under DeepSpeed that is ZeRO's bf16 master partition. Paths the
-    harness has not run with a client optimizer are refused, not guessed."""
+    bf16 (its states take the parameter's dtype): under DeepSpeed that is ZeRO's bf16 master partition (ZeRO-1, 2 and
+    3, tested). Paths the harness has not run with a client optimizer are refused, not guessed."""
     if ctx.recipe.get("optimizer", {}).get("stochastic_rounding") is not True:
         return []
     master, states = _flags(ds)
@@ -138,13 +138,16 @@ def check_stochastic_rounding(ds: dict, ctx: Context) -> list[Problem]:
                            "a bf16 parameter, and under ZeRO the parameter it steps is the master partition (fp32 "
                            "master weights would round nothing)", "set optimizer.master_dtype=bf16 and "
                            "optimizer.state_dtype=bf16 (recipe zero2_bf16_sr)"))
-    if offload != "none":
-        out.append(Problem(SR, f"stochastic rounding with offload_optimizer {offload!r}: DeepSpeed's bf16 master "
-                           "weights under offload demand DeepSpeedCPUAdam, not a client optimizer",
-                           "drop zero.offload_optimizer, or optimizer.stochastic_rounding false"))
-    if stage == 3 or ds.get("pipeline"):
-        where = "ZeRO-3" if stage == 3 else "pipeline parallelism"
-        out.append(Problem(SR, f"stochastic rounding with {where}: the harness runs, prices and resumes torchao's "
-                           "client optimizer on ZeRO-1 and 2 only (ZeRO-3 and pipeline engines build their own "
-                           "optimizer wrappers, untried with it)", "use zero.stage 1 or 2 without parallel.pipeline"))
+    zo = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    param_off = zo["offload_param"].get("device", "none") if isinstance(zo.get("offload_param"), dict) else "none"
+    if offload != "none" or param_off != "none":
+        out.append(Problem(SR, f"stochastic rounding with offload (optimizer {offload!r}, parameters {param_off!r}): "
+                           "DeepSpeed's bf16 master weights under optimizer offload demand DeepSpeedCPUAdam, not a "
+                           "client optimizer, and the harness has not run torchao's with parameter offload",
+                           "drop zero.offload_optimizer and zero.offload_param, or "
+                           "optimizer.stochastic_rounding false"))
+    if ds.get("pipeline"):
+        out.append(Problem(SR, "stochastic rounding with pipeline parallelism: the harness has run torchao's client "
+                           "optimizer on ZeRO-1, 2 and 3 engines, not on DeepSpeed's PipelineEngine",
+                           "drop parallel.pipeline (ZeRO-1, 2 and 3 take it), or optimizer.stochastic_rounding false"))
     return out

@@ -1,12 +1,12 @@
 """optimizer.stochastic_rounding: torchao 0.18's `_AdamW(bf16_stochastic_round=True)` as DeepSpeed's client
-optimizer (docs/optimizers.md). ZeRO-1/2 hands it the rank's flat bf16 master partition; it keeps exp_avg and
+optimizer (docs/optimizers.md). ZeRO-1/2/3 hands it the rank's flat bf16 master partition; it keeps exp_avg and
 exp_avg_sq in that dtype (the bytes of bf16 master + states, no fp32 copy anywhere: the planner prices it as
 optimizer.master_dtype / state_dtype bf16), computes each update in fp32 and rounds it into the bf16 partition
 stochastically: up with the probability of the dropped 16 bits, from torch.randint on the partition's device, so
 from torch's CPU generator (CUDA's on a GPU), which the harness saves per rank in every checkpoint (an exact resume).
 DeepSpeed's scheduler writes the lr into torchao's tensor lr (lr_schedules.update_lr fills it in place).
-The rules (config/optimizer_rules.check_stochastic_rounding) have refused everything but AdamW on ZeRO-1/2 with bf16
-master and states and no offload before this runs.
+The rules (config/optimizer_rules.check_stochastic_rounding) have refused everything but AdamW on ZeRO-1/2/3 with
+bf16 master and states, no offload and no pipeline, before this runs.
 """
 
 from __future__ import annotations
