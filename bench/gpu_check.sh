@@ -42,7 +42,8 @@
 # seq_kd: the teacher engine generates the other rows) and with a colocated vLLM (distill.use_vllm; skipped without
 # vllm): generate time, completions recorded in rollouts.jsonl; OUT_DIR/distill.
 # ray_gpu: `harness ray` on a one-node Ray cluster holding 1-2 GPUs (needs ray); OUT_DIR/ray_gpu.
-# optimizers: zero2 (AdamW fp32 states), zero2_bf16_states, zero2_muon (Muon's update torch.compile'd on CUDA) on
+# optimizers: zero2 (AdamW fp32 states), zero2_bf16_states, zero2_bf16_sr (torchao's stochastic-rounding step,
+# torch.compile'd on CUDA), zero2_muon (Muon's update torch.compile'd on CUDA) on
 # every GPU, 30 steps each: loss, step time, peak memory and model states per rank beside the planner's;
 # OUT_DIR/optimizers (docs/optimizers.md).
 # fp8: train.fp8 (torchao float8 matmuls; needs compute capability 8.9+ and torchao) against bf16 matmuls on the ~1B
@@ -490,8 +491,9 @@ train = [r for r in map(json.loads, open(sys.argv[1])) if r["kind"] == "train"]
 print(f"[ray_gpu] {len(train)} steps on the GPUs Ray gave, loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}")
 EOF
             ;;
-        optimizers)  # fewer bytes per parameter on CUDA: AdamW fp32 states, bf16 master + states, Muon (ZeRO-2)
-            for recipe in zero2 zero2_bf16_states zero2_muon; do
+        optimizers)  # fewer bytes per parameter on CUDA: AdamW fp32 states, bf16 master + states (round to nearest,
+            # stochastic: torchao's compiled step), Muon (ZeRO-2)
+            for recipe in zero2 zero2_bf16_states zero2_bf16_sr zero2_muon; do
                 timeout 150 $PY -m deepspeed.launcher.runner --num_gpus "$gpus" "$ROOT/harness/run.py" --recipe $recipe \
                     --set train.steps=30 --set train.seq_len=512 --set train.log_every=10 --set train.eval_every=0 \
                     --set train.save_every=31 --profile-steps 30-30 --output-dir "$OUT/optimizers/$recipe" --overwrite \

@@ -23,8 +23,9 @@ def resolved(name: str, world: int, overrides=()) -> dict:
     return strip_annotations(check_recipe(recipe, context(recipe, world), source).ds_config)
 
 
-def test_seventeen_recipes_ship():
-    assert len(recipe_names()) == 17  # twelve dense + long_context, moe_zero3, moe_ep, zero2_muon, zero2_bf16_states
+def test_eighteen_recipes_ship():
+    assert len(recipe_names()) == 18  # twelve dense + long_context, moe_zero3, moe_ep, zero2_muon, zero2_bf16_states,
+    # zero2_bf16_sr
 
 
 @pytest.mark.parametrize("name", recipe_names())

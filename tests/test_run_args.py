@@ -14,7 +14,7 @@ from harness.config.recipes import load_recipe
 REPO = Path(__file__).resolve().parents[1]
 RUN_PY = REPO / "harness" / "run.py"
 RECIPES = ("3d, ddp, long_context, lora_zero2, lora_zero3, moe_ep, moe_zero3, pipeline, tp, zero1, zero2, "
-           "zero2_bf16_states, zero2_muon, zero2_offload, zero3, zero3_nvme, zero3_offload")
+           "zero2_bf16_sr, zero2_bf16_states, zero2_muon, zero2_offload, zero3, zero3_nvme, zero3_offload")
 
 
 def test_flags_are_pinned():

@@ -10,7 +10,8 @@ from harness.config.recipes import ROOT_ENV, recipe_names
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ["3d", "ddp", "long_context", "lora_zero2", "lora_zero3", "moe_ep", "moe_zero3", "pipeline", "tp", "zero1",
-           "zero2", "zero2_bf16_states", "zero2_muon", "zero2_offload", "zero3", "zero3_nvme", "zero3_offload"]
+           "zero2", "zero2_bf16_sr", "zero2_bf16_states", "zero2_muon", "zero2_offload", "zero3", "zero3_nvme",
+           "zero3_offload"]
 
 # What an Axolotl / LLaMA-Factory ZeRO-3 preset looks like: everything the HF Trainer would fill is "auto".
 HF_STYLE_ZERO3 = {

@@ -40,6 +40,7 @@ RECIPE_SOURCE = {
     "zero_optimization.offload_param.nvme_path": "zero.nvme_path",
     "bf16.bf16_master_weights_and_grads": "optimizer.master_dtype",
     "bf16.bf16_optimizer_states": "optimizer.state_dtype",
+    "zero_allow_untested_optimizer": "optimizer.stochastic_rounding",
     "zero_optimization.reduce_scatter": "optimizer.type",
     "pipeline.stages": "parallel.pipeline",
     "sequence_parallel_size": "parallel.sequence",
@@ -147,8 +148,8 @@ def build(recipe: dict) -> dict:
         "gradient_clipping": recipe["gradient_clipping"],
         "optimizer": _optimizer(recipe),
     }
-    if recipe["optimizer"]["type"] == "sgd":  # outside ZeRO's tested list (docs/deepspeed-facts.md)
-        ds["zero_allow_untested_optimizer"] = True
+    if recipe["optimizer"]["type"] == "sgd" or recipe["optimizer"]["stochastic_rounding"]:
+        ds["zero_allow_untested_optimizer"] = True  # outside ZeRO's tested list; torchao's _AdamW is a client optimizer
     scheduler = _scheduler(recipe)
     if scheduler:
         ds["scheduler"] = scheduler

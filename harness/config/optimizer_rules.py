@@ -1,8 +1,9 @@
-"""Rules for fewer bytes per parameter: Muon, and bf16 master weights / optimizer states (optimizer.type muon,
+"""Rules for fewer bytes per parameter: Muon, bf16 master weights / optimizer states (optimizer.type muon,
 optimizer.master_dtype, optimizer.state_dtype; DeepSpeed's optimizer.type Muon, bf16.bf16_master_weights_and_grads,
-bf16.bf16_optimizer_states). Each refusal is what DeepSpeed 0.19.8 asserts later (runtime/config.py
-_do_error_check, base_optimizer._configure_master_weights, zero/stage3.py), or a path the harness neither tests nor
-prices. Pure: reads the DeepSpeed dict (and the recipe for LoRA+) only.
+bf16.bf16_optimizer_states) and stochastic rounding of the bf16 master copy (optimizer.stochastic_rounding: torchao's
+_AdamW as DeepSpeed's client optimizer, harness/train/stochastic_round.py). Each refusal is what DeepSpeed 0.19.8
+asserts later (runtime/config.py _do_error_check, base_optimizer._configure_master_weights, zero/stage3.py), or a path
+the harness neither tests nor prices. Pure: reads the DeepSpeed dict (and the recipe for LoRA+) only.
 """
 
 from __future__ import annotations
@@ -113,4 +114,40 @@ def check_muon(ds: dict, ctx: Context) -> list[Problem]:
         out.append(Problem("adapter.lr_B_ratio", "LoRA+ with Muon: DeepSpeed regroups the parameters into a Muon "
                            "and an AdamW half, so the B matrices' own lr group does not survive",
                            "drop adapter.lr_B_ratio, or use optimizer adamw"))
+    return out
+
+
+SR = "optimizer.stochastic_rounding"
+
+
+def check_stochastic_rounding(ds: dict, ctx: Context) -> list[Problem]:
+    """torchao 0.18's _AdamW(bf16_stochastic_round=True) rounds stochastically only where the parameter it steps is
+    bf16 (its states take the parameter's dtype): under DeepSpeed that is ZeRO's bf16 master partition (ZeRO-1, 2 and
+    3, tested). Paths the harness has not run with a client optimizer are refused, not guessed."""
+    if ctx.recipe.get("optimizer", {}).get("stochastic_rounding") is not True:
+        return []
+    master, states = _flags(ds)
+    stage, offload = _zero(ds)
+    name, out = _optimizer(ds), []
+    if name != "adamw":
+        out.append(Problem(SR, f"stochastic rounding with optimizer {name!r}: it is torchao's _AdamW "
+                           "(bf16_stochastic_round=True) stepping in DeepSpeed's place, an AdamW only",
+                           "use optimizer.type adamw, or optimizer.stochastic_rounding false"))
+    if not (master and states):
+        out.append(Problem(SR, "stochastic rounding without bf16 master weights and states: torchao rounds only into "
+                           "a bf16 parameter, and under ZeRO the parameter it steps is the master partition (fp32 "
+                           "master weights would round nothing)", "set optimizer.master_dtype=bf16 and "
+                           "optimizer.state_dtype=bf16 (recipe zero2_bf16_sr)"))
+    zo = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    param_off = zo["offload_param"].get("device", "none") if isinstance(zo.get("offload_param"), dict) else "none"
+    if offload != "none" or param_off != "none":
+        out.append(Problem(SR, f"stochastic rounding with offload (optimizer {offload!r}, parameters {param_off!r}): "
+                           "DeepSpeed's bf16 master weights under optimizer offload demand DeepSpeedCPUAdam, not a "
+                           "client optimizer, and the harness has not run torchao's with parameter offload",
+                           "drop zero.offload_optimizer and zero.offload_param, or "
+                           "optimizer.stochastic_rounding false"))
+    if ds.get("pipeline"):
+        out.append(Problem(SR, "stochastic rounding with pipeline parallelism: the harness has run torchao's client "
+                           "optimizer on ZeRO-1, 2 and 3 engines, not on DeepSpeed's PipelineEngine",
+                           "drop parallel.pipeline (ZeRO-1, 2 and 3 take it), or optimizer.stochastic_rounding false"))
     return out

@@ -20,7 +20,8 @@ from harness.config.preference_rules import check_preference
 from harness.config.stream_rules import check_streaming
 from harness.config.mixture_rules import check_mixture
 from harness.config.rl_rules import check_rl
-from harness.config.optimizer_rules import check_int8_states, check_low_precision_states, check_muon
+from harness.config.optimizer_rules import (check_int8_states, check_low_precision_states, check_muon,
+                                            check_stochastic_rounding)
 
 # DeepSpeed 0.19.8 runtime/config.py DEEPSPEED_OPTIMIZERS (matched lower-cased) ...
 DS_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
@@ -214,7 +215,7 @@ def check_comms_logger(ds: dict, ctx: Context) -> list[Problem]:
 
 RULES = (check_precision, check_offload, check_parallel, check_batch, check_optimizer, check_scheduler,
          check_comms_logger, check_adapter, check_preference, check_streaming, check_mixture, check_rl,
-         check_distill, check_low_precision_states, check_muon, check_int8_states)
+         check_distill, check_low_precision_states, check_muon, check_int8_states, check_stochastic_rounding)
 
 
 def check(ds: dict, ctx: Context) -> list[Problem]:

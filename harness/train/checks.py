@@ -25,7 +25,7 @@ from harness.errors import Problem, UsageError, raise_if_errors
 from harness.model import fp8
 from harness.model.moe import rules as moe_rules
 from harness.rl.generation import generator_problems
-from harness.train import faults, vision_checks
+from harness.train import faults, stochastic_round, vision_checks
 from harness.train.teacher_checks import teacher_problems
 
 
@@ -50,7 +50,7 @@ def before_init(spec, ds_json: str | None = None) -> None:
     problems += faults.recipe_problems(spec.recipe) + mixture_problems(spec.recipe) + generator_problems(spec.recipe)  # rl.generator=vllm
     problems += tool_problems(spec.recipe) + fp8.problems(spec)  # rl.tools' files and chat template; train.fp8 (CUDA)
     problems += vision_checks.problems(spec, cfg)  # vision-language: layouts, processor, images; images on text models
-    problems += moe_rules.problems(spec.recipe, spec.world_size, cfg)  # MoE: ep, tp, pipeline, aux loss
+    problems += moe_rules.problems(spec.recipe, spec.world_size, cfg) + stochastic_round.problems(spec.recipe)
     if ds_json is None:  # name the recipe key the user wrote
         problems = with_recipe_paths(problems, spec.recipe.get("deepspeed", {}))
     warnings = raise_if_errors(problems, f"{ds_json or spec.recipe_name} on this machine")

@@ -28,7 +28,7 @@ from harness.model import adapters, fp8
 from harness.model.lora_attach import attach
 from harness.model.moe.wiring import prepare_model as prepare_moe
 from harness.trackers import start as start_trackers, summary_metrics
-from harness.train import checks, faults, preempt, restarts, schedule, vision_steps
+from harness.train import checks, faults, preempt, restarts, schedule, stochastic_round, vision_steps
 from harness.train.metrics import MetricsLog, read_metrics
 from harness.train.trainer import Boundaries, Data, Trainer
 
@@ -171,12 +171,11 @@ def build_engine(spec, startup):
             notes.append(note)
         if note := fp8.convert(built.module, spec.recipe):  # after LoRA (refused with it), before the engine
             notes.append(note)
-    if note := eager_muon_on_cpu(spec.ds_config):
+    if note := eager_muon_on_cpu(spec.ds_config) or stochastic_round.eager_on_cpu(spec.recipe):
         notes.append(note)
     with startup.phase("engine_setup"), quiet_scheduler_construction():
-        engine, *_ = deepspeed.initialize(model=built.module, model_parameters=adapters.param_groups(built.module,
-                                                                                                   spec.recipe),
-                                          config=spec.ds_config, mpu=mpu)
+        chosen = stochastic_round.initialize_args(adapters.param_groups(built.module, spec.recipe), spec.recipe)
+        engine, *_ = deepspeed.initialize(model=built.module, config=spec.ds_config, mpu=mpu, **chosen)
     return engine, built.info, notes
 
 

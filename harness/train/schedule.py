@@ -21,7 +21,17 @@ from __future__ import annotations
 
 
 def group_lrs(engine) -> list[float]:
-    return [group["lr"] for group in engine.optimizer.param_groups]
+    """The param groups' lrs as floats (torchao's _AdamW keeps each as a 0-d tensor: optimizer.stochastic_rounding)."""
+    return [float(group["lr"]) for group in engine.optimizer.param_groups]
+
+
+def set_lr(group: dict, lr: float) -> None:
+    """Write a param group's lr as DeepSpeed's lr_schedules.update_lr does: in place where it is a tensor (torchao's
+    _AdamW refuses a step whose lr was replaced by a float)."""
+    if hasattr(group["lr"], "fill_"):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
 
 
 def align(engine, step0: int, launched_lrs: list[float] | None = None) -> list[float]:
@@ -33,7 +43,7 @@ def align(engine, step0: int, launched_lrs: list[float] | None = None) -> list[f
         scheduler.step(step0 + 1)  # every DeepSpeed scheduler's step takes the iteration as its first argument
     elif launched_lrs is not None:
         for group, lr in zip(engine.optimizer.param_groups, launched_lrs):
-            group["lr"] = lr
+            set_lr(group, lr)
     return group_lrs(engine)
 
 

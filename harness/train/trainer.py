@@ -212,7 +212,8 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         start = time.perf_counter()
-        lr = self.engine.get_lr()[0] if self.engine.lr_scheduler is not None else self.engine.optimizer.param_groups[0]["lr"]
+        lr = float(self.engine.get_lr()[0] if self.engine.lr_scheduler is not None
+                   else self.engine.optimizer.param_groups[0]["lr"])  # a 0-d tensor under torchao's _AdamW
         batch = self.data_steps.batch(step)
         if self.guard is not None:
             self.guard.begin(batch)
