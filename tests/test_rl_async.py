@@ -204,7 +204,7 @@ def _validate(tmp_path, rl: dict, capsys) -> str:
     ({"replay": "runs/x/rollouts.jsonl"}, "rl.async: rl.async with rl.replay 'runs/x/rollouts.jsonl'"),
     ({"num_iterations": 2}, "rl.num_iterations: rl.async with num_iterations 2"),
     ({"tools": ["tools.py:add"]}, "rl.async: rl.async with tools or an environment_factory"),
-    ({"generator": "vllm"}, "rl.generator: rl.async with generator vllm"),
+    ({"generator": "vllm"}, "rl.vllm_mode: rl.async with generator vllm and vllm_mode colocate"),
 ])
 def test_what_async_does_not_combine_with_is_refused_before_launch(tmp_path, capsys, rl, message):
     err = _validate(tmp_path, rl, capsys)

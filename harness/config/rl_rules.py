@@ -70,7 +70,24 @@ def check_rl(ds: dict, ctx: Context) -> list[Problem]:
         out.append(Problem("rl.rewards", "no reward: rl.rewards is empty and the prompts are not the built-in toy task "
                            "(whose reward is the default)", "add entries, e.g. rl.rewards=[\"my_rewards.py:accuracy\"] "
                            "(TRL's reward signature), or set rl.replay to a rollouts file"))
-    return out + _reference_problems(recipe, rl) + _async_problems(rl) + _layout_problems(ds, recipe)
+    return (out + _reference_problems(recipe, rl) + _async_problems(rl) + _server_problems(rl)
+            + _layout_problems(ds, recipe))
+
+
+def _server_problems(rl: dict) -> list[Problem]:
+    """rl.vllm_mode server outside what it serves: rl.async with rl.generator=vllm."""
+    if rl.get("vllm_mode", "colocate") != "server":
+        return []
+    if rl.get("generator", "hf") != "vllm":
+        return [Problem("rl.vllm_mode", f"vllm_mode server with generator {rl.get('generator', 'hf')}: the mode "
+                        "says where vLLM runs, and this run does not generate with vLLM", "set rl.generator=vllm "
+                        "(with rl.async=true), or drop rl.vllm_mode")]
+    if not rl.get("async"):
+        return [Problem("rl.vllm_mode", "vllm_mode server without rl.async: the synchronous vLLM path is colocated "
+                        "(a vLLM on every rank); the server is asked by rl.async's schedule only",
+                        "set rl.async=true (rl.max_staleness 0 is the synchronous schedule), or "
+                        "rl.vllm_mode=colocate")]
+    return []
 
 
 def _async_problems(rl: dict) -> list[Problem]:
@@ -91,11 +108,12 @@ def _async_problems(rl: dict) -> list[Problem]:
                            "their tools and turns on the trainer ranks (lockstep under ZeRO-3); the generator "
                            "processes sample single-turn rollouts only", f"drop rl.tools / rl.environment_factory, "
                            f"{off}"))
-    if rl.get("generator", "hf") != "hf":
-        out.append(Problem("rl.generator", f"rl.async with generator {rl['generator']}: the asynchronous "
-                           "generator processes run HF generate on their own copies of the policy (on the "
-                           "trainer's GPU or on CPU: rl.async_generator_device); a vLLM server for them is not "
-                           "built yet", f"set rl.generator=hf, {off}"))
+    if rl.get("generator", "hf") == "vllm" and rl.get("vllm_mode", "colocate") != "server":
+        out.append(Problem("rl.vllm_mode", "rl.async with generator vllm and vllm_mode colocate: the asynchronous "
+                           "generator is either HF generate in processes of its own (rl.generator=hf) or a vLLM "
+                           "server on GPUs of its own; a vLLM colocated on the trainer's GPU would stop training "
+                           "while it samples", f"set rl.vllm_mode=server (and start trl vllm-serve: docs/rl.md), or "
+                           f"rl.generator=hf, {off}"))
     return out
 
 

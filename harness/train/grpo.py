@@ -94,9 +94,11 @@ class GrpoSteps:
                 rl = {**rl, "rewards": [toy.REWARD]}
             if rl["async"]:  # generator processes of their own (harness/rl/async_rollouts.py)
                 from harness.rl.async_rollouts import AsyncGeneration
+                from harness.rl.generation.vllm_server import ServerGeneration
 
-                self.async_gen = AsyncGeneration(rl, engine, self.tokenizer, self._request, rank=self.dp_rank,
-                                                 last_step=self.spec.recipe["train"]["steps"] - 1)
+                kind = ServerGeneration if rl["generator"] == "vllm" else AsyncGeneration  # rl.vllm_mode server
+                self.async_gen = kind(rl, engine, self.tokenizer, self._request, rank=self.dp_rank,
+                                      last_step=self.spec.recipe["train"]["steps"] - 1)
             else:
                 self.generator = make_generator(rl, engine, self.tokenizer, self.spec.run)
             box = self.prompts.toolbox

@@ -21,7 +21,10 @@ from harness.rl.rollouts import append, lines, truncated
 
 
 def describe(rl: dict) -> str:
-    return (f"async: a generator process per rank samples up to rl.max_staleness {rl['max_staleness']} step(s) "
+    from harness.rl.generation.vllm_server import server_url
+
+    where = (f"the vLLM server at {server_url(rl)}" if rl["generator"] == "vllm" else "a generator process per rank")
+    return (f"async: {where} samples up to rl.max_staleness {rl['max_staleness']} step(s) "
             f"ahead on weights sent every rl.weight_sync_steps {rl['weight_sync_steps']} step(s); correction "
             f"{rl['async_correction']}" + (f" (cap {rl['vllm_importance_sampling_clip_max']})"
                                            if rl["async_correction"] == "tis" else " (PPO clip to the sampler)"))

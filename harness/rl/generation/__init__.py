@@ -73,14 +73,22 @@ def generator_problems(recipe: dict) -> list:
 
 
 def _async_device_problems(rl: dict) -> list:
-    """rl.async_generator_device cuda where the ranks do not train on CUDA."""
+    """rl.async_generator_device cuda where the ranks do not train on CUDA; the vLLM server (rl.vllm_mode server) where
+    it cannot be used: no CUDA, no vllm or trl client, no server answering."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
     from harness.errors import Problem
     from harness.rl.async_rollouts import async_device_problem
 
-    why = async_device_problem(rl, torch.cuda.is_available() and get_accelerator().device_name() == "cuda")
+    cuda = torch.cuda.is_available() and get_accelerator().device_name() == "cuda"
+    if rl.get("generator", "hf") == "vllm" and rl.get("vllm_mode", "colocate") == "server":
+        from harness.rl.generation.vllm_server import SERVE, server_problem
+
+        why = server_problem(rl, cuda)
+        return [Problem("rl.vllm_mode", why, f"run the trainer on CUDA GPUs with vllm and trl installed, and start "
+                        f"the server first on GPUs of its own: {SERVE}; or set rl.generator=hf")] if why else []
+    why = async_device_problem(rl, cuda)
     return [Problem("rl.async_generator_device", why, "run on a GPU node, or set rl.async_generator_device=auto "
                     "(the trainer's device: CPU here) or cpu")] if why else []
 
