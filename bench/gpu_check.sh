@@ -25,7 +25,10 @@
 # the finish reasons; OUT_DIR/grpo_tools. grpo_async: rl.async on ZeRO-3 over nccl (the weights gathered on the GPUs,
 # sent to each rank's generator process), its copy on the rank's GPU then in host memory (rl.async_generator_device
 # auto, cpu): the staleness bound, the ratios, the times, the generator's peak CUDA memory against harness plan
-# --async's per-GPU term; OUT_DIR/grpo_async.
+# --async's per-GPU term; OUT_DIR/grpo_async. grpo_async_vllm (2 GPUs, needs vllm in the image; skips with the
+# reason otherwise): rl.async with rl.vllm_mode server, `trl vllm-serve` on GPU 1 and ZeRO-3 training on GPU 0, the
+# weights streamed over NCCL every 2 steps: staleness bound, ratios to vLLM's log-probs, times; then the run refused
+# before launch with the server stopped; OUT_DIR/grpo_async_vllm.
 # Also a vision-language case (bench/vlm.py: a ~0.6B Qwen2-VL, ZeRO-3, images on some rows only, the vision
 # tower trained and frozen); OUT_DIR/vlm; and vlm_video, an 8-frame video before each image (PyAV not needed: the
 # frames are a list of PNGs); OUT_DIR/vlm_video.
@@ -116,7 +119,7 @@ gpus=$($PY -c "import torch; print(torch.cuda.device_count())")
 # Cases: zero2 (one GPU), pipeline (2 stages, 2 GPUs), 3d (pipeline 2 x tensor 2, 4 GPUs). Default: every case
 # the visible GPUs allow; GPU_CHECK_CASES="pipeline 3d" picks. The pipeline cases run bench/pipe_probe.py (a
 # TinyLlama-shaped PipelineModule through the harness's hooks: per-stage model states, p2p / TP bytes, bubble).
-CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm grpo_async grpo_tools vlm vlm_video vlm_packing ddp_fp32 distill distill_served ray_gpu optimizers fp8}
+CASES=${GPU_CHECK_CASES:-zero2 pipeline 3d qlora long_context moe dpo fp16 stream mixture grpo grpo_vllm grpo_async grpo_async_vllm grpo_tools vlm vlm_video vlm_packing ddp_fp32 distill distill_served ray_gpu optimizers fp8}
 need() { case $1 in pipeline) echo 2 ;; 3d) echo 4 ;; *) echo 1 ;; esac; }
 # A ~1B Llama-shaped folder model (TinyLlama-1.1B shape, random bf16 weights, the built-in tokenizer): qlora and fp8.
 # A random-weight bf16 Llama folder with the shipped tokenizer: write_llama_folder DIR HIDDEN INTERMEDIATE LAYERS HEADS
@@ -208,6 +211,44 @@ for where in ("auto", "cpu"):
               f" + KV {plan['kv_cache_bytes'] / 2**20:.1f}), device {plan['device']}, fits {plan['fits']}")
 EOF
             ;;
+        grpo_async_vllm)  # rl.async with rl.vllm_mode server: trl vllm-serve on GPU 1, training on GPU 0
+            if (( gpus < 2 )); then
+                echo "[grpo_async_vllm] skipped: needs 2 GPUs (the vLLM server on one, training on the other), this node has $gpus"
+            elif ! $PY -c "import vllm" 2>/dev/null; then
+                echo "[grpo_async_vllm] skipped: vllm is not installed in this image"
+            else
+                d="$OUT/grpo_async_vllm"; mkdir -p "$d"
+                write_llama_folder "$d/model" 512 1024 2 8  # random weights: the first sync replaces the server's
+                CUDA_VISIBLE_DEVICES=1 "$(dirname "$PY")/trl" vllm-serve --model "$d/model" --port 8011 \
+                    --gpu_memory_utilization 0.5 --max_model_len 1024 --enforce_eager > "$d/server.log" 2>&1 &
+                server=$!
+                for _ in $(seq 150); do curl -sf http://127.0.0.1:8011/health >/dev/null && break; sleep 2; done
+                set_server=(--set rl.async=true --set rl.generator=vllm --set rl.vllm_mode=server
+                            --set rl.vllm_server_base_url=http://127.0.0.1:8011 --set rl.vllm_server_timeout=10)
+                timeout 300 $PY -m deepspeed.launcher.runner --include localhost:0 "$ROOT/harness/run.py" \
+                    --recipe zero3 --set train.objective=grpo --set precision=bf16 --set train.model="$d/model" \
+                    --set train.steps=8 --set train.log_every=1 --set batch.micro_batch_per_gpu=8 \
+                    --set rl.num_generations=4 --set rl.max_completion_length=16 --set optimizer.lr=3e-2 \
+                    --set scheduler.type=none --set rl.max_staleness=2 --set rl.weight_sync_steps=2 "${set_server[@]}" \
+                    --output-dir "$d/run" --overwrite || echo "[grpo_async_vllm] failed (exit $?; server log: $d/server.log)"
+                kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+                $PY - "$d/run" <<'EOF' || true
+import json, sys
+rs = [r for r in map(json.loads, open(sys.argv[1] + "/metrics.jsonl")) if r["kind"] == "train"]
+lines = [json.loads(x) for x in open(sys.argv[1] + "/rollouts.jsonl")]
+print(f"[grpo_async_vllm] reward {rs[0]['reward']:.3f} -> {rs[-1]['reward']:.3f}, versions "
+      f"{sorted({r['model_version'] for r in lines})}, staleness at most "
+      f"{max(r['step'] - 1 - r['model_version'] for r in lines)} (bound 2), ratio to vLLM's log-probs "
+      f"{min(r['sampling/importance_sampling_ratio/min'] for r in rs):.3f}.."
+      f"{max(r['sampling/importance_sampling_ratio/max'] for r in rs):.3f}, generate wait "
+      f"{sum(r['time/generate_s'] for r in rs[1:]):.2f} s, server {sum(r['time/generator_s'] for r in rs[1:]):.2f} s, "
+      f"train {sum(r['time/train_s'] for r in rs[1:]):.2f} s")
+EOF
+                timeout 120 $PY -m deepspeed.launcher.runner --include localhost:0 "$ROOT/harness/run.py" --recipe zero3 \
+                    --set train.objective=grpo --set train.model="$d/model" --set train.steps=2 "${set_server[@]}" \
+                    --output-dir "$d/refused" --overwrite > "$d/refused.log" 2>&1
+                echo "[grpo_async_vllm] with the server stopped: exit $? (2 expected): $(grep -m1 'vLLM server at' "$d/refused.log")"
+            fi ;;
         zero2)
             timeout 450 $PY "$ROOT/bench/gpu_check.py" --out "$OUT" "$@" ;;
         pipeline|3d)
@@ -525,7 +566,7 @@ print(f"[fp8]     {sys.argv[2]} matmuls: loss {s['first_loss']:.4f} -> {s['last_
       f"{t.get('tokens_per_s_median')} tokens/s, peak per rank {mem.get('peak_per_rank')}")
 EOF
             done ;;
-        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, grpo_async, grpo_tools, vlm, vlm_video, vlm_packing, ddp_fp32, distill, distill_served, ray_gpu, optimizers, fp8)" >&2; exit 2 ;;
+        *) echo "error: unknown case $case (zero2, pipeline, 3d, qlora, long_context, moe, dpo, fp16, stream, mixture, grpo, grpo_vllm, grpo_async, grpo_async_vllm, grpo_tools, vlm, vlm_video, vlm_packing, ddp_fp32, distill, distill_served, ray_gpu, optimizers, fp8)" >&2; exit 2 ;;
     esac
 done
 echo "[gpu]     check took $(( $(date +%s) - start )) s; reports under $OUT"
