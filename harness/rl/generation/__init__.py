@@ -87,7 +87,7 @@ def _async_device_problems(rl: dict) -> list:
 
         why = server_problem(rl, cuda)
         return [Problem("rl.vllm_mode", why, f"run the trainer on CUDA GPUs with vllm and trl installed, and start "
-                        f"the server first on GPUs of its own: {SERVE}; or set rl.generator=hf")] if why else []
+                        f"the server first on GPUs of its own ({SERVE}); or set rl.generator=hf")] if why else []
     why = async_device_problem(rl, cuda)
     return [Problem("rl.async_generator_device", why, "run on a GPU node, or set rl.async_generator_device=auto "
                     "(the trainer's device: CPU here) or cpu")] if why else []

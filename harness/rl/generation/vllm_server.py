@@ -39,7 +39,7 @@ from harness.rl.generation.vllm import buckets, named_weights
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT_S = "0.0.0.0", 8000, 240.0  # TRL GRPOConfig's vllm_server_* defaults
 DEFAULT_GROUP_PORT = 51216  # TRL's vllm_group_port
 ROW_CONCURRENCY = 32  # rows of a step in flight at once per rank
-SERVE = "trl vllm-serve --model MODEL --port 8000  # on GPUs of its own (CUDA_VISIBLE_DEVICES)"
+SERVE = "CUDA_VISIBLE_DEVICES=<its GPUs> trl vllm-serve --model <train.model> --port 8000 (docs/rl.md)"
 
 
 def server_url(rl: dict) -> str:
