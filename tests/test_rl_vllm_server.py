@@ -5,8 +5,12 @@
   NCCL from a CUDA device), with the command that starts the server in the fix;
 - the server check: a port nothing listens on, and a 127.0.0.1 stand-in whose /health answers 503, are unreachable
   with the reason and the timeout; one whose /health answers 200 is reachable.
-The generation and weight sync go through TRL's VLLMClient, which needs vllm and a CUDA device: bench/gpu_check.sh
-grpo_async_vllm runs them against a real `trl vllm-serve`.
+- the request side on TRL's real VLLMClient against a 127.0.0.1 stand-in of vLLM's /v1/completions answering from
+  the tiny Llama's HF generate: one request per row with its seed row_seed(seed, global row) (4 rows from one rank
+  equal them from two), the server's log-probs carried, the version tagged at ask time; a server answering 400 or
+  hanging past rl.async_timeout_s ends the wait with the reason (no hang at exit either).
+The weight sync (NCCL from rank 0's CUDA device into the server) needs a GPU and vllm: bench/gpu_check.sh
+grpo_async_vllm runs the whole against a real `trl vllm-serve`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -112,3 +117,111 @@ def test_the_server_check_names_the_reason_and_the_timeout():
         for server in (down, up):
             server.shutdown()
             server.server_close()
+
+
+class _Completions:
+    """The part of vLLM's OpenAI-compatible API that VLLMClient.generate asks: tests/helpers/teacher_server.py's
+    GET /health and /v1/models, and POST /v1/completions with one token-id prompt, `seed` and `logprobs` 0 answered
+    by the tiny Llama's HF generate with the request's seed as its one row's stream; `fail` answers 400 to
+    completions, `hang` never answers them."""
+    generator, mode, seen = None, "ok", []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append(body)
+        if self.mode == "hang":
+            time.sleep(30)
+        if self.mode == "fail":
+            return self._send(400, {"error": "model is not loaded"})
+        [prompt] = body["prompt"]
+        [completion] = self.generator.generate([prompt], seed=body["seed"], row_ids=[0], max_new=body["max_tokens"])
+        logps = self.generator.last_logps[0]
+        self._send(200, {"choices": [{"prompt_token_ids": prompt, "token_ids": completion, "logprobs": {
+            "tokens": [f"token_id:{t}" for t in completion], "token_logprobs": logps,
+            "top_logprobs": [None] * len(completion)}}]})
+
+
+@pytest.fixture(scope="module")
+def completions_server():
+    from types import SimpleNamespace
+
+    from harness.model.hf import build_model, load_tokenizer
+    from harness.rl.generation.hf import HFGenerator
+    from helpers.teacher_server import handler as teacher_handler
+
+    rl = {"max_completion_length": 6, "temperature": 1.0}
+    model = build_model("tiny-llama", seed=0).eval()
+    generator = HFGenerator(rl, SimpleNamespace(module=model), load_tokenizer("tiny-llama"), bound_bytes=None)
+    base = teacher_handler(model, "tiny-llama", None, None, {"answered": 0})
+    handler = type("Handler", (_Completions, base), {"generator": generator, "seen": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server, handler, rl
+    server.shutdown()
+    server.server_close()
+
+
+def _client_side(url: str, rl: dict, monkeypatch, *, first_row: int, rows: int, timeout_s: float = 60.0):
+    """ServerGeneration's request side (the schedule's state and its client thread; no engine: the weight sync
+    needs CUDA and the server's NCCL engine) on TRL's real VLLMClient. TRL's constructor refuses without the vllm
+    package, which its HTTP generate does not use: that guard alone is lifted here."""
+    from trl.generation import vllm_client
+
+    from harness.rl.generation.vllm_server import ServerGeneration, sampling_kwargs
+
+    monkeypatch.setattr(vllm_client, "is_vllm_available", lambda *a, **k: True)
+    side = ServerGeneration.__new__(ServerGeneration)
+    side.rl, side.rank, side.timeout_s, side.staleness, side.last_step = {**rl, "vllm_server_base_url": url}, 0, \
+        timeout_s, 1, 3
+    side.failure, side.results, side.dropped, side.synced, side.asked = None, {}, 0, 0, -1
+    side.request = lambda step: ([[5 + step, 7, 9 + r] for r in range(first_row, first_row + rows)], 11 + step,
+                                 first_row)
+    side.sampling, side.client = sampling_kwargs(rl), vllm_client.VLLMClient(base_url=url)
+    side._start_thread()
+    return side
+
+
+def test_rollouts_come_back_per_row_seeded_with_vllms_logps_and_the_version(completions_server, monkeypatch):
+    """Each row is its own request with the seed row_seed(seed, global row), so 4 rows asked by one rank equal
+    the same rows asked by two (first_row 0 and 2); the log-probs are the server's; the version is the one synced
+    when the step was asked."""
+    from harness.rl.generation.sampling import row_seed
+
+    server, handler, rl = completions_server
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    one = _client_side(url, rl, monkeypatch, first_row=0, rows=4)
+    one.ask(0)
+    one.synced = 1  # a sync between the asks
+    one.ask(1)
+    got = [one.take(0), one.take(1)]
+    assert [g["version"] for g in got] == [0, 1] and "error" not in got[0]
+    seeds = sorted(b["seed"] for b in handler.seen if b["prompt"][0][0] == 5)
+    assert seeds == sorted(row_seed(11, r) for r in range(4))
+    assert all(b["logprobs"] == 0 and b["max_tokens"] == 6 and b["n"] == 1 for b in handler.seen)
+    two = [_client_side(url, rl, monkeypatch, first_row=f, rows=2) for f in (0, 2)]
+    for side in two:
+        side.ask(0)
+    split = [side.take(0) for side in two]
+    assert split[0]["completions"] + split[1]["completions"] == got[0]["completions"]
+    assert split[0]["sampling_logps"] + split[1]["sampling_logps"] == got[0]["sampling_logps"]
+    assert all(len(c) == len(lp) > 0 for c, lp in zip(got[0]["completions"], got[0]["sampling_logps"]))
+    for side in (one, *two):
+        side.jobs.put(None)
+
+
+@pytest.mark.parametrize("mode,why", [
+    ("fail", "asking the rollouts of step 1 raised Exception: Request failed: 400"),
+    ("hang", "no rollouts for step 1 within rl.async_timeout_s = 1 s"),
+])
+def test_a_failing_or_silent_server_ends_the_wait_with_the_reason(completions_server, monkeypatch, mode, why):
+    server, handler, rl = completions_server
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    side = _client_side(url, rl, monkeypatch, first_row=0, rows=2, timeout_s=1.0)
+    monkeypatch.setattr(handler, "mode", mode)
+    side.ask(0)
+    began = time.monotonic()
+    out = side.take(0)
+    assert time.monotonic() - began < 20
+    assert out["error"].startswith(f"rank 0: rl.async's vLLM server at {url} failed: {why}"), out
+    assert "fix: check the server's log" in out["error"]
+    side.jobs.put(None)

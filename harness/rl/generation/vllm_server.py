@@ -26,7 +26,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 import torch
@@ -105,32 +104,58 @@ class ServerGeneration(AsyncGeneration):
                 self.client.init_communicator(device=self.engine.device)
             except Exception as e:  # noqa: BLE001 - every rank ends the run with it at the first take
                 self._fail(f"joining its weight-transfer group raised {type(e).__name__}: {e}")
+        self._start_thread()
+        return None, None
+
+    def _start_thread(self) -> None:
         self.jobs: queue.Queue = queue.Queue()
         self.done = threading.Condition()
         self.pending = 0
-        self.thread = threading.Thread(target=self._serve, name=f"harness-vllm-client-rank{self.rank}", daemon=True)
-        self.thread.start()
-        return None, None
+        threading.Thread(target=self._serve, name=f"harness-vllm-client-rank{self.rank}", daemon=True).start()
 
     # --- the background thread: one step's rows at a time, in order ---
     def _serve(self) -> None:
-        with ThreadPoolExecutor(ROW_CONCURRENCY) as pool:
-            while (job := self.jobs.get()) is not None:
-                step, version, prompt_ids, seed, first_row = job
-                began = time.perf_counter()
+        while (job := self.jobs.get()) is not None:
+            step, version, prompt_ids, seed, first_row = job
+            began = time.perf_counter()
+            try:
+                rows = self._rows(prompt_ids, [row_seed(seed, first_row + i) for i in range(len(prompt_ids))])
+                answer = (version, [r[0] for r in rows], [r[1] for r in rows], time.perf_counter() - began, 0)
+            except Exception as e:  # noqa: BLE001 - the trainer ends the run with this text
+                answer, why = None, f"asking the rollouts of step {step + 1} raised {type(e).__name__}: {e}"
+            with self.done:
+                if answer is None:
+                    self._fail(why)
+                else:
+                    self.results[step] = answer
+                self.pending -= 1
+                self.done.notify_all()
+
+    def _rows(self, prompts: list, seeds: list[int]) -> list[tuple]:
+        """The rows' requests, up to ROW_CONCURRENCY at once, on daemon threads (a request that never returns must
+        not hold the process at exit, as a ThreadPoolExecutor's workers would); the first error is raised."""
+        out, errors, todo = [None] * len(prompts), [], iter(range(len(prompts)))
+        lock = threading.Lock()
+
+        def work():
+            while not errors:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
                 try:
-                    rows = list(pool.map(self._row, prompt_ids, [row_seed(seed, first_row + i)
-                                                                 for i in range(len(prompt_ids))]))
-                    answer = (version, [r[0] for r in rows], [r[1] for r in rows], time.perf_counter() - began, 0)
-                except Exception as e:  # noqa: BLE001 - the trainer ends the run with this text
-                    answer, why = None, f"asking the rollouts of step {step + 1} raised {type(e).__name__}: {e}"
-                with self.done:
-                    if answer is None:
-                        self._fail(why)
-                    else:
-                        self.results[step] = answer
-                    self.pending -= 1
-                    self.done.notify_all()
+                    out[i] = self._row(prompts[i], seeds[i])
+                except Exception as e:  # noqa: BLE001 - raised below, in the client thread
+                    errors.append(e)
+
+        threads = [threading.Thread(target=work, daemon=True) for _ in range(min(ROW_CONCURRENCY, len(prompts)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return out
 
     def _row(self, prompt: list[int], seed: int) -> tuple[list[int], list[float]]:
         out = self.client.generate([list(prompt)], **self.sampling, generation_kwargs={"seed": seed})
