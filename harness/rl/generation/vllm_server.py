@@ -97,13 +97,15 @@ class ServerGeneration(AsyncGeneration):
 
         self.main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         self.sampling = sampling_kwargs(self.rl)
-        self.client = VLLMClient(base_url=server_url(self.rl), group_port=int(self.rl.get("vllm_group_port",
-                                 DEFAULT_GROUP_PORT)), connection_timeout=float(self.rl["vllm_server_timeout"]))
-        if self.main:
-            try:
+        self.client = None
+        try:  # a failure here is said by every rank at the first take, not raised on this rank alone
+            self.client = VLLMClient(base_url=server_url(self.rl), group_port=int(self.rl.get(
+                "vllm_group_port", DEFAULT_GROUP_PORT)), connection_timeout=float(self.rl["vllm_server_timeout"]))
+            if self.main:
                 self.client.init_communicator(device=self.engine.device)
-            except Exception as e:  # noqa: BLE001 - every rank ends the run with it at the first take
-                self._fail(f"joining its weight-transfer group raised {type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001
+            self._fail(f"connecting to it (and, on rank 0, joining its weight-transfer group) raised "
+                       f"{type(e).__name__}: {e}")
         self._start_thread()
         return None, None
 
@@ -238,5 +240,5 @@ class ServerGeneration(AsyncGeneration):
             return
         self.jobs.put(None)
         self.jobs = None
-        if self.main:
+        if self.main and self.client is not None:
             self.client.close_communicator()
