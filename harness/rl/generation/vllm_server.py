@@ -195,7 +195,7 @@ class ServerGeneration(AsyncGeneration):
             torch.distributed.barrier()  # no rank's requests in flight while the server's weights change
         began, module = time.perf_counter(), self.engine.module
         groups = buckets(list(named_weights(module)), self.bucket_bytes)
-        send, sent = self.main and self.failure is None, 0
+        send, sent = self.main and self.failure is None, None
         try:
             with self.client.weight_update() if send else nullcontext():
                 sent = self._walk(groups, module, send)
@@ -203,6 +203,8 @@ class ServerGeneration(AsyncGeneration):
                 self.client.reset_prefix_cache()
         except Exception as e:  # noqa: BLE001 - raised outside a bucket's send: the run ends at the next take
             self._fail(f"the weight sync of version {version} raised {type(e).__name__}: {e}")
+        if sent is None:  # it failed before walking: walk all the same, the other ranks are in the gathers
+            sent = self._walk(groups, module, False)
         self.synced = version
         self.last_sync = {"seconds": time.perf_counter() - began, "bytes": sent, "buckets": len(groups)}
 
