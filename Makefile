@@ -11,11 +11,13 @@ export HF_DATASETS_OFFLINE ?= 1
 
 .PHONY: install ops demo test test-fast configs lint clean
 
-$(STAMP): setup.cfg pyproject.toml constraints.txt
+# The extras the tests import: lowbit (torchao: int8 states, optimizer.stochastic_rounding) and bench (trl: TRL's
+# GRPOConfig defaults and VLLMClient in tests/test_rl_vllm_server.py). Ray (80 MB) only in CI (.ci/run).
+$(STAMP): setup.cfg pyproject.toml constraints.txt Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,trackers,video]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,trackers,video,lowbit,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
