@@ -43,6 +43,23 @@ def distill_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def optim_engines_2(tmp_path_factory):
+    """tests/drivers/optim_engines.py on 2 ranks in ONE launch for tests/test_optimizers.py (bytes, muon) and
+    tests/test_lowbit.py (lowbit): (its folder, each rank's results)."""
+    import json
+
+    from helpers.launch import launch
+
+    out = tmp_path_factory.mktemp("optim_engines") / "engines2.json"
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # DeepSpeed's muon_update and torchao's step are torch.compile'd
+    try:
+        launch(str(out), "bytes", "muon", "lowbit", ranks=2, script="tests/drivers/optim_engines.py", timeout_s=600)
+    finally:
+        del os.environ["TORCHDYNAMO_DISABLE"]
+    return out.parent, [json.loads(out.with_name(f"engines2.json.rank{r}").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real one-node Slurm cluster (tests/helpers/slurm_cluster.py), up for the session, stopped after. Where
     it cannot start (not root, Slurm not installed) the tests skip with the reason, except in CI (CI or

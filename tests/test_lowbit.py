@@ -1,6 +1,7 @@
 """8-bit optimizer states and FP8 matmuls (issue #47 item 4, docs/optimizers.md), on live DeepSpeed engines.
 
-One launch of tests/drivers/lowbit_engines.py (2 CPU ranks, ZeRO-2, bf16, the tiny Llama of test_optimizers.py):
+tests/drivers/lowbit_engines.py's cases, in the 2-rank launch tests/test_optimizers.py shares (conftest's
+optim_engines_2; ZeRO-2, bf16, the tiny Llama of test_optimizers.py):
 - int8: why optimizer.state_dtype int8 is refused. torchao's AdamW8bit as DeepSpeed's client optimizer keeps fp32
   moments on ZeRO's flat partition unless 256 divides it; if a torchao or DeepSpeed upgrade makes this fail,
   revisit optimizer_rules.INT8_STATES_REASON.
@@ -19,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from helpers.launch import launch, run_checked
+from helpers.launch import run_checked
 
 # Measured (3 steps, AdamW lr 1e-3, 2 ranks): fp8 against bf16 losses 8e-5 .. 6.7e-4 relative; the updates of layer
 # 0's projections and the head 0.16 .. 0.21 (the norm of the difference over the norm of the bf16 update: Adam's
@@ -28,16 +29,10 @@ LOSS_BAND, UPDATE_BAND = 1e-3, 0.25
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lowbit") / "engines.json"
-    import os
-
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # torchao's optimizer step is torch.compile'd: seconds of inductor on CPU
-    try:
-        launch(str(out), ranks=2, script="tests/drivers/lowbit_engines.py", timeout_s=420)
-    finally:
-        del os.environ["TORCHDYNAMO_DISABLE"]
-    return [json.loads(out.with_name(f"engines.json.rank{r}").read_text()) for r in range(2)]
+def engines(optim_engines_2):
+    """Each rank's int8 and fp8 results: the `lowbit` part of the 2-rank launch shared with tests/test_optimizers.py
+    (conftest's optim_engines_2; the cases are tests/drivers/lowbit_engines.py's)."""
+    return [rank["lowbit"] for rank in optim_engines_2[1]]
 
 
 @pytest.mark.multirank

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness.errors import UsageError
-from helpers.launch import launch, run_checked
+from helpers.launch import run_checked
 from helpers.plan import run_plan
 
 # Terms the planner prices (ZeRO-1/2 Muon's staging momentum, stage_1_and_2._muon_pending_momentum, with the
@@ -79,20 +79,18 @@ def test_plan_muon_prices_one_state_on_the_matrices(capsys):
 
 
 def _engine_results(tmp_path, ranks: int, parts: list[str]) -> list[dict]:
-    out = tmp_path / f"engines{ranks}.json"
-    if ranks == 1:  # a world of one: plain python, no launcher
-        import sys
+    """A world of one: plain python, no launcher (the 2-rank launch is conftest's optim_engines_2)."""
+    import sys
 
-        run_checked([sys.executable, "tests/drivers/optim_engines.py", str(out), *parts], 300, True)
-    else:
-        launch(str(out), *parts, ranks=ranks, script="tests/drivers/optim_engines.py", timeout_s=420)
+    out = tmp_path / f"engines{ranks}.json"
+    run_checked([sys.executable, "tests/drivers/optim_engines.py", str(out), *parts], 300, True)
     return [json.loads((tmp_path / f"engines{ranks}.json.rank{r}").read_text()) for r in range(ranks)]
 
 
 @pytest.mark.multirank
-def test_live_engines_bytes_dtypes_and_muon_parity(tmp_path, monkeypatch):
+def test_live_engines_bytes_dtypes_and_muon_parity(optim_engines_2, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # muon_update is torch.compile'd: minutes of inductor on CPU
-    two = _engine_results(tmp_path, 2, ["bytes", "muon"])
+    folder, two = optim_engines_2  # the 2-rank launch, shared with tests/test_lowbit.py (conftest)
     for rank, result in enumerate(two):
         for name, r in result["bytes"].items():
             live, planned = r["live"], r["planned"]
@@ -116,7 +114,7 @@ def test_live_engines_bytes_dtypes_and_muon_parity(tmp_path, monkeypatch):
             assert abs(a - b) <= LOSS_RTOL * abs(b) and abs(a - c) <= LOSS_RTOL * abs(c), (stage, a, b, c)
         for errors in got["update_error"] + ref["update_error"]:
             assert errors["muon"] < MUON_RTOL and errors["adamw"] < ADAMW_RTOL, (stage, errors)
-        w2 = torch.load(tmp_path / f"engines2.json.zero{stage[-1]}.pt")
+        w2 = torch.load(folder / f"engines2.json.zero{stage[-1]}.pt")
         w1 = torch.load(tmp_path / f"engines1.json.zero{stage[-1]}.pt")
         for name, w in w1["weights"].items():
             moved = (w - w1["initial"][name]).abs().max()

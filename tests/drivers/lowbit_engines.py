@@ -89,6 +89,12 @@ def run_fp8(rank: int, world: int, swap: bool) -> dict:
     return {"losses": losses, "swapped": swapped, "note": note, "update": update}
 
 
+def results(rank: int, world: int) -> dict:
+    """Every case of this driver in the process group that is up (also optim_engines.py's part `lowbit`)."""
+    return {"all": run(rank, world, False), "norms_frozen": run(rank, world, True),
+            "bf16": run_fp8(rank, world, False), "fp8": run_fp8(rank, world, True)}
+
+
 def main(out_path: str) -> int:
     import torch
 
@@ -97,11 +103,10 @@ def main(out_path: str) -> int:
     distmod.init(10)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     try:
-        results = {"all": run(rank, world, False), "norms_frozen": run(rank, world, True),
-                   "bf16": run_fp8(rank, world, False), "fp8": run_fp8(rank, world, True)}
+        found = results(rank, world)
     finally:
         distmod.teardown()
-    Path(f"{out_path}.rank{rank}").write_text(json.dumps(results))
+    Path(f"{out_path}.rank{rank}").write_text(json.dumps(found))
     return 0
 
 

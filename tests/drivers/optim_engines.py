@@ -1,5 +1,5 @@
 """Muon and bf16 master weights / optimizer states on live DeepSpeed engines, every case in ONE process group:
-deepspeed --num_gpus N tests/drivers/optim_engines.py OUT.json [bytes] [muon]
+deepspeed --num_gpus N tests/drivers/optim_engines.py OUT.json [bytes] [muon] [lowbit]
 
 bytes (2 ranks): per combination, a tiny Llama (bf16) trains 2 steps; the model states the engine holds after them
 (harness.profiling.memory.model_state_bytes), the dtypes of the live optimizer's states and master copy, and what the
@@ -7,6 +7,7 @@ planner predicts from the DeepSpeed dict alone (memory.model_state_bytes, phase 
 muon (any world size): the same model in fp32, Muon on ZeRO-1/2/3 without clipping, 3 steps on a fixed global batch
 split evenly over the ranks: the losses, and (rank 0) the weights after each step beside a plain-torch Muon +
 AdamW written from the published formula (tests/helpers/muon_ref.py) on the whole batch in one process.
+lowbit (2 ranks): tests/drivers/lowbit_engines.py's int8-state and fp8 cases (tests/test_lowbit.py), in the same launch.
 TORCHDYNAMO_DISABLE=1 (set by the test): DeepSpeed's muon_update is torch.compile'd, minutes of inductor on CPU.
 """
 
@@ -175,6 +176,14 @@ def _relative_update_error(got: dict, want: dict, before: dict, muon: set) -> di
     return out
 
 
+def lowbit(rank: int, world: int) -> dict:
+    """tests/drivers/lowbit_engines.py's cases (int8 states, fp8 matmuls) in this launch: tests/test_lowbit.py."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import lowbit_engines
+
+    return lowbit_engines.results(rank, world)
+
+
 def main(out_path: str, parts: list[str]) -> int:
     import torch
 
@@ -184,7 +193,8 @@ def main(out_path: str, parts: list[str]) -> int:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     try:
         results = {"world": world, **({"bytes": run_bytes(rank, world)} if "bytes" in parts else {}),
-                   **({"muon": run_muon(rank, world, out_path)} if "muon" in parts else {})}
+                   **({"muon": run_muon(rank, world, out_path)} if "muon" in parts else {}),
+                   **({"lowbit": lowbit(rank, world)} if "lowbit" in parts else {})}
     finally:
         distmod.teardown()
     Path(f"{out_path}.rank{rank}").write_text(json.dumps(results))  # one file per rank: the test reads both
