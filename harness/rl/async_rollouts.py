@@ -30,7 +30,7 @@ import torch
 
 from harness.errors import GeneratorFailed
 from harness.rl.generation.gather import gathered_bytes, is_zero3
-from harness.rl.generation.vllm import buckets, named_weights
+from harness.rl.generation.vllm import bucket_params, buckets, merged, named_weights
 
 MIB = 1 << 20
 PEFT_PREFIX = "base_model.model."
@@ -156,10 +156,9 @@ class AsyncGeneration:
         groups = buckets(list(named_weights(module)), self.bucket_bytes)
         sent = 0
         for i, bucket in enumerate(groups):
-            params = [p for _, w, lora in bucket for p in (w, *(lora[:2] if lora else ()))]
+            params = bucket_params(bucket)
             with deepspeed.zero.GatheredParameters(params, enabled=is_zero3(module)):
-                tensors = [(n.removeprefix(PEFT_PREFIX),
-                            (w.data if not lora else w.data + lora[2] * lora[1].data @ lora[0].data).detach().to("cpu", copy=True))
+                tensors = [(n.removeprefix(PEFT_PREFIX), merged(w, lora).detach().to("cpu", copy=True))
                            for n, w, lora in bucket]
             self._send(("weights", version, tensors, i == len(groups) - 1))
             sent += sum(map(gathered_bytes, params))

@@ -80,6 +80,16 @@ def named_weights(module):
         yield name.replace(".base_layer", ""), param, lora.get(name)
 
 
+def bucket_params(bucket: list) -> list:
+    """A bucket's parameters to gather: each weight, and its LoRA A and B where adapted."""
+    return [p for _, w, lora in bucket for p in (w, *(lora[:2] if lora else ()))]
+
+
+def merged(w, lora) -> torch.Tensor:
+    """The weight to send (inside the bucket's gather): W, or W + scale x B A for an adapted one."""
+    return w.data if not lora else w.data + lora[2] * lora[1].data @ lora[0].data
+
+
 def buckets(items: list, bucket_bytes: int) -> list[list]:
     """Consecutive items whose gathered bytes (the weight and its LoRA factors) reach at most bucket_bytes each
     (a tensor larger than a bucket goes alone)."""
@@ -126,9 +136,9 @@ class VLLMGenerator:
         items = list(named_weights(self.engine.module))
         done = {"bytes": 0, "buckets": 0, "peak_bucket_bytes": 0}
         for bucket in buckets(items, self.bucket_bytes):
-            params = [p for _, w, lora in bucket for p in (w, *(lora[:2] if lora else ()))]
+            params = bucket_params(bucket)
             with deepspeed.zero.GatheredParameters(params, enabled=is_zero3(self.engine.module)):
-                tensors = [(n, w.data if not lora else w.data + lora[2] * lora[1].data @ lora[0].data)
+                tensors = [(n, merged(w, lora))
                            for n, w, lora in bucket]
                 model.load_weights(tensors)
             size = sum(map(gathered_bytes, params))

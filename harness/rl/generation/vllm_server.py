@@ -33,7 +33,7 @@ import torch
 from harness.rl.async_rollouts import PEFT_PREFIX, AsyncGeneration
 from harness.rl.generation.gather import gathered_bytes, is_zero3
 from harness.rl.generation.sampling import row_seed
-from harness.rl.generation.vllm import buckets, named_weights
+from harness.rl.generation.vllm import bucket_params, buckets, merged, named_weights
 
 DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT_S = "0.0.0.0", 8000, 240.0  # TRL GRPOConfig's vllm_server_* defaults
 DEFAULT_GROUP_PORT = 51216  # TRL's vllm_group_port
@@ -214,11 +214,10 @@ class ServerGeneration(AsyncGeneration):
 
         sent = 0
         for bucket in groups:
-            params = [p for _, w, lora in bucket for p in (w, *(lora[:2] if lora else ()))]
+            params = bucket_params(bucket)
             with deepspeed.zero.GatheredParameters(params, enabled=is_zero3(module)):
                 if send and self.failure is None:
-                    self._send_bucket([(n.removeprefix(PEFT_PREFIX), w.data if not lora else
-                                        w.data + lora[2] * lora[1].data @ lora[0].data) for n, w, lora in bucket])
+                    self._send_bucket([(n.removeprefix(PEFT_PREFIX), merged(w, lora)) for n, w, lora in bucket])
             sent += sum(map(gathered_bytes, params))
         return sent
 
