@@ -99,6 +99,9 @@ def test_live_engines_bytes_dtypes_and_muon_parity(optim_engines_2, tmp_path, mo
                 got = sum(live.get(term, {}).values())
                 assert got == sum(planned[term].values()), f"rank {rank} {name} {term}: engine {got} vs {planned}"
             assert other <= SCALAR_BYTES, (name, other)
+            # ZeRO-1/2 Muon's updates, held from the end of backward into the step: none elsewhere
+            assert r["muon_updates"] == planned["muon_updates"], (rank, name, r["muon_updates"], planned)
+            assert (r["muon_updates"] > 0) == (name.startswith(("zero1 muon", "zero2 muon"))), (name, r)
             if "zero3 muon" in name:  # the gathers Muon keeps (stage3._muon_allgather_buffers), beside the bucket
                 assert sum(planned["reduce_buckets"].values()) > 2 * 4096, planned["reduce_buckets"]
             bf16 = "bf16 states" in name

@@ -136,7 +136,9 @@ def _muon_whole(r: "_Rank") -> int:
     return min(r.muon, -(-r.muon // r.zero_shards) + (r.grad_tensor if r.zero_shards > 1 else 0))
 
 
-def _muon_pending(r: "_Rank") -> int:
+def _muon_whole_bytes(r: "_Rank") -> int:
+    """ZeRO-1/2 Muon: one 16-bit tensor the size of the whole Muon matrices overlapping the partition (the staging
+    momentum; the Newton-Schulz updates held into the step)."""
     return r.lp * _muon_whole(r) if r.muon else 0
 
 
@@ -153,7 +155,11 @@ def _stage12_entries(r: _Rank, stage: int, offload: bool) -> list:
     out = [("params", "gpu", lp * (p + frozen), ALWAYS), ("grads", "gpu", grads, BOTH),
            ("fp32_master", opt_dev, r.master_bytes * shard, ALWAYS),
            ("optimizer_moments", opt_dev, _states_bytes(r, shard, True), ALWAYS),
-           ("optimizer_moments", "gpu", _muon_pending(r), ALWAYS),
+           ("optimizer_moments", "gpu", _muon_whole_bytes(r), ALWAYS),
+           # Muon's updates: at the end of backward get_flat_partition runs muon_update on every whole Muon matrix
+           # of the partition, each returning a new tensor in the gradients' dtype, and keeps them (as
+           # averaged_gradients) until step() has flattened them (measured: tests/test_optimizers.py)
+           ("grads", "gpu", _muon_whole_bytes(r), STEP),
            ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems * buckets, BACKWARD)]
     # the gradient partition the optimizer steps on: pinned and kept with offload; else made in step() by
     # .to(master dtype), a new tensor only when that differs from the 16-bit gradients (bf16 master: none)

@@ -3,7 +3,9 @@ deepspeed --num_gpus N tests/drivers/optim_engines.py OUT.json [bytes] [muon] [l
 
 bytes (2 ranks): per combination, a tiny Llama (bf16) trains 2 steps; the model states the engine holds after them
 (harness.profiling.memory.model_state_bytes), the dtypes of the live optimizer's states and master copy, and what the
-planner predicts from the DeepSpeed dict alone (memory.model_state_bytes, phase after_step).
+planner predicts from the DeepSpeed dict alone (memory.model_state_bytes, phase after_step); ZeRO-1/2 Muon: the
+Newton-Schulz updates the optimizer holds between the end of the last backward and its step (muon_updates), beside
+the step phase's share for them.
 muon (any world size): the same model in fp32, Muon on ZeRO-1/2/3 without clipping, 3 steps on a fixed global batch
 split evenly over the ranks: the losses, and (rank 0) the weights after each step beside a plain-torch Muon +
 AdamW written from the published formula (tests/helpers/muon_ref.py) on the whole batch in one process.
@@ -85,7 +87,27 @@ def predicted(ds: dict, world: int) -> dict:
                           persistent=count.persistent_numel(zero.buckets.param_persistence_threshold)
                           if zero.stage == 3 else 0, **holding(dtypes, count.total, count, world),
                           **gathers_of(dtypes, zero.stage, count, world, zero.buckets, "bf16", zero_init=False))
-    return memory.model_state_bytes(held, zero, zero_shards=world, precision="bf16", phase="after_step")
+    phases = {phase: memory.model_state_bytes(held, zero, zero_shards=world, precision="bf16", phase=phase)
+              for phase in ("after_step", "step")}
+    # the step's gradients less those of a rank that holds no Muon matrix whole: Muon's updates
+    no_updates = memory.Holding(**{**held.__dict__, "muon_whole": 0})
+    without = memory.model_state_bytes(no_updates, zero, zero_shards=world, precision="bf16", phase="step")
+    updates = sum(phases["step"]["grads"].values()) - sum(without["grads"].values())
+    return {**phases["after_step"], "muon_updates": updates}
+
+
+def muon_updates(engine) -> int:
+    """Bytes of the Newton-Schulz updates a ZeRO-1/2 Muon optimizer holds after backward (averaged_gradients of
+    its Muon groups, each storage once: a straddling matrix's slice is a view of the whole update)."""
+    opt = engine.optimizer
+    if not hasattr(opt, "averaged_gradients") or not hasattr(opt, "_is_muon_group"):
+        return 0
+    storages = {}
+    for i, tensors in opt.averaged_gradients.items():
+        if tensors is not None and opt._is_muon_group(opt.params_in_partition[i]):
+            for t in tensors:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def live_dtypes(engine) -> dict:
@@ -112,8 +134,10 @@ def run_bytes(rank: int, world: int) -> dict:
         engine, *_ = deepspeed.initialize(model=net, config=ds, model_parameters=net.parameters())
         for _ in range(2):
             engine.backward(engine(input_ids=ids, labels=ids).loss)
+            updates = muon_updates(engine)
             engine.step()
-        out[name] = {"live": model_state_bytes(engine), "planned": predicted(ds, world), **live_dtypes(engine)}
+        out[name] = {"live": model_state_bytes(engine), "planned": predicted(ds, world), "muon_updates": updates,
+                     **live_dtypes(engine)}
         engine.destroy()
         del engine
         torch.distributed.barrier()
