@@ -102,6 +102,10 @@ def test_live_engines_bytes_dtypes_and_muon_parity(optim_engines_2, tmp_path, mo
             # ZeRO-1/2 Muon's updates, held from the end of backward into the step: none elsewhere
             assert r["muon_updates"] == planned["muon_updates"], (rank, name, r["muon_updates"], planned)
             assert (r["muon_updates"] > 0) == (name.startswith(("zero1 muon", "zero2 muon"))), (name, r)
+            assert ("step_comm" in r) == ("zero3 muon" in name), name
+            if "step_comm" in r:  # ZeRO-3 Muon's step: its gathers (and the persistent regather), to the byte
+                logged = {op: n for op, n in r["step_comm"].items() if op != "all_reduce" or n > SCALAR_BYTES}
+                assert logged == r["planned_muon_comm"], (rank, name, logged, r["planned_muon_comm"])
             if "zero3 muon" in name:  # the gathers Muon keeps (stage3._muon_allgather_buffers), beside the bucket
                 assert sum(planned["reduce_buckets"].values()) > 2 * 4096, planned["reduce_buckets"]
             bf16 = "bf16 states" in name

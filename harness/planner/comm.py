@@ -12,7 +12,8 @@ DeepSpeed 0.19.8 as measured: ZeRO-0 all-reduces the 16-bit grads once per step;
 them (ZeRO-1 once per step, ZeRO-2 every micro-step) and all-gather the updated partitions; ZeRO-3
 reduce-scatters every micro-step and all-gathers parameters in forward and again in backward (forward only
 while they fit in stage3_max_live_parameters: zero3_gathers). Tiny
-scalar all-reduces (overflow check, grad norm) are left out. Pipeline (p2p), tensor-parallel and tied-embedding
+scalar all-reduces (overflow check, grad norm) are left out. ZeRO-3 Muon's own gathers in the step are
+planner/optimizer.muon_comm_bytes, merged into the data-parallel group's. Pipeline (p2p), tensor-parallel and tied-embedding
 traffic, and the bubble, are in pipeline.py.
 """
 
@@ -61,6 +62,15 @@ def zero3_gathers(gathered_params: int, max_live: int = STAGE3_MAX_LIVE_PARAMETE
     return 1 if gathered_params <= max_live else 2
 
 
+def merged(*ops: dict[str, int]) -> dict[str, int]:
+    """Logged bytes per collective summed over several sources (ZeRO's and an optimizer's own, planner/optimizer)."""
+    out: dict[str, int] = {}
+    for part in ops:
+        for op, n in part.items():
+            out[op] = out.get(op, 0) + n
+    return out
+
+
 def _nonzero(ops: dict[str, int]) -> dict[str, int]:
     return {op: n for op, n in ops.items() if n}
 
@@ -72,7 +82,7 @@ def wire_bytes(collective: str, logged_bytes: int, group_size: int) -> int:
         return 0
     if collective == "all_reduce":
         return logged_bytes * 2 * (n - 1) // n
-    if collective == "all_gather_into_tensor":
+    if collective in ("all_gather_into_tensor", "all_gather"):  # logged: this rank's input (one tensor)
         return logged_bytes * (n - 1)
     if collective in ("reduce_scatter_tensor", "all_to_all_single"):  # all-to-all keeps 1/n of its input
         return logged_bytes * (n - 1) // n

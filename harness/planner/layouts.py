@@ -291,10 +291,15 @@ def _comm(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, sh
                                               hidden=shape.hidden_size))
         return {"rows": rows, "wire_bytes": sum(r["wire_bytes"] for r in rows),
                 "logged_bytes": sum(r["logged_bytes"] for r in rows)}
-    groups = {"dp": (comm.comm_bytes_per_step(params, stage=c.stage, zero_shards=zero_shards, precision=prec,
-                                              grad_accum=m, persistent_params=persistent,
-                                              gathers_per_micro_step=comm.zero3_gathers(params - persistent),
-                                              trainable_params=count.trainable_params(layers, c.tp)), zero_shards)}
+    dp = comm.comm_bytes_per_step(params, stage=c.stage, zero_shards=zero_shards, precision=prec, grad_accum=m,
+                                  persistent_params=persistent,
+                                  gathers_per_micro_step=comm.zero3_gathers(params - persistent),
+                                  trainable_params=count.trainable_params(layers, c.tp))
+    if share.params >= count.total:  # ZeRO-3 Muon's own gathers, when the rank's group holds the whole model
+        dtypes, buckets = opt_widths.dtypes_for(c, work), memory.harness_buckets(shape.hidden_size)
+        muon_groups = opt_widths.groups_of(dtypes, c.stage, count, zero_shards, buckets)
+        dp = comm.merged(dp, opt_widths.comm(dtypes, c.stage, muon_groups, zero_shards, buckets, prec))
+    groups = {"dp": (dp, zero_shards)}
     if c.tp > 1:
         groups["tp"] = ({"all_reduce": pipeline.tp_allreduce_bytes(
             shape, tp=c.tp, blocks=layers, seq_len=seq, micro_batch=mb, micro_batches=m, precision=prec,

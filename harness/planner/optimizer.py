@@ -129,10 +129,23 @@ def gathers_of(dtypes: OptimizerDtypes, stage: int, count, zero_shards: int, buc
                zero_init: bool = True) -> dict:
     """gathers() from the model's count (params.ParamCount): its Muon matrices in muon_order, sub-grouped as ZeRO-3
     sub-groups them."""
+    return gathers(dtypes, stage, groups_of(dtypes, stage, count, zero_shards, buckets, zero_init), zero_shards,
+                   buckets, precision)
+
+
+def groups_of(dtypes: OptimizerDtypes, stage: int, count, zero_shards: int, buckets, zero_init: bool = True) -> list:
+    """ZeRO-3 Muon's sub-groups from the model's count (muon_sub_groups of muon_order); none elsewhere."""
     if not (dtypes.muon and stage == 3 and count.muon_shapes):
+        return []
+    return muon_sub_groups(muon_order(count, zero_init), zero_shards, buckets.sub_group_elems)
+
+
+def comm(dtypes: OptimizerDtypes, stage: int, groups, zero_shards: int, buckets, precision: str) -> dict[str, int]:
+    """ZeRO-3 Muon's logged bytes per step (muon_comm_bytes) for the sub-groups `groups`; {} elsewhere (ZeRO-1/2
+    Muon reduces as AdamW does)."""
+    if not (dtypes.muon and stage == 3 and groups):
         return {}
-    groups = muon_sub_groups(muon_order(count, zero_init), zero_shards, buckets.sub_group_elems)
-    return gathers(dtypes, stage, groups, zero_shards, buckets, precision)
+    return muon_comm_bytes(groups, zero_shards, buckets.reduce_bucket_elems, PRECISION_BYTES[precision])
 
 # stage3._muon_allgather_max_cached_bytes: the most DeepSpeed 0.19.8's ZeRO-3 Muon keeps of its gather buffers
 MUON_GATHER_CACHE_BYTES = 256 * 2**20
@@ -150,6 +163,21 @@ def muon_gather_cache_bytes(groups, zero_shards: int, reduce_bucket_elems: int, 
     if zero_shards <= 1:
         return 0
     cache: OrderedDict[int, int] = OrderedDict()
+    for chunk in _muon_chunks(groups, reduce_bucket_elems):
+        local = sum(-(-n // zero_shards) for n in chunk)
+        nbytes = (1 + zero_shards) * local * comm_bytes
+        if local in cache:
+            cache.move_to_end(local)
+        elif nbytes <= MUON_GATHER_CACHE_BYTES:
+            while cache and sum(cache.values()) + nbytes > MUON_GATHER_CACHE_BYTES:
+                cache.popitem(last=False)
+            cache[local] = nbytes
+    return sum(cache.values())
+
+
+def _muon_chunks(groups, reduce_bucket_elems: int):
+    """The chunks stage3._apply_muon_to_accumulated_grads walks each Muon sub-group in: whole matrices packed
+    greedily up to reduce_bucket_size elements, a larger matrix alone."""
     for group in groups:
         start = 0
         while start < len(group):
@@ -157,16 +185,23 @@ def muon_gather_cache_bytes(groups, zero_shards: int, reduce_bucket_elems: int, 
             while end < len(group) and numel + group[end] <= reduce_bucket_elems:
                 numel += group[end]
                 end += 1
-            local = sum(-(-n // zero_shards) for n in group[start:end])
-            nbytes = (1 + zero_shards) * local * comm_bytes
-            if local in cache:
-                cache.move_to_end(local)
-            elif nbytes <= MUON_GATHER_CACHE_BYTES:
-                while cache and sum(cache.values()) + nbytes > MUON_GATHER_CACHE_BYTES:
-                    cache.popitem(last=False)
-                cache[local] = nbytes
+            yield group[start:end]
             start = end
-    return sum(cache.values())
+
+
+def muon_comm_bytes(groups, zero_shards: int, reduce_bucket_elems: int, comm_bytes: int) -> dict[str, int]:
+    """Logged bytes per optimizer step of ZeRO-3 Muon's own collectives on one rank (planner/comm.py's
+    convention), DeepSpeed 0.19.8's stage3._apply_muon_to_accumulated_grads: per chunk (_muon_chunks) two
+    all_gather_into_tensor of the chunk's partitions (the gradients, then the momentum; none with one rank), then
+    per round of zero_shards matrices, where each rank orthogonalizes one, two all_gathers of one whole matrix per
+    rank (the updates, then the momentum; a round of fewer or unequal matrices padded to its largest). About
+    4 x the Muon matrices' bytes / zero_shards per rank: on top of ZeRO-3's 3 passes over all parameters."""
+    into = gather = 0
+    for chunk in _muon_chunks(groups, reduce_bucket_elems):
+        if zero_shards > 1:
+            into += 2 * comm_bytes * sum(-(-n // zero_shards) for n in chunk)
+        gather += sum(2 * comm_bytes * max(chunk[i:i + zero_shards]) for i in range(0, len(chunk), zero_shards))
+    return {op: n for op, n in (("all_gather_into_tensor", into), ("all_gather", gather)) if n}
 
 
 def muon_sub_groups(sizes: list[int], zero_shards: int, sub_group_elems: int) -> list[list[int]]:

@@ -18,6 +18,7 @@ from harness.config.run_model import Completions, RunModel, Sequence, Zero
 from harness.planner import comm, memory, moe, pipeline, reference, sequence, teacher
 from harness.planner.inputs import LongContext, Workload
 from harness.planner.shape import ModelShape
+from harness.planner.optimizer import comm as muon_comm
 from harness.planner.optimizer import gathers, holding
 from harness.planner.params import count_params, model_shape, with_lora
 
@@ -141,6 +142,9 @@ def rank_prediction(run: RunModel, live: LiveFacts) -> dict:
                                            precision=run.precision, grad_accum=run.batch.grad_accum,
                                            persistent_params=live.persistent, gathers_per_micro_step=gathers,
                                            trainable_params=live.trainable)
+    # ZeRO-3 Muon's own gathers in the step, for this rank's Muon sub-groups (planner/optimizer.muon_comm_bytes)
+    muon = muon_comm(run.optimizer_dtypes, z.stage, live.muon_groups, zero_shards, z.buckets, run.precision)
+    out["comm"] = comm.merged(out["comm"], muon)
     if d.ep > 1 and live.experts:
         edp = max(1, zero_shards // d.ep)
         notes.append(f"expert parallel {d.ep}: {live.experts:,} expert parameters on this rank shard over "

@@ -15,6 +15,7 @@ TORCHDYNAMO_DISABLE=1 (set by the test): DeepSpeed's muon_update is torch.compil
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -96,6 +97,39 @@ def predicted(ds: dict, world: int) -> dict:
     return {**phases["after_step"], "muon_updates": updates}
 
 
+@contextlib.contextmanager
+def logged_comm(on: bool):
+    """{op: bytes} DeepSpeed's comms logger records inside the block (planner/comm.py's logged convention)."""
+    from deepspeed.comm import comms_logger
+
+    out: dict = {}
+    if on:
+        comms_logger.enabled, comms_logger.prof_all, comms_logger.verbose, comms_logger.debug = True, True, False, False
+        comms_logger.comms_dict.clear()
+    try:
+        yield out
+    finally:
+        if on:
+            for op, sizes in comms_logger.comms_dict.items():
+                out[op] = sum(int(size) * v[0] for size, v in sizes.items())
+            comms_logger.enabled = False
+            comms_logger.comms_dict.clear()
+
+
+def planned_muon_comm(engine, ds: dict, world: int) -> dict:
+    """The planner's collectives of a ZeRO-3 Muon step: Muon's own for the engine's Muon sub-groups (profiling.live
+    reads them) and ZeRO-3's regather of the persistent parameters after the step (planner/comm.py's term)."""
+    from harness.config.run_model import OptimizerDtypes, Zero
+    from harness.planner import comm, optimizer
+    from harness.planner.params import count_params
+    from harness.profiling.live import _muon_groups
+
+    zero = Zero.of(ds)
+    persistent = count_params(CFG).persistent_numel(zero.buckets.param_persistence_threshold)
+    muon = optimizer.comm(OptimizerDtypes.of(ds), 3, _muon_groups(engine.optimizer), world, zero.buckets, "bf16")
+    return comm.merged(muon, {"all_gather_into_tensor": 2 * -(-persistent // world)})
+
+
 def muon_updates(engine) -> int:
     """Bytes of the Newton-Schulz updates a ZeRO-1/2 Muon optimizer holds after backward (averaged_gradients of
     its Muon groups, each storage once: a straddling matrix's slice is a view of the whole update)."""
@@ -135,9 +169,13 @@ def run_bytes(rank: int, world: int) -> dict:
         for _ in range(2):
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             updates = muon_updates(engine)
-            engine.step()
+            with logged_comm(stage == 3 and opt == "Muon") as step_comm:
+                engine.step()
         out[name] = {"live": model_state_bytes(engine), "planned": predicted(ds, world), "muon_updates": updates,
                      **live_dtypes(engine)}
+        if step_comm:
+            out[name]["step_comm"] = step_comm
+            out[name]["planned_muon_comm"] = planned_muon_comm(engine, ds, world)
         engine.destroy()
         del engine
         torch.distributed.barrier()
