@@ -318,3 +318,20 @@ def test_the_chunked_cpu_step_equals_torchaos_whole_step_bit_for_bit():
         for a, b in zip(w, c):
             assert a.dtype == b.dtype and torch.equal(a, b)
         assert not torch.equal(w[0], before)  # the steps moved the weights
+
+
+def test_plan_prices_zero3_muons_gathers_and_says_when_ranks_sit_idle(capsys):
+    # Llama-2-7B on 8 GPUs: the harness's bucket (hidden^2) holds one Muon matrix per chunk, so DeepSpeed sends a
+    # padded whole matrix from every rank per matrix (the comms logger's bytes: tests/drivers/optim_engines.py)
+    code, out = run_plan(ARGS_7B + ["--zero", "3", "--optimizer", "muon", "--json"], capsys)
+    assert code == 0
+    plan = json.loads(out)
+    rows = {(r["group"], r["collective"]): r["logged_bytes"] for r in plan["evaluated"]["comm"]["rows"]}
+    muon_matrices = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    assert rows[("muon", "all_gather")] == 2 * 2 * muon_matrices  # gradients and momentum, one matrix a round
+    assert rows[("muon", "all_gather_into_tensor")] == 2 * 2 * muon_matrices // 8  # every matrix splits evenly
+    assert plan["evaluated"]["time"]["breakdown"]["muon_gather_s"] > 0
+    assert any("1 Muon matrix per chunk for 8 ranks" in n and "7 of 8 ranks run no Newton-Schulz" in n
+               for n in plan["notes"]), plan["notes"]
+    code, adam = run_plan(ARGS_7B + ["--zero", "3", "--json"], capsys)
+    assert not any(r["group"] == "muon" for r in json.loads(adam)["evaluated"]["comm"]["rows"])

@@ -91,6 +91,8 @@ def collective_s(profile: dict, collective: str, logged_bytes: float, size: int,
     """Seconds for `calls` collectives moving `logged_bytes` in total (comms-logger sizes) over `size` ranks."""
     if size <= 1 or logged_bytes <= 0:
         return 0.0
+    if collective == "all_gather":  # the list form (ZeRO-3 Muon) logs one input tensor too: the same ring gather
+        collective = "all_gather_into_tensor"
     calls = max(calls, 1)
     if inter or collective not in ("send", "recv"):
         per_call = curve_s(profile, collective, size, full_bytes(collective, logged_bytes, size) / calls, inter)

@@ -183,6 +183,8 @@ def notes(best: dict | None, cluster: Cluster, shape: ModelShape, seq_len: int) 
                    "(docker/README.md; without ssh: --no_ssh --node_rank N on each node)")
     if best["offload_optimizer"] == "nvme" or best["offload_param"] == "nvme":
         out.append("set zero.nvme_path to a directory on a local NVMe drive (--set zero.nvme_path=/local_nvme)")
+    if note := best["comm"].get("muon_note"):  # ZeRO-3 Muon's chunks leave ranks without Newton-Schulz work
+        out.append(note)
     return out
 
 

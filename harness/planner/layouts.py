@@ -295,11 +295,13 @@ def _comm(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, sh
                                   persistent_params=persistent,
                                   gathers_per_micro_step=comm.zero3_gathers(params - persistent),
                                   trainable_params=count.trainable_params(layers, c.tp))
-    if share.params >= count.total:  # ZeRO-3 Muon's own gathers, when the rank's group holds the whole model
+    groups, note = {"dp": (dp, zero_shards)}, None
+    if share.params >= count.total:  # ZeRO-3 Muon's own gathers in the step, over the ZeRO group (steptime)
         dtypes, buckets = opt_widths.dtypes_for(c, work), memory.harness_buckets(shape.hidden_size)
         muon_groups = opt_widths.groups_of(dtypes, c.stage, count, zero_shards, buckets)
-        dp = comm.merged(dp, opt_widths.comm(dtypes, c.stage, muon_groups, zero_shards, buckets, prec))
-    groups = {"dp": (dp, zero_shards)}
+        if muon := opt_widths.comm(dtypes, c.stage, muon_groups, zero_shards, buckets, prec):
+            groups["muon"] = (muon, zero_shards)
+        note = opt_widths.chunk_note(dtypes, c.stage, muon_groups, zero_shards, buckets, prec)
     if c.tp > 1:
         groups["tp"] = ({"all_reduce": pipeline.tp_allreduce_bytes(
             shape, tp=c.tp, blocks=layers, seq_len=seq, micro_batch=mb, micro_batches=m, precision=prec,
@@ -320,7 +322,7 @@ def _comm(c: Candidate, count: ParamCount, shape: ModelShape, work: Workload, sh
                                                     activation_checkpointing=c.checkpointing(work)), c.sp)
     rows = comm.comm_rows(groups)
     return {"rows": rows, "wire_bytes": sum(r["wire_bytes"] for r in rows),
-            "logged_bytes": sum(r["logged_bytes"] for r in rows)}
+            "logged_bytes": sum(r["logged_bytes"] for r in rows), **({"muon_note": note} if note else {})}
 
 
 def _verdict(c: Candidate, mem: dict, shape: ModelShape, cluster: Cluster) -> dict:

@@ -140,6 +140,28 @@ def groups_of(dtypes: OptimizerDtypes, stage: int, count, zero_shards: int, buck
     return muon_sub_groups(muon_order(count, zero_init), zero_shards, buckets.sub_group_elems)
 
 
+def chunk_note(dtypes: OptimizerDtypes, stage: int, groups, zero_shards: int, buckets, precision: str) -> str | None:
+    """ZeRO-3 Muon whose chunks (reduce_bucket_size) hold fewer matrices than the ZeRO group has ranks: DeepSpeed
+    0.19.8 hands a chunk's matrices out round-robin, so the other ranks do no Newton-Schulz and send a padded whole
+    matrix per round. What it costs and the bucket that spreads it; None when every chunk has work for each rank."""
+    if not (dtypes.muon and stage == 3 and groups and zero_shards > 1):
+        return None
+    chunks = list(_muon_chunks(groups, buckets.reduce_bucket_elems))
+    most = max(len(c) for c in chunks)
+    if most >= zero_shards:
+        return None
+    largest = max(max(c) for c in chunks)
+    lp = PRECISION_BYTES[precision]
+    return (f"ZeRO-3 Muon: zero_optimization.reduce_bucket_size {buckets.reduce_bucket_elems:,} packs at most {most} "
+            f"Muon matri{'x' if most == 1 else 'ces'} per chunk for {zero_shards} ranks: DeepSpeed 0.19.8 gives a "
+            f"chunk's matrices out one per rank, so {zero_shards - most} of {zero_shards} ranks run no Newton-Schulz "
+            f"and every rank sends a padded whole matrix per round (priced in the comm's muon rows). A bucket of "
+            f"{zero_shards} x the largest matrix (the run's --set zero.reduce_bucket_size={zero_shards * largest}) "
+            f"spreads it, "
+            f"for {2 * lp * (zero_shards * largest - buckets.reduce_bucket_elems) / 1e9:.2f} GB more of reduce "
+            f"buffers per rank")
+
+
 def comm(dtypes: OptimizerDtypes, stage: int, groups, zero_shards: int, buckets, precision: str) -> dict[str, int]:
     """ZeRO-3 Muon's logged bytes per step (muon_comm_bytes) for the sub-groups `groups`; {} elsewhere (ZeRO-1/2
     Muon reduces as AdamW does)."""

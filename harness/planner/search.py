@@ -170,6 +170,8 @@ def attach(plan, count, shape: ModelShape, cluster: Cluster, work: Workload, pro
                     if k in profile}
     if layout:
         plan.evaluated = evaluate_layout(layout, count, shape, cluster, base, profile, name)
+        if (note := plan.evaluated["comm"].get("muon_note")) and note not in plan.notes:
+            plan.notes.append(note)
         return
     plan.ranked = search(count, shape, cluster, base, profile, name)
     first = plan.recommended
@@ -188,3 +190,5 @@ def attach(plan, count, shape: ModelShape, cluster: Cluster, work: Workload, pro
             if plan.comparison["speedup"] <= 1 + KEEP_FIRST_FIT_WITHIN:
                 plan.recommended = plan.first_fit
                 plan.comparison["kept_first_fit"] = True
+    if plan.recommended and (note := plan.recommended["comm"].get("muon_note")) and note not in plan.notes:
+        plan.notes.append(note)  # the recommendation changed: ZeRO-3 Muon's note follows it

@@ -301,6 +301,8 @@ def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work
     hooks_s = m * len(rank_tensors(count, blocks, c.tp)) * hooks if c.stage and c.pp == 1 else 0.0
     hooks_s = max(hooks_s, -(dp["dp_reduce"] + dp["dp_gather"]))  # a correction never below no traffic at all
     tied_s = sum(_row_s(profile, r, place["pp-tied"][1]) for r in by_group.get("pp-tied", []))
+    # ZeRO-3 Muon's gathers run inside the optimizer step, nothing to hide them behind (planner/optimizer.py)
+    muon_s = sum(_row_s(profile, r, place["dp"][1]) for r in by_group.get("muon", []))
     trainable = result.get("trainable_per_rank", result["params_per_rank"])  # LoRA: only adapters are stepped
     shard = trainable if c.stage == 0 else -(-trainable // result["dp"])
     shard = result.get("moe", {}).get("optimizer_shard", shard) if c.ep > 1 else shard
@@ -311,7 +313,7 @@ def step_time(c, count, shape: ModelShape, profile: dict, cluster: Cluster, work
         "bubble_s": (slots - m) * slot, "p2p_s": p2p_s,
         "dp_reduce_exposed_s": dp["dp_reduce"], "dp_gather_exposed_s": dp["dp_gather"], "tied_embedding_s": tied_s,
         "optimizer_s": off["optimizer"], "offload_pcie_s": off["pcie"], "nvme_s": off["nvme"], "zero_hooks_s": hooks_s,
-        **expert_s,
+        **expert_s, **({"muon_gather_s": muon_s} if muon_s else {}),
     }
     ref = result["memory"].get("reference") or {}
     if ref.get("mode") in ("engine", "adapter"):  # one more forward (no backward) of the 2B rows per micro-step

@@ -11,7 +11,7 @@ SHORT = {"forward_s": "fwd", "backward_s": "bwd", "recompute_s": "recompute", "t
          "bubble_s": "bubble", "p2p_s": "p2p", "dp_reduce_exposed_s": "dp-reduce", "dp_gather_exposed_s": "dp-gather",
          "tied_embedding_s": "tied", "optimizer_s": "optimizer", "zero_hooks_s": "zero-hooks", "offload_pcie_s": "pcie", "nvme_s": "nvme",
          "all_to_all_s": "all-to-all", "expert_imbalance_s": "imbalance", "reference_s": "ref-fwd",
-         "teacher_s": "teacher-fwd"}
+         "teacher_s": "teacher-fwd", "muon_gather_s": "muon-gather"}
 
 
 def breakdown_text(t: dict) -> str:
