@@ -151,15 +151,14 @@ def chunk_note(dtypes: OptimizerDtypes, stage: int, groups, zero_shards: int, bu
     if most >= zero_shards:
         return None
     largest = max(max(c) for c in chunks)
-    lp = PRECISION_BYTES[precision]
+    more = PRECISION_BYTES[precision] * (zero_shards * largest - buckets.reduce_bucket_elems)  # ZeRO-3: one bucket
     return (f"ZeRO-3 Muon: zero_optimization.reduce_bucket_size {buckets.reduce_bucket_elems:,} packs at most {most} "
             f"Muon matri{'x' if most == 1 else 'ces'} per chunk for {zero_shards} ranks: DeepSpeed 0.19.8 gives a "
             f"chunk's matrices out one per rank, so {zero_shards - most} of {zero_shards} ranks run no Newton-Schulz "
             f"and every rank sends a padded whole matrix per round (priced in the comm's muon rows). A bucket of "
             f"{zero_shards} x the largest matrix (the run's --set zero.reduce_bucket_size={zero_shards * largest}) "
-            f"spreads it, "
-            f"for {2 * lp * (zero_shards * largest - buckets.reduce_bucket_elems) / 1e9:.2f} GB more of reduce "
-            f"buffers per rank")
+            f"spreads it, for {more / 1e9:.2f} GB more of reduce bucket per rank (and Muon's cached gather buffers, "
+            f"at most {MUON_GATHER_CACHE_BYTES // 2**20} MiB)")
 
 
 def comm(dtypes: OptimizerDtypes, stage: int, groups, zero_shards: int, buckets, precision: str) -> dict[str, int]:
@@ -216,8 +215,9 @@ def muon_comm_bytes(groups, zero_shards: int, reduce_bucket_elems: int, comm_byt
     convention), DeepSpeed 0.19.8's stage3._apply_muon_to_accumulated_grads: per chunk (_muon_chunks) two
     all_gather_into_tensor of the chunk's partitions (the gradients, then the momentum; none with one rank), then
     per round of zero_shards matrices, where each rank orthogonalizes one, two all_gathers of one whole matrix per
-    rank (the updates, then the momentum; a round of fewer or unequal matrices padded to its largest). About
-    4 x the Muon matrices' bytes / zero_shards per rank: on top of ZeRO-3's 3 passes over all parameters."""
+    rank (the updates, then the momentum; a round of fewer or unequal matrices padded to its largest). With chunks
+    of at least zero_shards matrices about 4 x the Muon matrices' bytes / zero_shards per rank; with one matrix a
+    chunk (chunk_note) the all_gathers alone are 2 x the Muon bytes. On top of ZeRO-3's passes over all parameters."""
     into = gather = 0
     for chunk in _muon_chunks(groups, reduce_bucket_elems):
         if zero_shards > 1:
