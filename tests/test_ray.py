@@ -38,7 +38,10 @@ from helpers.reliability import assert_continues, wait_for
 PROBLEM = twohosts.unavailable() or ray_cluster.ray_problem()
 NEEDS_CLUSTER = pytest.mark.skipif(PROBLEM is not None and not ray_cluster.required(), reason=f"Ray cluster: {PROBLEM}")
 
-STEPS = 14  # a checkpoint every 2: room for the lost node, the shrink and the grow-back
+# A checkpoint every 2: room for the lost node, the shrink and the grow-back. A SIGTERM reaches the ranks through
+# Ray ~1 s after it is sent, 8 of these steps on a quiet machine (a CI rehearsal stopped at step 10 of 14, leaving
+# too few steps for the rest): 20 leaves the later phases 4 checkpoints after such a stop.
+STEPS = 20
 COMMON = ["--recipe", "zero3", "--set", "precision=fp32", "--set", "train.seq_len=64", "--set", "train.eval_every=0",
           "--set", "scheduler.type=none", "--set", "train.log_every=1", "--profile-steps", "",
           "--set", "batch.train_batch_size=\"auto\"", "--set", "train.model=tiny-llama",
@@ -227,7 +230,7 @@ def test_ray_runs_resumes_after_a_lost_node_and_preemption(cluster, straight, tm
     os.kill(d.proc.pid, signal.SIGTERM)
     assert d.wait() == 75, d.text()[-6000:]
     stopped = records(d.run, "preempted")
-    assert len(stopped) == 1 and 2 <= stopped[0]["step"] < STEPS - 4, stopped
+    assert len(stopped) == 1 and 2 <= stopped[0]["step"] < STEPS - 6, stopped
     at = stopped[0]["step"]
     d = Driver(cluster, d.run, d.log, *extra)
     d.saved_past(at)

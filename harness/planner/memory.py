@@ -123,9 +123,7 @@ def _states_bytes(r: "_Rank", shard: int, stage12: bool) -> int:
         return r.states * r.state_bytes * shard
     adam_shard, muon_shard = -(-(r.t - r.muon) // r.zero_shards), -(-r.muon // r.zero_shards)
     adam = r.states * r.state_bytes * adam_shard
-    if not stage12:
-        return adam + r.lp * muon_shard
-    return adam + r.lp * _muon_whole(r)
+    return adam + r.lp * (_muon_whole(r) if stage12 else muon_shard)
 
 
 def _muon_whole(r: "_Rank") -> int:
@@ -137,8 +135,9 @@ def _muon_whole(r: "_Rank") -> int:
 
 
 def _muon_whole_bytes(r: "_Rank") -> int:
-    """ZeRO-1/2 Muon: one 16-bit tensor the size of the whole Muon matrices overlapping the partition (the staging
-    momentum; the Newton-Schulz updates held into the step)."""
+    """ZeRO-1/2 Muon: one 16-bit tensor the size of the whole Muon matrices overlapping the partition: the staging
+    momentum, and the updates muon_update returns at the end of backward (stage_1_and_2.get_flat_partition), kept
+    as averaged_gradients until step() flattens them (measured: tests/test_optimizers.py)."""
     return r.lp * _muon_whole(r) if r.muon else 0
 
 
@@ -148,18 +147,11 @@ def _stage12_entries(r: _Rank, stage: int, offload: bool) -> list:
     shard = -(-p // zero_shards)
     opt_dev = "cpu" if offload else "gpu"  # stage 1/2 treat nvme as cpu (deepspeed-facts.md)
     buckets = 2 if b.overlap_comm else 1
-    if stage == 1:
-        grads = lp * p
-    else:
-        grads = (0 if offload else lp * shard) + lp * largest_tensor
+    grads = lp * p if stage == 1 else (0 if offload else lp * shard) + lp * largest_tensor
     out = [("params", "gpu", lp * (p + frozen), ALWAYS), ("grads", "gpu", grads, BOTH),
            ("fp32_master", opt_dev, r.master_bytes * shard, ALWAYS),
            ("optimizer_moments", opt_dev, _states_bytes(r, shard, True), ALWAYS),
-           ("optimizer_moments", "gpu", _muon_whole_bytes(r), ALWAYS),
-           # Muon's updates: at the end of backward get_flat_partition runs muon_update on every whole Muon matrix
-           # of the partition, each returning a new tensor in the gradients' dtype, and keeps them (as
-           # averaged_gradients) until step() has flattened them (measured: tests/test_optimizers.py)
-           ("grads", "gpu", _muon_whole_bytes(r), STEP),
+           ("optimizer_moments", "gpu", _muon_whole_bytes(r), ALWAYS), ("grads", "gpu", _muon_whole_bytes(r), STEP),
            ("reduce_buckets", "gpu", lp * b.reduce_bucket_elems * buckets, BACKWARD)]
     # the gradient partition the optimizer steps on: pinned and kept with offload; else made in step() by
     # .to(master dtype), a new tensor only when that differs from the 16-bit gradients (bf16 master: none)
