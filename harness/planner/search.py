@@ -158,6 +158,12 @@ def evaluate_layout(layout: dict, count, shape: ModelShape, cluster: Cluster, wo
     return r
 
 
+def _layout_note(plan, result: dict | None) -> None:
+    """The timed layout's own note (ZeRO-3 Muon's idle ranks, layouts._comm), once, beside decide.notes'."""
+    if result and (note := result["comm"].get("muon_note")) and note not in plan.notes:
+        plan.notes.append(note)
+
+
 def attach(plan, count, shape: ModelShape, cluster: Cluster, work: Workload, profile: dict,
            layout: dict | None) -> None:
     """Add the step-time model's view to a Plan: the ranked layouts, the fastest as the recommendation, the
@@ -170,8 +176,7 @@ def attach(plan, count, shape: ModelShape, cluster: Cluster, work: Workload, pro
                     if k in profile}
     if layout:
         plan.evaluated = evaluate_layout(layout, count, shape, cluster, base, profile, name)
-        if (note := plan.evaluated["comm"].get("muon_note")) and note not in plan.notes:
-            plan.notes.append(note)
+        _layout_note(plan, plan.evaluated)
         return
     plan.ranked = search(count, shape, cluster, base, profile, name)
     first = plan.recommended
@@ -190,5 +195,4 @@ def attach(plan, count, shape: ModelShape, cluster: Cluster, work: Workload, pro
             if plan.comparison["speedup"] <= 1 + KEEP_FIRST_FIT_WITHIN:
                 plan.recommended = plan.first_fit
                 plan.comparison["kept_first_fit"] = True
-    if plan.recommended and (note := plan.recommended["comm"].get("muon_note")) and note not in plan.notes:
-        plan.notes.append(note)  # the recommendation changed: ZeRO-3 Muon's note follows it
+    _layout_note(plan, plan.recommended)  # the recommendation may have changed: its note follows it

@@ -5,7 +5,7 @@ optimizer.master_dtype / state_dtype bf16), computes each update in fp32 and rou
 stochastically: up with the probability of the dropped 16 bits, from torch.randint on the partition's device, so
 from torch's CPU generator (CUDA's on a GPU), which the harness saves per rank in every checkpoint (an exact resume).
 DeepSpeed's scheduler writes the lr into torchao's tensor lr (lr_schedules.update_lr fills it in place).
-On a CPU machine the step runs eagerly (eager_on_cpu) and in chunks (ChunkedAdamW): eagerly each fp32 intermediate
+On a CPU machine the step runs eagerly (eager_on_cpu) and in chunks (chunked_adamw): eagerly each fp32 intermediate
 of the update is a tensor the size of the parameter, and ZeRO's parameter is the rank's whole flat partition (a
 618M model on 2 ranks: ~8 GB of them at once, killed by the OOM killer; bench/optimizer_states.py).
 The rules (config/optimizer_rules.check_stochastic_rounding) have refused everything but AdamW on ZeRO-1/2/3 with
